@@ -1,9 +1,70 @@
-"""`edge-llm generate` (placeholder until its issue lands; replace this file)."""
+"""`edge-llm generate`: stream a completion for one prompt and print prefill/decode timing."""
+
+from __future__ import annotations
+
+import logging
+import sys
 
 import click
 
+from edge_llm.cli.options import runtime_options
+from edge_llm.runtime import RuntimeOptions
+
 
 @click.command("generate")
-def generate() -> None:
-    """Not yet implemented."""
-    raise click.ClickException("'generate' is not implemented yet")
+@runtime_options
+@click.option("--prompt", "-p", default=None, help="Prompt text (default: read stdin).")
+@click.option("--chat/--raw", default=True, show_default=True, help="Wrap the prompt in the chat template.")
+@click.option("--system", default=None, help="System message (with --chat).")
+@click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(1))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0))
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(0))
+@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--seed", default=None, type=int)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("-v", "--verbose", is_flag=True, help="Show library log lines ([KV-DISK], [PREFILL-TIMING]).")
+def generate(opts: RuntimeOptions, prompt, chat, system, max_tokens, temperature, top_k, top_p, seed,
+             stop, verbose) -> None:
+    """Generate text for one prompt, streaming it to stdout."""
+    from rich.console import Console
+
+    from edge_llm.engine import GenerationRequest
+    from edge_llm.errors import EdgeLLMError
+    from edge_llm.runtime import load_runtime
+    from edge_llm.sampling import SamplingParams
+
+    err = Console(stderr=True)
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(message)s")
+    if prompt is None:
+        prompt = sys.stdin.read()
+    try:
+        with err.status("loading model..."):
+            engine = load_runtime(opts)
+        if chat:
+            messages = ([{"role": "system", "content": system}] if system else [])
+            messages.append({"role": "user", "content": prompt})
+            ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        else:
+            ids = engine.tokenizer.encode(prompt)
+        req = GenerationRequest(ids, max_tokens=max_tokens, stop=list(stop),
+                                sampling=SamplingParams(temperature, top_k, top_p, seed))
+        last = None
+        for ev in engine.generate(req):
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+            last = ev
+        if engine.store is not None:
+            engine.store.flush()
+            engine.store.close()
+    except (EdgeLLMError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    sys.stdout.write("\n")
+    t = last.timings
+    err.print(
+        f"[dim]prefill {t.prefill_tokens} tok in {t.prefill_ms:.1f} ms "
+        f"({t.prefill_tokens / max(t.prefill_ms, 1e-9) * 1e3:.1f} tok/s), cache {t.cache_source} "
+        f"({t.ram_cached_tokens + t.disk_cached_tokens} tok); decode {t.decode_tokens} tok in "
+        f"{t.decode_ms:.1f} ms ({t.decode_tokens / max(t.decode_ms, 1e-9) * 1e3:.1f} tok/s); "
+        f"TTFT {t.ttft_ms:.1f} ms; finish {last.finish_reason}[/dim]"
+    )

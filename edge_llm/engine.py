@@ -1,0 +1,219 @@
+"""One request at a time: RAM prefix reuse, disk restore, tail prefill, decode, stop, timings.
+
+Bit-exactness rule: the last prompt token is always computed on its own (a one-row step, like a
+decode step), after the rest of the tail was prefilled in chunks. So the logits that pick the
+first generated token depend only on the KV rows before it, never on how many rows were
+prefilled together — a request restored from disk (rows [0, n-1) read back bitwise) produces
+bitwise the same text as the cold run that wrote the snapshot, and as a server that kept its
+RAM cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+from edge_llm.errors import ContextOverflowError, SnapshotError
+from edge_llm.kvcache import KVCache
+from edge_llm.sampling import Sampler, SamplingParams
+
+log = logging.getLogger(__name__)
+timing_log = logging.getLogger("edge_llm.prefill")
+
+DEFAULT_PREFILL_CHUNK = 128
+
+
+@dataclass
+class GenerationRequest:
+    prompt_tokens: list[int]
+    max_tokens: int = 128
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: list[str] = field(default_factory=list)
+    save_snapshot: bool = True
+
+
+@dataclass
+class Timings:
+    ttft_ms: float = 0.0
+    prefill_tokens: int = 0
+    prefill_ms: float = 0.0
+    decode_tokens: int = 0
+    decode_ms: float = 0.0
+    cache_source: str = "none"  # none | ram | disk
+    ram_cached_tokens: int = 0
+    disk_cached_tokens: int = 0
+    restore_ms: float = 0.0
+    restore_bytes: int = 0
+    save_wait_ms: float = 0.0  # time spent waiting for a pending snapshot save to release rows
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class GenerationEvent:
+    text: str = ""
+    token_id: int | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    timings: Timings | None = None
+    usage: Usage | None = None
+
+
+class Engine:
+    """Owns the model, tokenizer, the one KV cache and (optionally) the snapshot store."""
+
+    def __init__(self, model, tokenizer, cache: KVCache, store=None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cache = cache
+        self.store = store
+        self.prefill_chunk = prefill_chunk
+        self.stop_ids = set(tokenizer.stop_token_ids)
+
+    @property
+    def max_seq(self) -> int:
+        return self.cache.max_seq
+
+    def check_fits(self, n_prompt: int, max_tokens: int) -> None:
+        """Raise ContextOverflowError unless prompt + max_tokens fits the cache (SPEC: 400)."""
+        if n_prompt + max_tokens > self.max_seq:
+            raise ContextOverflowError(n_prompt, max_tokens, self.max_seq)
+
+    # ---- prefix -------------------------------------------------------------------------
+    def _reuse_prefix(self, tokens: list[int], t: Timings) -> int:
+        """Make cache rows [0, m) valid for tokens[:m] from RAM or disk; return m (<= len-1)."""
+        limit = len(tokens) - 1  # at least one token is computed: it yields the logits
+        m_ram = min(self.cache.common_prefix(tokens), limit)
+        hit = self.store.lookup(tokens) if self.store is not None else None
+        if hit is not None and hit.m > m_ram:
+            # a restore rewrites rows from 0: any pending save of the old rows must finish first
+            t.save_wait_ms += self.store.wait_rows(0) * 1e3
+            try:
+                res = self.store.restore(hit, self.cache)
+            except (SnapshotError, OSError) as e:
+                log.warning("disk restore failed (%s): recomputing from scratch", e)
+                self.cache.reset()
+                return 0
+            t.cache_source, t.disk_cached_tokens = "disk", res.n_tokens
+            t.restore_ms, t.restore_bytes = res.ms, res.nbytes
+            return res.n_tokens
+        if self.store is not None:
+            t.save_wait_ms += self.store.wait_rows(m_ram) * 1e3
+        self.cache.truncate(m_ram)
+        if m_ram > 0:
+            t.cache_source, t.ram_cached_tokens = "ram", m_ram
+        return m_ram
+
+    def _prefill_tail(self, tail: list[int]):
+        """Chunked prefill of tail[:-1], then the last token alone (see module docstring)."""
+        body, last = tail[:-1], tail[-1:]
+        if body:
+            self.model.prefill(body, self.cache, chunk=self.prefill_chunk)
+        return self.model.forward(last, self.cache)
+
+    # ---- one request ----------------------------------------------------------------------
+    def generate(self, req: GenerationRequest, cancel: threading.Event | None = None
+                 ) -> Iterator[GenerationEvent]:
+        """Run one request; yields text deltas, the last event has finish_reason/timings/usage."""
+        tokens = list(req.prompt_tokens)
+        if not tokens:
+            raise ValueError("prompt is empty")
+        self.check_fits(len(tokens), req.max_tokens)
+        t0 = time.perf_counter()
+        t = Timings()
+        m = self._reuse_prefix(tokens, t)
+        t_pf = time.perf_counter()
+        logits = self._prefill_tail(tokens[m:])
+        t1 = time.perf_counter()
+        t.prefill_tokens, t.prefill_ms = len(tokens) - m, (t1 - t_pf) * 1e3
+        # total = restore/reuse + tail prefill: what a restart costs before the first token
+        timing_log.info("[PREFILL-TIMING] n=%d total=%.1fms", t.prefill_tokens, (t1 - t0) * 1e3)
+
+        sampler = Sampler(req.sampling)
+        text = TextStream(self.tokenizer, req.stop)
+        generated: list[int] = []
+        finish = "length"
+        t_dec = time.perf_counter()
+        while len(generated) < req.max_tokens:
+            if cancel is not None and cancel.is_set():
+                finish = "cancelled"
+                break
+            tok = sampler(logits)
+            if not generated:
+                t.ttft_ms = (time.perf_counter() - t0) * 1e3
+            generated.append(tok)
+            if tok in self.stop_ids:
+                finish = "stop"
+                break
+            delta, stopped = text.add(tok)
+            if delta:
+                yield GenerationEvent(text=delta, token_id=tok)
+            if stopped:
+                finish = "stop"
+                break
+            if len(generated) < req.max_tokens:
+                logits = self.model.forward([tok], self.cache)
+        t.decode_tokens = len(generated)
+        t.decode_ms = (time.perf_counter() - t_dec) * 1e3
+        tail = text.flush() if finish != "cancelled" else ""
+        if finish != "cancelled" and req.save_snapshot and self.store is not None:
+            self.store.save_async(self.cache)
+        cached = t.ram_cached_tokens + t.disk_cached_tokens
+        yield GenerationEvent(text=tail, finish_reason=finish, timings=t,
+                              usage=Usage(len(tokens), len(generated), cached))
+
+
+class TextStream:
+    """Incremental detokenisation with stop strings.
+
+    Emits only complete characters (holds back while the decoded text ends in U+FFFD, i.e. half a
+    UTF-8 sequence) and holds back any suffix that could still become a stop string.
+    """
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.emitted = 0  # chars of the decoded text already emitted
+        self.text = ""
+
+    def add(self, tok: int) -> tuple[str, bool]:
+        self.ids.append(tok)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return "", False
+        self.text = text
+        for s in self.stop:
+            i = text.find(s, max(0, self.emitted - len(s)))
+            if i >= 0:
+                out, self.emitted = text[self.emitted:i], i
+                self.text = text[:i]
+                return out, True
+        hold = max((_partial_suffix(text, s) for s in self.stop), default=0)
+        safe = len(text) - hold
+        out = text[self.emitted:safe] if safe > self.emitted else ""
+        self.emitted = max(self.emitted, safe)
+        return out, False
+
+    def flush(self) -> str:
+        out, self.emitted = self.text[self.emitted:], len(self.text)
+        return out
+
+
+def _partial_suffix(text: str, stop: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `stop`."""
+    for k in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:k]):
+            return k
+    return 0
