@@ -1,0 +1,74 @@
+"""The module layering of docs/architecture.md: a module imports only from lower layers."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "edge_llm"
+
+# module (dotted, relative to edge_llm) -> layer; a package maps all its modules
+LAYERS = {
+    "errors": 0,
+    "config": 1,
+    "weights": 2, "tokenizer": 2, "kvcache": 2,
+    "backends": 3, "models": 3, "snapshot.format": 3,
+    "snapshot.identity": 4, "snapshot.store": 4, "snapshot": 4,
+    "sampling": 5, "engine": 5, "runtime": 5,
+    "server": 6, "logsetup": 6, "sdnotify": 6, "settings": 6, "doctor": 6,
+    "cli": 7, "__main__": 8, "__init__": 0,
+}
+
+
+def layer_of(dotted: str) -> int:
+    parts = dotted.split(".")
+    for k in range(len(parts), 0, -1):
+        key = ".".join(parts[:k])
+        if key in LAYERS:
+            return LAYERS[key]
+    raise KeyError(dotted)
+
+
+def modules():
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__" and len(parts) > 1:
+            parts = parts[:-1]
+        yield ".".join(parts), path
+
+
+@pytest.mark.parametrize("name,path", list(modules()), ids=lambda v: str(v) if isinstance(v, str) else "")
+def test_imports_respect_layers(name, path):
+    own = layer_of(name)
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("edge_llm"):
+            targets = [node.module]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names if a.name.startswith("edge_llm")]
+        for t in targets:
+            sub = t[len("edge_llm."):] if t != "edge_llm" else "__init__"
+            if sub.split(".")[0] == name.split(".")[0] and own >= 3:
+                continue  # inside one package (e.g. snapshot.store -> snapshot.format is checked below)
+            assert layer_of(sub) <= own, f"{name} (layer {own}) imports {t} (layer {layer_of(sub)})"
+
+
+def test_snapshot_never_imports_engine_or_server():
+    for path in (PKG / "snapshot").glob("*.py"):
+        src = path.read_text()
+        for banned in ("edge_llm.engine", "edge_llm.server", "edge_llm.runtime", "edge_llm.cli"):
+            assert banned not in src, f"{path.name} imports {banned}"
+
+
+def test_runtime_never_imports_torch():
+    for path in PKG.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            assert not any(n.split(".")[0] in ("torch", "transformers") for n in names), path
