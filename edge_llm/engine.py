@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from edge_llm.errors import ContextOverflowError, SnapshotError
 from edge_llm.kvcache import KVCache
 from edge_llm.sampling import Sampler, SamplingParams
+from edge_llm.tokenizer import StopMatcher
 
 log = logging.getLogger(__name__)
 timing_log = logging.getLogger("edge_llm.prefill")
@@ -73,8 +74,9 @@ class Engine:
     """Owns the model, tokenizer, the one KV cache and (optionally) the snapshot store."""
 
     def __init__(self, model, tokenizer, cache: KVCache, store=None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, model_dir=None):
         self.model = model
+        self.model_dir = model_dir
         self.tokenizer = tokenizer
         self.cache = cache
         self.store = store
@@ -141,7 +143,8 @@ class Engine:
         timing_log.info("[PREFILL-TIMING] n=%d total=%.1fms", t.prefill_tokens, (t1 - t0) * 1e3)
 
         sampler = Sampler(req.sampling)
-        text = TextStream(self.tokenizer, req.stop)
+        detok = self.tokenizer.incremental_decoder()
+        stops = StopMatcher(req.stop)
         generated: list[int] = []
         finish = "length"
         t_dec = time.perf_counter()
@@ -156,7 +159,7 @@ class Engine:
             if tok in self.stop_ids:
                 finish = "stop"
                 break
-            delta, stopped = text.add(tok)
+            delta, stopped = stops.feed(detok.feed(tok))
             if delta:
                 yield GenerationEvent(text=delta, token_id=tok)
             if stopped:
@@ -166,54 +169,9 @@ class Engine:
                 logits = self.model.forward([tok], self.cache)
         t.decode_tokens = len(generated)
         t.decode_ms = (time.perf_counter() - t_dec) * 1e3
-        tail = text.flush() if finish != "cancelled" else ""
+        tail = "" if finish == "cancelled" or stops.stopped else stops.feed(detok.flush())[0] + stops.flush()
         if finish != "cancelled" and req.save_snapshot and self.store is not None:
             self.store.save_async(self.cache)
         cached = t.ram_cached_tokens + t.disk_cached_tokens
         yield GenerationEvent(text=tail, finish_reason=finish, timings=t,
                               usage=Usage(len(tokens), len(generated), cached))
-
-
-class TextStream:
-    """Incremental detokenisation with stop strings.
-
-    Emits only complete characters (holds back while the decoded text ends in U+FFFD, i.e. half a
-    UTF-8 sequence) and holds back any suffix that could still become a stop string.
-    """
-
-    def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer = tokenizer
-        self.stop = [s for s in stop if s]
-        self.ids: list[int] = []
-        self.emitted = 0  # chars of the decoded text already emitted
-        self.text = ""
-
-    def add(self, tok: int) -> tuple[str, bool]:
-        self.ids.append(tok)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return "", False
-        self.text = text
-        for s in self.stop:
-            i = text.find(s, max(0, self.emitted - len(s)))
-            if i >= 0:
-                out, self.emitted = text[self.emitted:i], i
-                self.text = text[:i]
-                return out, True
-        hold = max((_partial_suffix(text, s) for s in self.stop), default=0)
-        safe = len(text) - hold
-        out = text[self.emitted:safe] if safe > self.emitted else ""
-        self.emitted = max(self.emitted, safe)
-        return out, False
-
-    def flush(self) -> str:
-        out, self.emitted = self.text[self.emitted:], len(self.text)
-        return out
-
-
-def _partial_suffix(text: str, stop: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `stop`."""
-    for k in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:k]):
-            return k
-    return 0

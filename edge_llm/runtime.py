@@ -52,8 +52,8 @@ def load_runtime(opts: RuntimeOptions, progress=None) -> Engine:
             max_bytes=opts.disk_kv_max_bytes, max_tokens=opts.disk_kv_max_tokens, kv_bs=opts.kv_bs,
         )
         store.scan()
-    engine = Engine(model, tokenizer, cache, store=store, prefill_chunk=opts.prefill_chunk)
-    engine.model_dir = model_dir
+    engine = Engine(model, tokenizer, cache, store=store, prefill_chunk=opts.prefill_chunk,
+                    model_dir=model_dir)
     log.info("runtime ready: model %s (%s), KV cache %d MiB (max_seq %d)", model_dir.name,
              opts.backend, cache.nbytes >> 20, opts.max_seq)
     return engine
