@@ -16,6 +16,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from edge_llm.errors import ContextOverflowError, SnapshotError
 from edge_llm.kvcache import KVCache
 from edge_llm.sampling import Sampler, SamplingParams
@@ -68,6 +70,7 @@ class GenerationEvent:
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
     timings: Timings | None = None
     usage: Usage | None = None
+    completion_ids: list[int] | None = None  # on the last event: every sampled id, stop id included
 
 
 class Engine:
@@ -124,14 +127,10 @@ class Engine:
             self.model.prefill(body, self.cache, chunk=self.prefill_chunk)
         return self.model.forward(last, self.cache)
 
-    # ---- one request ----------------------------------------------------------------------
-    def generate(self, req: GenerationRequest, cancel: threading.Event | None = None
-                 ) -> Iterator[GenerationEvent]:
-        """Run one request; yields text deltas, the last event has finish_reason/timings/usage."""
-        tokens = list(req.prompt_tokens)
+    def prefill_prompt(self, tokens: list[int]) -> tuple[np.ndarray, Timings]:
+        """Reuse the longest cached prefix (RAM or disk), prefill the rest; logits of the last token."""
         if not tokens:
             raise ValueError("prompt is empty")
-        self.check_fits(len(tokens), req.max_tokens)
         t0 = time.perf_counter()
         t = Timings()
         m = self._reuse_prefix(tokens, t)
@@ -141,7 +140,16 @@ class Engine:
         t.prefill_tokens, t.prefill_ms = len(tokens) - m, (t1 - t_pf) * 1e3
         # total = restore/reuse + tail prefill: what a restart costs before the first token
         timing_log.info("[PREFILL-TIMING] n=%d total=%.1fms", t.prefill_tokens, (t1 - t0) * 1e3)
+        return logits, t
 
+    # ---- one request ----------------------------------------------------------------------
+    def generate(self, req: GenerationRequest, cancel: threading.Event | None = None
+                 ) -> Iterator[GenerationEvent]:
+        """Run one request; yields text deltas, the last event has finish_reason/timings/usage."""
+        tokens = list(req.prompt_tokens)
+        self.check_fits(len(tokens), req.max_tokens)
+        t0 = time.perf_counter()
+        logits, t = self.prefill_prompt(tokens)
         sampler = Sampler(req.sampling)
         detok = self.tokenizer.incremental_decoder()
         stops = StopMatcher(req.stop)
@@ -174,4 +182,4 @@ class Engine:
             self.store.save_async(self.cache)
         cached = t.ram_cached_tokens + t.disk_cached_tokens
         yield GenerationEvent(text=tail, finish_reason=finish, timings=t,
-                              usage=Usage(len(tokens), len(generated), cached))
+                              usage=Usage(len(tokens), len(generated), cached), completion_ids=generated)
