@@ -1,0 +1,172 @@
+"""Model identity (SPEC section 4): the 64-bit `model_id` stamped into every snapshot, and the
+per-identity namespace directory `<kv-dir>/<model_id as 16 hex>/` with its `identity.json`.
+
+Everything that determines the KV values of a token sequence goes into the digest: the text-model
+config fields, the weight bytes, the tokenizer, the snapshot layout and the backend numerics.
+Changing any of them yields a new namespace; old namespaces are left alone (isolated, not
+deleted) and are found again when the same configuration comes back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edge_llm.config import ModelArgs
+
+log = logging.getLogger(__name__)
+
+# VLKV version 1, F32 rows, payload ordered (layer, block, K then V). Bump when any of that changes.
+LAYOUT_VERSION = "VLKV1/f32-rows/layer-block-kv"
+IDENTITY_FILE = "identity.json"
+NO_TOKENIZER = "none"
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes, streamed."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _jsonable(value: Any) -> Any:
+    """Tuples -> lists recursively, so the canonical JSON does not depend on container types."""
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return value
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What produced a KV snapshot. `model_id` is a digest of all fields."""
+
+    config: dict[str, Any]
+    weights_digest: str
+    tokenizer_digest: str = NO_TOKENIZER
+    layout: str = LAYOUT_VERSION
+    backend_numerics: str = "cpu-f32"
+    # informational only (not hashed): where the model was loaded from
+    model_dir: str = field(default="", compare=False)
+
+    def canonical(self) -> dict[str, Any]:
+        """The hashed fields, JSON-ready."""
+        return {
+            "config": _jsonable(self.config),
+            "weights_sha256": self.weights_digest,
+            "tokenizer_sha256": self.tokenizer_digest,
+            "layout": self.layout,
+            "backend_numerics": self.backend_numerics,
+        }
+
+    def canonical_json(self) -> str:
+        # sort_keys + compact separators: one byte string per identity, independent of dict order
+        return json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+    @property
+    def model_id(self) -> int:
+        """First 8 bytes of sha256(canonical JSON), little-endian."""
+        digest = hashlib.sha256(self.canonical_json().encode()).digest()
+        return int.from_bytes(digest[:8], "little")
+
+    @property
+    def namespace(self) -> str:
+        """Directory name of this identity's snapshots: model_id as 16 hex digits."""
+        return f"{self.model_id:016x}"
+
+    def to_json(self) -> str:
+        """Human-readable identity.json text (hashed fields + model_id + informational fields)."""
+        doc = {"model_id": self.namespace, **self.canonical()}
+        if self.model_dir:
+            doc["model_dir"] = self.model_dir
+        return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> "Identity":
+        doc = json.loads(text)
+        return cls(
+            config=doc["config"],
+            weights_digest=doc["weights_sha256"],
+            tokenizer_digest=doc.get("tokenizer_sha256", NO_TOKENIZER),
+            layout=doc.get("layout", LAYOUT_VERSION),
+            backend_numerics=doc.get("backend_numerics", "cpu-f32"),
+            model_dir=doc.get("model_dir", ""),
+        )
+
+    @classmethod
+    def for_model(cls, model_dir: str | Path, args: ModelArgs, backend_numerics: str = "cpu-f32"
+                  ) -> "Identity":
+        """Identity of a loaded HF model directory (weight digest is cached by edge_llm.weights)."""
+        from edge_llm.weights import weight_digest  # lazy: weights.py pulls in safetensors
+
+        model_dir = Path(model_dir)
+        tok = model_dir / "tokenizer.json"
+        return cls(
+            config=args.identity_fields(),
+            weights_digest=weight_digest(model_dir),
+            tokenizer_digest=sha256_file(tok) if tok.is_file() else NO_TOKENIZER,
+            backend_numerics=backend_numerics,
+            model_dir=str(model_dir.resolve()),
+        )
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` via temp file + fsync + rename + directory fsync."""
+    tmp = path.with_name(f"{path.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def namespace_dir(kv_dir: str | Path, identity: Identity) -> Path:
+    """`<kv-dir>/<model_id hex>/` (not created)."""
+    return Path(kv_dir) / identity.namespace
+
+
+def ensure_namespace(kv_dir: str | Path, identity: Identity) -> Path:
+    """Create the namespace directory and its identity.json (rewritten only when it differs)."""
+    ns = namespace_dir(kv_dir, identity)
+    ns.mkdir(parents=True, exist_ok=True)
+    ident_path = ns / IDENTITY_FILE
+    text = identity.to_json()
+    try:
+        current = ident_path.read_text()
+    except (FileNotFoundError, UnicodeDecodeError):
+        current = None
+    if current != text:
+        write_atomic(ident_path, text.encode())
+        log.info("[KV-DISK] namespace %s (%s, %s)", ns.name, identity.backend_numerics,
+                 identity.model_dir or "model")
+    return ns
+
+
+def read_identity(ns_dir: str | Path) -> dict[str, Any] | None:
+    """Parsed identity.json of a namespace directory, or None if missing/unreadable."""
+    try:
+        return json.loads((Path(ns_dir) / IDENTITY_FILE).read_text())
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,398 @@
+"""The snapshot store of one identity namespace (SPEC section 5).
+
+`<kv-dir>/<model_id hex>/kv_<tokens_fnv hex>.kv` files, indexed at start-up from their headers and
+token ids only; LCP lookup; restore straight into the KV cache arrays; background saves with
+atomic publish; dedupe; LRU eviction; quarantine of bad files. Faults (ENOSPC, EIO, corrupt
+files) are logged and counted and never reach the request path except as a restore failure,
+after which the engine recomputes.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge_llm.config import Geometry
+from edge_llm.errors import SnapshotError
+from edge_llm.kvcache import KVCache
+from edge_llm.snapshot import format as fmt
+from edge_llm.snapshot.identity import Identity, ensure_namespace
+from edge_llm.snapshot.writer import TMP_SUFFIX, BackgroundWriter, SaveJob, fsync_dir, publish_file
+
+log = logging.getLogger("edge_llm.kvdisk")
+
+QUARANTINE = "quarantine"
+MAX_QUARANTINED = 4  # quarantined files can be GBs: keep only the newest few for post-mortems
+# scan/read bound: well above any save cap, so lowering --disk-kv-max-tokens doesn't reject
+# valid older files; token ids are read only after the exact size check anyway
+READ_MAX_TOKENS = 1 << 18
+
+
+@dataclass
+class Entry:
+    """One indexed snapshot file."""
+
+    name: str
+    path: Path
+    tokens: np.ndarray  # (n,) uint32
+    size: int
+    last_use: float  # wall-clock seconds; mirrored in the file's mtime so LRU survives restarts
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass(frozen=True)
+class Hit:
+    entry: Entry
+    m: int  # rows to restore: min_lcp <= m <= min(len(request) - 1, entry.n_tokens)
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    n_tokens: int
+    nbytes: int
+    ms: float
+    mbps: float  # 1e6 bytes per second
+    name: str
+
+
+def mbps(nbytes: int, seconds: float) -> float:
+    return nbytes / 1e6 / seconds if seconds > 0 else 0.0
+
+
+def _is_prefix(short: np.ndarray, long: np.ndarray) -> bool:
+    return short.shape[0] <= long.shape[0] and bool(np.array_equal(long[: short.shape[0]], short))
+
+
+def _lcp(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.shape[0], b.shape[0])
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+class SnapshotStore:
+    """Snapshots of one identity under `<kv_dir>/<model_id hex>/`; see the module docstring."""
+
+    def __init__(self, kv_dir: str | Path, identity: Identity, geometry: Geometry, min_lcp: int = 16,
+                 max_files: int = 8, max_bytes: int | None = None, max_tokens: int = 8192, kv_bs: int = 64):
+        if min_lcp < 1 or max_files < 1 or max_tokens < 1 or kv_bs < 1:
+            raise ValueError("min_lcp, max_files, max_tokens and kv_bs must be >= 1")
+        self.identity, self.geometry = identity, geometry
+        self.model_id = identity.model_id
+        self.min_lcp, self.max_files, self.max_bytes = min_lcp, max_files, max_bytes
+        self.max_tokens, self.kv_bs = max_tokens, kv_bs
+        self.ns = ensure_namespace(kv_dir, identity)
+        self._lock = threading.RLock()
+        self._index: dict[str, Entry] = {}
+        self._counters = dict(saves=0, save_failures=0, saves_skipped=0, saves_superseded=0, loads=0,
+                              load_failures=0, rejections=0, evictions=0, bytes_written=0, bytes_read=0)
+        self._degraded: dict[str, str] = {}  # kind -> message; cleared by the next successful save
+        self._writer = BackgroundWriter(self._save)
+
+    # ---- index ------------------------------------------------------------------------------
+    def scan(self) -> int:
+        """Index the namespace from headers + token ids (no payload); quarantine bad files."""
+        t0 = time.monotonic()
+        if not self._writer.busy:  # a temp file of our own running save is not debris
+            for tmp in self.ns.glob("*" + TMP_SUFFIX):
+                self._unlink(tmp, "leftover temp file")
+        entries, rejected = {}, 0
+        for path in sorted(self.ns.glob("kv_*.kv")):
+            try:
+                entry = self._read_entry(path)
+            except (SnapshotError, OSError) as e:
+                self._quarantine(path, _reason(e))
+                rejected += 1
+                continue
+            entries[entry.name] = entry
+        with self._lock:
+            self._index = entries
+        extra = f", {rejected} rejected" if rejected else ""
+        log.info("[KV-DISK] index: %d checkpoint(s)%s (%s, %.1f ms)", len(entries), extra, self.ns.name,
+                 (time.monotonic() - t0) * 1e3)
+        return len(entries)
+
+    def _read_entry(self, path: Path) -> Entry:
+        with open(path, "rb", buffering=0) as f:
+            st = os.fstat(f.fileno())
+            hdr, tokens = fmt.read_header(f, self.geometry, self.model_id, READ_MAX_TOKENS, st.st_size)
+        if fmt.snapshot_name(hdr.tokens_fnv) != path.name:
+            raise SnapshotError(f"file name does not match its tokens hash {hdr.tokens_fnv:016x}")
+        return Entry(path.name, path, tokens, st.st_size, st.st_mtime)
+
+    def entries(self) -> list[Entry]:
+        """Indexed snapshots, most recently used first."""
+        with self._lock:
+            return sorted(self._index.values(), key=lambda e: e.last_use, reverse=True)
+
+    # ---- lookup / restore ---------------------------------------------------------------------
+    def lookup(self, tokens: Any) -> Hit | None:
+        """Best snapshot for a request: longest common prefix, >= min_lcp, at most len - 1 rows."""
+        req = np.asarray(tokens, dtype=np.int64)
+        if req.ndim != 1 or req.shape[0] < 2 or req.min() < 0 or req.max() > 0xFFFFFFFF:
+            return None
+        req = req.astype(np.uint32)
+        limit = req.shape[0] - 1  # at least one token is prefilled: it yields the logits
+        best: Hit | None = None
+        with self._lock:
+            for e in self._index.values():
+                m = min(_lcp(req, e.tokens), limit)
+                if m >= self.min_lcp and (best is None or m > best.m
+                                          or (m == best.m and e.last_use > best.entry.last_use)):
+                    best = Hit(e, m)
+        return best
+
+    def restore(self, hit: Hit, cache: KVCache) -> RestoreResult:
+        """Read rows [0, hit.m) of the hit's file straight into `cache` and set its tokens.
+
+        Raises SnapshotError (the subclass names the reason) if the file is bad or unreadable:
+        the cache is then reset (its rows are garbage), the file quarantined (unless it vanished),
+        and the caller recomputes from scratch.
+        """
+        if cache.geometry != self.geometry:
+            raise ValueError(f"cache geometry {cache.geometry} != store geometry {self.geometry}")
+        self.wait_rows(0)  # the engine does this too; a restore rewrites rows from 0
+        e, m = hit.entry, hit.m
+        t0 = time.monotonic()
+        try:
+            with open(e.path, "rb", buffering=0) as f:
+                hdr, tokens = fmt.read_header(f, self.geometry, self.model_id, READ_MAX_TOKENS)
+                if not _is_prefix(e.tokens[:m], tokens):
+                    raise SnapshotError("token ids changed since the index was built")
+                m = min(m, hdr.n_tokens)
+                # whole blocks are read: stay within the cache (max_seq need not be a block multiple)
+                while m > 0 and fmt.rows_needed(hdr, m) > cache.max_seq:
+                    m = (fmt.n_blocks(m, hdr.kv_bs) - 1) * hdr.kv_bs
+                if m < 1:
+                    raise SnapshotError(f"cache of {cache.max_seq} rows cannot hold one block of {hdr.kv_bs}")
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                nbytes = fmt.read_rows_into(f, hdr, m, lambda layer, kv: cache.data[layer, kv])
+        except (SnapshotError, OSError) as err:
+            cache.reset()
+            with self._lock:
+                self._counters["load_failures"] += 1
+                self._index.pop(e.name, None)
+            if isinstance(err, FileNotFoundError):
+                log.warning("[KV-DISK] rejected %s: file vanished (%s)", e.name, err)
+                raise SnapshotError(f"{e.name}: file vanished") from err
+            self._quarantine(e.path, _reason(err))
+            if isinstance(err, SnapshotError):
+                raise
+            raise SnapshotError(f"{e.name}: read failed: {err}") from err
+        cache.set_tokens(e.tokens[:m].tolist())
+        secs = time.monotonic() - t0
+        res = RestoreResult(m, nbytes, secs * 1e3, mbps(nbytes, secs), e.name)
+        self._touch(e)
+        with self._lock:
+            self._counters["loads"] += 1
+            self._counters["bytes_read"] += nbytes
+        log.info("[KV-DISK] loaded %d-token KV prefix from disk file %s (%d bytes, %.1f ms, %.1f MB/s)",
+                 m, e.name, nbytes, res.ms, res.mbps)
+        return res
+
+    # ---- saving ---------------------------------------------------------------------------------
+    def save_async(self, cache: KVCache) -> None:
+        """Queue a snapshot of the cache's valid rows (capped at max_tokens); never raises I/O errors.
+
+        Only the token ids are copied; the writer streams rows from the cache, so the caller must
+        call wait_rows(m) before overwriting rows >= m.
+        """
+        n = min(cache.length, self.max_tokens)
+        if n < self.min_lcp:  # could never be used: a hit needs >= min_lcp rows
+            log.debug("[KV-DISK] not saving %d-token KV (below min_lcp %d)", n, self.min_lcp)
+            return
+        job = SaveJob(cache, np.asarray(cache.tokens[:n], dtype=np.uint32))
+        if self._writer.submit(job) is not None:
+            with self._lock:
+                self._counters["saves_superseded"] += 1
+
+    def wait_rows(self, m: int) -> float:
+        """Block while a pending/running save still needs cache rows >= m; return seconds waited."""
+        return self._writer.wait_rows(m)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for the pending save (e.g. at SIGTERM); False on timeout."""
+        return self._writer.flush(timeout)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish the pending save and stop the writer thread."""
+        return self._writer.close(timeout)
+
+    def _save(self, job: SaveJob) -> None:
+        """Writer thread: dedupe, write + publish, replace extended snapshots, evict."""
+        tokens, n = job.tokens, job.n
+        with self._lock:
+            covering = [e for e in self._index.values() if _is_prefix(tokens, e.tokens)]
+        if covering:  # identical, or a prefix of a stored one: any hit it gives, that one gives too
+            e = max(covering, key=lambda c: c.n_tokens)
+            self._touch(e)
+            with self._lock:
+                self._counters["saves_skipped"] += 1
+            how = "already stored" if e.n_tokens == n else f"prefix of {e.name}"
+            log.info("[KV-DISK] skipped %d-token KV -> %s (%s)", n, e.name, how)
+            return
+        name = fmt.snapshot_name(fmt.fnv1a64(tokens.astype("<u4").tobytes()))
+        size = fmt.snapshot_size(self.geometry.n_layers, n, self.geometry.kv_dim, self.kv_bs)
+        if self.max_bytes is not None and size > self.max_bytes:
+            log.info("[KV-DISK] skipped %d-token KV -> %s (%d bytes exceed max_bytes %d)",
+                     n, name, size, self.max_bytes)
+            with self._lock:
+                self._counters["saves_skipped"] += 1
+            return
+        self._make_room(size)
+        data = job.cache.data
+        t0 = time.monotonic()
+        try:
+            written = publish_file(self.ns, name, size, lambda f: fmt.write_snapshot(
+                f, tokens, self.model_id, self.geometry, self.kv_bs, lambda layer, kv: data[layer, kv]))
+        except (OSError, ValueError) as e:
+            self._save_failed(name, n, e)
+            return
+        secs = time.monotonic() - t0
+        now = time.time()
+        entry = Entry(name, self.ns / name, tokens, written, now)
+        with self._lock:
+            replaced = [e for e in self._index.values() if e.name != name and _is_prefix(e.tokens, tokens)]
+            for e in replaced:
+                del self._index[e.name]
+            self._index[name] = entry
+            self._counters["saves"] += 1
+            self._counters["bytes_written"] += written
+            self._degraded.clear()
+        log.info("[KV-DISK] saved %d-token KV -> %s (%d bytes, %.1f ms, %.1f MB/s)",
+                 n, name, written, secs * 1e3, mbps(written, secs))
+        for e in replaced:
+            self._remove(e, f"replaced by {name}, which extends it")
+        self.evict(keep=name)
+
+    def _save_failed(self, name: str, n: int, err: Exception) -> None:
+        code = getattr(err, "errno", None)
+        kind, msg = {errno.ENOSPC: ("disk_full", "snapshot disk full"),
+                     errno.EDQUOT: ("disk_full", "snapshot disk quota exceeded"),
+                     errno.EIO: ("io_error", "snapshot disk I/O error")}.get(
+            code, ("save_failed", f"snapshot save failed: {err}"))
+        with self._lock:
+            self._counters["save_failures"] += 1
+            self._degraded[kind] = msg
+        log.error("[KV-DISK] save failed: %d-token KV -> %s: %s (%s)", n, name, err, msg)
+
+    def _make_room(self, size: int) -> None:
+        """Evict LRU files first if the new file cannot fit in free space but would after that."""
+        try:
+            st = os.statvfs(self.ns)
+        except OSError:
+            return
+        free = st.f_bavail * st.f_frsize
+        if free >= size:
+            return
+        with self._lock:
+            lru = sorted(self._index.values(), key=lambda e: e.last_use)
+        if free + sum(e.size for e in lru) < size:
+            return  # evicting everything would not help: let the write fail and be counted
+        for e in lru:
+            if free >= size:
+                break
+            self._remove(e, f"making room: {free} bytes free, {size} needed")
+            free += e.size
+
+    # ---- eviction / files ---------------------------------------------------------------------------
+    def evict(self, keep: str | None = None) -> list[str]:
+        """Apply max_files / max_bytes, least recently used first, never `keep`. Returns names."""
+        with self._lock:
+            order = sorted((e for e in self._index.values() if e.name != keep), key=lambda e: e.last_use)
+            files = len(self._index)
+            total = sum(e.size for e in self._index.values())
+            victims = []
+            for e in order:
+                if files > self.max_files:
+                    reason = f"lru: {files} files > max_files {self.max_files}"
+                elif self.max_bytes is not None and total > self.max_bytes:
+                    reason = f"lru: {total} bytes > max_bytes {self.max_bytes}"
+                else:
+                    break
+                victims.append((e, reason))
+                files, total = files - 1, total - e.size
+        for e, reason in victims:
+            self._remove(e, reason)
+        return [e.name for e, _ in victims]
+
+    def _remove(self, e: Entry, reason: str) -> None:
+        with self._lock:
+            self._index.pop(e.name, None)
+            self._counters["evictions"] += 1
+        self._unlink(e.path, reason)
+        try:
+            fsync_dir(self.ns)
+        except OSError:
+            pass
+        log.info("[KV-DISK] evicted %s (%s)", e.name, reason)
+
+    def _touch(self, e: Entry) -> None:
+        """Count a use: LRU time = now, mirrored into the file mtime so it survives restarts."""
+        now = time.time()
+        with self._lock:
+            e.last_use = now
+        try:
+            os.utime(e.path, (now, now))
+        except OSError as err:
+            log.warning("[KV-DISK] could not touch %s: %s", e.name, err)
+
+    def _unlink(self, path: Path, why: str) -> None:
+        try:
+            path.unlink(missing_ok=True)
+            log.debug("[KV-DISK] removed %s (%s)", path.name, why)
+        except OSError as e:
+            log.warning("[KV-DISK] could not remove %s (%s): %s", path.name, why, e)
+
+    def _quarantine(self, path: Path, reason: str) -> None:
+        """Move a bad file to quarantine/ (with a .reason note), keep the newest few, log, count."""
+        with self._lock:
+            self._counters["rejections"] += 1
+        log.warning("[KV-DISK] rejected %s: %s", path.name, reason)
+        qdir = self.ns / QUARANTINE
+        try:
+            qdir.mkdir(exist_ok=True)
+            dest = qdir / f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{path.name}"
+            os.replace(path, dest)
+            dest.with_name(dest.name + ".reason").write_text(reason + "\n")
+            fsync_dir(self.ns)
+            # names start with a timestamp: name order is age order
+            kept = sorted(p.name for p in qdir.iterdir() if not p.name.endswith(".reason"))
+            for old in kept[:-MAX_QUARANTINED]:
+                (qdir / old).unlink(missing_ok=True)
+                (qdir / f"{old}.reason").unlink(missing_ok=True)
+        except OSError as e:  # quarantine is best effort; a bad file must never stay indexed
+            log.warning("[KV-DISK] could not quarantine %s (%s); deleting it", path.name, e)
+            self._unlink(path, "quarantine failed")
+
+    # ---- health -----------------------------------------------------------------------------------
+    @property
+    def degraded(self) -> list[str]:
+        with self._lock:
+            return list(self._degraded.values())
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Counters and state for /health and /metrics."""
+        with self._lock:
+            return {**self._counters, "files": len(self._index),
+                    "bytes_on_disk": sum(e.size for e in self._index.values()),
+                    "degraded": list(self._degraded.values()), "namespace": self.ns.name,
+                    "save_pending": self._writer.busy}
+
+
+def _reason(err: BaseException) -> str:
+    if isinstance(err, SnapshotError):
+        return f"{err.reason}: {err}"
+    return f"read error: {err}"

@@ -1,0 +1,155 @@
+"""Background snapshot writer: one thread, at most one queued save, atomic publish of a file.
+
+The request path only enqueues (`submit`): the KV payload is never copied, the writer streams
+it from the cache's row views. The engine therefore calls `wait_rows(m)` before it overwrites
+cache rows >= m; that blocks only while a queued or running save still needs those rows.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from edge_llm.kvcache import KVCache
+
+log = logging.getLogger(__name__)
+
+TMP_SUFFIX = ".tmp"
+
+
+@dataclass
+class SaveJob:
+    """One requested save: rows [0, n) of `cache` for `tokens` (a private copy of the ids)."""
+
+    cache: KVCache
+    tokens: np.ndarray  # (n,) uint32
+    requested: float = field(default_factory=time.monotonic)
+
+    @property
+    def n(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def fsync_dir(path: str | Path) -> None:
+    """fsync a directory so a rename/unlink in it is durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_name(final_name: str) -> str:
+    """`kv_<hash>.kv.<random>.tmp`: unique per attempt, removed by the next scan if orphaned."""
+    return f"{final_name}.{secrets.token_hex(6)}{TMP_SUFFIX}"
+
+
+def publish_file(directory: Path, final_name: str, size: int, write: Callable[[BinaryIO], int]) -> int:
+    """Write a file atomically: temp file, preallocate, `write(f)`, fsync, rename, dir fsync.
+
+    Returns the bytes written. On any error the temp file is removed and the error re-raised;
+    the final name either does not change or points at the complete new file.
+    """
+    tmp = directory / temp_name(final_name)
+    try:
+        # "xb": never clobber; buffered so that partial writes (e.g. near ENOSPC) are retried
+        with open(tmp, "xb") as f:
+            try:
+                # reserve the blocks up front: a full disk fails here, before GBs are written
+                os.posix_fallocate(f.fileno(), 0, size)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+            written = write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        if written != size:
+            raise OSError(errno.EIO, f"wrote {written} bytes, expected {size}")
+        os.rename(tmp, directory / final_name)
+    except BaseException:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError as e:  # the disk may be gone; the next scan removes the debris
+            log.warning("[KV-DISK] could not remove %s: %s", tmp.name, e)
+        raise
+    fsync_dir(directory)
+    return written
+
+
+class BackgroundWriter:
+    """A daemon thread running `work(job)` for the latest submitted job, one at a time."""
+
+    def __init__(self, work: Callable[[SaveJob], None], name: str = "kv-disk-writer"):
+        self._work = work
+        self._cond = threading.Condition()
+        self._pending: SaveJob | None = None
+        self._active: SaveJob | None = None
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: SaveJob) -> SaveJob | None:
+        """Queue `job`; a queued job not yet started is superseded (returned) — only the latest matters."""
+        with self._cond:
+            if self._closing:
+                raise RuntimeError("snapshot writer is closed")
+            old, self._pending = self._pending, job
+            self._cond.notify_all()
+        return old
+
+    def _needs_rows(self, m: int) -> bool:
+        return any(j is not None and j.n > m for j in (self._pending, self._active))
+
+    def wait_rows(self, m: int, timeout: float | None = None) -> float:
+        """Block while a queued/running save still needs cache rows >= m; return seconds waited."""
+        t0 = time.monotonic()
+        with self._cond:
+            if not self._needs_rows(m):
+                return 0.0
+            self._cond.wait_for(lambda: not self._needs_rows(m), timeout)
+        return time.monotonic() - t0
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is queued or running; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending is None and self._active is None, timeout)
+
+    @property
+    def busy(self) -> bool:
+        with self._cond:
+            return self._pending is not None or self._active is not None
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish the queued save, then stop the thread; False if it did not stop in time."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending is not None or self._closing)
+                if self._pending is None:
+                    return  # closing and nothing left
+                job, self._pending = self._pending, None
+                self._active = job
+            try:
+                self._work(job)
+            except BaseException:  # the writer must survive anything; the store counts failures
+                log.exception("[KV-DISK] save failed: unexpected error in the writer thread")
+            finally:
+                with self._cond:
+                    self._active = None
+                    self._cond.notify_all()
