@@ -14,7 +14,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,59 +24,15 @@ from edge_llm.errors import SnapshotError
 from edge_llm.kvcache import KVCache
 from edge_llm.snapshot import format as fmt
 from edge_llm.snapshot.identity import Identity, ensure_namespace
+from edge_llm.snapshot.index import (Entry, Hit, RestoreResult, is_prefix, lcp, lru_victims, mbps,
+                                     quarantine_file)
 from edge_llm.snapshot.writer import TMP_SUFFIX, BackgroundWriter, SaveJob, fsync_dir, publish_file
 
 log = logging.getLogger("edge_llm.kvdisk")
 
-QUARANTINE = "quarantine"
-MAX_QUARANTINED = 4  # quarantined files can be GBs: keep only the newest few for post-mortems
 # scan/read bound: well above any save cap, so lowering --disk-kv-max-tokens doesn't reject
 # valid older files; token ids are read only after the exact size check anyway
 READ_MAX_TOKENS = 1 << 18
-
-
-@dataclass
-class Entry:
-    """One indexed snapshot file."""
-
-    name: str
-    path: Path
-    tokens: np.ndarray  # (n,) uint32
-    size: int
-    last_use: float  # wall-clock seconds; mirrored in the file's mtime so LRU survives restarts
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.tokens.shape[0])
-
-
-@dataclass(frozen=True)
-class Hit:
-    entry: Entry
-    m: int  # rows to restore: min_lcp <= m <= min(len(request) - 1, entry.n_tokens)
-
-
-@dataclass(frozen=True)
-class RestoreResult:
-    n_tokens: int
-    nbytes: int
-    ms: float
-    mbps: float  # 1e6 bytes per second
-    name: str
-
-
-def mbps(nbytes: int, seconds: float) -> float:
-    return nbytes / 1e6 / seconds if seconds > 0 else 0.0
-
-
-def _is_prefix(short: np.ndarray, long: np.ndarray) -> bool:
-    return short.shape[0] <= long.shape[0] and bool(np.array_equal(long[: short.shape[0]], short))
-
-
-def _lcp(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(a.shape[0], b.shape[0])
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
 
 
 class SnapshotStore:
@@ -146,7 +101,7 @@ class SnapshotStore:
         best: Hit | None = None
         with self._lock:
             for e in self._index.values():
-                m = min(_lcp(req, e.tokens), limit)
+                m = min(lcp(req, e.tokens), limit)
                 if m >= self.min_lcp and (best is None or m > best.m
                                           or (m == best.m and e.last_use > best.entry.last_use)):
                     best = Hit(e, m)
@@ -167,7 +122,7 @@ class SnapshotStore:
         try:
             with open(e.path, "rb", buffering=0) as f:
                 hdr, tokens = fmt.read_header(f, self.geometry, self.model_id, READ_MAX_TOKENS)
-                if not _is_prefix(e.tokens[:m], tokens):
+                if not is_prefix(e.tokens[:m], tokens):
                     raise SnapshotError("token ids changed since the index was built")
                 m = min(m, hdr.n_tokens)
                 # whole blocks are read: stay within the cache (max_seq need not be a block multiple)
@@ -233,7 +188,7 @@ class SnapshotStore:
         """Writer thread: dedupe, write + publish, replace extended snapshots, evict."""
         tokens, n = job.tokens, job.n
         with self._lock:
-            covering = [e for e in self._index.values() if _is_prefix(tokens, e.tokens)]
+            covering = [e for e in self._index.values() if is_prefix(tokens, e.tokens)]
         if covering:  # identical, or a prefix of a stored one: any hit it gives, that one gives too
             e = max(covering, key=lambda c: c.n_tokens)
             self._touch(e)
@@ -263,7 +218,7 @@ class SnapshotStore:
         now = time.time()
         entry = Entry(name, self.ns / name, tokens, written, now)
         with self._lock:
-            replaced = [e for e in self._index.values() if e.name != name and _is_prefix(e.tokens, tokens)]
+            replaced = [e for e in self._index.values() if e.name != name and is_prefix(e.tokens, tokens)]
             for e in replaced:
                 del self._index[e.name]
             self._index[name] = entry
@@ -310,19 +265,7 @@ class SnapshotStore:
     def evict(self, keep: str | None = None) -> list[str]:
         """Apply max_files / max_bytes, least recently used first, never `keep`. Returns names."""
         with self._lock:
-            order = sorted((e for e in self._index.values() if e.name != keep), key=lambda e: e.last_use)
-            files = len(self._index)
-            total = sum(e.size for e in self._index.values())
-            victims = []
-            for e in order:
-                if files > self.max_files:
-                    reason = f"lru: {files} files > max_files {self.max_files}"
-                elif self.max_bytes is not None and total > self.max_bytes:
-                    reason = f"lru: {total} bytes > max_bytes {self.max_bytes}"
-                else:
-                    break
-                victims.append((e, reason))
-                files, total = files - 1, total - e.size
+            victims = lru_victims(self._index.values(), self.max_files, self.max_bytes, keep)
         for e, reason in victims:
             self._remove(e, reason)
         return [e.name for e, _ in victims]
@@ -360,21 +303,7 @@ class SnapshotStore:
         with self._lock:
             self._counters["rejections"] += 1
         log.warning("[KV-DISK] rejected %s: %s", path.name, reason)
-        qdir = self.ns / QUARANTINE
-        try:
-            qdir.mkdir(exist_ok=True)
-            dest = qdir / f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{path.name}"
-            os.replace(path, dest)
-            dest.with_name(dest.name + ".reason").write_text(reason + "\n")
-            fsync_dir(self.ns)
-            # names start with a timestamp: name order is age order
-            kept = sorted(p.name for p in qdir.iterdir() if not p.name.endswith(".reason"))
-            for old in kept[:-MAX_QUARANTINED]:
-                (qdir / old).unlink(missing_ok=True)
-                (qdir / f"{old}.reason").unlink(missing_ok=True)
-        except OSError as e:  # quarantine is best effort; a bad file must never stay indexed
-            log.warning("[KV-DISK] could not quarantine %s (%s); deleting it", path.name, e)
-            self._unlink(path, "quarantine failed")
+        quarantine_file(self.ns, path, reason)
 
     # ---- health -----------------------------------------------------------------------------------
     @property

@@ -1,0 +1,115 @@
+"""Index records of the snapshot store and the pure policies on them (LCP, LRU caps, quarantine).
+
+Shared by `SnapshotStore` and the `edge-llm kv` CLI (which applies the same caps offline).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edge_llm.snapshot.writer import fsync_dir
+
+log = logging.getLogger("edge_llm.kvdisk")
+
+QUARANTINE = "quarantine"
+MAX_QUARANTINED = 4  # quarantined files can be GBs: keep only the newest few for post-mortems
+
+
+@dataclass
+class Entry:
+    """One indexed snapshot file."""
+
+    name: str
+    path: Path
+    tokens: np.ndarray  # (n,) uint32
+    size: int
+    last_use: float  # wall-clock seconds; mirrored in the file's mtime so LRU survives restarts
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass(frozen=True)
+class Hit:
+    entry: Entry
+    m: int  # rows to restore: min_lcp <= m <= min(len(request) - 1, entry.n_tokens)
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    n_tokens: int
+    nbytes: int
+    ms: float
+    mbps: float  # 1e6 bytes per second
+    name: str
+
+
+def mbps(nbytes: int, seconds: float) -> float:
+    """Throughput in MB/s (1e6 bytes), the unit of flash data sheets."""
+    return nbytes / 1e6 / seconds if seconds > 0 else 0.0
+
+
+def is_prefix(short: np.ndarray, long: np.ndarray) -> bool:
+    """True if `short` is a (not necessarily strict) prefix of `long`."""
+    return short.shape[0] <= long.shape[0] and bool(np.array_equal(long[: short.shape[0]], short))
+
+
+def lcp(a: np.ndarray, b: np.ndarray) -> int:
+    """Longest common prefix of two id arrays (vectorised)."""
+    n = min(a.shape[0], b.shape[0])
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+def lru_victims(entries: Iterable[Entry], max_files: int | None, max_bytes: int | None,
+                keep: str | None = None) -> list[tuple[Entry, str]]:
+    """Entries to evict, least recently used first, until both caps hold; never `keep`."""
+    entries = list(entries)
+    files, total = len(entries), sum(e.size for e in entries)
+    victims = []
+    for e in sorted((e for e in entries if e.name != keep), key=lambda e: e.last_use):
+        if max_files is not None and files > max_files:
+            reason = f"lru: {files} files > max_files {max_files}"
+        elif max_bytes is not None and total > max_bytes:
+            reason = f"lru: {total} bytes > max_bytes {max_bytes}"
+        else:
+            break
+        victims.append((e, reason))
+        files, total = files - 1, total - e.size
+    return victims
+
+
+def quarantine_file(ns: Path, path: Path, reason: str, keep: int = MAX_QUARANTINED) -> Path | None:
+    """Move a bad file to `<ns>/quarantine/` with a `.reason` note; keep the newest `keep` files.
+
+    Best effort: if the move fails the file is deleted (a bad file must never stay in the
+    namespace). Returns the quarantined path, or None.
+    """
+    qdir = ns / QUARANTINE
+    try:
+        qdir.mkdir(exist_ok=True)
+        dest = qdir / f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{path.name}"
+        os.replace(path, dest)
+        dest.with_name(dest.name + ".reason").write_text(reason + "\n")
+        fsync_dir(ns)
+        # names start with a timestamp: name order is age order
+        kept = sorted(p.name for p in qdir.iterdir() if not p.name.endswith(".reason"))
+        for old in kept[:-keep] if keep > 0 else kept:
+            (qdir / old).unlink(missing_ok=True)
+            (qdir / f"{old}.reason").unlink(missing_ok=True)
+        return dest
+    except OSError as e:
+        log.warning("[KV-DISK] could not quarantine %s (%s); deleting it", path.name, e)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e2:
+            log.warning("[KV-DISK] could not delete %s: %s", path.name, e2)
+        return None
