@@ -1,0 +1,63 @@
+"""Backends run the dense per-layer work of the decoder; the model keeps the rest in numpy.
+
+The seam: a backend owns the weight matrices and computes norms + projections + MLP + lm_head.
+The model owns everything that touches KV rows or positions (qk-norm, RoPE, attention over the
+F32 cache) and sampling. All arrays crossing the seam are float32, C-contiguous, rows = tokens.
+
+A static-shape backend (an NPU running precompiled graphs) reports the chunk sizes it was built
+for in `chunk_sizes`; the model prefills in one of those sizes and the backend pads a shorter
+final chunk to its graph shape and drops the padded rows. Every method must be deterministic for
+identical inputs of identical shape: bit-exact KV restore relies on it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from edge_llm.config import ModelArgs
+from edge_llm.errors import ConfigError
+from edge_llm.weights import Weights
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+    numerics: str  # goes into the snapshot identity: KV values depend on it
+    chunk_sizes: tuple[int, ...]  # static chunk shapes the backend runs natively; () = any
+
+    def load(self, args: ModelArgs, weights: Weights) -> None:
+        """Take the dense tensors out of `weights` (pop them) and prepare them."""
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        """(T,) token ids -> (T, hidden) embeddings."""
+
+    def qkv(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """input RMSNorm + q/k/v projections (+bias): (T, hidden) -> q (T, q_dim), k, v (T, kv_dim)."""
+
+    def attn_out(self, layer: int, attn: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """Residual + o_proj: x + attn @ Wo, attn (T, q_dim), x (T, hidden) -> (T, hidden)."""
+
+    def mlp(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """Residual + SwiGLU MLP of the post-attention RMSNorm: (T, hidden) -> (T, hidden)."""
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """Final RMSNorm + lm_head: (T, hidden) -> (T, vocab)."""
+
+
+def pick_chunk(backend: Backend, requested: int) -> int:
+    """The prefill chunk size to use: `requested`, or the largest static size not above it."""
+    if not backend.chunk_sizes:
+        return requested
+    fitting = [c for c in backend.chunk_sizes if c <= requested]
+    return max(fitting) if fitting else min(backend.chunk_sizes)
+
+
+def get_backend(name: str) -> Backend:
+    """Instantiate a backend by name ("cpu")."""
+    if name == "cpu":
+        from edge_llm.backends.cpu import CPUBackend
+
+        return CPUBackend()
+    raise ConfigError(f"backend {name!r} is not available (available: cpu)")

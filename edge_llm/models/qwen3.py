@@ -1,0 +1,149 @@
+"""The numpy decoder for qwen3_vl (text), qwen3, qwen2 and llama checkpoints.
+
+Dense work (norms, projections, MLP, lm_head) runs in a backend; this module owns what touches
+positions and KV rows: per-head q/k RMSNorm, RoPE / MRoPE, and GQA attention over the F32 rows of
+`KVCache`. Given the same tokens, the same cached rows and the same chunk shape, the logits are
+bitwise identical (no reduction depends on thread timing).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+
+from edge_llm.backends import Backend, get_backend, pick_chunk
+from edge_llm.backends.cpu import rms_norm
+from edge_llm.config import ModelArgs
+from edge_llm.errors import KVCacheError
+from edge_llm.kvcache import K, V, KVCache
+from edge_llm.models.rope import Rope, apply_rope
+from edge_llm.weights import load_weights
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK = 128
+
+
+def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int,
+              n_kv: int) -> np.ndarray:
+    """Causal GQA attention of T new queries over S = start + T cached rows.
+
+    q: (T, H, D) already rotated and scaled; keys/values: (S, n_kv*D) cache rows.
+    Query head h uses kv head h // (H / n_kv), as HF's repeat_kv. Returns (T, H*D).
+    """
+    T, H, D = q.shape
+    S, rep = keys.shape[0], H // n_kv
+    qg = q.reshape(T, n_kv, rep, D).transpose(1, 2, 0, 3).reshape(n_kv, rep * T, D)
+    k = keys.reshape(S, n_kv, D).transpose(1, 2, 0)  # (n_kv, D, S), strided view, no copy
+    scores = np.matmul(qg, k)  # (n_kv, rep*T, S)
+    if T > 1:  # new query i (absolute start+i) must not see new keys j > i
+        causal = np.triu(np.full((T, T), -np.inf, dtype=np.float32), k=1)
+        scores.reshape(n_kv, rep, T, S)[..., start:] += causal
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    v = values.reshape(S, n_kv, D).transpose(1, 0, 2)  # (n_kv, S, D)
+    out = np.matmul(scores, v)  # (n_kv, rep*T, D)
+    return out.reshape(n_kv, rep, T, D).transpose(2, 0, 1, 3).reshape(T, H * D)
+
+
+class Model:
+    """A loaded text decoder: `forward` appends KV rows to a cache and returns logits."""
+
+    def __init__(self, args: ModelArgs, backend: Backend, q_norms: list[np.ndarray],
+                 k_norms: list[np.ndarray]):
+        self.args = args
+        self.backend = backend
+        self.rope = Rope(args)
+        self.q_norms, self.k_norms = q_norms, k_norms
+        # folding 1/sqrt(D) into q costs T*H*D multiplies instead of T*H*S
+        self.scale = np.float32(1.0 / math.sqrt(args.head_dim))
+
+    @classmethod
+    def load(cls, model_dir: str | Path, backend: str | Backend = "cpu") -> "Model":
+        """Read config.json, check every tensor's name and shape, then load the weights."""
+        args = ModelArgs.from_dir(model_dir)
+        weights = load_weights(model_dir, args)  # raises WeightsError before anything is read
+        be = get_backend(backend) if isinstance(backend, str) else backend
+        q_norms: list[np.ndarray] = []
+        k_norms: list[np.ndarray] = []
+        if args.qk_norm:
+            for i in range(args.num_hidden_layers):
+                lp = f"{args.weight_prefix}layers.{i}.self_attn."
+                q_norms.append(weights.pop(f"{lp}q_norm.weight"))
+                k_norms.append(weights.pop(f"{lp}k_norm.weight"))
+        be.load(args, weights)
+        log.info("loaded %s: %d layers, hidden %d, backend %s", args.model_type,
+                 args.num_hidden_layers, args.hidden_size, be.name)
+        return cls(args, be, q_norms, k_norms)
+
+    @property
+    def numerics(self) -> str:
+        return self.backend.numerics
+
+    def new_cache(self, max_seq: int = 8192, **kw) -> KVCache:
+        """A KV cache with this model's geometry."""
+        return KVCache(self.args.geometry, max_seq=max_seq, **kw)
+
+    # ---- forward --------------------------------------------------------------------------
+    def forward(self, tokens, cache: KVCache, all_logits: bool = False,
+                positions: np.ndarray | None = None) -> np.ndarray:
+        """Run `tokens` at rows [cache.length, +T): write their K/V rows, extend cache.tokens.
+
+        Returns float32 logits of the last position (vocab,), or (T, vocab) if all_logits.
+        `positions` overrides the text positions (T,) or MRoPE (3, T) (for image tokens).
+        """
+        return self._run(tokens, cache, "all" if all_logits else "last", positions)
+
+    def prefill(self, tokens, cache: KVCache, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
+        """Forward in chunks so memory stays bounded; logits (vocab,) of the last token only."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        if ids.size == 0:
+            raise ValueError("prefill needs at least one token")
+        chunk = pick_chunk(self.backend, chunk)
+        logits = None
+        for a in range(0, ids.size, chunk):
+            part = ids[a:a + chunk]
+            logits = self._run(part, cache, "last" if a + chunk >= ids.size else "none", None)
+        return logits
+
+    def _run(self, tokens, cache: KVCache, want: str, positions: np.ndarray | None):
+        args, be = self.args, self.backend
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        T, start = ids.size, cache.length
+        if T == 0:
+            raise ValueError("forward needs at least one token")
+        if start + T > cache.max_seq:
+            raise KVCacheError(f"{start + T} tokens exceed the cache's max_seq={cache.max_seq}")
+        if ids.min() < 0 or ids.max() >= args.vocab_size:
+            raise ValueError(f"token id out of range [0, {args.vocab_size})")
+        pos = self.rope.positions(start, T) if positions is None else np.asarray(positions)
+        cos, sin = self.rope.cos_sin(pos)
+        H, n_kv, D = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        eps = np.float32(args.rms_norm_eps)
+
+        x = be.embed(ids)  # (T, hidden)
+        for layer in range(args.num_hidden_layers):
+            q, k, v = be.qkv(layer, x)
+            q = q.reshape(T, H, D)
+            k = k.reshape(T, n_kv, D)
+            if args.qk_norm:
+                q = rms_norm(q, self.q_norms[layer], eps)
+                k = rms_norm(k, self.k_norms[layer], eps)
+            q = apply_rope(q, cos, sin)
+            q *= self.scale
+            keys, values = cache.layer(layer)
+            keys[start:start + T] = apply_rope(k, cos, sin).reshape(T, n_kv * D)
+            values[start:start + T] = v
+            attn = attention(q, keys[:start + T], values[:start + T], start, n_kv)
+            x = be.attn_out(layer, attn, x)
+            x = be.mlp(layer, x)
+        cache.append_tokens(ids.tolist())
+        if want == "none":
+            return None
+        if want == "last":
+            return be.logits(x[-1:])[0]
+        return be.logits(x)

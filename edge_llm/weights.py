@@ -1,0 +1,249 @@
+"""safetensors checkpoints: tensor index, name/shape checks against ModelArgs, F32 loading, digest.
+
+Files are validated with the `safetensors` library (header bounds, offsets) and each tensor is then
+read through its own `np.memmap` so a tensor's pages are unmapped as soon as it is converted: peak
+RSS stays near the F32 weights, not weights + file. BF16 and F16 widen to F32 exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import struct
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+
+from edge_llm.config import ModelArgs
+from edge_llm.errors import WeightsError
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+_NP_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+_DIGEST_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: file, absolute byte offset, dtype tag and shape."""
+
+    file: Path
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The checkpoint's files: those named by the shard index if present, else every *.safetensors."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise WeightsError(f"{index}: unreadable shard index ({e})") from None
+        files = sorted({model_dir / name for name in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise WeightsError(f"{INDEX_FILE} names shard {f.name} which does not exist")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise WeightsError(f"{model_dir}: no *.safetensors files")
+    return files
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    """The JSON header and the absolute offset where tensor data starts."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n)), 8 + n
+
+
+def index_tensors(model_dir: str | Path) -> dict[str, TensorInfo]:
+    """Map tensor name -> TensorInfo over all files (headers only, no tensor data read)."""
+    out: dict[str, TensorInfo] = {}
+    for path in safetensors_files(model_dir):
+        try:
+            with safe_open(str(path), framework="numpy") as f:  # the library validates the header
+                names = set(f.keys())
+        except Exception as e:  # safetensors raises its own SafetensorError / OSError
+            raise WeightsError(f"{path.name}: not a valid safetensors file ({e})") from None
+        header, data_start = _read_header(path)
+        for name in names:
+            entry = header[name]
+            begin, _end = entry["data_offsets"]
+            out[name] = TensorInfo(path, data_start + begin, entry["dtype"], tuple(entry["shape"]))
+    return out
+
+
+def expected_tensors(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor name the text decoder needs, with its HF shape (out, in) for linears."""
+    p, h, d = args.weight_prefix, args.hidden_size, args.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        f"{p}embed_tokens.weight": (args.vocab_size, h),
+        f"{p}norm.weight": (h,),
+    }
+    if not args.tie_word_embeddings:
+        shapes[args.lm_head_name] = (args.vocab_size, h)
+    for i in range(args.num_hidden_layers):
+        lp = f"{p}layers.{i}."
+        shapes |= {
+            f"{lp}input_layernorm.weight": (h,),
+            f"{lp}post_attention_layernorm.weight": (h,),
+            f"{lp}self_attn.q_proj.weight": (args.q_dim, h),
+            f"{lp}self_attn.k_proj.weight": (args.kv_dim, h),
+            f"{lp}self_attn.v_proj.weight": (args.kv_dim, h),
+            f"{lp}self_attn.o_proj.weight": (h, args.q_dim),
+            f"{lp}mlp.gate_proj.weight": (args.intermediate_size, h),
+            f"{lp}mlp.up_proj.weight": (args.intermediate_size, h),
+            f"{lp}mlp.down_proj.weight": (h, args.intermediate_size),
+        }
+        if args.attention_bias:
+            shapes |= {
+                f"{lp}self_attn.q_proj.bias": (args.q_dim,),
+                f"{lp}self_attn.k_proj.bias": (args.kv_dim,),
+                f"{lp}self_attn.v_proj.bias": (args.kv_dim,),
+            }
+        if args.qk_norm:
+            shapes |= {f"{lp}self_attn.q_norm.weight": (d,), f"{lp}self_attn.k_norm.weight": (d,)}
+    return shapes
+
+
+def read_tensor(info: TensorInfo) -> np.ndarray:
+    """Read one tensor as an owned, C-contiguous float32 array (exact for F32/F16/BF16)."""
+    if info.dtype not in _NP_DTYPES:
+        raise WeightsError(f"dtype {info.dtype} is not supported (F32, F16, BF16)")
+    count = int(np.prod(info.shape, dtype=np.int64))
+    if count == 0:
+        return np.zeros(info.shape, dtype=np.float32)
+    with open(info.file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        raw = np.frombuffer(mm, dtype=_NP_DTYPES[info.dtype], count=count, offset=info.offset)
+        if info.dtype == "BF16":
+            # bfloat16 is the top half of a float32: shifting the bits back is exact
+            out = (raw.astype(np.uint32) << 16).view(np.float32)
+        else:
+            out = raw.astype(np.float32)  # F16 -> F32 is exact; F32 is a plain copy out of the map
+        del raw  # release the buffer so the map closes now: RSS keeps only the converted copy
+    return out.reshape(info.shape)
+
+
+class Weights(Mapping[str, np.ndarray]):
+    """Validated checkpoint: every expected tensor exists with the right shape and a supported dtype.
+
+    Tensors are read lazily (`pop` hands one over and forgets it) so loading never holds
+    two copies of the whole model.
+    """
+
+    def __init__(self, args: ModelArgs, tensors: dict[str, TensorInfo]):
+        self.args = args
+        self._infos = tensors
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        try:
+            info = self._infos[name]
+        except KeyError:
+            raise WeightsError(f"tensor {name!r} missing from the checkpoint") from None
+        try:
+            return read_tensor(info)
+        except WeightsError as e:
+            raise WeightsError(f"tensor {name!r}: {e}") from None
+
+    def pop(self, name: str) -> np.ndarray:  # type: ignore[override]
+        """Read a tensor and drop it from this mapping."""
+        arr = self[name]
+        del self._infos[name]
+        return arr
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._infos)
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def info(self, name: str) -> TensorInfo:
+        return self._infos[name]
+
+
+def load_weights(model_dir: str | Path, args: ModelArgs) -> Weights:
+    """Index the checkpoint and check all names, shapes and dtypes against `args` (no data read).
+
+    Only the text decoder's tensors are kept (a qwen3_vl vision tower is ignored). With tied
+    embeddings a stored `lm_head.weight` is ignored: the embedding is used.
+    """
+    found = index_tensors(model_dir)
+    want = expected_tensors(args)
+    missing = [n for n in want if n not in found]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise WeightsError(f"tensor {missing[0]!r} missing from the checkpoint{more}")
+    for name, shape in want.items():
+        info = found[name]
+        if info.shape != shape:
+            raise WeightsError(f"tensor {name!r} has shape {list(info.shape)}, expected {list(shape)}")
+        if info.dtype not in _NP_DTYPES:
+            raise WeightsError(f"tensor {name!r} has dtype {info.dtype}; supported: F32, F16, BF16")
+    log.debug("checkpoint %s: %d tensors checked (%d ignored)", model_dir, len(want), len(found) - len(want))
+    return Weights(args, {n: found[n] for n in want})
+
+
+# ---- weight digest ---------------------------------------------------------------------------
+def digest_cache_path() -> Path:
+    home = os.environ.get("EDGE_LLM_HOME")
+    base = Path(home) if home else Path.home() / ".cache" / "edge-llm"
+    return base / "digests.json"
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(_DIGEST_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def weight_digest(model_dir: str | Path) -> str:
+    """sha256 over the checkpoint's safetensors files (name + per-file sha256, in name order).
+
+    Per-file digests are cached in `digests.json` keyed by absolute path, size and mtime, so
+    hashing gigabytes happens once per install; a cache that cannot be read or written is
+    only logged.
+    """
+    cache_path = digest_cache_path()
+    try:
+        cache = json.loads(cache_path.read_text())
+        if not isinstance(cache, dict):
+            cache = {}
+    except (OSError, json.JSONDecodeError):
+        cache = {}
+    total = hashlib.sha256()
+    dirty = False
+    for path in safetensors_files(model_dir):
+        st = path.stat()
+        key = str(path.resolve())
+        entry = cache.get(key)
+        if not (isinstance(entry, dict) and entry.get("size") == st.st_size
+                and entry.get("mtime_ns") == st.st_mtime_ns and isinstance(entry.get("sha256"), str)):
+            log.info("hashing %s (%d bytes)", path.name, st.st_size)
+            entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": _file_sha256(path)}
+            cache[key] = entry
+            dirty = True
+        total.update(f"{path.name}:{entry['sha256']}\n".encode())
+    if dirty:
+        try:
+            cache_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_path.with_name(f"{cache_path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+            os.replace(tmp, cache_path)  # atomic: concurrent processes never see half a file
+        except OSError as e:
+            log.warning("could not write digest cache %s: %s", cache_path, e)
+    return total.hexdigest()

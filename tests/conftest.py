@@ -1,0 +1,117 @@
+"""Shared fixtures: tiny random HF checkpoints of every supported model_type.
+
+`tiny_model_dir(model_type, **options)` writes (once per session and option set) a 2-layer,
+hidden-64 checkpoint with transformers' own `save_pretrained`, so tests read exactly what HF
+writes. `tiny_hf_model(path)` loads it back into transformers for reference outputs.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub from tests
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+TINY_VOCAB = 256
+
+# text geometry shared by all tiny models: 4 query heads over 2 kv heads (GQA), head_dim 16
+_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=TINY_VOCAB, max_position_embeddings=512,
+             rms_norm_eps=1e-6)
+
+
+def tiny_hf_config(model_type: str, tied: bool = True, rope_parameters: dict | None = None,
+                   **overrides):
+    """A transformers config object for a tiny model of `model_type`."""
+    import transformers as tf
+
+    text = {**_TEXT, **overrides}
+    if model_type == "qwen3_vl":
+        rope = rope_parameters or dict(rope_type="default", rope_theta=5e6, mrope_section=[4, 2, 2],
+                                       mrope_interleaved=True)
+        text = dict(head_dim=16, rope_parameters=rope, **text)
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                      out_hidden_size=text["hidden_size"], patch_size=8, spatial_merge_size=2,
+                      temporal_patch_size=2, deepstack_visual_indexes=[0])
+        return tf.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tied)
+    rope = rope_parameters or dict(rope_type="default", rope_theta=10000.0)
+    cls = {"qwen3": tf.Qwen3Config, "qwen2": tf.Qwen2Config, "llama": tf.LlamaConfig}[model_type]
+    extra = {"head_dim": 16} if model_type in ("qwen3", "llama") else {}
+    if model_type == "llama":
+        extra["bos_token_id"], extra["eos_token_id"] = 1, 2
+    return cls(**text, **extra, rope_parameters=rope, tie_word_embeddings=tied)
+
+
+def _randomize(model, seed: int) -> None:
+    """Replace HF's tiny init (std 0.02, ones, zeros) with weights that spread the logits,
+    so parity and greedy tests compare meaningful, well-separated values."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "visual" in name:
+                continue
+            if p.ndim == 1:  # norm weights around 1, biases around 0
+                base = 1.0 if "norm" in name else 0.0
+                p.copy_(base + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * (1.5 / p.shape[1] ** 0.5))
+
+
+def build_tiny_model(path: Path, model_type: str, tied: bool = True, dtype: str = "float32",
+                     seed: int = 0, **config_kw) -> Path:
+    """Write a tiny random checkpoint of `model_type` to `path` (HF layout, given dtype)."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tiny_hf_config(model_type, tied=tied, **config_kw)
+    cls = tf.Qwen3VLForConditionalGeneration if model_type == "qwen3_vl" else tf.AutoModelForCausalLM
+    model = cls.from_config(cfg) if cls is tf.AutoModelForCausalLM else cls(cfg)
+    _randomize(model, seed)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: tiny_model_dir(model_type, tied=True, dtype="float32", seed=0, **config_kw) -> Path.
+
+    Checkpoints are cached per argument set for the whole session; treat them as read-only.
+    """
+    made: dict[tuple, Path] = {}
+
+    def make(model_type: str, tied: bool = True, dtype: str = "float32", seed: int = 0,
+             **config_kw) -> Path:
+        key = (model_type, tied, dtype, seed, repr(sorted(config_kw.items())))
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"tiny-{model_type}")
+            made[key] = build_tiny_model(path, model_type, tied=tied, dtype=dtype, seed=seed,
+                                         **config_kw)
+        return made[key]
+
+    return make
+
+
+def tiny_hf_model(path: Path):
+    """Load a tiny checkpoint back into transformers (float32, eval mode) for reference."""
+    import json
+
+    import torch
+    import transformers as tf
+
+    model_type = json.loads((Path(path) / "config.json").read_text())["model_type"]
+    cls = tf.Qwen3VLForConditionalGeneration if model_type == "qwen3_vl" else tf.AutoModelForCausalLM
+    return cls.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def load_hf_model():
+    """Fixture form of `tiny_hf_model` for tests that prefer not to import conftest."""
+    return tiny_hf_model
