@@ -1,0 +1,267 @@
+"""Synthetic checkpoints with the exact Qwen3-VL-2B text geometry, plus a streaming safetensors
+writer (also used by the GGUF importer).
+
+Weights are random (seeded per tensor name, so the values do not depend on the shard plan) and
+written BF16 tensor by tensor: peak memory is one tensor, not the model. The tokenizer is the
+real Qwen3 one, so prompts tokenise exactly as on the real model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import struct
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge_llm.errors import ModelImportError
+
+log = logging.getLogger(__name__)
+
+# progress(done_bytes, total_bytes, what)
+Progress = Callable[[int, int, str], None]
+
+_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2}
+_DTYPE_NUMPY = {"F32": np.dtype("<f4"), "BF16": np.dtype("<u2"), "F16": np.dtype("<f2")}
+DEFAULT_SHARD_BYTES = 1 << 30
+INIT_STD = 0.02
+
+QWEN3_VL_2B_TEXT: dict[str, Any] = {
+    "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643, "dtype": "bfloat16",
+    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 262144,
+    "model_type": "qwen3_vl_text", "num_attention_heads": 16, "num_hidden_layers": 28,
+    "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
+    "rope_theta": 5000000, "tie_word_embeddings": True, "use_cache": True, "vocab_size": 151936,
+}
+QWEN3_VL_2B_VISION: dict[str, Any] = {
+    "deepstack_visual_indexes": [5, 11, 17], "depth": 24, "hidden_act": "gelu_pytorch_tanh",
+    "hidden_size": 1024, "in_channels": 3, "initializer_range": 0.02, "intermediate_size": 4096,
+    "model_type": "qwen3_vl", "num_heads": 16, "num_position_embeddings": 2304, "out_hidden_size": 2048,
+    "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+}
+# tiny keeps the real vocab (the tokenizer is real) and the mrope split rule (sum == head_dim / 2)
+TINY_TEXT_OVERRIDES: dict[str, Any] = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16,
+    "rope_scaling": {"mrope_interleaved": True, "mrope_section": [4, 2, 2], "rope_type": "default"},
+}
+PRESETS = ("qwen3-vl-2b", "tiny")
+GENERATION_CONFIG = {"bos_token_id": 151643, "pad_token_id": 151643, "do_sample": False,
+                     "eos_token_id": [151645, 151643]}
+
+
+# ---- streaming safetensors writer -----------------------------------------------------------
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor to write: name, safetensors dtype (F32 / BF16 / F16) and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * _DTYPE_BYTES[self.dtype]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_safetensors(path: Path, plans: Sequence[TensorPlan], produce: Callable[[TensorPlan], np.ndarray],
+                      on_tensor: Callable[[TensorPlan], None] | None = None) -> None:
+    """Write one safetensors file tensor by tensor (temp name, fsync, rename).
+
+    The header is computed from the plans first, so only one tensor is in memory at a time.
+    `produce` returns the tensor's storage array (BF16 as raw uint16 bits).
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    off = 0
+    for p in plans:
+        header[p.name] = {"dtype": p.dtype, "shape": list(p.shape), "data_offsets": [off, off + p.nbytes]}
+        off += p.nbytes
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)  # the data section starts 8-byte aligned, as the reference writer pads
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(hb)))
+        f.write(hb)
+        for p in plans:
+            arr = np.ascontiguousarray(produce(p))
+            if arr.dtype != _DTYPE_NUMPY[p.dtype] or arr.shape != p.shape:
+                raise ModelImportError(f"{p.name}: produced {arr.dtype}{arr.shape}, planned {p.dtype}{p.shape}")
+            f.write(memoryview(arr.reshape(-1)).cast("B"))
+            if on_tensor:
+                on_tensor(p)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_checkpoint(out_dir: Path, plans: Sequence[TensorPlan], produce: Callable[[TensorPlan], np.ndarray],
+                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress: Progress | None = None) -> list[str]:
+    """Write `model.safetensors`, or HF-style shards + `model.safetensors.index.json` when the
+    tensors exceed `max_shard_bytes`. Returns the file names written."""
+    shards: list[list[TensorPlan]] = [[]]
+    size = 0
+    for p in plans:
+        if shards[-1] and size + p.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(p)
+        size += p.nbytes
+    total = sum(p.nbytes for p in plans)
+    done = 0
+
+    def tick(p: TensorPlan) -> None:
+        nonlocal done
+        done += p.nbytes
+        if progress:
+            progress(done, total, p.name)
+
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        write_safetensors(out_dir / name, shard, produce, on_tensor=tick)
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {p.name: n for n, s in zip(names, shards) for p in s}}
+        _write_json(out_dir / "model.safetensors.index.json", index)
+    keep = set(names) | ({"model.safetensors.index.json"} if len(shards) > 1 else set())
+    for old in out_dir.glob("model*.safetensors*"):  # a previous, differently sharded checkpoint
+        if old.name not in keep:
+            old.unlink()
+    _fsync_dir(out_dir)
+    return names
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_safetensors_header(path: str | Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file (tensor dtypes, shapes, offsets) without reading data."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ModelImportError(f"{path}: too short for a safetensors file")
+        (n,) = struct.unpack("<Q", raw)
+        size = os.fstat(f.fileno()).st_size
+        if n > min(size - 8, 100 << 20):
+            raise ModelImportError(f"{path}: header length {n} is implausible")
+        try:
+            return json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelImportError(f"{path}: bad safetensors header: {e}") from None
+
+
+# ---- BF16 and random weights ---------------------------------------------------------------
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round F32 to BF16 (round to nearest, ties to even) and return the raw uint16 bits."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = (u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)
+    out = rounded.astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():  # keep NaN a (quiet) NaN instead of letting the carry turn it into inf
+        out[nan] = ((u[nan] >> 16) | 0x40).astype(np.uint16)
+    return out
+
+
+def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    """Widen raw BF16 bits to F32 exactly."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def synth_tensor_f32(name: str, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    """The F32 value of a synthetic tensor before BF16 rounding: norms are 1, the rest N(0, 0.02).
+
+    Seeded by (seed, crc32(name)) so a tensor's values do not depend on which others are written.
+    """
+    if name.endswith("norm.weight"):
+        return np.ones(shape, dtype=np.float32)
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    out = rng.standard_normal(shape, dtype=np.float32)
+    out *= np.float32(INIT_STD)
+    return out
+
+
+def text_config(preset: str, layers: int | None = None) -> dict[str, Any]:
+    if preset not in PRESETS:
+        raise ModelImportError(f"unknown synth preset {preset!r} (choose from {', '.join(PRESETS)})")
+    cfg = dict(QWEN3_VL_2B_TEXT)
+    if preset == "tiny":
+        cfg.update(TINY_TEXT_OVERRIDES)
+    if layers is not None:
+        if layers < 1:
+            raise ModelImportError(f"--layers must be >= 1, got {layers}")
+        cfg["num_hidden_layers"] = layers
+    return cfg
+
+
+def qwen3_vl_plans(tc: dict[str, Any]) -> list[TensorPlan]:
+    """Text-model tensor names/shapes of an HF qwen3_vl checkpoint (tied embeddings: no lm_head)."""
+    h, inter, hd = tc["hidden_size"], tc["intermediate_size"], tc["head_dim"]
+    q, kv = tc["num_attention_heads"] * hd, tc["num_key_value_heads"] * hd
+    pre = "model.language_model."
+    plans = [TensorPlan(pre + "embed_tokens.weight", "BF16", (tc["vocab_size"], h))]
+    for i in range(tc["num_hidden_layers"]):
+        lp = f"{pre}layers.{i}."
+        for name, shape in (("input_layernorm", (h,)), ("post_attention_layernorm", (h,)),
+                            ("self_attn.q_proj", (q, h)), ("self_attn.k_proj", (kv, h)),
+                            ("self_attn.v_proj", (kv, h)), ("self_attn.o_proj", (h, q)),
+                            ("self_attn.q_norm", (hd,)), ("self_attn.k_norm", (hd,)),
+                            ("mlp.gate_proj", (inter, h)), ("mlp.up_proj", (inter, h)),
+                            ("mlp.down_proj", (h, inter))):
+            plans.append(TensorPlan(lp + name + ".weight", "BF16", shape))
+    plans.append(TensorPlan(pre + "norm.weight", "BF16", (h,)))
+    return plans
+
+
+def synth_checkpoint(out_dir: str | Path, preset: str = "qwen3-vl-2b", layers: int | None = None,
+                     seed: int = 0, progress: Progress | None = None,
+                     max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write a random-weight HF `qwen3_vl` checkpoint (BF16) with the real Qwen3 tokenizer."""
+    from edge_llm.models.default import qwen3_tokenizer_dir  # sibling module; keeps the import lazy
+
+    tok_dir = qwen3_tokenizer_dir()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tc = text_config(preset, layers)
+    config = {
+        "architectures": ["Qwen3VLForConditionalGeneration"], "image_token_id": 151655,
+        "model_type": "qwen3_vl", "text_config": tc, "tie_word_embeddings": True,
+        "video_token_id": 151656, "vision_config": dict(QWEN3_VL_2B_VISION),
+        "vision_end_token_id": 151653, "vision_start_token_id": 151652,
+        "edge_llm_synthetic": {"preset": preset, "seed": seed, "init_std": INIT_STD},
+    }
+    if preset == "tiny":  # the vision tower is not written; keep its declared output width consistent
+        config["vision_config"]["out_hidden_size"] = tc["hidden_size"]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        tmp = out / (name + ".tmp")
+        shutil.copyfile(tok_dir / name, tmp)
+        os.replace(tmp, out / name)
+    _write_json(out / "generation_config.json", GENERATION_CONFIG)
+    plans = qwen3_vl_plans(tc)
+    names = write_checkpoint(out, plans, lambda p: f32_to_bf16_bits(synth_tensor_f32(p.name, p.shape, seed)),
+                             max_shard_bytes=max_shard_bytes, progress=progress)
+    _write_json(out / "config.json", config)  # last: a directory with config.json is complete
+    log.info("synthetic %s checkpoint (%d layers) -> %s (%s)", preset, tc["num_hidden_layers"], out,
+             ", ".join(names))
+    return out
