@@ -1,0 +1,341 @@
+"""SnapshotStore on real files: save/scan/lookup/restore, dedupe, LRU, quarantine, identity, wait_rows."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+
+import numpy as np
+import pytest
+
+from edge_llm.config import Geometry
+from edge_llm.errors import SnapshotBlockCRC, SnapshotError
+from edge_llm.kvcache import KVCache
+from edge_llm.snapshot import format as fmt
+from edge_llm.snapshot import store as store_mod
+from edge_llm.snapshot.identity import Identity
+from edge_llm.snapshot.store import SnapshotStore
+
+G = Geometry(n_layers=2, n_kv_heads=2, head_dim=8)
+KV_BS = 4
+ID_A = Identity(config={"model": "a"}, weights_digest="aa" * 32)
+ID_B = Identity(config={"model": "a"}, weights_digest="bb" * 32)  # same geometry, other weights
+
+
+def make_cache(tokens, seed=0, max_seq=128, geometry=G) -> KVCache:
+    c = KVCache(geometry, max_seq=max_seq, kv_bs=KV_BS, check_memory=False)
+    c.data[:] = np.random.default_rng(seed).standard_normal(c.data.shape, dtype=np.float32)
+    c.set_tokens(list(tokens))
+    return c
+
+
+def new_store(kv_dir, identity=ID_A, **kw) -> SnapshotStore:
+    kw.setdefault("kv_bs", KV_BS)
+    s = SnapshotStore(kv_dir, identity, G, **kw)
+    s.scan()
+    return s
+
+
+def save(store, cache) -> None:
+    store.save_async(cache)
+    assert store.flush(timeout=60)
+
+
+def seq(n, start=1000):
+    return list(range(start, start + n))
+
+
+def kv_files(store):
+    return sorted(p.name for p in store.ns.glob("kv_*.kv"))
+
+
+def name_of(tokens):
+    return fmt.snapshot_name(fmt.fnv1a64(np.asarray(tokens, dtype="<u4").tobytes()))
+
+
+@pytest.fixture(autouse=True)
+def _logs(caplog):
+    caplog.set_level(logging.INFO, logger="edge_llm.kvdisk")
+
+
+def kv_lines(caplog, word):
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"[KV-DISK] {word}")]
+
+
+def test_save_scan_lookup_restore_bitwise(tmp_path, caplog):
+    tokens = seq(40)
+    src = make_cache(tokens, seed=1)
+    s1 = new_store(tmp_path)
+    save(s1, src)
+    name = name_of(tokens)
+    assert kv_files(s1) == [name]
+    size = fmt.snapshot_size(G.n_layers, 40, G.kv_dim, KV_BS)
+    assert re.fullmatch(rf"\[KV-DISK\] saved 40-token KV -> {name} \({size} bytes, \d+\.\d ms, \d+\.\d MB/s\)",
+                        kv_lines(caplog, "saved")[0])
+    s1.close()
+    fmt.verify_file(s1.ns / name, G, ID_A.model_id)
+
+    s2 = new_store(tmp_path)  # a new process would do exactly this
+    assert kv_lines(caplog, "index")[-1].startswith("[KV-DISK] index: 1 checkpoint(s)")
+    request = tokens[:30] + [7, 8, 9]
+    hit = s2.lookup(request)
+    assert hit is not None and hit.m == 30 and hit.entry.name == name
+    dst = make_cache([], seed=2)
+    res = s2.restore(hit, dst)
+    assert (res.n_tokens, res.name) == (30, name) and res.nbytes > 0
+    assert dst.tokens == tokens[:30]
+    assert np.array_equal(dst.data[:, :, :30].view(np.uint32), src.data[:, :, :30].view(np.uint32))
+    assert re.fullmatch(rf"\[KV-DISK\] loaded 30-token KV prefix from disk file {name} "
+                        rf"\({res.nbytes} bytes, \d+\.\d ms, \d+\.\d MB/s\)", kv_lines(caplog, "loaded")[0])
+    st = s2.stats
+    assert st["loads"] == 1 and st["bytes_read"] == res.nbytes and st["files"] == 1
+    s2.close()
+
+
+def test_lookup_min_lcp_and_len_minus_one_cap(tmp_path):
+    tokens = seq(40)
+    s = new_store(tmp_path, min_lcp=16)
+    save(s, make_cache(tokens))
+    assert s.lookup(tokens[:15] + [1, 2, 3]) is None  # LCP 15 < 16
+    assert s.lookup(tokens[:16] + [1]).m == 16
+    assert s.lookup(tokens[:17]).m == 16  # whole request is a prefix: one token left to prefill
+    assert s.lookup(tokens).m == 39
+    assert s.lookup(tokens + [5, 6]).m == 40  # capped by the snapshot's length
+    assert s.lookup([]) is None and s.lookup(tokens[:1]) is None
+    # the longest match wins among several snapshots
+    other = tokens[:20] + seq(30, start=5000)
+    save(s, make_cache(other, seed=3))
+    assert s.lookup(other[:45] + [1]).entry.name == name_of(other)
+    assert s.lookup(tokens[:35] + [1]).entry.name == name_of(tokens)
+    s.close()
+
+
+def test_save_caps_tokens_and_skips_useless_short(tmp_path):
+    s = new_store(tmp_path, max_tokens=32, min_lcp=16)
+    save(s, make_cache(seq(10)))
+    assert kv_files(s) == []  # shorter than min_lcp: could never be a hit
+    save(s, make_cache(seq(50)))
+    assert kv_files(s) == [name_of(seq(32))]
+    assert s.entries()[0].n_tokens == 32
+    s.close()
+
+
+def test_identical_not_rewritten_only_touched(tmp_path, caplog):
+    tokens = seq(40)
+    s = new_store(tmp_path)
+    save(s, make_cache(tokens))
+    path = s.ns / name_of(tokens)
+    os.utime(path, (1_000_000, 1_000_000))  # pretend it was last used long ago
+    ino = path.stat().st_ino
+    save(s, make_cache(tokens))
+    assert path.stat().st_ino == ino and path.stat().st_mtime > 1_000_000
+    assert s.stats["saves"] == 1 and s.stats["saves_skipped"] == 1
+    assert kv_lines(caplog, "skipped")[0] == f"[KV-DISK] skipped 40-token KV -> {path.name} (already stored)"
+    save(s, make_cache(tokens[:30]))  # a prefix of a stored snapshot adds nothing
+    assert kv_files(s) == [path.name] and s.stats["saves_skipped"] == 2
+    s.close()
+
+
+def test_extension_replaces_older_snapshot(tmp_path, caplog):
+    s = new_store(tmp_path)
+    save(s, make_cache(seq(20)))
+    save(s, make_cache(seq(40)))
+    assert kv_files(s) == [name_of(seq(40))]
+    assert f"[KV-DISK] evicted {name_of(seq(20))}" in kv_lines(caplog, "evicted")[0]
+    assert s.stats["files"] == 1
+    s.close()
+
+
+def test_lru_eviction_by_use_under_max_files(tmp_path, caplog):
+    s = new_store(tmp_path, max_files=3)
+    a, b, c, d = (seq(20, start=k * 100) for k in range(1, 5))
+    for t in (a, b, c):
+        save(s, make_cache(t))
+    s.restore(s.lookup(a + [1]), make_cache([]))  # a hit counts as a use: a is now the newest
+    save(s, make_cache(d))
+    assert kv_files(s) == sorted([name_of(a), name_of(c), name_of(d)])
+    assert kv_lines(caplog, "evicted")[-1].startswith(f"[KV-DISK] evicted {name_of(b)} (lru")
+    # LRU order survives a restart (mtime): c is now the oldest
+    s.close()
+    s2 = new_store(tmp_path, max_files=3)
+    save(s2, make_cache(seq(20, start=900)))
+    assert name_of(c) not in kv_files(s2) and name_of(a) in kv_files(s2)
+    assert s2.stats["evictions"] == 1
+    s2.close()
+
+
+def test_max_bytes_and_never_evicts_file_just_written(tmp_path):
+    one = fmt.snapshot_size(G.n_layers, 20, G.kv_dim, KV_BS)
+    s = new_store(tmp_path, max_bytes=2 * one + 10)
+    a, b, c = (seq(20, start=k * 100) for k in range(1, 4))
+    for t in (a, b, c):
+        save(s, make_cache(t))
+    assert kv_files(s) == sorted([name_of(b), name_of(c)])
+    assert s.stats["bytes_on_disk"] <= 2 * one + 10
+    big = seq(60, start=5000)  # alone it fits, but only after everything else goes
+    s.max_bytes = fmt.snapshot_size(G.n_layers, 60, G.kv_dim, KV_BS)
+    save(s, make_cache(big))
+    assert kv_files(s) == [name_of(big)]
+    s.max_bytes = 100  # nothing fits: the save is skipped, nothing is evicted
+    save(s, make_cache(seq(30, start=7000)))
+    assert kv_files(s) == [name_of(big)]
+    s.close()
+
+
+def test_corrupt_files_quarantined_at_scan_tmp_removed(tmp_path, caplog):
+    s = new_store(tmp_path)
+    good, bad_hdr, short, foreign = (seq(20, start=k * 100) for k in range(1, 5))
+    for t in (good, bad_hdr, short):
+        save(s, make_cache(t))
+    s.close()
+    ns = s.ns
+    with open(ns / name_of(bad_hdr), "r+b") as f:
+        f.seek(8)
+        f.write(b"\x07")  # n_layers: header CRC now fails
+    with open(ns / name_of(short), "r+b") as f:
+        f.truncate(os.path.getsize(ns / name_of(short)) - 1)
+    # a valid file of another model_id dropped into this namespace
+    with open(ns / name_of(foreign), "wb") as f:
+        fmt.write_snapshot(f, foreign, ID_B.model_id, G, KV_BS, lambda l, kv: make_cache(foreign).data[l, kv])
+    (ns / "kv_1234.kv.abc.tmp").write_bytes(b"partial")
+    (ns / "notes.txt").write_text("not a snapshot")  # unrelated files are left alone
+
+    s2 = new_store(tmp_path)
+    assert [e.name for e in s2.entries()] == [name_of(good)]
+    assert kv_lines(caplog, "index")[-1].startswith("[KV-DISK] index: 1 checkpoint(s), 3 rejected")
+    rejected = "\n".join(kv_lines(caplog, "rejected"))
+    assert f"rejected {name_of(bad_hdr)}: header-crc" in rejected
+    assert f"rejected {name_of(short)}: size" in rejected
+    assert f"rejected {name_of(foreign)}: model-id" in rejected
+    assert not list(ns.glob("*.tmp")) and (ns / "notes.txt").exists()
+    q = sorted(p.name for p in (ns / "quarantine").iterdir())
+    assert len([n for n in q if n.endswith(".reason")]) == 3 and len(q) == 6
+    assert s2.stats["rejections"] == 3
+    s2.close()
+
+
+def test_block_crc_failure_mid_restore(tmp_path, caplog):
+    tokens = seq(40)
+    s = new_store(tmp_path)
+    save(s, make_cache(tokens))
+    s.close()
+    path = s.ns / name_of(tokens)
+    hdr, _ = fmt.read_header(open(path, "rb"), G, ID_A.model_id)
+    off = hdr.block_offset(1, 2, 1) + 5  # layer 1, block 2, V: read by a restore of 30 rows
+    with open(path, "r+b") as f:
+        f.seek(off)
+        byte = f.read(1)
+        f.seek(off)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+    s2 = new_store(tmp_path)  # the header is intact: indexed
+    hit = s2.lookup(tokens[:30] + [1])
+    cache = make_cache(seq(5, start=1))
+    with pytest.raises(SnapshotBlockCRC):
+        s2.restore(hit, cache)
+    assert cache.length == 0  # rows are garbage: the engine recomputes
+    assert not path.exists() and any((s2.ns / "quarantine").glob(f"*{path.name}"))
+    assert s2.lookup(tokens[:30] + [1]) is None
+    st = s2.stats
+    assert (st["load_failures"], st["rejections"], st["loads"]) == (1, 1, 0)
+    assert kv_lines(caplog, "rejected")[0].startswith(f"[KV-DISK] rejected {path.name}: block-crc")
+    s2.close()
+
+
+def test_restore_of_vanished_file_fails_cleanly(tmp_path):
+    s = new_store(tmp_path)
+    save(s, make_cache(seq(40)))
+    hit = s.lookup(seq(40))
+    hit.entry.path.unlink()
+    cache = make_cache(seq(3))
+    with pytest.raises(SnapshotError, match="vanished"):
+        s.restore(hit, cache)
+    assert cache.length == 0 and s.stats["load_failures"] == 1 and s.lookup(seq(40)) is None
+    s.close()
+
+
+def test_identity_isolation_and_reuse(tmp_path):
+    tokens = seq(40)
+    a = new_store(tmp_path, ID_A)
+    save(a, make_cache(tokens))
+    a.close()
+    b = new_store(tmp_path, ID_B)
+    assert b.ns != a.ns and b.lookup(tokens) is None and b.stats["files"] == 0
+    save(b, make_cache(tokens, seed=9))  # B's own snapshot of the same tokens, own namespace
+    b.close()
+    a2 = new_store(tmp_path, ID_A)  # A comes back: its snapshot is still there and used
+    hit = a2.lookup(tokens)
+    assert hit is not None and hit.entry.path.parent == a.ns
+    dst = make_cache([])
+    a2.restore(hit, dst)
+    assert np.array_equal(dst.data[:, :, :39], make_cache(tokens).data[:, :, :39])
+    a2.close()
+
+
+@pytest.fixture
+def gated(monkeypatch):
+    """Hold the writer thread before it writes, until the test opens the gate (the real write follows)."""
+    gate, started = threading.Event(), threading.Event()
+    real = store_mod.publish_file
+
+    def held(*args, **kw):
+        started.set()
+        assert gate.wait(60)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(store_mod, "publish_file", held)
+    return gate, started
+
+
+def test_wait_rows_blocks_only_for_rows_still_needed(tmp_path, gated):
+    gate, started = gated
+    s = new_store(tmp_path)
+    cache = make_cache(seq(40))
+    s.save_async(cache)
+    assert started.wait(60)
+    assert s.wait_rows(40) == 0.0 and s.wait_rows(100) == 0.0  # rows >= 40 are not being saved
+    assert s.flush(timeout=0.05) is False
+    opener = threading.Timer(0.2, gate.set)
+    opener.start()
+    waited = s.wait_rows(0)  # rows [0, 40) are still needed: blocks until the file is published
+    assert waited > 0 and s.stats["saves"] == 1 and kv_files(s) == [name_of(seq(40))]
+    assert s.wait_rows(0) == 0.0
+    s.close()
+
+
+def test_queued_save_is_superseded_by_newer(tmp_path, gated):
+    gate, started = gated
+    s = new_store(tmp_path)
+    s.save_async(make_cache(seq(20, start=100)))
+    assert started.wait(60)  # first job is running (held); the next two queue up
+    s.save_async(make_cache(seq(20, start=200)))
+    s.save_async(make_cache(seq(20, start=300)))
+    gate.set()
+    assert s.flush(timeout=60)
+    assert kv_files(s) == sorted([name_of(seq(20, start=100)), name_of(seq(20, start=300))])
+    assert s.stats["saves_superseded"] == 1
+    s.close()
+
+
+def test_wait_rows_with_a_real_large_save(tmp_path):
+    big = Geometry(n_layers=4, n_kv_heads=8, head_dim=128)  # 32 KiB per token
+    ident = Identity(config={"model": "big"}, weights_digest="cc" * 32)
+    s = SnapshotStore(tmp_path, ident, big, kv_bs=64)
+    s.scan()
+    cache = make_cache(seq(2048), max_seq=2048, geometry=big)  # 64 MiB of rows
+    s.save_async(cache)
+    assert s.wait_rows(2048) == 0.0  # never needs rows >= n
+    assert s.wait_rows(0) > 0  # 64 MiB + fsync: still running when we get here
+    # after wait_rows(0) the save is complete: rows may be overwritten now
+    assert s.stats["saves"] == 1 and not s.stats["save_pending"]
+    path = s.ns / name_of(seq(2048))
+    fmt.verify_file(path, big, ident.model_id)
+    cache.data[:] = 0
+    s2 = SnapshotStore(tmp_path, ident, big, kv_bs=64)
+    s2.scan()
+    s2.restore(s2.lookup(seq(2048)), cache)
+    assert np.array_equal(cache.data[:, :, :2047], make_cache(seq(2048), max_seq=2048, geometry=big).data[:, :, :2047])
+    s.close()
+    s2.close()
