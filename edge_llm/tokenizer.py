@@ -203,24 +203,28 @@ class Tokenizer:
 
     # ---- chat -----------------------------------------------------------------------------
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
-        """Render a conversation exactly as transformers' `apply_chat_template(tokenize=False)`."""
+                            tokenize: bool = False, tools: list[dict[str, Any]] | None = None,
+                            **kwargs: Any) -> str | list[int]:
+        """Render a conversation exactly as transformers' `apply_chat_template`: the text, or with
+        `tokenize=True` its ids (encoded without adding special tokens; the template holds any BOS)."""
         if not self.chat_template:
             raise TokenizerError("this model has no chat template (tokenizer_config.json / chat_template.jinja)")
         special = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
                                      ("pad_token", self.pad_token)) if v is not None}
         try:
-            return compile_chat_template(self.chat_template).render(
+            text = compile_chat_template(self.chat_template).render(
                 messages=_alias_reasoning(messages), tools=tools, documents=None,
                 add_generation_prompt=add_generation_prompt, **{**special, **kwargs})
         except jinja2.exceptions.TemplateError as e:
             raise TokenizerError(f"chat template: {e}") from None
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def apply_chat_template_ids(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                                 **kwargs: Any) -> list[int]:
-        """The rendered conversation as ids (the template already holds any BOS, as in HF)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **kwargs),
-                           add_special_tokens=False)
+        """The rendered conversation as ids (same as `apply_chat_template(..., tokenize=True)`)."""
+        ids = self.apply_chat_template(messages, add_generation_prompt, tokenize=True, **kwargs)
+        assert isinstance(ids, list)
+        return ids
 
     def incremental_decoder(self, skip_special_tokens: bool = True) -> "IncrementalDecoder":
         return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)

@@ -1,9 +1,173 @@
-"""`edge-llm model` (placeholder until its issue lands; replace this file)."""
+"""`edge-llm model`: import-gguf, synth, info, digest."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Callable, Iterator
 
 import click
+
+from edge_llm.kvcache import DEFAULT_MAX_SEQ
+
+
+@contextlib.contextmanager
+def progress_bar(label: str) -> Iterator[Callable[[int, int, str], None]]:
+    """A rich progress bar on stderr, driven by the library's `progress(done, total, what)` callback."""
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), transient=False, console=_err()) as bar:
+        task = bar.add_task(label, total=None)
+
+        def update(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+def _err():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def _fail(e: Exception) -> None:
+    raise click.ClickException(str(e))
 
 
 @click.group("model")
 def model() -> None:
-    """Not yet implemented."""
-    raise click.ClickException("'model' is not implemented yet")
+    """Import, synthesise and inspect model directories."""
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
+
+
+@model.command("import-gguf")
+@click.argument("gguf_file", type=click.Path(exists=True, dir_okay=False))
+@click.argument("out_dir", type=click.Path(file_okay=False))
+def import_gguf_cmd(gguf_file: str, out_dir: str) -> None:
+    """Import a GGUF (llama / qwen2 / qwen3) into an HF directory with F32 weights."""
+    from edge_llm.errors import EdgeLLMError
+    from edge_llm.models.gguf_import import import_gguf
+
+    try:
+        with progress_bar("dequantising") as cb:
+            out = import_gguf(gguf_file, out_dir, progress=cb)
+    except EdgeLLMError as e:
+        _fail(e)
+    click.echo(f"imported {gguf_file} -> {out}")
+
+
+@model.command("synth")
+@click.option("--preset", type=click.Choice(["qwen3-vl-2b", "tiny"]), default="qwen3-vl-2b", show_default=True)
+@click.option("--layers", type=click.IntRange(1), default=None, help="Number of decoder layers (default: preset's).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.argument("out_dir", type=click.Path(file_okay=False))
+def synth_cmd(preset: str, layers: int | None, seed: int, out_dir: str) -> None:
+    """Write a random-weight qwen3_vl checkpoint (BF16) with the real Qwen3 tokenizer."""
+    from edge_llm.errors import EdgeLLMError
+    from edge_llm.models.synth import synth_checkpoint
+
+    try:
+        with progress_bar(f"synth {preset}") as cb:
+            out = synth_checkpoint(out_dir, preset=preset, layers=layers, seed=seed, progress=cb)
+    except EdgeLLMError as e:
+        _fail(e)
+    click.echo(f"wrote {preset} checkpoint -> {out}")
+
+
+def _param_counts(model_dir, prefix: str) -> tuple[int, int, dict[str, int], int]:
+    """(all params, text-model params, dtype -> count, bytes on disk) from safetensors headers."""
+    from edge_llm.models.synth import read_safetensors_header
+    from edge_llm.weights import safetensors_files
+
+    total = text = size = 0
+    dtypes: dict[str, int] = {}
+    for path in safetensors_files(model_dir):
+        size += path.stat().st_size
+        for name, entry in read_safetensors_header(path).items():
+            if name == "__metadata__":
+                continue
+            n = 1
+            for d in entry["shape"]:
+                n *= d
+            total += n
+            dtypes[entry["dtype"]] = dtypes.get(entry["dtype"], 0) + n
+            if name.startswith(prefix) or name == "lm_head.weight":
+                text += n
+    return total, text, dtypes, size
+
+
+@model.command("info")
+@click.argument("model_dir", default="default")
+@click.option("--max-seq", type=click.IntRange(1), default=DEFAULT_MAX_SEQ, show_default=True,
+              help="Context length for the KV size line.")
+def info_cmd(model_dir: str, max_seq: int) -> None:
+    """Geometry, KV bytes per token and parameter count of MODEL_DIR (or 'default')."""
+    from edge_llm.config import ModelArgs
+    from edge_llm.errors import EdgeLLMError
+
+    try:
+        d = _resolve(model_dir)
+        a = ModelArgs.from_dir(d)
+        total, text, dtypes, size = _param_counts(d, a.weight_prefix)
+    except EdgeLLMError as e:
+        _fail(e)
+    g = a.geometry
+    rope = f"theta {a.rope_theta:g}, {a.rope_type}"
+    if a.mrope_section:
+        rope += f", mrope {list(a.mrope_section)}{' interleaved' if a.mrope_interleaved else ''}"
+    rows = [
+        ("directory", str(d)),
+        ("model_type", a.model_type),
+        ("layers", a.num_hidden_layers),
+        ("hidden / intermediate", f"{a.hidden_size} / {a.intermediate_size}"),
+        ("heads (q / kv) x head_dim", f"{a.num_attention_heads} / {a.num_key_value_heads} x {a.head_dim}"),
+        ("vocab", a.vocab_size),
+        ("tied embeddings", a.tie_word_embeddings),
+        ("qk-norm / qkv bias", f"{a.qk_norm} / {a.attention_bias}"),
+        ("rope", rope),
+        ("rms_norm_eps", f"{a.rms_norm_eps:g}"),
+        ("KV bytes per token (F32)", f"{g.kv_bytes_per_token:,}"),
+        (f"KV bytes at {max_seq} tokens", f"{g.kv_bytes_per_token * max_seq:,} ({g.kv_bytes_per_token * max_seq / 2**20:.1f} MiB)"),
+        ("parameters (text model)", f"{text:,}"),
+        ("parameters (all tensors)", f"{total:,}"),
+        ("weights on disk", f"{size:,} bytes ({', '.join(f'{k}: {v:,}' for k, v in sorted(dtypes.items()))})"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        click.echo(f"{k:<{width}}  {v}")
+
+
+@contextlib.contextmanager
+def _nullbar() -> Iterator[None]:
+    yield None
+
+
+def _resolve(spec: str):
+    """Model directory for DIR|default; draws a bar only when the default model gets imported."""
+    from edge_llm.models.default import default_model_ready, resolve_model_dir
+
+    importing = spec == "default" and not default_model_ready()
+    with progress_bar("importing default model") if importing else _nullbar() as cb:
+        return resolve_model_dir(spec, progress=cb)
+
+
+@model.command("digest")
+@click.argument("model_dir", default="default")
+def digest_cmd(model_dir: str) -> None:
+    """Weight, tokenizer and model_id digests of MODEL_DIR (cpu-f32 backend)."""
+    from edge_llm.config import ModelArgs
+    from edge_llm.errors import EdgeLLMError
+    from edge_llm.snapshot.identity import Identity
+
+    try:
+        d = _resolve(model_dir)
+        ident = Identity.for_model(d, ModelArgs.from_dir(d))
+    except EdgeLLMError as e:
+        _fail(e)
+    click.echo(f"weights    {ident.weights_digest}")
+    click.echo(f"tokenizer  {ident.tokenizer_digest}")
+    click.echo(f"model_id   {ident.model_id:016x}  (backend cpu-f32; namespace {ident.namespace})")
