@@ -194,17 +194,47 @@ def build_tokenizer(meta: _Meta) -> tuple[str, dict[str, Any], list[int]]:
     return tk.to_str(), tcfg, list(dict.fromkeys(eos_ids))
 
 
+def _write_tokenizer_files(meta: _Meta, bos_id: int | None, out: Path) -> list[int]:
+    """tokenizer.json, tokenizer_config.json and generation_config.json; returns the eos ids."""
+    tok_json, tcfg, eos_ids = build_tokenizer(meta)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json.tmp").write_text(tok_json, encoding="utf-8")
+    (out / "tokenizer.json.tmp").replace(out / "tokenizer.json")
+    _write_json(out / "tokenizer_config.json", tcfg)
+    gen: dict[str, Any] = {}
+    if eos_ids:
+        gen["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
+    if bos_id is not None:
+        gen["bos_token_id"] = bos_id
+    _write_json(out / "generation_config.json", gen)
+    return eos_ids
+
+
+def _open(path: Path) -> Any:
+    import gguf
+
+    if not path.is_file():
+        raise ModelImportError(f"{path}: no such GGUF file")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # GGUFReader raises ValueError/struct errors on foreign or truncated files
+        raise ModelImportError(f"{path}: not a readable GGUF file: {e}") from None
+
+
+def import_tokenizer(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Only the tokenizer files of `gguf_path` (no weights) into `out_dir`."""
+    meta = _Meta(_open(Path(gguf_path)))
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    _write_tokenizer_files(meta, None if bos is None else int(bos), Path(out_dir))
+    return Path(out_dir)
+
+
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress | None = None) -> Path:
     """Import `gguf_path` into the HF directory `out_dir` (config, F32 safetensors, tokenizer)."""
     import gguf
 
     path = Path(gguf_path)
-    if not path.is_file():
-        raise ModelImportError(f"{path}: no such GGUF file")
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # GGUFReader raises ValueError/struct errors on foreign or truncated files
-        raise ModelImportError(f"{path}: not a readable GGUF file: {e}") from None
+    reader = _open(path)
     meta = _Meta(reader)
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
@@ -231,18 +261,10 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress |
     # GGUF lists dimensions fastest-first (ne0 = input features); HF/numpy order is the reverse
     plans = [TensorPlan(n, "F32", tuple(int(d) for d in reversed(t.shape.tolist()))) for n, t in by_hf.items()]
     plans.sort(key=_hf_order)
-    tok_json, tcfg, eos_ids = build_tokenizer(meta)
+    out = Path(out_dir)
+    eos_ids = _write_tokenizer_files(meta, cfg.get("bos_token_id"), out)
     if eos_ids:
         cfg["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tokenizer.json.tmp").write_text(tok_json, encoding="utf-8")
-    (out / "tokenizer.json.tmp").replace(out / "tokenizer.json")
-    _write_json(out / "tokenizer_config.json", tcfg)
-    gen = {"eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids}
-    if "bos_token_id" in cfg:
-        gen["bos_token_id"] = cfg["bos_token_id"]
-    _write_json(out / "generation_config.json", gen)
     write_checkpoint(out, plans, produce, max_shard_bytes=4 << 30, progress=progress)
     _write_json(out / "config.json", cfg)  # last: a directory with config.json is complete
     src = {"source": path.name, "architecture": arch, "tensors": len(plans),
