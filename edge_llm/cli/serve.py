@@ -1,9 +1,135 @@
-"""`edge-llm serve` (placeholder until its issue lands; replace this file)."""
+"""`edge-llm serve`: the OpenAI-compatible HTTP server with its process lifecycle.
+
+SIGTERM/SIGINT: stop accepting, let the running request finish for up to --grace-seconds (then
+cancel it), flush the pending snapshot save, write the exit line, exit 0. SIGHUP reopens the log
+file. Settings: flag > EDGE_LLM_* env > --config TOML > default.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
 
 import click
 
+log = logging.getLogger("edge_llm.lifecycle")
+
+
+def _flags(**kw):
+    """Only the flags the user gave (click passes None for the rest)."""
+    return {k: v for k, v in kw.items() if v is not None}
+
 
 @click.command("serve")
-def serve() -> None:
-    """Not yet implemented."""
-    raise click.ClickException("'serve' is not implemented yet")
+@click.option("--config", "config_file", default=None, metavar="FILE",
+              help="TOML settings file (keys as in board/edge-llm.toml.example).")
+@click.option("--model", default=None, help="HF model directory or 'default'.  [default: default]")
+@click.option("--host", default=None, help="Bind address.  [default: 127.0.0.1]")
+@click.option("--port", default=None, type=click.IntRange(1, 65535), help="[default: 8080]")
+@click.option("--disk-kv", default=None, metavar="DIR",
+              help="Snapshot directory.  [default: $STATE_DIRECTORY/kv or $EDGE_LLM_HOME/kv]")
+@click.option("--no-disk-kv", is_flag=True, default=False, help="Turn disk KV snapshots off.")
+@click.option("--disk-kv-min-lcp", default=None, type=click.IntRange(1), help="[default: 16]")
+@click.option("--disk-kv-max-files", default=None, type=click.IntRange(1), help="[default: 8]")
+@click.option("--disk-kv-max-bytes", default=None, type=click.IntRange(1), help="[default: no cap]")
+@click.option("--disk-kv-max-tokens", default=None, type=click.IntRange(1), help="[default: 8192]")
+@click.option("--kv-bs", default=None, type=click.IntRange(1), help="KV rows per block.  [default: 64]")
+@click.option("--max-seq", default=None, type=click.IntRange(1), help="Context window.  [default: 8192]")
+@click.option("--queue-size", default=None, type=click.IntRange(1),
+              help="Requests waiting behind the running one; beyond: 503.  [default: 16]")
+@click.option("--api-key-file", default=None, metavar="FILE",
+              help="Require 'Authorization: Bearer <key>' with a key from this file.")
+@click.option("--log-file", default=None, metavar="FILE",
+              help="Append-only log file; '' for none.  [default: $LOGS_DIRECTORY/edge-llm.log or "
+                   "$EDGE_LLM_HOME/logs/edge-llm.log]")
+@click.option("--backend", default=None, type=click.Choice(["cpu"]), help="[default: cpu]")
+@click.option("--grace-seconds", default=None, type=click.FloatRange(0),
+              help="How long a running request may finish after SIGTERM.  [default: 30]")
+@click.option("--max-body-bytes", default=None, type=click.IntRange(1), help="[default: 4 MiB]")
+def serve(config_file, no_disk_kv, **kw) -> None:
+    """Serve the OpenAI-compatible API (completions, chat, models, health, metrics)."""
+    from edge_llm.errors import ConfigError
+    from edge_llm.settings import load_settings
+
+    if no_disk_kv:
+        if kw.get("disk_kv"):
+            raise click.UsageError("--disk-kv and --no-disk-kv are mutually exclusive")
+        kw["disk_kv"] = "off"
+    try:
+        settings = load_settings(_flags(**kw), config_file=config_file)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    sys.exit(run_server(settings))
+
+
+def run_server(settings) -> int:
+    """Run until a signal or a fatal load error; return the process exit code."""
+    import uvicorn
+
+    from edge_llm.errors import ConfigError
+    from edge_llm.logsetup import log_banner, log_exit, setup_logging
+    from edge_llm.sdnotify import Notifier
+    from edge_llm.server.app import create_app
+
+    try:
+        logs = setup_logging(settings.log_file)
+    except OSError as e:
+        raise click.ClickException(f"log file {settings.log_file}: {e}") from None
+    logs.install_sighup()
+    notifier = Notifier()
+    log_banner(model=settings.model, backend=settings.backend, host=settings.host, port=settings.port,
+               disk_kv=settings.disk_kv or "off", max_seq=settings.max_seq, log_file=settings.log_file or "-",
+               notify="on" if notifier.enabled else "off")
+    fatal: list[str] = []
+    holder: dict[str, uvicorn.Server] = {}
+
+    def on_fatal(msg: str) -> None:
+        fatal.append(msg)
+        if "server" in holder:
+            holder["server"].should_exit = True
+
+    try:
+        app = create_app(settings, notifier=notifier, on_fatal=on_fatal)
+    except ConfigError as e:  # e.g. an unreadable api_key_file
+        log.error("%s", e)
+        log_exit(f"config error: {e}", logs, 2)
+        return 2
+    state = app.state.edge
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:
+            super().handle_exit(sig, frame)
+            name = signal.Signals(sig).name
+            # leave signal context: begin_shutdown takes locks and sends a datagram
+            threading.Thread(target=state.begin_shutdown, args=(name,), daemon=True).start()
+
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
+                            timeout_graceful_shutdown=settings.grace_seconds, lifespan="on",
+                            timeout_keep_alive=5, server_header=False)
+    server = holder["server"] = _Server(config)
+    # uvicorn re-raises the caught signal after shutdown; with a no-op handler underneath, the
+    # process ends through our exit path (exit line, code 0) instead of dying by the signal
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    code = 0
+    try:
+        server.run()
+    except SystemExit as e:  # uvicorn exits this way when it cannot bind the port
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException as e:
+        log.exception("server crashed: %s", e)
+        code = 1
+    if fatal:
+        reason, code = f"model load failed: {fatal[0]}", 1
+    elif code:
+        reason = "startup failed (see above)"
+    else:
+        reason = state.exit_reason or "server stopped"
+    if notifier.enabled:
+        notifier.stopping()
+    log_exit(reason, logs, code)
+    notifier.close()
+    logging.shutdown()
+    return code

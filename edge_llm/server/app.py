@@ -1,0 +1,203 @@
+"""FastAPI app factory: OpenAI-compatible routes, /health, /metrics.
+
+Handlers validate and tokenize (in the thread pool), enqueue a job for the single worker and
+relay its events as JSON or SSE. A watcher task cancels the job when the client disconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from edge_llm import __version__
+from edge_llm.engine import GenerationRequest
+from edge_llm.errors import EdgeLLMError
+from edge_llm.sampling import SamplingParams
+from edge_llm.server import schemas as S
+from edge_llm.server.errors import (APIError, BodyLimitMiddleware, bad_request, install_handlers,
+                                    queue_full, unavailable)
+from edge_llm.server.metrics import StatusCountMiddleware
+from edge_llm.server.state import AppState
+from edge_llm.server.streaming import collect, sse_chat, sse_completion
+from edge_llm.server.worker import Job, QueueFull, ShuttingDown
+from edge_llm.settings import Settings
+
+log = logging.getLogger(__name__)
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    c: {"model": S.ErrorResponse, "description": d} for c, d in (
+        (400, "Invalid request, or prompt + max_tokens over the context window"),
+        (401, "Missing or invalid API key"), (404, "Unknown model"), (413, "Request body too large"),
+        (503, "Loading, shutting down, or queue full (see Retry-After)"))}
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def create_app(settings: Settings, notifier: Any = None, loader: Callable[[], Any] | None = None,
+               on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+    """Build the app. The model loads in the background when the app starts (lifespan)."""
+    state = AppState(settings, notifier=notifier, loader=loader, on_fatal=on_fatal)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        state.start_loading()
+        try:
+            yield
+        finally:
+            # the worker join and snapshot flush block: keep them off the event loop
+            await run_in_threadpool(state.close)
+
+    app = FastAPI(title="edge-llm", version=__version__, lifespan=lifespan,
+                  description="OpenAI-compatible API with bit-exact disk KV snapshots.")
+    app.state.edge = state
+    install_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
+    # outermost: counts every status, including 413 from the body limit
+    app.add_middleware(StatusCountMiddleware, metrics=state.metrics)
+
+    def auth(request: Request) -> None:
+        if state.keys is not None:
+            state.keys.check(request.headers.get("authorization"))
+
+    def require_ready(model: str | None) -> None:
+        if state.status == "stopping":
+            raise unavailable("server is shutting down", "shutting_down")
+        if not state.ready:
+            raise unavailable(f"model is {state.status}" + (f": {state.error}" if state.error else ""),
+                              "model_not_ready")
+        if model is not None and model not in (state.model_id, settings.model):
+            raise APIError(404, f"model {model!r} not found; this server serves {state.model_id!r}",
+                           "invalid_request_error", "model", "model_not_found")
+
+    # ---- introspection ----------------------------------------------------------------------
+    @app.get("/health", response_model=S.Health, responses={503: {"model": S.Health}})
+    def health() -> JSONResponse:
+        h = state.health()
+        return JSONResponse(h, status_code=200 if h["status"] == "ok" else 503)
+
+    @app.get("/metrics", response_class=Response)
+    def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+    @app.get("/v1/models", response_model=S.ModelList, responses=ERRORS, dependencies=[Depends(auth)])
+    def models() -> S.ModelList:
+        return S.ModelList(data=[S.ModelCard(id=state.model_id, created=state.created)])
+
+    # ---- generation ---------------------------------------------------------------------------
+    def sampling(body: S._Sampling) -> tuple[SamplingParams, list[str]]:
+        if body.n not in (None, 1):
+            raise bad_request("only n=1 is supported", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(body, name):
+                raise bad_request(f"{name} is not supported (must be 0 or omitted)", name)
+        if body.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stop) > 4:
+            raise bad_request(f"at most 4 stop sequences are allowed, got {len(stop)}", "stop")
+        temperature = 1.0 if body.temperature is None else body.temperature  # OpenAI default
+        params = SamplingParams(temperature=temperature, top_k=body.top_k or 0,
+                                top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed)
+        return params, [s for s in stop if s]
+
+    def check_length(n_prompt: int, max_tokens: int, param: str) -> None:
+        if n_prompt == 0:
+            raise bad_request("the prompt is empty (0 tokens)", "prompt")
+        if n_prompt + max_tokens > settings.max_seq:
+            raise APIError(400, f"This model's maximum context length is {settings.max_seq} tokens. "
+                           f"However, you requested {n_prompt + max_tokens} tokens ({n_prompt} in the "
+                           f"prompt, {max_tokens} for the completion). Please reduce the prompt or "
+                           f"{param}.", "invalid_request_error", param, "context_length_exceeded")
+
+    async def submit(request: Request, greq: GenerationRequest, label: str) -> tuple[Job, asyncio.Task]:
+        job = Job(greq, asyncio.get_running_loop(), label=label)
+        try:
+            state.worker.submit(job)
+        except QueueFull:
+            state.metrics.rejected_queue_full.inc()
+            raise queue_full(settings.queue_size) from None
+        except ShuttingDown:
+            raise unavailable("server is shutting down", "shutting_down") from None
+        return job, asyncio.create_task(_watch_disconnect(request, job))
+
+    @app.post("/v1/completions", response_model=S.CompletionResponse, responses=ERRORS,
+              dependencies=[Depends(auth)])
+    async def completions(body: S.CompletionRequest, request: Request):
+        require_ready(body.model)
+        if body.echo:
+            raise bad_request("echo is not supported (must be false)", "echo")
+        if body.logprobs is not None:
+            raise bad_request("logprobs is not supported", "logprobs")
+        if body.best_of not in (None, 1):
+            raise bad_request("best_of is not supported", "best_of")
+        if body.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        params, stop = sampling(body)
+        engine = state.engine
+        if isinstance(body.prompt, str):
+            tokens = await run_in_threadpool(engine.tokenizer.encode, body.prompt)
+        else:
+            vocab = engine.model.args.vocab_size
+            bad = next((t for t in body.prompt if t >= vocab), None)
+            if bad is not None:
+                raise bad_request(f"token id {bad} is out of range (vocabulary size {vocab})", "prompt")
+            tokens = list(body.prompt)
+        max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+        check_length(len(tokens), max_tokens, "max_tokens")
+        job, watcher = await submit(request, GenerationRequest(tokens, max_tokens, params, stop), "completion")
+        meta = dict(id=f"cmpl-{job.id}", model=state.model_id)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(sse_completion(job, watcher, meta, include_usage),
+                                     media_type="text/event-stream", headers=_SSE_HEADERS)
+        return await collect(job, watcher, meta, chat=False)
+
+    @app.post("/v1/chat/completions", response_model=S.ChatCompletionResponse, responses=ERRORS,
+              dependencies=[Depends(auth)])
+    async def chat_completions(body: S.ChatCompletionRequest, request: Request):
+        require_ready(body.model)
+        if body.logprobs:
+            raise bad_request("logprobs is not supported", "logprobs")
+        if body.tools:
+            raise bad_request("tools are not supported", "tools")
+        params, stop = sampling(body)
+        engine = state.engine
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in body.messages]
+        try:
+            tokens = await run_in_threadpool(engine.tokenizer.apply_chat_template_ids, messages, True)
+        except EdgeLLMError as e:  # e.g. the template raises on a role order it does not accept
+            raise bad_request(f"messages: {e}", "messages") from None
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:  # OpenAI chat default: whatever the context leaves
+            max_tokens = max(1, settings.max_seq - len(tokens))
+        check_length(len(tokens), max_tokens, param)
+        job, watcher = await submit(request, GenerationRequest(tokens, max_tokens, params, stop), "chat")
+        meta = dict(id=f"chatcmpl-{job.id}", model=state.model_id)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(sse_chat(job, watcher, meta, include_usage),
+                                     media_type="text/event-stream", headers=_SSE_HEADERS)
+        return await collect(job, watcher, meta, chat=True)
+
+    return app
+
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    """Cancel the job when the client goes away (the body is already read, so the next ASGI
+    message is the disconnect)."""
+    while not job.done:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            job.cancel_with("client disconnected")
+            return

@@ -1,0 +1,185 @@
+"""OpenAI-style error bodies, the handlers that produce them, the body-size limit and API keys.
+
+Every error a client can cause is answered as `{"error": {"message", "type", "param", "code"}}`
+with the matching status; nothing a client sends reaches the engine unvalidated.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from edge_llm.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 2
+
+
+class APIError(Exception):
+    """An error answered to the client; `status` and the OpenAI error fields."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+def queue_full(queue_size: int) -> APIError:
+    return APIError(503, f"server busy: the request queue is full ({queue_size} waiting); retry later",
+                    "server_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def unavailable(message: str, code: str) -> APIError:
+    return APIError(503, message, "server_error", code=code, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
+    errs = exc.errors()
+    if not errs:
+        return "invalid request", None, "invalid_request"
+    e = errs[0]
+    if e.get("type") == "json_invalid":
+        ctx = e.get("ctx") or {}
+        return f"invalid JSON body: {ctx.get('error', e.get('msg'))}", None, "invalid_json"
+    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    msg = e.get("msg", "invalid value")
+    more = f" (and {len(errs) - 1} more error(s))" if len(errs) > 1 else ""
+    return (f"{param}: {msg}" if param else msg) + more, param, "invalid_value"
+
+
+def install_handlers(app: FastAPI) -> None:
+    """Map every failure mode to an OpenAI error body."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_req: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_req: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param, code = _validation_message(exc)
+        return JSONResponse(error_body(message, "invalid_request_error", param, code), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind, code=str(exc.status_code)),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(_req: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error: %s", exc)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"),
+                            status_code=500)
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over `limit` bytes: by Content-Length up front, else while streaming in."""
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    too_big = int(value) > self.limit
+                except ValueError:
+                    too_big = False
+                if too_big:
+                    return await self._reject(send)
+        seen = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise _BodyTooLarge
+            return msg
+
+        async def tracking_send(msg: Message) -> None:
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await self._reject(send)
+
+    async def _reject(self, send: Send) -> None:
+        body = json.dumps(error_body(f"request body exceeds the limit of {self.limit} bytes",
+                                     "invalid_request_error", code="body_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class APIKeys:
+    """Keys from --api-key-file (one per line, '#' comments); compared in constant time."""
+
+    def __init__(self, keys: list[bytes]):
+        self.keys = keys
+
+    @classmethod
+    def from_file(cls, path: str | Path | None) -> "APIKeys | None":
+        if not path:
+            return None
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError as e:
+            raise ConfigError(f"api_key_file {path}: {e}") from None
+        keys = [ln.strip().encode() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+        if not keys:
+            raise ConfigError(f"api_key_file {path}: no key in the file")
+        return cls(keys)
+
+    def check(self, authorization: str | None) -> None:
+        """Raise a 401 APIError unless `Authorization: Bearer <key>` names a configured key."""
+        if not authorization:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'",
+                           "authentication_error", code="missing_api_key")
+        scheme, _, token = authorization.partition(" ")
+        given = token.strip().encode()
+        # compare against every key, always, so timing reveals neither which key nor how much matched
+        ok = False
+        for key in self.keys:
+            ok |= hmac.compare_digest(given, key)
+        if scheme.lower() != "bearer" or not ok:
+            raise APIError(401, "invalid API key", "authentication_error", code="invalid_api_key")

@@ -1,0 +1,218 @@
+"""OpenAI-compatible request and response models (pydantic), plus `timings` (SPEC section 6).
+
+Requests ignore unknown fields (clients send many optional ones) but reject values we cannot
+honour (n > 1, echo, logprobs, penalties, non-text content) with a 400 instead of silently
+producing something different from what was asked.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+StopField = Annotated[str | list[str] | None, Field(default=None, description="Up to 4 stop strings.")]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _Sampling(_Request):
+    model: str | None = Field(default=None, description="Omit, or the id from /v1/models.")
+    temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    seed: int | None = None
+    stop: StopField
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(ge=1, le=1)] | None = Field(default=None, description="Only 1 is supported.")
+    presence_penalty: Finite | None = None
+    frequency_penalty: Finite | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] = Field(
+        description="Text, or a list of token ids.")
+    max_tokens: Annotated[int, Field(ge=1)] | None = Field(default=None, description="Default 16.")
+    echo: bool = Field(default=False, description="Must be false.")
+    logprobs: int | None = Field(default=None, description="Not supported: must be omitted.")
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="Default: the rest of the context window.")
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+
+
+# ---- responses -----------------------------------------------------------------------------
+class Timings(BaseModel):
+    ttft_ms: float
+    prefill_tokens: int
+    prefill_ms: float
+    decode_tokens: int
+    decode_ms: float
+    cache_source: Literal["none", "ram", "disk"]
+    ram_cached_tokens: int
+    disk_cached_tokens: int
+    restore_ms: float
+    restore_bytes: int
+    save_wait_ms: float = 0.0
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    timings: Timings
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        # OpenAI sends only the fields a delta carries ({"content": "x"}, {} at the end)
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "edge-llm"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class SnapshotSummary(BaseModel):
+    enabled: bool
+    count: int = 0
+    bytes: int = 0
+    directory: str | None = None
+
+
+class Health(BaseModel):
+    status: Literal["loading", "ok", "failed", "stopping"]
+    version: str
+    model: str | None = None
+    backend: str
+    namespace: str | None = None
+    max_seq: int
+    snapshots: SnapshotSummary
+    queue_depth: int
+    queue_size: int
+    busy: bool
+    degraded: list[str] = Field(default_factory=list, description="e.g. 'snapshot-disk-full'.")
+    error: str | None = None
+    uptime_s: float
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

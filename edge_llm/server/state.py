@@ -1,0 +1,187 @@
+"""Server lifecycle state: background model load, readiness, health, and the shutdown sequence.
+
+The HTTP socket is bound before the model is loaded (so systemd and clients can see "loading"
+on /health); the load runs on its own thread and starts the worker when done.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from edge_llm import __version__
+from edge_llm.errors import ConfigError
+from edge_llm.server.errors import APIKeys
+from edge_llm.server.metrics import Metrics
+from edge_llm.server.worker import Job, Worker
+from edge_llm.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def model_id_for(settings: Settings) -> str:
+    """The id /v1/models lists: the model directory's name, or "default"."""
+    if settings.model == "default":
+        return "default"
+    return Path(settings.model).name or settings.model
+
+
+class AppState:
+    """Everything the routes need; owned by one app instance."""
+
+    def __init__(self, settings: Settings, notifier: Any = None,
+                 loader: Callable[[], Any] | None = None, on_fatal: Callable[[str], None] | None = None):
+        self.settings = settings
+        self.notifier = notifier
+        self.on_fatal = on_fatal
+        self.keys = APIKeys.from_file(settings.api_key_file)  # unreadable key file: fail at start
+        self.model_id = model_id_for(settings)
+        self.created = int(time.time())
+        self.started = time.monotonic()
+        self.status = "loading"
+        self.error: str | None = None
+        self.engine: Any = None
+        self.worker: Worker | None = None
+        self.exit_reason: str | None = None
+        self._loader = loader or self._default_loader
+        self._load_thread: threading.Thread | None = None
+        self.metrics = Metrics(self.metrics_state)
+
+    # ---- loading ---------------------------------------------------------------------------
+    def _default_loader(self) -> Any:
+        from edge_llm.runtime import load_runtime
+
+        return load_runtime(self.settings.runtime_options())
+
+    def start_loading(self) -> None:
+        self._status("loading model")
+        self._load_thread = threading.Thread(target=self._load, name="edge-llm-load", daemon=True)
+        self._load_thread.start()
+
+    def _load(self) -> None:
+        t0 = time.monotonic()
+        try:
+            engine = self._loader()
+        except Exception as e:  # reported on /health and as a failed start
+            self.error = f"{type(e).__name__}: {e}"
+            self.status = "failed"
+            log.error("model load failed: %s", self.error,
+                      exc_info=not isinstance(e, (ConfigError, OSError)))
+            self._status(f"failed: {self.error}")
+            if self.on_fatal is not None:
+                self.on_fatal(self.error)
+            return
+        if self.status == "stopping":  # SIGTERM arrived while loading: nothing to serve
+            if getattr(engine, "store", None) is not None:
+                engine.store.close()
+            return
+        self.engine = engine
+        worker = Worker(engine, self.settings.queue_size, self.notifier, on_finish=self._finished)
+        worker.start()
+        self.worker = worker
+        self.status = "ok"
+        snap = self.snapshot_summary()
+        log.info("ready: model=%s backend=%s namespace=%s index=%d checkpoint(s) %d bytes "
+                 "max_seq=%d queue_size=%d load=%.1fs", self.model_id, self.settings.backend,
+                 self.namespace, snap["count"], snap["bytes"], self.settings.max_seq,
+                 self.settings.queue_size, time.monotonic() - t0)
+        if self.notifier is not None:
+            self.notifier.ready(self._status_text())
+
+    def _finished(self, job: Job, last: Any) -> None:
+        self.metrics.observe_generation(last.timings, last.usage, last.finish_reason)
+
+    def _status(self, text: str) -> None:
+        if self.notifier is not None:
+            self.notifier.status(text)
+
+    def _status_text(self) -> str:
+        snap = self.snapshot_summary()
+        return (f"serving {self.model_id} on {self.settings.host}:{self.settings.port}; "
+                f"{snap['count']} snapshot(s)")
+
+    # ---- introspection ---------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self.status == "ok" and self.worker is not None
+
+    @property
+    def store(self) -> Any:
+        return getattr(self.engine, "store", None)
+
+    @property
+    def namespace(self) -> str | None:
+        store = self.store
+        if store is None:
+            return None
+        ns = getattr(store, "ns", None)
+        return ns.name if ns is not None else store.identity.namespace
+
+    def store_stats(self) -> dict[str, Any]:
+        store = self.store
+        if store is None:
+            return {}
+        st = store.stats
+        return dict(st() if callable(st) else st)
+
+    def snapshot_summary(self) -> dict[str, Any]:
+        st = self.store_stats()
+        return {"enabled": self.store is not None, "count": int(st.get("files", 0)),
+                "bytes": int(st.get("bytes_on_disk", 0)), "directory": self.settings.disk_kv or None}
+
+    def degraded(self) -> list[str]:
+        """Human-readable conditions that reduce service (e.g. "snapshot disk full")."""
+        flags = [str(v) for v in self.store_stats().get("degraded", ())]
+        if self.status == "failed":
+            flags.append("model load failed")
+        return flags
+
+    def health(self) -> dict[str, Any]:
+        w = self.worker
+        return {
+            "status": self.status, "version": __version__, "model": self.model_id,
+            "backend": self.settings.backend, "namespace": self.namespace,
+            "max_seq": self.settings.max_seq, "snapshots": self.snapshot_summary(),
+            "queue_depth": w.depth if w else 0, "queue_size": self.settings.queue_size,
+            "busy": bool(w and w.busy), "degraded": self.degraded(), "error": self.error,
+            "uptime_s": round(time.monotonic() - self.started, 3),
+        }
+
+    def metrics_state(self) -> dict[str, Any]:
+        w = self.worker
+        return {"queue_depth": w.depth if w else 0, "busy": bool(w and w.busy), "ready": self.ready,
+                "store": self.store_stats() if self.store is not None else None}
+
+    # ---- shutdown ----------------------------------------------------------------------------
+    def begin_shutdown(self, reason: str) -> None:
+        """First signal: refuse new work, tell systemd we are stopping. Safe to call twice."""
+        if self.exit_reason is None:
+            self.exit_reason = reason
+        if self.status == "stopping":
+            return
+        self.status = "stopping"
+        log.info("shutdown requested (%s): refusing new requests", reason)
+        if self.notifier is not None:
+            self.notifier.stopping(f"stopping ({reason})")
+        if self.worker is not None:
+            self.worker.begin_shutdown()
+
+    def close(self, grace: float | None = None) -> None:
+        """Finish/cancel the running job, flush the pending snapshot save, close the store."""
+        self.begin_shutdown(self.exit_reason or "shutdown")
+        grace = self.settings.grace_seconds if grace is None else grace
+        if self.worker is not None:
+            self.worker.stop(grace)
+        store = self.store
+        if store is not None:
+            t0 = time.monotonic()
+            try:
+                store.flush(max(grace, 60.0))
+                store.close()
+            except Exception:  # the process is exiting; published snapshots are already safe
+                log.exception("snapshot store flush/close failed")
+            log.info("snapshot store flushed and closed in %.0f ms", (time.monotonic() - t0) * 1e3)

@@ -1,0 +1,199 @@
+"""The single inference worker thread and its bounded FIFO queue.
+
+The event loop only enqueues jobs and awaits their events; every model computation and snapshot
+I/O happens on this thread. Events cross back to the loop with `call_soon_threadsafe`, so the
+loop never blocks. A job's `cancel` event (client gone, shutdown) stops generation at the next
+token; a job cancelled while still queued is skipped without computing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from edge_llm.engine import GenerationEvent, GenerationRequest
+
+log = logging.getLogger(__name__)
+
+_DONE = object()
+_ids = itertools.count(1)
+
+
+class QueueFull(Exception):
+    """The FIFO already holds `queue_size` waiting jobs."""
+
+
+class ShuttingDown(Exception):
+    """The server stopped accepting work."""
+
+
+@dataclass
+class Job:
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    label: str = ""
+    id: int = field(default_factory=lambda: next(_ids))
+    cancel: threading.Event = field(default_factory=threading.Event)
+    cancel_reason: str | None = None
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    enqueued: float = field(default_factory=time.monotonic)
+    done: bool = False
+
+    def cancel_with(self, reason: str) -> None:
+        """Ask the worker to stop this job at the next token (or skip it if still queued)."""
+        if not self.done and not self.cancel.is_set():
+            self.cancel_reason = reason
+            self.cancel.set()
+
+    async def events(self) -> AsyncIterator[GenerationEvent]:
+        """Events as the worker produces them; re-raises the worker's exception, if any."""
+        while True:
+            item = await self.out.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+class Worker:
+    """One thread runs `engine.generate` for one job at a time, in FIFO order."""
+
+    def __init__(self, engine: Any, queue_size: int = 16, notifier: Any = None, on_finish=None):
+        self.engine = engine
+        self.queue_size = queue_size
+        self.notifier = notifier
+        self.on_finish = on_finish  # callback(job, last_event) for metrics; runs on this thread
+        # Queue(maxsize) would count a sentinel too; the explicit bound below is what clients see
+        self._q: queue.Queue[Job | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._accepting = True
+        self.current: Job | None = None
+        self._thread = threading.Thread(target=self._run, name="edge-llm-worker", daemon=True)
+
+    # ---- loop side ----------------------------------------------------------------------------
+    @property
+    def depth(self) -> int:
+        return self._q.qsize()
+
+    @property
+    def busy(self) -> bool:
+        return self.current is not None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> Job:
+        """Enqueue, or raise QueueFull / ShuttingDown (never blocks)."""
+        with self._lock:
+            if not self._accepting:
+                raise ShuttingDown()
+            if self._q.qsize() >= self.queue_size:
+                raise QueueFull()
+            self._q.put_nowait(job)
+        log.debug("job %d queued (%s, depth %d)", job.id, job.label, self._q.qsize())
+        return job
+
+    def begin_shutdown(self) -> int:
+        """Stop accepting; fail the queued (not yet started) jobs with ShuttingDown."""
+        with self._lock:
+            self._accepting = False
+            dropped = []
+            while True:
+                try:
+                    job = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    dropped.append(job)
+        for job in dropped:
+            job.done = True
+            self._deliver(job, ShuttingDown())
+            self._deliver(job, _DONE)
+        if dropped:
+            log.info("shutdown: refused %d queued request(s)", len(dropped))
+        return len(dropped)
+
+    def stop(self, grace: float) -> bool:
+        """Let the running job finish for up to `grace` seconds, then cancel it; join the thread."""
+        self.begin_shutdown()
+        self._q.put(None)
+        self._thread.join(grace)
+        if self._thread.is_alive():
+            job = self.current
+            if job is not None:
+                log.warning("shutdown: cancelling job %d after the %.0fs grace period", job.id, grace)
+                job.cancel_with("shutdown grace period over")
+            # the engine checks `cancel` between tokens; a prefill chunk is the longest wait
+            self._thread.join()
+        return True
+
+    # ---- worker thread ----------------------------------------------------------------------
+    def _deliver(self, job: Job, item: Any) -> None:
+        try:
+            job.loop.call_soon_threadsafe(job.out.put_nowait, item)
+        except RuntimeError:  # the loop is gone (process exiting): nobody is listening
+            pass
+
+    def _ping(self) -> None:
+        if self.notifier is not None:
+            self.notifier.watchdog()
+
+    def _run(self) -> None:
+        wd = self.notifier.watchdog_interval if self.notifier is not None else None
+        # wake at least every half watchdog interval even when idle
+        idle_wait = min(wd, 1.0) if wd else 1.0
+        while True:
+            self._ping()
+            try:
+                job = self._q.get(timeout=idle_wait)
+            except queue.Empty:
+                continue
+            if job is None:
+                return
+            self._execute(job)
+
+    def _execute(self, job: Job) -> None:
+        if job.cancel.is_set():
+            log.info("job %d skipped: cancelled while queued (%s)", job.id, job.cancel_reason)
+            job.done = True
+            self._deliver(job, _DONE)
+            return
+        self.current = job
+        wait_ms = (time.monotonic() - job.enqueued) * 1e3
+        last: GenerationEvent | None = None
+        n = 0
+        try:
+            for ev in self.engine.generate(job.request, cancel=job.cancel):
+                last = ev
+                n += 1
+                self._deliver(job, ev)
+                self._ping()
+        except Exception as e:  # reported to the client; the worker keeps serving
+            log.exception("job %d failed: %s", job.id, e)
+            self._deliver(job, e)
+        finally:
+            job.done = True
+            self.current = None
+            self._deliver(job, _DONE)
+        if last is not None and last.finish_reason is not None:
+            t, u = last.timings, last.usage
+            if last.finish_reason == "cancelled":
+                log.info("job %d cancelled after %d token(s): %s", job.id, u.completion_tokens,
+                         job.cancel_reason or "cancelled")
+            else:
+                log.info("job %d done (%s): prompt %d (cached %d, %s), completion %d, queue %.0fms, "
+                         "ttft %.0fms, finish %s", job.id, job.label, u.prompt_tokens, u.cached_tokens,
+                         t.cache_source, u.completion_tokens, wait_ms, t.ttft_ms, last.finish_reason)
+            if self.on_finish is not None:
+                try:
+                    self.on_finish(job, last)
+                except Exception:
+                    log.exception("metrics callback failed")
