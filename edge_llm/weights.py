@@ -162,6 +162,9 @@ class Weights(Mapping[str, np.ndarray]):
         del self._infos[name]
         return arr
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._infos  # without reading the tensor
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._infos)
 
