@@ -425,3 +425,17 @@ def test_describe_dissects_the_golden_file(tmp_path):
     short = F.describe(path)
     assert not short["valid"] and short["error"]["reason"] == "size" and short["blocks"] == []
     assert short["size_formula"]["expected"] == 204 and short["size_formula"]["actual"] == 203
+
+
+class TrickleWriter(io.BytesIO):
+    """Accepts at most 5 bytes per write, like a raw file interrupted by signals."""
+
+    def write(self, b) -> int:
+        return super().write(bytes(memoryview(b).cast("B")[:5]))
+
+
+def test_writer_loops_over_partial_writes():
+    data = golden_rows()
+    f = TrickleWriter()
+    assert F.write_snapshot(f, G_TOKENS, G_MODEL_ID, G_GEOM, 2, lambda l, kv: data[l, kv]) == 204
+    assert f.getvalue() == GOLDEN

@@ -19,10 +19,10 @@ import crc32c
 import numpy as np
 
 from edge_llm.config import Geometry
-from edge_llm.errors import (SnapshotBadMagic, SnapshotError, SnapshotBadVersion, SnapshotBlockCRC, SnapshotFlags,
-                             SnapshotGeometry, SnapshotHeaderCRC, SnapshotKVDim, SnapshotModelID,
-                             SnapshotSize, SnapshotTokenCount, SnapshotTokenHash, SnapshotTooShort,
-                             SnapshotTrailerCRC)
+from edge_llm.errors import (SnapshotBadMagic, SnapshotBadVersion, SnapshotBlockCRC, SnapshotError,
+                             SnapshotFlags, SnapshotGeometry, SnapshotHeaderCRC, SnapshotKVDim,
+                             SnapshotModelID, SnapshotSize, SnapshotTokenCount, SnapshotTokenHash,
+                             SnapshotTooShort, SnapshotTrailerCRC)
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,9 @@ def _read_exact(f: Any, offset: int, size: int) -> bytearray:
 def _write_all(f: Any, view: memoryview) -> None:
     while view.nbytes:  # raw (unbuffered) files may accept fewer bytes than asked
         n = f.write(view)
-        view = view[n:] if n is not None else view[view.nbytes:]
+        if not n:  # None: a non-blocking file would drop data silently; snapshots never use one
+            raise OSError(f"write accepted {n!r} of {view.nbytes} bytes")
+        view = view[n:]
 
 
 def _byte_view(arr: np.ndarray, start: int, stop: int, kv_dim: int, writable: bool = False) -> memoryview:
@@ -261,7 +263,10 @@ class SnapshotWriter:
         _write_all(self.f, memoryview(self.hdr.pack()))
         self.f.seek(self.written)
         self.f.flush()
-        assert self.written == self.hdr.file_size, (self.written, self.hdr.file_size)
+        if self.written != self.hdr.file_size:  # a bug here would publish a file every reader rejects
+            raise RuntimeError(f"wrote {self.written} bytes, format says {self.hdr.file_size}")
+        log.debug("snapshot written: %d tokens, %d bytes, kv_bs %d", self.hdr.n_tokens, self.written,
+                  self.hdr.kv_bs)
         return self.written
 
 
@@ -364,6 +369,7 @@ def read_rows_into(f: BinaryIO, hdr: SnapshotHeader, m: int,
             if crc32c.crc32c(view) != hdr.block_crc(layer, b, kv):
                 raise SnapshotBlockCRC(f"layer {layer} block {b} ({KV_NAMES[kv]}, rows "
                                        f"{hdr.block_rows(b)}) fails its CRC32C")
+    log.debug("read rows [0, %d) of a %d-token snapshot: %d payload bytes", m, hdr.n_tokens, total)
     return total
 
 
