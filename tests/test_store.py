@@ -339,3 +339,23 @@ def test_wait_rows_with_a_real_large_save(tmp_path):
     assert np.array_equal(cache.data[:, :, :2047], make_cache(seq(2048), max_seq=2048, geometry=big).data[:, :, :2047])
     s.close()
     s2.close()
+
+
+def test_scan_drops_superseded_prefix_and_applies_caps(tmp_path, caplog):
+    import shutil
+
+    s = new_store(tmp_path)
+    save(s, make_cache(seq(20)))
+    old = s.ns / name_of(seq(20))
+    shutil.copy2(old, tmp_path / "saved-old")
+    save(s, make_cache(seq(40)))  # replaces the 20-token file
+    save(s, make_cache(seq(20, start=5000)))
+    s.close()
+    shutil.copy2(tmp_path / "saved-old", old)  # as if killed before the old file was deleted
+    s2 = new_store(tmp_path)
+    assert kv_files(s2) == sorted([name_of(seq(40)), name_of(seq(20, start=5000))])
+    assert f"[KV-DISK] evicted {old.name} (replaced by {name_of(seq(40))}" in "\n".join(kv_lines(caplog, "evicted"))
+    s2.close()
+    s3 = new_store(tmp_path, max_files=1)  # a lowered cap applies at start-up
+    assert kv_files(s3) == [name_of(seq(20, start=5000))]  # the most recently saved stays
+    s3.close()

@@ -75,7 +75,13 @@ class SnapshotStore:
         extra = f", {rejected} rejected" if rejected else ""
         log.info("[KV-DISK] index: %d checkpoint(s)%s (%s, %.1f ms)", len(entries), extra, self.ns.name,
                  (time.monotonic() - t0) * 1e3)
-        return len(entries)
+        # a kill between publishing a file and removing what it replaces/evicts leaves extra files
+        for e in list(entries.values()):
+            longer = [o for o in entries.values() if o.n_tokens > e.n_tokens and is_prefix(e.tokens, o.tokens)]
+            if longer:
+                self._remove(e, f"replaced by {longer[0].name}, which extends it")
+        self.evict()
+        return len(self._index)
 
     def _read_entry(self, path: Path) -> Entry:
         with open(path, "rb", buffering=0) as f:
