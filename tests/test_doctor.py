@@ -1,0 +1,210 @@
+"""`edge-llm doctor`: the real CLI on this machine, and the RK3588 branch on a fabricated sysroot.
+
+The RK3588 tests build a fake /proc, /sys, /dev and /etc under tmp_path: they test our parsing
+of what the rknpu driver, devfreq, cpufreq and the eMMC expose, since none of that hardware
+exists on this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from edge_llm.doctor import FAIL, NA, PASS, WARN, DoctorOptions, run_checks
+
+REPO = Path(__file__).resolve().parents[1]
+NPU_ITEMS = ("board", "rknn-toolkit-lite2", "librknnrt", "npu-driver", "npu-device",
+             "npu-governor", "ddr-governor")
+IS_RK3588 = "rockchip,rk3588" in (Path("/proc/device-tree/compatible").read_bytes().decode(errors="replace")
+                                  if Path("/proc/device-tree/compatible").exists() else "")
+
+
+def by_name(checks) -> dict:
+    return {c.name: c for c in checks}
+
+
+def gib(detail: str, label: str) -> float:
+    return float(re.search(label + r" (\d+\.\d\d) GiB", detail).group(1))
+
+
+def tiny_model(d: Path, layers: int = 2) -> Path:
+    """A minimal qwen3 checkpoint: config.json, one safetensors file, tokenizer.json."""
+    from safetensors.numpy import save_file
+
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}))
+    save_file({"model.embed_tokens.weight": np.zeros((64, 32), np.float16),
+               "model.norm.weight": np.ones(32, np.float32)}, str(d / "model.safetensors"))
+    (d / "tokenizer.json").write_text("{}")
+    return d
+
+
+@pytest.mark.skipif(IS_RK3588, reason="checks the non-RK3588 path")
+def test_cli_json_on_this_machine(tmp_path: Path) -> None:
+    kv = tmp_path / "kv"
+    env = {**os.environ, "EDGE_LLM_HOME": str(tmp_path / "home")}
+    res = subprocess.run([sys.executable, "-m", "edge_llm", "doctor", "--json", "--model", "default",
+                          "--kv-dir", str(kv), "--max-seq", "4096"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    doc = json.loads(res.stdout)
+    assert res.returncode == (0 if doc["ok"] else 1), res.stderr
+    checks = doc["checks"]
+    assert len({c["name"] for c in checks}) == len(checks)
+    for c in checks:
+        assert set(c) == {"name", "status", "detail", "fix"}
+        assert c["status"] in (PASS, WARN, FAIL, NA)
+        assert c["status"] in (PASS, NA) or c["fix"], c  # every problem names its fix
+    c = {x["name"]: x for x in checks}
+    for name in NPU_ITEMS:
+        assert c[name]["status"] == NA and c[name]["detail"].startswith("not an RK3588 (machine: ")
+
+    # memory: computed from psutil and the default model's real geometry
+    # (SmolLM2-135M: 30 layers x 3 KV heads x 64 dims, F32 K and V)
+    mem = c["memory"]["detail"]
+    assert gib(mem, "KV") == round(4096 * 2 * 30 * 3 * 64 * 4 / 2**30, 2)
+    assert float(re.search(r"of (\d+\.\d\d) GiB", mem).group(1)) == round(psutil.virtual_memory().total / 2**30, 2)
+    # free space: statvfs of the nearest existing parent of the kv dir
+    du = shutil.disk_usage(tmp_path)
+    space = c["kv-space"]["detail"]
+    assert float(re.search(r"free of (\d+\.\d\d) GiB", space).group(1)) == round(du.total / 2**30, 2)
+    assert abs(float(re.search(r"^(\d+\.\d\d) GiB free", space).group(1)) - du.free / 2**30) < 1.0
+    assert c["kv-filesystem"]["detail"].startswith(str(kv))
+
+
+def test_cli_table_and_exit_code(tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{ not json")
+    res = subprocess.run([sys.executable, "-m", "edge_llm", "doctor", "--model", str(bad),
+                          "--kv-dir", str(tmp_path / "kv")],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "COLUMNS": "200", "EDGE_LLM_HOME": str(tmp_path)})
+    assert res.returncode == 1
+    assert re.search(r"fail\s+│ model\s+│", res.stdout), res.stdout
+    assert "invalid JSON" in res.stdout and re.search(r"\d+ pass, \d+ warn, 1 fail, \d+ n/a", res.stdout)
+
+
+def test_hf_model_sizes_and_identity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EDGE_LLM_HOME", str(tmp_path / "home"))  # weight-digest cache
+    model = tiny_model(tmp_path / "m")
+    from edge_llm.config import ModelArgs
+    from edge_llm.snapshot.identity import Identity
+
+    ns = Identity.for_model(model, ModelArgs.from_dir(model)).namespace
+    (tmp_path / "kv" / ns).mkdir(parents=True)
+    (tmp_path / "kv" / ns / "kv_0000000000000001.kv").write_bytes(b"x")
+    c = by_name(run_checks(DoctorOptions(model=str(model), kv_dir=str(tmp_path / "kv"), max_seq=1 << 20,
+                                         max_bytes=5 << 30)))
+    assert c["model"].status == PASS and f"model_id {ns} (1 snapshot(s)" in c["model"].detail
+    # weights as F32: (64*32 + 32) * 4 bytes; KV: 2**20 tokens * 2 layers * 2 * 16 dims * 4 B = 0.25 GiB
+    assert gib(c["memory"].detail, "KV") == 0.25
+    assert c["kv-space"].detail.endswith("snapshot cap 5.00 GiB (disk_kv_max_bytes)") or "does not fit" in c["kv-space"].detail
+
+    (model / "tokenizer.json").unlink()
+    c = by_name(run_checks(DoctorOptions(model=str(model), kv_dir=str(tmp_path / "kv"))))
+    assert c["model"].status == FAIL and "tokenizer.json missing" in c["model"].detail
+    c = by_name(run_checks(DoctorOptions(model=None, kv_dir=None)))
+    assert c["model"].status == WARN and c["memory"].status == NA and c["kv-space"].status == NA
+
+
+# ---- RK3588 branch on a fabricated sysroot --------------------------------------------------
+def fake_board(root: Path, kv: Path, *, in_group: bool = True, node: str = "renderD129",
+               eol: str = "0x01", life: str = "0x01 0x02", mount_opts: str = "rw,noatime") -> Path:
+    def w(rel: str, text: str | bytes) -> Path:
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(text if isinstance(text, bytes) else text.encode())
+        return p
+
+    w("proc/device-tree/compatible", b"radxa,rock-5b\0rockchip,rk3588\0")
+    w("proc/device-tree/model", b"Radxa ROCK 5B\0")
+    w("sys/kernel/debug/rknpu/version", "RKNPU driver: v0.9.8\n")
+    w(f"sys/class/drm/{node}/device/uevent", "DRIVER=RKNPU\nOF_NAME=npu\n")
+    if node != "renderD128":
+        w("sys/class/drm/renderD128/device/uevent", "DRIVER=panfrost\n")
+    dev = w(f"dev/dri/{node}", "")
+    dev.chmod(0o660)
+    w("etc/passwd", "root:x:0:0::/root:/bin/bash\nedge-llm:x:999:999::/var/lib/edge-llm:/usr/sbin/nologin\n")
+    w("etc/group", f"edge-llm:x:999:\nrender:x:{dev.stat().st_gid}:{'edge-llm' if in_group else ''}\n")
+    w("etc/systemd/system/edge-llm.service", (REPO / "systemd/edge-llm.service").read_text())
+    w("usr/lib/librknnrt.so", b"\x7fELF\0\0junk\0librknnrt version: 2.3.2 (429f97ae6b@2025-04-09T09:09:27)\0more")
+    w("sys/class/devfreq/fdab0000.npu/governor", "rknpu_ondemand\n")
+    w("sys/class/devfreq/dmc/governor", "performance\n")
+    w("sys/devices/system/cpu/cpufreq/policy0/scaling_governor", "schedutil\n")
+    w("sys/devices/system/cpu/cpufreq/policy4/scaling_governor", "performance\n")
+    mmc = "sys/class/mmc_host/mmc0/mmc0:0001/"
+    w(mmc + "type", "MMC\n"), w(mmc + "name", "BJTD4R\n")
+    w(mmc + "life_time", life + "\n"), w(mmc + "pre_eol_info", eol + "\n")
+    w("sys/class/mmc_host/mmc1/mmc1:aaaa/type", "SD\n")
+    w("proc/self/mounts", f"/dev/mmcblk0p2 / ext4 rw 0 0\n/dev/mmcblk0p6 {kv.parent} ext4 {mount_opts} 0 0\n")
+    w("run/systemd/timesync/synchronized", "")
+    return root
+
+
+def rk_checks(tmp_path: Path, **kw) -> dict:
+    kv = tmp_path / "data" / "kv"
+    kv.parent.mkdir(exist_ok=True)
+    root = fake_board(tmp_path / "sysroot", kv, **kw)
+    return by_name(run_checks(DoctorOptions(model=None, kv_dir=str(kv), sysroot=str(root))))
+
+
+def test_rk3588_healthy_board(tmp_path: Path) -> None:
+    c = rk_checks(tmp_path)
+    assert c["board"].status == PASS and "Radxa ROCK 5B" in c["board"].detail
+    assert c["librknnrt"].status == PASS and "2.3.2 (429f97ae6b@2025-04-09T09:09:27)" in c["librknnrt"].detail
+    assert c["npu-driver"].status == PASS and "0.9.8" in c["npu-driver"].detail
+    assert c["npu-device"].status == PASS and "/dev/dri/renderD129 crw" not in c["npu-device"].detail
+    assert "/dev/dri/renderD129 -rw-rw----" in c["npu-device"].detail  # a plain file stands in for the node
+    assert c["cpu-governor"].status == PASS and "policy0: schedutil" in c["cpu-governor"].detail
+    assert c["npu-governor"].status == WARN and "echo performance > /sys/class/devfreq/fdab0000.npu/governor" in c["npu-governor"].fix
+    assert c["ddr-governor"].status == PASS
+    assert c["emmc-life"].status == PASS
+    assert "type A 0-10% of rated erase cycles used, type B 10-20%" in c["emmc-life"].detail
+    assert "mmc1" not in c["emmc-life"].detail  # SD cards report no wear counters
+    assert c["kv-filesystem"].status == PASS and "/dev/mmcblk0p6" in c["kv-filesystem"].detail
+    assert c["clock"].status == PASS
+    if importlib_missing("rknnlite"):
+        assert c["rknn-toolkit-lite2"].status == FAIL and c["rknn-toolkit-lite2"].fix
+
+
+def importlib_missing(mod: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(mod) is None
+
+
+def test_rk3588_problems_are_reported(tmp_path: Path) -> None:
+    c = rk_checks(tmp_path, in_group=False, eol="0x03", life="0x0b 0x09", mount_opts="rw,sync,data=journal")
+    assert c["npu-device"].status == FAIL and "edge-llm cannot open /dev/dri/renderD129" in c["npu-device"].detail
+    assert c["emmc-life"].status == FAIL and "urgent" in c["emmc-life"].detail
+    assert "rated erase cycles exceeded" in c["emmc-life"].detail
+    assert c["kv-filesystem"].status == WARN and "'sync'" in c["kv-filesystem"].detail
+    assert "data=journal" in c["kv-filesystem"].detail
+
+
+def test_rk3588_npu_node_not_in_unit(tmp_path: Path) -> None:
+    # the NPU came up as renderD128 (no GPU driver loaded): the unit's DeviceAllow misses it
+    c = rk_checks(tmp_path, node="renderD128")
+    assert c["npu-device"].status == FAIL and "no DeviceAllow=/dev/dri/renderD128" in c["npu-device"].detail
+
+
+def test_rk3588_emmc_warning_level(tmp_path: Path) -> None:
+    c = rk_checks(tmp_path, eol="0x02", life="0x08 0x03")
+    assert c["emmc-life"].status == WARN and "70-80%" in c["emmc-life"].detail
+
+
+def test_read_only_kv_mount_fails(tmp_path: Path) -> None:
+    c = rk_checks(tmp_path, mount_opts="ro,noatime")
+    assert c["kv-filesystem"].status == FAIL
