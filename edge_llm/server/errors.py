@@ -22,6 +22,7 @@ from edge_llm.errors import ConfigError
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 2
+DRAIN_MAX = 64 * 1024 * 1024  # beyond this, a too-large body is cut off (connection reset)
 
 
 class APIError(Exception):
@@ -113,6 +114,7 @@ class BodyLimitMiddleware:
                 except ValueError:
                     too_big = False
                 if too_big:
+                    await self._drain(receive)
                     return await self._reject(send)
         seen = 0
         started = False
@@ -135,7 +137,20 @@ class BodyLimitMiddleware:
             await self.app(scope, limited_receive, tracking_send)
         except _BodyTooLarge:
             if not started:
+                await self._drain(receive)
                 await self._reject(send)
+
+    async def _drain(self, receive: Receive) -> None:
+        """Read (and drop) the rest of the body, up to DRAIN_MAX: closing a socket with unread
+        input makes the kernel send RST, and the client would see a reset instead of the 413."""
+        drained = 0
+        while drained < DRAIN_MAX:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return
+            drained += len(msg.get("body", b""))
+            if not msg.get("more_body", False):
+                return
 
     async def _reject(self, send: Send) -> None:
         body = json.dumps(error_body(f"request body exceeds the limit of {self.limit} bytes",
