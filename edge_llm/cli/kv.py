@@ -1,9 +1,311 @@
-"""`edge-llm kv` (placeholder until its issue lands; replace this file)."""
+"""`edge-llm kv`: list, dissect, verify, remove and garbage-collect disk KV snapshots.
+
+Works offline on a kv dir (`<kv-dir>/<model_id hex>/kv_<hash>.kv`); no model is loaded. Don't run
+`rm`/`gc` against a namespace while a service is writing to it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from pathlib import Path
 
 import click
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from edge_llm.errors import SnapshotError
+from edge_llm.snapshot import format as fmt
+from edge_llm.snapshot.identity import read_identity
+from edge_llm.snapshot.index import QUARANTINE, Entry, lru_victims
+from edge_llm.snapshot.writer import TMP_SUFFIX, fsync_dir
+
+NS_RE = re.compile(r"^[0-9a-f]{16}$")
+NAME_RE = re.compile(r"^kv_[0-9a-f]{16}\.kv$")
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+out = Console(highlight=False, soft_wrap=True)
+
+
+def parse_bytes(text: str) -> int:
+    """'1500000', '512M', '1.5G' (binary units) -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise click.BadParameter(f"{text!r} is not a size (e.g. 1500000, 512M, 1.5G)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+class _Bytes(click.ParamType):
+    name = "bytes"
+
+    def convert(self, value, param, ctx):
+        return value if isinstance(value, int) else parse_bytes(value)
+
+
+def namespaces(kv_dir: Path, only: str | None = None) -> list[Path]:
+    if only is not None and not NS_RE.match(only):
+        raise click.BadParameter(f"{only!r} is not a namespace (16 hex digits)", param_hint="--namespace")
+    if not kv_dir.is_dir():
+        raise click.ClickException(f"{kv_dir}: not a directory")
+    return sorted(p for p in kv_dir.iterdir() if p.is_dir() and NS_RE.match(p.name)
+                  and (only is None or p.name == only))
+
+
+def snapshot_files(ns: Path) -> list[Path]:
+    return sorted(p for p in ns.iterdir() if NAME_RE.match(p.name))
+
+
+def birth_time(path: Path) -> float | None:
+    """File creation time via statx(2) (os.stat has no birth time on Linux); None if unknown."""
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        buf = ctypes.create_string_buffer(256)  # struct statx
+        STATX_BTIME, AT_FDCWD = 0x800, -100
+        if libc.statx(AT_FDCWD, os.fsencode(path), 0, STATX_BTIME, buf) != 0:
+            return None
+        mask = int.from_bytes(buf.raw[0:4], "little")
+        if not mask & STATX_BTIME:
+            return None
+        return int.from_bytes(buf.raw[80:88], "little", signed=True)  # stx_btime.tv_sec
+    except (OSError, AttributeError):
+        return None
+
+
+def ago(t: float) -> str:
+    s = max(0.0, time.time() - t)
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n:
+            return f"{s / n:.1f}{unit} ago"
+    return f"{s:.0f}s ago"
+
+
+def human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
 
 
 @click.group("kv")
 def kv() -> None:
-    """Not yet implemented."""
-    raise click.ClickException("'kv' is not implemented yet")
+    """Disk KV snapshots: ls, inspect, verify, rm, gc."""
+    global out  # bind to this invocation's stdout and terminal width (COLUMNS)
+    out = Console(highlight=False, soft_wrap=True)
+
+
+kv_dir_option = click.option("--kv-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+                             help="Snapshot directory (the service's --disk-kv).")
+
+
+@kv.command("ls")
+@kv_dir_option
+def ls(kv_dir: Path) -> None:
+    """Namespaces (with their identity) and their snapshots: tokens, bytes, age, last use."""
+    spaces = namespaces(kv_dir)
+    if not spaces:
+        out.print(f"no namespaces in {kv_dir}")
+        return
+    for ns in spaces:
+        ident = read_identity(ns) or {}
+        cfg = ident.get("config", {})
+        out.print(f"[bold]namespace {ns.name}[/bold]  model_type={cfg.get('model_type', '?')} "
+                  f"layers={cfg.get('num_hidden_layers', '?')} kv_heads={cfg.get('num_key_value_heads', '?')} "
+                  f"head_dim={cfg.get('head_dim', '?')} backend={ident.get('backend_numerics', '?')} "
+                  f"weights={str(ident.get('weights_sha256', '?'))[:12]} {ident.get('model_dir', '')}")
+        table = Table(show_edge=False)
+        for col in ("file", "tokens", "bytes", "age", "last use", "status"):
+            table.add_column(col, justify="right" if col in ("tokens", "bytes") else "left")
+        total = 0
+        for path in snapshot_files(ns):
+            st = path.stat()
+            total += st.st_size
+            try:
+                with open(path, "rb", buffering=0) as f:
+                    hdr, _ = fmt.read_header(f, None, int(ns.name, 16), None, st.st_size)
+                tokens, status = str(hdr.n_tokens), "ok"
+            except (SnapshotError, OSError) as e:
+                tokens, status = "?", f"[red]{getattr(e, 'reason', 'io-error')}[/red]"
+            born = birth_time(path)
+            table.add_row(path.name, tokens, f"{st.st_size:,}", ago(born) if born else "-",
+                          ago(st.st_mtime), status)
+        out.print(table)
+        q = ns / QUARANTINE
+        n_q = sum(1 for p in q.iterdir() if not p.name.endswith(".reason")) if q.is_dir() else 0
+        out.print(f"  {len(snapshot_files(ns))} snapshot(s), {total:,} bytes ({human(total)})"
+                  + (f", {n_q} quarantined" if n_q else ""))
+
+
+@kv.command("inspect")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--tokenizer", "tokenizer_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Model directory whose tokenizer.json decodes the token ids.")
+@click.option("--tokens", "n_show", default=16, show_default=True, type=click.IntRange(0),
+              help="How many token ids to show.")
+@click.option("--blocks", "n_blocks", default=8, show_default=True, type=click.IntRange(0),
+              help="How many block-map entries to show.")
+def inspect(file: Path, tokenizer_dir: Path | None, n_show: int, n_blocks: int) -> None:
+    """Dissect one snapshot file, byte by byte (a walkthrough of the VLKV v1 layout)."""
+    d = fmt.describe(file, max_blocks=n_blocks)
+    out.print(f"[bold]{file}[/bold]  {d['file_size']:,} bytes")
+    if d["header"]:
+        t = Table(title="header (64 bytes, little-endian)", show_edge=False)
+        for col in ("offset", "size", "field", "raw bytes", "value"):
+            t.add_column(col)
+        for h in d["header"]:
+            t.add_row(str(h["offset"]), str(h["size"]), h["name"], h["hex"], _field_value(h, d))
+        out.print(t)
+    if d["size_formula"]:
+        s = d["size_formula"]
+        verdict = "[green]matches[/green]" if s["expected"] == s["actual"] else "[red]MISMATCH[/red]"
+        out.print(f"size formula: {s['formula']} with n={s['n']}, L={s['L']}, kv_dim={s['kv_dim']}, "
+                  f"kv_bs={s['kv_bs']}, B=ceil(n/kv_bs)={s['B']}")
+        out.print(f"  = {' + '.join(f'{x:,}' for x in s['terms'])} = {s['expected']:,} bytes; "
+                  f"actual {s['actual']:,} bytes: {verdict}")
+    if d["sections"]:
+        t = Table(title="sections", show_edge=False)
+        for col in ("section", "offset", "size", "end"):
+            t.add_column(col)
+        for sec in d["sections"]:
+            t.add_row(sec["name"], f"{sec['offset']:,}", f"{sec['size']:,}", f"{sec['offset'] + sec['size']:,}")
+        out.print(t)
+    if d["tokens"] is not None and n_show:
+        _print_tokens(d["tokens"], n_show, tokenizer_dir)
+    if d["blocks"]:
+        t = Table(title=f"block map (first {len(d['blocks'])} of {d['n_blocks_total']})", show_edge=False)
+        for col in ("layer", "block", "K/V", "rows", "offset", "bytes", "CRC32C", "trailer @"):
+            t.add_column(col)
+        for b in d["blocks"]:
+            crc = "-" if b["crc_stored"] is None else f"{b['crc_stored']:08x}"
+            t.add_row(str(b["layer"]), str(b["block"]), b["kv"], f"[{b['rows'][0]}, {b['rows'][1]})",
+                      f"{b['offset']:,}", f"{b['size']:,}", crc, f"{b['trailer_offset']:,}")
+        out.print(t)
+    if d["error"]:
+        out.print(f"[red]INVALID[/red]: {d['error']['reason']}: {d['error']['message']}")
+    else:
+        out.print("[green]header, token hash and trailer CRC valid[/green] (run `kv verify` to check every block)")
+
+
+def _field_value(h: dict, d: dict) -> str:
+    v, name = h["value"], h["name"]
+    if name == "magic":
+        return f"{v:#010x} ({'VLKV' if v == fmt.MAGIC else 'not VLKV'})"
+    if name in ("tokens_fnv", "model_id"):
+        return f"{v:016x}"
+    if name == "header_crc":
+        ok = v == d.get("header_crc_actual")
+        return f"{v:08x} ({'ok' if ok else 'computed %08x' % d.get('header_crc_actual', 0)})"
+    if name == "trailer_crc":
+        return f"{v:08x}"
+    if name == "flags":
+        return f"{v:#x}" + (" (trailer present)" if v & fmt.FLAG_TRAILER else "")
+    return str(v)
+
+
+def _print_tokens(tokens: list[int], n_show: int, tokenizer_dir: Path | None) -> None:
+    tok = None
+    if tokenizer_dir is not None:
+        from edge_llm.tokenizer import Tokenizer  # lazy: only inspect --tokenizer needs it
+
+        tok = Tokenizer.from_dir(tokenizer_dir)
+    t = Table(title=f"token ids (first {min(n_show, len(tokens))} of {len(tokens)}, u32 at offset 64)",
+              show_edge=False)
+    for col in ("#", "offset", "raw bytes", "id") + (("text",) if tok else ()):
+        t.add_column(col)
+    for i, tid in enumerate(tokens[:n_show]):
+        row = [str(i), str(fmt.HEADER.size + 4 * i), np.uint32(tid).astype("<u4").tobytes().hex(" "), str(tid)]
+        if tok is not None:
+            row.append(repr(tok.decode([tid])))
+        t.add_row(*row)
+    out.print(t)
+    if tok is not None:
+        out.print(f"text of the first {min(n_show, len(tokens))} tokens: {tok.decode(tokens[:n_show])!r}")
+
+
+@kv.command("verify")
+@click.option("--kv-dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Verify every snapshot of every namespace in this directory.")
+@click.argument("files", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+def verify(kv_dir: Path | None, files: tuple[Path, ...]) -> None:
+    """Check every field and every block CRC; exit status 1 if any file is bad."""
+    if (kv_dir is None) == (not files):
+        raise click.UsageError("give either --kv-dir DIR or FILE...")
+    paths = list(files) if files else [p for ns in namespaces(kv_dir) for p in snapshot_files(ns)]
+    bad = 0
+    for path in paths:
+        # a file inside a namespace must carry that namespace's model_id
+        mid = int(path.parent.name, 16) if NS_RE.match(path.parent.name) else None
+        t0 = time.monotonic()
+        try:
+            hdr = fmt.verify_file(path, None, mid, None)
+        except (SnapshotError, OSError) as e:
+            bad += 1
+            out.print(f"[red]BAD[/red] {path}: {getattr(e, 'reason', 'io-error')}: {e}")
+            continue
+        secs = time.monotonic() - t0
+        out.print(f"[green]OK[/green]  {path} ({hdr.n_tokens} tokens, {hdr.file_size:,} bytes, "
+                  f"{2 * hdr.n_layers * hdr.n_blocks} blocks, {hdr.file_size / 1e6 / max(secs, 1e-9):.0f} MB/s)")
+    out.print(f"{len(paths)} file(s), {bad} bad")
+    if bad:
+        sys.exit(1)
+
+
+@kv.command("rm")
+@kv_dir_option
+@click.option("--namespace", default=None, help="Only this namespace (16 hex digits).")
+@click.option("--all", "all_", is_flag=True, help="Remove every snapshot (and quarantined file).")
+@click.argument("names", nargs=-1)
+def rm(kv_dir: Path, namespace: str | None, all_: bool, names: tuple[str, ...]) -> None:
+    """Remove snapshots by name (kv_<hash>.kv), or --all. identity.json is kept."""
+    if all_ == bool(names):
+        raise click.UsageError("give either --all or snapshot NAME...")
+    for n in names:  # names are matched, never used as paths
+        if not NAME_RE.match(n):
+            raise click.BadParameter(f"{n!r} is not a snapshot name (kv_<16 hex>.kv)", param_hint="NAME")
+    removed, wanted = 0, set(names)
+    for ns in namespaces(kv_dir, namespace):
+        victims = [p for p in snapshot_files(ns) if all_ or p.name in wanted]
+        if all_:
+            victims += [p for p in ns.iterdir() if p.name.endswith(TMP_SUFFIX)]
+            q = ns / QUARANTINE
+            victims += list(q.iterdir()) if q.is_dir() else []
+        for p in victims:
+            p.unlink(missing_ok=True)
+            wanted.discard(p.name)
+            out.print(f"removed {ns.name}/{p.relative_to(ns)}")
+            removed += 1
+        if victims:
+            fsync_dir(ns)
+    if wanted:
+        raise click.ClickException(f"not found: {', '.join(sorted(wanted))}")
+    out.print(f"{removed} file(s) removed")
+
+
+@kv.command("gc")
+@kv_dir_option
+@click.option("--namespace", default=None, help="Only this namespace (16 hex digits).")
+@click.option("--max-files", default=8, show_default=True, type=click.IntRange(1), help="Files per namespace.")
+@click.option("--max-bytes", default=None, type=_Bytes(), help="Bytes per namespace (e.g. 4G).")
+@click.option("--dry-run", is_flag=True, help="Only show what would be removed.")
+def gc(kv_dir: Path, namespace: str | None, max_files: int, max_bytes: int | None, dry_run: bool) -> None:
+    """Apply the caps: remove least recently used snapshots until each namespace fits."""
+    total = 0
+    for ns in namespaces(kv_dir, namespace):
+        entries = []
+        for p in snapshot_files(ns):
+            st = p.stat()
+            entries.append(Entry(p.name, p, np.empty(0, np.uint32), st.st_size, st.st_mtime))
+        for e, reason in lru_victims(entries, max_files, max_bytes):
+            if not dry_run:
+                e.path.unlink(missing_ok=True)
+            out.print(f"{'would evict' if dry_run else 'evicted'} {ns.name}/{e.name} ({reason})")
+            total += 1
+        if total and not dry_run:
+            fsync_dir(ns)
+    out.print(f"{total} snapshot(s) {'to evict' if dry_run else 'evicted'}")
