@@ -90,17 +90,20 @@ def setup_logging(log_file: str | Path | None, level: int = logging.INFO) -> Log
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
-        h.close()
+        if getattr(h, "_edge_llm", False):  # close only what we opened
+            h.close()
     fmt = logging.Formatter(LINE_FORMAT, DATE_FORMAT)
     fmt.converter = time.gmtime  # UTC: log files compared across boots and time zones
     err = logging.StreamHandler(sys.stderr)
     # journald adds its own timestamp; keep stderr lines short
     err.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    err._edge_llm = True
     root.addHandler(err)
     fh = None
     if log_file:
         fh = ReopenableFileHandler(log_file)
         fh.setFormatter(fmt)
+        fh._edge_llm = True
         root.addHandler(fh)
     root.setLevel(level)
     # uvicorn's own loggers propagate to ours instead of printing with their own handlers

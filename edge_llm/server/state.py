@@ -81,7 +81,6 @@ class AppState:
             return
         self.engine = engine
         worker = Worker(engine, self.settings.queue_size, self.notifier, on_finish=self._finished)
-        worker.start()
         self.worker = worker
         self.status = "ok"
         snap = self.snapshot_summary()
@@ -91,6 +90,7 @@ class AppState:
                  self.settings.queue_size, time.monotonic() - t0)
         if self.notifier is not None:
             self.notifier.ready(self._status_text())
+        worker.start()  # after READY=1: its watchdog pings only count once systemd sees us ready
 
     def _finished(self, job: Job, last: Any) -> None:
         self.metrics.observe_generation(last.timings, last.usage, last.finish_reason)
