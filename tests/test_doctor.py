@@ -208,3 +208,29 @@ def test_rk3588_emmc_warning_level(tmp_path: Path) -> None:
 def test_read_only_kv_mount_fails(tmp_path: Path) -> None:
     c = rk_checks(tmp_path, mount_opts="ro,noatime")
     assert c["kv-filesystem"].status == FAIL
+
+
+def test_gguf_header_walk_matches_gguf_reader(tmp_path: Path) -> None:
+    """Our header walk (used for the not-yet-imported default model) against gguf's own reader."""
+    import gguf
+
+    from edge_llm.doctor import _gguf_sizes
+
+    path = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(3)
+    w.add_embedding_length(48)
+    w.add_head_count(6)
+    w.add_head_count_kv(2)
+    w.add_token_list([f"tok{i}" for i in range(50)])  # string array, skipped element by element
+    w.add_token_scores([0.0] * 50)  # numeric array, skipped in one step
+    w.add_tensor("token_embd.weight", np.zeros((50, 48), np.float32))
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((48, 48), np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = gguf.GGUFReader(str(path))
+    params, bpt = _gguf_sizes(path)
+    assert params == sum(int(t.n_elements) for t in reader.tensors) == 50 * 48 + 48 * 48
+    assert bpt == 2 * 3 * 2 * (48 // 6) * 4
