@@ -1,9 +1,200 @@
-"""`edge-llm bench` (placeholder until its issue lands; replace this file)."""
+"""`edge-llm bench restore|recovery|compute|all`: measured against this machine's own limits.
+
+Results go to a new dated folder `<out>/<UTC>-<kind>/` (JSON + Markdown, + PNG for recovery).
+`compute` runs tools/bench_compute.py from a source checkout as a separate process (the package
+never imports tools/).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import click
+from rich.console import Console
+from rich.markdown import Markdown
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+console = Console()
+OUT_HELP = "Parent folder of the dated results folder."
+
+
+def _ints(value: str) -> list[int]:
+    try:
+        out = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+    if not out or min(out) < 1:
+        raise click.BadParameter("need at least one positive integer")
+    return out
+
+
+def _progress() -> Progress:
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                    transient=False)
+
+
+def _show(res_dir: Path, md: str) -> None:
+    console.print(Markdown(md))
+    console.print(f"results: {res_dir}")
 
 
 @click.group("bench")
 def bench() -> None:
-    """Not yet implemented."""
-    raise click.ClickException("'bench' is not implemented yet")
+    """Benchmarks: snapshot save/restore vs raw disk, restart recovery, prefill/decode compute."""
+
+
+@bench.command("restore")
+@click.option("--dir", "data_dir", default=None, metavar="DIR",
+              help="Where snapshots are written (the kv filesystem).  [default: $EDGE_LLM_HOME/bench]")
+@click.option("--contexts", default="2048,8192", show_default=True, help="Snapshot sizes in tokens.")
+@click.option("--preset", type=click.Choice(["qwen3-vl-2b"]), default="qwen3-vl-2b", show_default=True)
+@click.option("--layers", type=click.IntRange(1), default=None, help="Fewer layers than the preset's.")
+@click.option("--kv-bs", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True)
+@click.option("--scan-files", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--scan-tokens", type=click.IntRange(1), default=None, help="[default: smallest context]")
+@click.option("--out", default="benchmarks/results", show_default=True, help=OUT_HELP)
+def restore_cmd(data_dir, contexts, preset, layers, kv_bs, repeats, scan_files, scan_tokens, out) -> None:
+    """Save / cold restore / index scan of synthetic KV vs raw write+fsync and cold read."""
+    run_restore(data_dir, _ints(contexts), preset, layers, kv_bs, repeats, scan_files, scan_tokens, out)
+
+
+def run_restore(data_dir, contexts, preset="qwen3-vl-2b", layers=None, kv_bs=64, repeats=3, scan_files=8,
+                scan_tokens=None, out="benchmarks/results") -> Path:
+    from edge_llm.cli import bench_restore as B
+    from edge_llm.cli.bench_disk import new_results_dir
+    from edge_llm.config import Geometry
+    from edge_llm.settings import edge_home
+
+    g = B.PRESETS[preset]
+    if layers:
+        g = Geometry(layers, g.n_kv_heads, g.head_dim)
+    res_dir = new_results_dir(out, "restore")
+    work = Path(data_dir) if data_dir else edge_home() / "bench"
+    with _progress() as prog:
+        task = prog.add_task("restore bench", total=None)
+        try:
+            res = B.run(work / res_dir.name, g, contexts, kv_bs=kv_bs, scan_files=scan_files,
+                        scan_tokens=scan_tokens, repeats=repeats,
+                        progress=lambda msg: prog.update(task, description=msg))
+        except (OSError, MemoryError) as e:
+            raise click.ClickException(str(e)) from None
+        finally:
+            import shutil
+
+            shutil.rmtree(work / res_dir.name, ignore_errors=True)
+    res["preset"], res["layers_reduced"] = preset, bool(layers)
+    res["command"] = " ".join(sys.argv)
+    md = B.markdown(res)
+    (res_dir / "restore.json").write_text(json.dumps(res, indent=2) + "\n")
+    (res_dir / "restore.md").write_text(md)
+    _show(res_dir, md)
+    return res_dir
+
+
+@bench.command("recovery")
+@click.option("--model", default="default", show_default=True, help="HF model dir or 'default'.")
+@click.option("--synth-layers", type=click.IntRange(1), default=None,
+              help="Use a synthetic qwen3-vl-2b-geometry model with this many layers (made on first use).")
+@click.option("--contexts", default="512,2048", show_default=True, help="Context sizes in tokens.")
+@click.option("--max-tokens", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--ready-timeout", type=float, default=600.0, show_default=True)
+@click.option("--out", default="benchmarks/results", show_default=True, help=OUT_HELP)
+def recovery_cmd(model, synth_layers, contexts, max_tokens, ready_timeout, out) -> None:
+    """S1 cold prefill + snapshot, kill, S2 restore + tail: TTFT vs the disk's lower bound."""
+    run_recovery(model, synth_layers, _ints(contexts), max_tokens, ready_timeout, out)
+
+
+def synth_model(layers: int) -> Path:
+    """$EDGE_LLM_HOME/models/synth-qwen3-vl-2b-<N>l, written by `edge-llm model synth` if missing."""
+    from edge_llm.settings import edge_home
+
+    path = edge_home() / "models" / f"synth-qwen3-vl-2b-{layers}l"
+    if not (path / "config.json").is_file():
+        console.print(f"writing synthetic checkpoint {path} ...")
+        subprocess.run([sys.executable, "-m", "edge_llm", "model", "synth", "--preset", "qwen3-vl-2b",
+                        "--layers", str(layers), str(path)], check=True)
+    return path
+
+
+def run_recovery(model, synth_layers, contexts, max_tokens=8, ready_timeout=600.0,
+                 out="benchmarks/results") -> Path:
+    from edge_llm.cli import bench_recovery as B
+    from edge_llm.cli.bench_disk import new_results_dir
+    from edge_llm.config import ModelArgs
+    from edge_llm.models.default import resolve_model_dir
+
+    if synth_layers:
+        model = str(synth_model(synth_layers))
+    model_dir = Path(resolve_model_dir(model))
+    g = ModelArgs.from_dir(model_dir).geometry
+    res_dir = new_results_dir(out, "bench-recovery")
+    label = (f"synthetic qwen3-vl-2b geometry, {synth_layers} of 28 layers" if synth_layers
+             else model_dir.name)
+    res = {"model": model, "model_label": label, "max_tokens": max_tokens, "command": " ".join(sys.argv),
+           "geometry": {"n_layers": g.n_layers, "n_kv_heads": g.n_kv_heads, "head_dim": g.head_dim,
+                        "bytes_per_token": g.kv_bytes_per_token}, "rows": []}
+    with _progress() as prog:
+        task = prog.add_task("recovery bench", total=len(contexts))
+        for ctx in contexts:
+            try:
+                row = B.run_context(model, g, ctx, res_dir, max_tokens, ready_timeout,
+                                    step=lambda msg: prog.update(task, description=msg))
+            except Exception as e:  # a failed context is reported, the others still run
+                console.print(f"[red]context {ctx} failed: {e}[/red]")
+                row = {"context": ctx, "error": str(e)}
+            res["rows"].append(row)
+            prog.advance(task)
+    ok = [r for r in res["rows"] if "error" not in r]
+    (res_dir / "recovery.json").write_text(json.dumps(res, indent=2) + "\n")
+    md = B.markdown({**res, "rows": ok}) + "".join(
+        f"\ncontext {r['context']} FAILED: {r['error']}\n" for r in res["rows"] if "error" in r)
+    (res_dir / "recovery.md").write_text(md)
+    if ok:
+        B.plot({**res, "rows": ok}, res_dir / "recovery.png")
+    _show(res_dir, md)
+    if len(ok) != len(res["rows"]):
+        raise click.ClickException("some contexts failed (see above)")
+    return res_dir
+
+
+def compute_script() -> Path | None:
+    """tools/bench_compute.py of the source checkout this package runs from, if any."""
+    path = Path(__file__).resolve().parents[2] / "tools" / "bench_compute.py"
+    return path if path.is_file() else None
+
+
+@bench.command("compute", context_settings={"ignore_unknown_options": True})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def compute_cmd(args) -> None:
+    """Prefill/decode speed vs roofline: runs tools/bench_compute.py ARGS (source checkout only)."""
+    run_compute(list(args))
+
+
+def run_compute(args: list[str]) -> None:
+    script = compute_script()
+    if script is None:
+        raise click.ClickException("bench compute needs a source checkout (tools/bench_compute.py not found)")
+    r = subprocess.run([sys.executable, str(script), *args])
+    if r.returncode != 0:
+        raise click.ClickException(f"{script.name} exited with code {r.returncode}")
+
+
+@bench.command("all")
+@click.option("--synth-layers", type=click.IntRange(1), default=None,
+              help="Recovery on the synthetic qwen3-vl-2b geometry with N layers (contexts 2048,8192).")
+@click.option("--contexts", default=None, help="Recovery contexts.  [default: 512,2048; 2048,8192 with "
+              "--synth-layers]")
+@click.option("--out", default="benchmarks/results", show_default=True, help=OUT_HELP)
+def all_cmd(synth_layers, contexts, out) -> None:
+    """What `make bench` runs: restore (2K, 8K), recovery (default model, small contexts), compute."""
+    ctx = _ints(contexts) if contexts else ([2048, 8192] if synth_layers else [512, 2048])
+    run_restore(None, [2048, 8192], out=out)
+    run_recovery("default", synth_layers, ctx, out=out)
+    if compute_script() is not None:
+        run_compute(["--layers", str(synth_layers or 4)])
+    else:
+        console.print("bench compute skipped: tools/bench_compute.py needs a source checkout")
