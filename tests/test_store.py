@@ -359,3 +359,10 @@ def test_scan_drops_superseded_prefix_and_applies_caps(tmp_path, caplog):
     s3 = new_store(tmp_path, max_files=1)  # a lowered cap applies at start-up
     assert kv_files(s3) == [name_of(seq(20, start=5000))]  # the most recently saved stays
     s3.close()
+
+
+def test_save_after_close_never_raises(tmp_path):
+    s = new_store(tmp_path)
+    assert s.close(timeout=30)
+    s.save_async(make_cache(seq(40)))  # shutdown race: the save is dropped, the request is not
+    assert kv_files(s) == []

@@ -174,7 +174,12 @@ class SnapshotStore:
             log.debug("[KV-DISK] not saving %d-token KV (below min_lcp %d)", n, self.min_lcp)
             return
         job = SaveJob(cache, np.asarray(cache.tokens[:n], dtype=np.uint32))
-        if self._writer.submit(job) is not None:
+        try:
+            superseded = self._writer.submit(job)
+        except RuntimeError as e:  # closed (shutting down): a lost save is fine, an exception is not
+            log.warning("[KV-DISK] save failed: %s", e)
+            return
+        if superseded is not None:
             with self._lock:
                 self._counters["saves_superseded"] += 1
 
