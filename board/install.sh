@@ -128,6 +128,8 @@ install_dir 0750 "$SVC_USER" "$SVC_USER" /var/log/edge-llm
 # ---- venv + package ----------------------------------------------------------------------
 VENV="/opt/edge-llm/venv"
 if [ "$VENV_STEP" -eq 1 ]; then
+  # venvs hard-code their path in scripts' shebangs: one made under --root only runs there
+  [ -z "$ROOT" ] || log "note: the venv in $ROOT$VENV is not relocatable (use --no-venv for images)"
   if [ ! -x "$ROOT$VENV/bin/python" ]; then
     if ! "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null; then
       host apt-get install -y python3-venv
