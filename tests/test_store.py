@@ -89,7 +89,7 @@ def test_save_scan_lookup_restore_bitwise(tmp_path, caplog):
     assert np.array_equal(dst.data[:, :, :30].view(np.uint32), src.data[:, :, :30].view(np.uint32))
     assert re.fullmatch(rf"\[KV-DISK\] loaded 30-token KV prefix from disk file {name} "
                         rf"\({res.nbytes} bytes, \d+\.\d ms, \d+\.\d MB/s\)", kv_lines(caplog, "loaded")[0])
-    st = s2.stats
+    st = s2.stats()
     assert st["loads"] == 1 and st["bytes_read"] == res.nbytes and st["files"] == 1
     s2.close()
 
@@ -131,10 +131,10 @@ def test_identical_not_rewritten_only_touched(tmp_path, caplog):
     ino = path.stat().st_ino
     save(s, make_cache(tokens))
     assert path.stat().st_ino == ino and path.stat().st_mtime > 1_000_000
-    assert s.stats["saves"] == 1 and s.stats["saves_skipped"] == 1
+    assert s.stats()["saves"] == 1 and s.stats()["saves_skipped"] == 1
     assert kv_lines(caplog, "skipped")[0] == f"[KV-DISK] skipped 40-token KV -> {path.name} (already stored)"
     save(s, make_cache(tokens[:30]))  # a prefix of a stored snapshot adds nothing
-    assert kv_files(s) == [path.name] and s.stats["saves_skipped"] == 2
+    assert kv_files(s) == [path.name] and s.stats()["saves_skipped"] == 2
     s.close()
 
 
@@ -144,7 +144,7 @@ def test_extension_replaces_older_snapshot(tmp_path, caplog):
     save(s, make_cache(seq(40)))
     assert kv_files(s) == [name_of(seq(40))]
     assert f"[KV-DISK] evicted {name_of(seq(20))}" in kv_lines(caplog, "evicted")[0]
-    assert s.stats["files"] == 1
+    assert s.stats()["files"] == 1
     s.close()
 
 
@@ -162,7 +162,7 @@ def test_lru_eviction_by_use_under_max_files(tmp_path, caplog):
     s2 = new_store(tmp_path, max_files=3)
     save(s2, make_cache(seq(20, start=900)))
     assert name_of(c) not in kv_files(s2) and name_of(a) in kv_files(s2)
-    assert s2.stats["evictions"] == 1
+    assert s2.stats()["evictions"] == 1
     s2.close()
 
 
@@ -173,7 +173,7 @@ def test_max_bytes_and_never_evicts_file_just_written(tmp_path):
     for t in (a, b, c):
         save(s, make_cache(t))
     assert kv_files(s) == sorted([name_of(b), name_of(c)])
-    assert s.stats["bytes_on_disk"] <= 2 * one + 10
+    assert s.stats()["bytes_on_disk"] <= 2 * one + 10
     big = seq(60, start=5000)  # alone it fits, but only after everything else goes
     s.max_bytes = fmt.snapshot_size(G.n_layers, 60, G.kv_dim, KV_BS)
     save(s, make_cache(big))
@@ -212,7 +212,7 @@ def test_corrupt_files_quarantined_at_scan_tmp_removed(tmp_path, caplog):
     assert not list(ns.glob("*.tmp")) and (ns / "notes.txt").exists()
     q = sorted(p.name for p in (ns / "quarantine").iterdir())
     assert len([n for n in q if n.endswith(".reason")]) == 3 and len(q) == 6
-    assert s2.stats["rejections"] == 3
+    assert s2.stats()["rejections"] == 3
     s2.close()
 
 
@@ -238,7 +238,7 @@ def test_block_crc_failure_mid_restore(tmp_path, caplog):
     assert cache.length == 0  # rows are garbage: the engine recomputes
     assert not path.exists() and any((s2.ns / "quarantine").glob(f"*{path.name}"))
     assert s2.lookup(tokens[:30] + [1]) is None
-    st = s2.stats
+    st = s2.stats()
     assert (st["load_failures"], st["rejections"], st["loads"]) == (1, 1, 0)
     assert kv_lines(caplog, "rejected")[0].startswith(f"[KV-DISK] rejected {path.name}: block-crc")
     s2.close()
@@ -252,7 +252,7 @@ def test_restore_of_vanished_file_fails_cleanly(tmp_path):
     cache = make_cache(seq(3))
     with pytest.raises(SnapshotError, match="vanished"):
         s.restore(hit, cache)
-    assert cache.length == 0 and s.stats["load_failures"] == 1 and s.lookup(seq(40)) is None
+    assert cache.length == 0 and s.stats()["load_failures"] == 1 and s.lookup(seq(40)) is None
     s.close()
 
 
@@ -262,7 +262,7 @@ def test_identity_isolation_and_reuse(tmp_path):
     save(a, make_cache(tokens))
     a.close()
     b = new_store(tmp_path, ID_B)
-    assert b.ns != a.ns and b.lookup(tokens) is None and b.stats["files"] == 0
+    assert b.ns != a.ns and b.lookup(tokens) is None and b.stats()["files"] == 0
     save(b, make_cache(tokens, seed=9))  # B's own snapshot of the same tokens, own namespace
     b.close()
     a2 = new_store(tmp_path, ID_A)  # A comes back: its snapshot is still there and used
@@ -300,7 +300,7 @@ def test_wait_rows_blocks_only_for_rows_still_needed(tmp_path, gated):
     opener = threading.Timer(0.2, gate.set)
     opener.start()
     waited = s.wait_rows(0)  # rows [0, 40) are still needed: blocks until the file is published
-    assert waited > 0 and s.stats["saves"] == 1 and kv_files(s) == [name_of(seq(40))]
+    assert waited > 0 and s.stats()["saves"] == 1 and kv_files(s) == [name_of(seq(40))]
     assert s.wait_rows(0) == 0.0
     s.close()
 
@@ -315,7 +315,7 @@ def test_queued_save_is_superseded_by_newer(tmp_path, gated):
     gate.set()
     assert s.flush(timeout=60)
     assert kv_files(s) == sorted([name_of(seq(20, start=100)), name_of(seq(20, start=300))])
-    assert s.stats["saves_superseded"] == 1
+    assert s.stats()["saves_superseded"] == 1
     s.close()
 
 
@@ -329,7 +329,7 @@ def test_wait_rows_with_a_real_large_save(tmp_path):
     assert s.wait_rows(2048) == 0.0  # never needs rows >= n
     assert s.wait_rows(0) > 0  # 64 MiB + fsync: still running when we get here
     # after wait_rows(0) the save is complete: rows may be overwritten now
-    assert s.stats["saves"] == 1 and not s.stats["save_pending"]
+    assert s.stats()["saves"] == 1 and not s.stats()["save_pending"]
     path = s.ns / name_of(seq(2048))
     fmt.verify_file(path, big, ident.model_id)
     cache.data[:] = 0

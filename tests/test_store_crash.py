@@ -34,7 +34,7 @@ def check_namespace(kv_dir: Path) -> tuple[int, int]:
     store = SnapshotStore(kv_dir, W.IDENTITY, W.GEOMETRY, min_lcp=16, max_files=3, kv_bs=W.KV_BS)
     try:
         store.scan()
-        assert store.stats["rejections"] == 0, "a killed writer left a bad file under a final name"
+        assert store.stats()["rejections"] == 0, "a killed writer left a bad file under a final name"
         assert not list(store.ns.glob("*.tmp")), "scan must remove temp debris"
         cache = KVCache(W.GEOMETRY, max_seq=W.MAX_SEQ, kv_bs=W.KV_BS, check_memory=False)
         rows = 0

@@ -80,7 +80,7 @@ def test_enospc_leaves_nothing_and_store_recovers(small_fs, monkeypatch, caplog,
     s.save_async(make_cache(big))  # must not raise: the request path never sees the error
     assert s.flush(timeout=60)
     assert debris(s.ns) == []  # no final file, no temp file
-    st = s.stats
+    st = s.stats()
     assert st["save_failures"] == 1 and st["saves"] == 0
     assert st["degraded"] == ["snapshot disk full"]
     fails = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[KV-DISK] save failed")]
@@ -92,7 +92,7 @@ def test_enospc_leaves_nothing_and_store_recovers(small_fs, monkeypatch, caplog,
     name = fmt.snapshot_name(fmt.fnv1a64(np.asarray(small, dtype="<u4").tobytes()))
     assert debris(s.ns) == [name]
     fmt.verify_file(s.ns / name, G, IDENT.model_id)
-    assert s.stats["degraded"] == [] and s.stats["saves"] == 1
+    assert s.stats()["degraded"] == [] and s.stats()["saves"] == 1
     hit = s.lookup(small + [1])
     dst = make_cache([], seed=2)
     s.restore(hit, dst)
@@ -106,11 +106,11 @@ def test_full_disk_makes_room_by_evicting_lru(small_fs, caplog):
     s.scan()
     first, second = seq(160, start=100), seq(160, start=50_000)  # 1.25 MiB each: not both at once
     s.save_async(make_cache(first))
-    assert s.flush(timeout=60) and s.stats["files"] == 1
+    assert s.flush(timeout=60) and s.stats()["files"] == 1
     s.save_async(make_cache(second, seed=3))
     assert s.flush(timeout=60)
     names = debris(s.ns)
-    assert len(names) == 1 and s.stats["saves"] == 2 and s.stats["save_failures"] == 0
+    assert len(names) == 1 and s.stats()["saves"] == 2 and s.stats()["save_failures"] == 0
     assert s.lookup(second + [1]) is not None and s.lookup(first + [1]) is None
     assert any("making room" in r.getMessage() for r in caplog.records)
     assert os.statvfs(s.ns).f_bavail > 0

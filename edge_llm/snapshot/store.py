@@ -322,7 +322,6 @@ class SnapshotStore:
         with self._lock:
             return list(self._degraded.values())
 
-    @property
     def stats(self) -> dict[str, Any]:
         """Counters and state for /health and /metrics."""
         with self._lock:
