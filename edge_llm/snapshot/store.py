@@ -72,15 +72,15 @@ class SnapshotStore:
             entries[entry.name] = entry
         with self._lock:
             self._index = entries
-        extra = f", {rejected} rejected" if rejected else ""
-        log.info("[KV-DISK] index: %d checkpoint(s)%s (%s, %.1f ms)", len(entries), extra, self.ns.name,
-                 (time.monotonic() - t0) * 1e3)
         # a kill between publishing a file and removing what it replaces/evicts leaves extra files
         for e in list(entries.values()):
             longer = [o for o in entries.values() if o.n_tokens > e.n_tokens and is_prefix(e.tokens, o.tokens)]
             if longer:
                 self._remove(e, f"replaced by {longer[0].name}, which extends it")
         self.evict()
+        extra = f", {rejected} rejected" if rejected else ""
+        log.info("[KV-DISK] index: %d checkpoint(s)%s (%s, %.1f ms)", len(self._index), extra, self.ns.name,
+                 (time.monotonic() - t0) * 1e3)
         return len(self._index)
 
     def _read_entry(self, path: Path) -> Entry:
