@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
 _NP_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 _DIGEST_CHUNK = 8 << 20
+_CONVERT_ELEMS = 8 << 20  # 32 MiB of F32 per conversion piece
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,15 @@ def expected_tensors(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _drop_pages(mm: mmap.mmap, start: int, length: int) -> None:
+    """Tell the kernel we are done with these mapped file pages (they leave our RSS)."""
+    page = mmap.PAGESIZE
+    lo = -(-start // page) * page  # only whole pages inside the range
+    hi = (start + length) // page * page
+    if hi > lo and hasattr(mm, "madvise"):
+        mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
 def read_tensor(info: TensorInfo) -> np.ndarray:
     """Read one tensor as an owned, C-contiguous float32 array (exact for F32/F16/BF16)."""
     if info.dtype not in _NP_DTYPES:
@@ -124,14 +134,23 @@ def read_tensor(info: TensorInfo) -> np.ndarray:
     count = int(np.prod(info.shape, dtype=np.int64))
     if count == 0:
         return np.zeros(info.shape, dtype=np.float32)
+    itemsize = np.dtype(_NP_DTYPES[info.dtype]).itemsize
+    out = np.empty(count, dtype=np.float32)
     with open(info.file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         raw = np.frombuffer(mm, dtype=_NP_DTYPES[info.dtype], count=count, offset=info.offset)
-        if info.dtype == "BF16":
-            # bfloat16 is the top half of a float32: shifting the bits back is exact
-            out = (raw.astype(np.uint32) << 16).view(np.float32)
-        else:
-            out = raw.astype(np.float32)  # F16 -> F32 is exact; F32 is a plain copy out of the map
-        del raw  # release the buffer so the map closes now: RSS keeps only the converted copy
+        # convert piecewise and drop each piece's file pages at once, so peak RSS is the F32
+        # result plus one piece, not result + whole mapped tensor (+ a temporary)
+        for a in range(0, count, _CONVERT_ELEMS):
+            b = min(count, a + _CONVERT_ELEMS)
+            if info.dtype == "BF16":
+                # bfloat16 is the top half of a float32: shifting the bits back is exact
+                dst = out[a:b].view(np.uint32)
+                dst[:] = raw[a:b]
+                dst <<= 16
+            else:
+                out[a:b] = raw[a:b]  # F16 -> F32 is exact; F32 is a plain copy
+            _drop_pages(mm, info.offset + a * itemsize, (b - a) * itemsize)
+        del raw  # release the buffer export so the map can close
     return out.reshape(info.shape)
 
 
