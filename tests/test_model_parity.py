@@ -6,7 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+from edge_llm.backends import Backend, get_backend, pick_chunk
+from edge_llm.backends.cpu import CPUBackend
 from edge_llm.config import ModelArgs
+from edge_llm.errors import ConfigError, KVCacheError
 from edge_llm.models.qwen3 import Model
 from edge_llm.models.rope import Rope
 
@@ -150,3 +153,57 @@ def test_rope_tables_match_transformers(tiny_model_dir, load_hf_model):
     assert np.abs(cos - cos_ref[0].numpy()).max() <= 1e-6
     assert np.abs(sin - sin_ref[0].numpy()).max() <= 1e-6
     np.testing.assert_allclose(rope.inv_freq, rotary.inv_freq.numpy(), rtol=1e-6)
+
+
+class StaticShapeBackend(CPUBackend):
+    """What an NPU backend does at the seam: run every dense op at one static row count."""
+
+    chunk_sizes = (16,)
+
+    def __init__(self):
+        super().__init__()
+        self.seen_rows: set[int] = set()
+
+    def _padded(self, fn, x, *rest):
+        T = x.shape[0]
+        assert T <= 16
+        pad = np.zeros((16, x.shape[1]), dtype=np.float32)
+        pad[:T] = x
+        rest = [np.concatenate([r, np.zeros((16 - T, r.shape[1]), np.float32)]) for r in rest]
+        self.seen_rows.add(pad.shape[0])
+        out = fn(pad, *rest)
+        return tuple(o[:T] for o in out) if isinstance(out, tuple) else out[:T]
+
+    def qkv(self, layer, x):
+        return self._padded(lambda p: super(StaticShapeBackend, self).qkv(layer, p), x)
+
+    def attn_out(self, layer, attn, x):
+        return self._padded(lambda a, p: super(StaticShapeBackend, self).attn_out(layer, a, p), attn, x)
+
+    def mlp(self, layer, x):
+        return self._padded(lambda p: super(StaticShapeBackend, self).mlp(layer, p), x)
+
+
+def test_static_shape_backend_seam(tiny_model_dir):
+    path = tiny_model_dir("qwen3_vl", tied=True)
+    be = StaticShapeBackend()
+    assert isinstance(be, Backend) and pick_chunk(be, 128) == 16 and pick_chunk(be, 8) == 16
+    npu_like, ref = Model.load(path, backend=be), Model.load(path)
+    ids = _ids(40, seed=8)
+    got = npu_like.prefill(ids, npu_like.new_cache(64, check_memory=False), chunk=128)
+    want = ref.forward(ids, ref.new_cache(64, check_memory=False))
+    assert be.seen_rows == {16}
+    assert _rel(got, want) <= ROUNDING
+
+
+def test_forward_rejects_bad_input(tiny_model_dir):
+    model = Model.load(tiny_model_dir("qwen3", tied=False))
+    cache = model.new_cache(8, check_memory=False)
+    with pytest.raises(ValueError, match="out of range"):
+        model.forward([1, 256], cache)
+    with pytest.raises(KVCacheError, match="max_seq"):
+        model.forward(list(range(9)), cache)
+    assert cache.length == 0  # nothing was appended by the failed calls
+    with pytest.raises(ConfigError, match="backend"):
+        get_backend("npu-that-does-not-exist")
+    assert CPUBackend().numerics == "cpu-f32"
