@@ -14,7 +14,6 @@ from pathlib import Path
 
 import click
 from rich.console import Console
-from rich.markdown import Markdown
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 console = Console()
@@ -37,8 +36,8 @@ def _progress() -> Progress:
 
 
 def _show(res_dir: Path, md: str) -> None:
-    console.print(Markdown(md))
-    console.print(f"results: {res_dir}")
+    click.echo(md)  # the Markdown source: its tables stay readable in any terminal width
+    click.echo(f"results: {res_dir}")
 
 
 @click.group("bench")

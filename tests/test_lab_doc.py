@@ -1,0 +1,78 @@
+"""docs/lab-a.md cannot rot: its x86 command blocks (```bash lab) run in order, as one bash
+script, against the default model with the short 512-token prompt files."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from serverutil import edge_home, free_port  # noqa: F401  (session fixture: default model imported once)
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "lab-a.md"
+BLOCK_RE = re.compile(r"^```bash lab\n(.*?)^```", re.S | re.M)
+
+
+def lab_blocks() -> list[str]:
+    return BLOCK_RE.findall(DOC.read_text())
+
+
+def test_doc_has_the_walkthrough_steps():
+    blocks = lab_blocks()
+    assert len(blocks) >= 6
+    text = "\n".join(blocks)
+    for needle in ("edge-llm serve", "--disk-kv", "kill -9", "edge-llm kv inspect", "turn1.json", "turn2.json"):
+        assert needle in text
+    for name in re.findall(r"lab-\$CTX-(turn\d)\.json", text):
+        for ctx in ("512", "2k", "8k"):
+            body = json.loads((ROOT / "docs" / "prompts" / f"lab-{ctx}-{name}.json").read_text())
+            assert body["temperature"] == 0 and "Bob lives in Tokyo" in body["prompt"]
+
+
+def test_prompt_files_share_their_history():
+    for ctx in ("512", "2k", "8k"):
+        t1, t2 = (json.loads((ROOT / "docs" / "prompts" / f"lab-{ctx}-turn{i}.json").read_text())["prompt"]
+                  for i in (1, 2))
+        head = t1[: t1.rindex("Question:")]
+        assert t2.startswith(head) and len(head) > 1000
+
+
+def test_lab_walkthrough_runs(edge_home, tmp_path):  # noqa: F811
+    lab = tmp_path / "lab"
+    script = "set -euo pipefail\n" + "\n".join(lab_blocks())
+    env = {**os.environ, "EDGE_LLM_HOME": str(edge_home), "LAB": str(lab), "PORT": str(free_port()),
+           "CTX": "512", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    try:
+        r = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=1500)
+    finally:
+        _kill_leftover(lab / "serve.pid")
+    out = r.stdout
+    assert r.returncode == 0, f"{out}\n{r.stderr[-3000:]}"
+    assert "S1 prompt" in out and "cache none" in out
+    saved = re.search(r"\[KV-DISK\] saved (\d+)-token KV -> (kv_[0-9a-f]{16}\.kv)", out)
+    loaded = re.search(r"\[KV-DISK\] loaded (\d+)-token KV prefix from disk file (kv_[0-9a-f]{16}\.kv)", out)
+    assert saved and loaded and saved[2] == loaded[2], out  # S2 read S1's file
+    assert "[KV-DISK] index: 1 checkpoint(s)" in out
+    n = int(re.search(r"\[PREFILL-TIMING\] n=(\d+)", out)[1])
+    m = re.search(r"S2 prompt (\d+) tokens, cached (\d+) from disk \| prefilled (\d+)", out)
+    assert m, out
+    assert int(m[3]) == n == int(m[1]) - int(m[2]) and int(m[2]) == int(loaded[1])
+    assert n < 40  # only the follow-up tail, not the ~500-token history
+    assert re.search(r"speed-up \d+\.\dx", out)
+    assert "exit pid=" in out  # the last block stopped S2 cleanly
+
+
+def _kill_leftover(pid_file: Path) -> None:
+    """If the script failed midway, stop the server it started (by its recorded pid)."""
+    try:
+        pid = int(pid_file.read_text())
+        os.kill(pid, signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
