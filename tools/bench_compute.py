@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import resource
 import sys
 import tempfile
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             tok = int(np.argmax(model.forward([tok], cache)))
         decode_s = min(decode_s, time.perf_counter() - t0)
     rss = peak_rss_bytes()
+    load_before = os.getloadavg()[0]
 
     roof_s, dense_flops, mm_rows = matmul_roofline(model, args.chunk, args.prompt)
     bw = read_bandwidth()
@@ -177,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         if info.get("user_api") == "blas":
             t.add_row("BLAS", f"{info.get('internal_api')} {info.get('version')} "
                               f"{info.get('architecture', '')} threads={info.get('num_threads')}")
+    t.add_row("load average (1 min) before / after limits",
+              f"{load_before:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     console.print(t)
     return 0
 
