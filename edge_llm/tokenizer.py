@@ -261,11 +261,12 @@ class IncrementalDecoder:
         return ""
 
     def flush(self) -> str:
-        """Text still held back at the end of generation (invalid bytes become U+FFFD)."""
+        """Text still held back at the end of generation. A trailing incomplete character (e.g.
+        generation hit max_tokens in the middle of an emoji's bytes) is dropped, not sent as U+FFFD."""
         prefix_text = self._dec(self._ids[self._prefix:self._read])
         text = self._dec(self._ids[self._prefix:])
         self._prefix = self._read = len(self._ids)
-        return text[len(prefix_text):]
+        return text[len(prefix_text):].rstrip(REPLACEMENT_CHAR)
 
     @property
     def ids(self) -> list[int]:
