@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from edge_llm.errors import ModelImportError
-from edge_llm.models.synth import Progress, TensorPlan, _write_json, write_checkpoint
+from edge_llm.models.synth import Progress, TensorPlan, write_json_atomic, write_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -200,13 +200,13 @@ def _write_tokenizer_files(meta: _Meta, bos_id: int | None, out: Path) -> list[i
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokenizer.json.tmp").write_text(tok_json, encoding="utf-8")
     (out / "tokenizer.json.tmp").replace(out / "tokenizer.json")
-    _write_json(out / "tokenizer_config.json", tcfg)
+    write_json_atomic(out / "tokenizer_config.json", tcfg)
     gen: dict[str, Any] = {}
     if eos_ids:
         gen["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
     if bos_id is not None:
         gen["bos_token_id"] = bos_id
-    _write_json(out / "generation_config.json", gen)
+    write_json_atomic(out / "generation_config.json", gen)
     return eos_ids
 
 
@@ -266,10 +266,10 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress |
     if eos_ids:
         cfg["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
     write_checkpoint(out, plans, produce, max_shard_bytes=4 << 30, progress=progress)
-    _write_json(out / "config.json", cfg)  # last: a directory with config.json is complete
+    write_json_atomic(out / "config.json", cfg)  # last: a directory with config.json is complete
     src = {"source": path.name, "architecture": arch, "tensors": len(plans),
            "file_types": sorted({t.tensor_type.name for t in reader.tensors})}
-    _write_json(out / "edge_llm_import.json", src)
+    write_json_atomic(out / "edge_llm_import.json", src)
     log.info("imported %s (%s, %d tensors) -> %s", path.name, arch, len(plans), out)
     return out
 

@@ -153,7 +153,7 @@ def write_checkpoint(out_dir: Path, plans: Sequence[TensorPlan], produce: Produc
     if len(shards) > 1:
         index = {"metadata": {"total_size": total},
                  "weight_map": {p.name: n for n, s in zip(names, shards) for p in s}}
-        _write_json(out_dir / "model.safetensors.index.json", index)
+        write_json_atomic(out_dir / "model.safetensors.index.json", index)
     keep = set(names) | ({"model.safetensors.index.json"} if len(shards) > 1 else set())
     for old in out_dir.glob("model*.safetensors*"):  # a previous, differently sharded checkpoint
         if old.name not in keep:
@@ -163,7 +163,7 @@ def write_checkpoint(out_dir: Path, plans: Sequence[TensorPlan], produce: Produc
     return names
 
 
-def _write_json(path: Path, obj: Any) -> None:
+def write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     os.replace(tmp, path)
@@ -296,11 +296,11 @@ def synth_checkpoint(out_dir: str | Path, preset: str = "qwen3-vl-2b", layers: i
         tmp = out / (name + ".tmp")
         shutil.copyfile(tok_dir / name, tmp)
         os.replace(tmp, out / name)
-    _write_json(out / "generation_config.json", GENERATION_CONFIG)
+    write_json_atomic(out / "generation_config.json", GENERATION_CONFIG)
     plans = qwen3_vl_plans(tc)
     names = write_checkpoint(out, plans, lambda p: synth_tensor_bf16_blocks(p.name, p.shape, seed),
                              max_shard_bytes=max_shard_bytes, progress=progress, durable=durable)
-    _write_json(out / "config.json", config)  # last: a directory with config.json is complete
+    write_json_atomic(out / "config.json", config)  # last: a directory with config.json is complete
     log.info("synthetic %s checkpoint (%d layers) -> %s (%s)", preset, tc["num_hidden_layers"], out,
              ", ".join(names))
     return out
