@@ -115,3 +115,7 @@ def tiny_hf_model(path: Path):
 def load_hf_model():
     """Fixture form of `tiny_hf_model` for tests that prefer not to import conftest."""
     return tiny_hf_model
+
+# session fixtures shared by the server, engine and restore tests: one EDGE_LLM_HOME with the
+# default model imported once, one tiny random qwen3_vl checkpoint
+from serverutil import edge_home, tiny_synth_dir  # noqa: E402,F401

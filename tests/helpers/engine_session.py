@@ -1,0 +1,65 @@
+"""One engine process for the bit-exact restore tests (run as a subprocess by tests/test_restore_exact.py).
+
+mode warm:     request 1 (saved to disk), then request X continued from the RAM cache
+mode restored: a fresh process: request X restored from the disk snapshot of request 1
+mode oneshot:  request X computed from scratch with no cache at all
+X is "ext" (request 1 + its answer + a follow-up) or "partial" (request 1's first k ids + others).
+Writes logits, greedy continuation, cache rows and timings of X to --out (npz).
+"""
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+from edge_llm.engine import GenerationRequest
+from edge_llm.runtime import RuntimeOptions, load_runtime
+
+FOLLOW_UP = [100, 200, 300, 400, 500, 600, 700, 800, 900, 1000, 1100]
+
+
+def build_x(spec: str, prompt: list[int], completion: list[int]) -> list[int]:
+    if spec == "ext":
+        return prompt + completion + FOLLOW_UP
+    k = len(prompt) * 2 // 3  # partial: diverge inside the snapshot
+    return prompt[:k] + FOLLOW_UP
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--kv-dir", required=True)
+    ap.add_argument("--mode", choices=["warm", "restored", "oneshot"], required=True)
+    ap.add_argument("--x", choices=["ext", "partial"], required=True)
+    ap.add_argument("--state", required=True, help="json: request-1 prompt ids (in), completion (warm out)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=8)
+    a = ap.parse_args()
+
+    state = json.load(open(a.state))
+    disk = a.kv_dir if a.mode != "oneshot" else None
+    eng = load_runtime(RuntimeOptions(model=a.model, disk_kv=disk, max_seq=1024, kv_bs=16))
+    if a.mode == "warm":
+        last = list(eng.generate(GenerationRequest(state["prompt"], max_tokens=6)))[-1]
+        state["completion"] = last.completion_ids
+        eng.store.flush()
+        json.dump(state, open(a.state, "w"))
+    x = build_x(a.x, state["prompt"], state["completion"])
+    logits, t = eng.prefill_prompt(x)
+    first_logits = logits.copy()
+    toks = []
+    for _ in range(a.steps):  # greedy continuation, no snapshot saved for X
+        toks.append(int(np.argmax(logits)))
+        logits = eng.model.forward([toks[-1]], eng.cache)
+    n = len(x)
+    np.savez(a.out, logits=first_logits, last_logits=logits, tokens=np.array(toks),
+             k=eng.cache.data[:, 0, :n].copy(), v=eng.cache.data[:, 1, :n].copy(),
+             source=t.cache_source, cached=t.ram_cached_tokens + t.disk_cached_tokens,
+             prefill_tokens=t.prefill_tokens, n=n)
+    if eng.store is not None:
+        eng.store.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
