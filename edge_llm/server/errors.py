@@ -107,38 +107,37 @@ class BodyLimitMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        length = None
         for name, value in scope.get("headers", ()):
             if name == b"content-length":
                 try:
-                    too_big = int(value) > self.limit
+                    length = int(value)
                 except ValueError:
-                    too_big = False
-                if too_big:
-                    await self._drain(receive)
-                    return await self._reject(send)
-        seen = 0
-        started = False
-
-        async def limited_receive() -> Message:
-            nonlocal seen
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.limit:
-                    raise _BodyTooLarge
-            return msg
-
-        async def tracking_send(msg: Message) -> None:
-            nonlocal started
-            started = started or msg["type"] == "http.response.start"
-            await send(msg)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
+                    pass
+        if length is not None:  # the HTTP parser enforces Content-Length: checking it suffices
+            if length > self.limit:
                 await self._drain(receive)
-                await self._reject(send)
+                return await self._reject(send)
+            return await self.app(scope, receive, send)
+        # chunked (or no) body: read it here, so a too-large one is refused before the app sees it
+        messages: list[Message] = []
+        seen = 0
+        while True:
+            msg = await receive()
+            messages.append(msg)
+            if msg["type"] != "http.request":
+                break
+            seen += len(msg.get("body", b""))
+            if seen > self.limit:
+                await self._drain(receive)
+                return await self._reject(send)
+            if not msg.get("more_body", False):
+                break
+
+        async def replay() -> Message:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
 
     async def _drain(self, receive: Receive) -> None:
         """Read (and drop) the rest of the body, up to DRAIN_MAX: closing a socket with unread
@@ -160,10 +159,6 @@ class BodyLimitMiddleware:
                                 (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
-
-
-class _BodyTooLarge(Exception):
-    pass
 
 
 class APIKeys:

@@ -1,0 +1,118 @@
+"""Bad clients get precise OpenAI error bodies, and nothing they send disturbs the server."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from serverutil import ServerProc, tiny_synth_dir  # noqa: F401  (fixture)
+
+KEY = "edge-secret-key"
+LIMIT = 8192
+MAX_SEQ = 128
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_synth_dir, tmp_path_factory):  # noqa: F811
+    work = tmp_path_factory.mktemp("srv-errors")
+    (work / "keys").write_text(f"{KEY}\nsecond-key\n")
+    s = ServerProc(work / "home", work, "--model", str(tiny_synth_dir), "--max-seq", str(MAX_SEQ),
+                   "--api-key-file", str(work / "keys"), "--max-body-bytes", str(LIMIT)).start()
+    yield s
+    assert s.stop() == 0
+
+
+def post(srv, path: str, key: str | None = KEY, **kw) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(srv.url + path, headers={**headers, **kw.pop("headers", {})}, timeout=120, **kw)
+
+
+def err(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    e = r.json()["error"]
+    assert set(e) == {"message", "type", "param", "code"} and e["message"]
+    return e
+
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+
+
+@pytest.mark.parametrize("path,body,param", [
+    (COMP, {"prompt": "x", "temperature": "hot"}, "temperature"),
+    (COMP, {"prompt": "x", "temperature": 3}, "temperature"),
+    (COMP, {"prompt": "x", "top_p": 0}, "top_p"),
+    (COMP, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    (COMP, {"prompt": [1, -5]}, "prompt"),
+    (COMP, {"prompt": []}, "prompt"),
+    (COMP, {}, "prompt"),
+    (COMP, {"prompt": "x", "n": 2}, "n"),
+    (COMP, {"prompt": "x", "echo": True}, "echo"),
+    (COMP, {"prompt": "x", "logprobs": 3}, "logprobs"),
+    (COMP, {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    (COMP, {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    (COMP, {"prompt": [10 ** 9]}, "prompt"),
+    (COMP, {"prompt": ""}, "prompt"),
+    (CHAT, {"messages": []}, "messages"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+])
+def test_invalid_fields_are_400_naming_the_param(srv, path, body, param):
+    e = err(post(srv, path, json=body), 400)
+    assert e["type"] == "invalid_request_error"
+    assert (e["param"] or "").startswith(param), e
+
+
+@pytest.mark.parametrize("raw", [b'{"prompt": "x",', b"\xff\xfe garbage", b'{"prompt": NaN}', b"[1, 2]", b""])
+def test_malformed_bodies_are_400(srv, raw):
+    e = err(post(srv, COMP, content=raw, headers={"Content-Type": "application/json"}), 400)
+    assert e["type"] == "invalid_request_error"
+
+
+def test_context_overflow_names_the_numbers(srv):
+    e = err(post(srv, COMP, json={"prompt": [1, 2, 3, 4, 5], "max_tokens": MAX_SEQ}), 400)
+    assert e["code"] == "context_length_exceeded" and e["param"] == "max_tokens"
+    assert f"maximum context length is {MAX_SEQ} tokens" in e["message"]
+    assert f"requested {MAX_SEQ + 5} tokens (5 in the prompt, {MAX_SEQ} for the completion)" in e["message"]
+    e = err(post(srv, CHAT, json={"messages": [{"role": "user", "content": "hi " * 300}], "max_tokens": 1}), 400)
+    assert e["code"] == "context_length_exceeded"
+
+
+def test_unknown_model_404_and_omitted_model_ok(srv):
+    e = err(post(srv, COMP, json={"model": "gpt-4", "prompt": "x", "max_tokens": 1}), 404)
+    assert e["code"] == "model_not_found" and "gpt-4" in e["message"]
+    ok = post(srv, COMP, json={"prompt": "x", "max_tokens": 1})
+    assert ok.status_code == 200 and ok.json()["model"] == srv.health().json()["model"]
+    err(httpx.get(srv.url + "/v1/nothing-here", timeout=30), 404)
+
+
+def test_api_key(srv):
+    assert err(post(srv, COMP, key=None, json={"prompt": "x"}), 401)["code"] == "missing_api_key"
+    assert err(post(srv, COMP, key="edge-secret-kez", json={"prompt": "x"}), 401)["code"] == "invalid_api_key"
+    r = httpx.get(srv.url + "/v1/models", headers={"Authorization": f"Basic {KEY}"}, timeout=30)
+    assert err(r, 401)["type"] == "authentication_error"
+    assert post(srv, COMP, key="second-key", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+    assert srv.health().status_code == 200  # health needs no key
+
+
+def test_body_limit_413(srv):
+    big = {"prompt": "word " * LIMIT}
+    e = err(post(srv, COMP, json=big), 413)
+    assert e["code"] == "body_too_large" and str(LIMIT) in e["message"]
+
+    def chunks():  # no Content-Length: the limit is enforced while the body streams in
+        for _ in range(4):
+            yield b" " * (LIMIT // 2)
+        yield b'{"prompt": "x"}'
+
+    e = err(post(srv, COMP, content=chunks(), headers={"Content-Type": "application/json"}), 413)
+    assert e["code"] == "body_too_large"
+
+
+def test_server_survives_everything(srv):
+    r = post(srv, CHAT, json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3,
+                              "temperature": 0.7, "top_k": 5, "top_p": 0.9, "seed": 1, "stop": "zz"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+    h = srv.health().json()
+    assert h["status"] == "ok" and h["queue_depth"] == 0 and srv.proc.poll() is None
