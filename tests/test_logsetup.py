@@ -85,3 +85,13 @@ def test_restart_keeps_lines_and_sighup_reopens(tiny_synth_dir, tmp_path):  # no
     finally:
         assert second.stop() == 0
     assert "reason=SIGTERM code=0" in log_file.read_text()
+
+
+def test_failed_start_logs_the_reason_and_exits_1(tmp_path):
+    log_file = tmp_path / "edge-llm.log"
+    srv = ServerProc(tmp_path / "home", tmp_path, "--model", str(tmp_path / "no-such-model"), log_file=log_file)
+    srv.start(wait=False)
+    assert srv.proc.wait(300) == 1
+    text = log_file.read_text()
+    assert len(BANNER.findall(text)) == 1
+    assert re.search(r"=== edge-llm exit pid=\d+ reason=model load failed: ConfigError: .*no-such-model.* code=1", text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -130,3 +131,6 @@ def test_error_statuses_through_the_client(server, client):
     for status in ("400", "401", "404", "413"):
         assert f'status="{status}"' in metrics
     assert 'edge_llm_cached_tokens_total{source="ram"}' in metrics
+    for series in ("edge_llm_snapshot_saves_total", "edge_llm_snapshot_bytes_written_total",
+                   "edge_llm_snapshot_files", "edge_llm_rss_bytes", "edge_llm_ttft_seconds_count"):
+        assert re.search(rf"^{series} [1-9]", metrics, re.M), series
