@@ -36,6 +36,8 @@ def prefill(n):
 # ---- pure checks: each passes on good evidence and fails on each kind of bad evidence ------------
 def test_cold_baseline():
     assert C.check_cold(resp()) == []
+    assert C.check_cold(resp(cached=3, source="ram")) == []  # a shared first word is not reuse
+    assert C.check_cold(resp(cached=300, source="ram"))
     assert C.check_cold(resp(cached=300, source="disk"))
 
 
@@ -108,7 +110,7 @@ def test_median():
 def test_recovery_script_passes_on_default_model(edge_home, tmp_path):  # noqa: F811
     out = tmp_path / "results"
     env = {**os.environ, "EDGE_LLM_HOME": str(edge_home), "PYTHON": sys.executable}
-    r = subprocess.run([str(ROOT / "tools" / "test-recovery.sh"), "--context-tokens", "400", "--repeats", "3",
+    r = subprocess.run([str(ROOT / "tools" / "test-recovery.sh"), "--context-tokens", "300", "--repeats", "3",
                         "--max-tokens", "6", "--ready-timeout", "600", "--out", str(out)],
                        env=env, capture_output=True, text=True, timeout=1800)
     (res,) = out.iterdir()

@@ -33,6 +33,7 @@ from edge_llm.cli.bench_disk import new_results_dir  # noqa: E402
 from edge_llm.cli.bench_prompts import FOLLOW_UP, history  # noqa: E402
 
 log = logging.getLogger("recovery")
+LETTERS = "ABCDEFGHJKLMNPQRSTUVWXYZ"
 BANNER_RE = re.compile(r"=== edge-llm \S+ start pid=(\d+)")
 
 
@@ -130,7 +131,10 @@ SAVE_DONE = re.compile(f"{S.SAVED_RE.pattern}|{S.SKIPPED_RE.pattern}|\\[KV-DISK\
 
 def one_repeat(svc: Service, res: Path, r: int, stamp: str, enc, dec) -> dict:
     a, rec = svc.a, {"repeat": r, "checks": {}}
-    prompt = history(a.context_tokens, nonce=f"{stamp}-{r}-{secrets.token_hex(3)}", seed=r)
+    # a different first letter per repeat: no RAM reuse from the previous repeat's requests;
+    # random digits after it: no disk reuse of an older run's snapshots (>= 16 tokens)
+    first = LETTERS[(a.letter0 + r) % len(LETTERS)]
+    prompt = history(a.context_tokens, nonce=f"{first}{secrets.token_hex(4)} {stamp} r{r}", seed=r)
     # 1-2. cold request; the snapshot must be written (saved line + kv dir growth)
     ph = Phase(svc, res, f"r{r}-1-cold")
     cold = svc.complete(prompt)
@@ -207,6 +211,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default="benchmarks/results", help="parent of the results folder")
     p.add_argument("--keep-kv", action="store_true", help="local mode: keep the snapshots afterwards")
     a = p.parse_args(argv)
+    a.letter0 = secrets.randbelow(len(LETTERS))
     if a.base_url and not a.start_cmd and not (a.log_file and a.kv_dir and a.restart_cmd):
         p.error("--base-url without --start-cmd needs --log-file, --kv-dir and --restart-cmd")
     return a

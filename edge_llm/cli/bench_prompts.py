@@ -31,11 +31,11 @@ _TEMPLATES = [
 def history(target_tokens: int, nonce: str = "", seed: int = 0) -> str:
     """A chat log of about `target_tokens` tokens that states FACT early; ends with a newline.
 
-    `nonce` goes on the first line, so histories with different nonces share no long prefix
+    `nonce` starts the first line, so histories with different nonces share no long prefix
     (each evidence repeat starts cold even when old snapshots are on disk).
     """
     rng = random.Random(seed)
-    lines = [f"Conversation log {nonce}".rstrip() + ".",
+    lines = [f"{nonce} conversation log." if nonce else "Conversation log.",
              "Alice: Hi Bob, where do you live these days?", f"Bob: {FACT} I moved there last year."]
     budget = target_tokens * CHARS_PER_TOKEN
     size = sum(len(x) + 1 for x in lines)
