@@ -129,7 +129,10 @@ def run_recovery(model, synth_layers, contexts, max_tokens=8, ready_timeout=600.
     if synth_layers:
         model = str(synth_model(synth_layers))
     model_dir = Path(resolve_model_dir(model))
+    from edge_llm.tokenizer import Tokenizer
+
     g = ModelArgs.from_dir(model_dir).geometry
+    encode = Tokenizer.from_dir(model_dir).encode
     res_dir = new_results_dir(out, "bench-recovery")
     label = (f"synthetic qwen3-vl-2b geometry, {synth_layers} of 28 layers" if synth_layers
              else model_dir.name)
@@ -141,7 +144,7 @@ def run_recovery(model, synth_layers, contexts, max_tokens=8, ready_timeout=600.
         for ctx in contexts:
             try:
                 row = B.run_context(model, g, ctx, res_dir, max_tokens, ready_timeout,
-                                    step=lambda msg: prog.update(task, description=msg))
+                                    step=lambda msg: prog.update(task, description=msg), encode=encode)
             except Exception as e:  # a failed context is reported, the others still run
                 console.print(f"[red]context {ctx} failed: {e}[/red]")
                 row = {"context": ctx, "error": str(e)}

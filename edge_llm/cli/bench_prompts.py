@@ -47,6 +47,18 @@ def history(target_tokens: int, nonce: str = "", seed: int = 0) -> str:
     return "\n".join(lines) + "\n"
 
 
+def sized_history(encode, target_tokens: int, nonce: str = "", seed: int = 0) -> str:
+    """history() rescaled until the tokenizer (`encode`) counts about `target_tokens` tokens."""
+    t = target_tokens
+    for _ in range(4):
+        h = history(t, nonce, seed)
+        n = len(encode(h))
+        if abs(n - target_tokens) <= max(4, target_tokens // 200):
+            break
+        t = max(1, round(t * target_tokens / n))
+    return h
+
+
 def request_body(prompt: str, max_tokens: int = 32) -> str:
     """A /v1/completions JSON body (greedy), as the lab's curl commands send it."""
     return json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}, indent=1) + "\n"

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from edge_llm.cli import bench_server as S
 from edge_llm.cli.bench_disk import MB, measure_raw
-from edge_llm.cli.bench_prompts import FOLLOW_UP, QUESTION, history
+from edge_llm.cli.bench_prompts import FOLLOW_UP, QUESTION, history, sized_history
 
 log = logging.getLogger(__name__)
 
-HEADROOM = 128  # tokens left free below the context size for the question/follow-up + answer
+HEADROOM = 64  # tokens left free below the context size for the question/follow-up + answer
 
 
 def _snapshot_formula(geometry, n: int, kv_bs: int) -> int:
@@ -28,11 +28,16 @@ def _snapshot_formula(geometry, n: int, kv_bs: int) -> int:
 
 
 def run_context(model: str, geometry, ctx: int, work: Path, max_tokens: int, ready_timeout: float,
-                kv_bs: int = 64, step=lambda _m: None) -> dict:
-    """One context size: S1 cold + snapshot, kill, S2 restore + tail. Returns the row."""
+                kv_bs: int = 64, step=lambda _m: None, encode=None) -> dict:
+    """One context size: S1 cold + snapshot, kill, S2 restore + tail. Returns the row.
+
+    `encode` (the model's tokenizer) sizes the history to ctx - HEADROOM tokens exactly enough.
+    """
     kv_dir, log_file = work / f"kv-{ctx}", work / f"server-{ctx}.log"
-    prompt = history(max(16, ctx - HEADROOM), nonce=f"bench {ctx}")
-    extra = ["--kv-bs", str(kv_bs), "--max-seq", str(max(ctx, 256) + HEADROOM)]
+    target = max(16, ctx - HEADROOM)
+    nonce = f"Bench {ctx}"
+    prompt = sized_history(encode, target, nonce) if encode else history(target, nonce)
+    extra = ["--kv-bs", str(kv_bs), "--max-seq", str(max(ctx, 256))]
     srv = S.LocalServer(model, kv_dir, log_file, extra_args=extra, stderr_file=work / f"server-{ctx}.stderr")
     row: dict = {"context": ctx}
     try:
@@ -110,6 +115,7 @@ def plot(res: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     rows = res["rows"]
     x = [r["prompt_tokens_s2"] for r in rows]
@@ -119,6 +125,8 @@ def plot(res: dict, path: Path) -> None:
     ax.plot(x, [r["lower_bound_ms"] / 1e3 for r in rows], "^--", label="lower bound (disk read + tail)")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.set_xticks(x, [str(v) for v in x])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("context tokens")
     ax.set_ylabel("TTFT (s)")
     ax.set_title(f"Restart recovery: {res['model_label']}")
