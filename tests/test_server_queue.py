@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import re
+import signal
 import threading
 
 import httpx
 import pytest
-from serverutil import ServerProc, edge_home, wait_for  # noqa: F401  (fixture)
+from serverutil import ServerProc, edge_home, tiny_synth_dir, wait_for  # noqa: F401  (fixture)
 
 QUEUE = 2
 CLIENTS = 6
@@ -92,3 +94,57 @@ def test_disconnected_plain_request_is_cancelled(server):
     wait_for(lambda: idle(server), what="worker free")
     metrics = httpx.get(server.url + "/metrics", timeout=30).text
     assert re.search(r"edge_llm_cancelled_requests_total [1-9]", metrics)
+
+
+def test_sigterm_finishes_running_refuses_queued(server):
+    """Runs last in this module: it stops the module's server."""
+    wait_for(lambda: idle(server), what="idle server")
+    mark = server.log_size()
+    body = {"messages": [{"role": "user", "content": "Tell me about lighthouses."}], "max_tokens": 24,
+            "temperature": 0, "stream": True}
+    queued: list[httpx.Response] = []
+    events: list[dict] = []
+    done = False
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=900) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if '"content":"' in line and '"content":""' not in line:
+                break
+        t = threading.Thread(target=lambda: queued.append(httpx.post(
+            server.url + "/v1/completions", json={"prompt": "queued", "max_tokens": 2}, timeout=900)))
+        t.start()
+        wait_for(lambda: server.health().json()["queue_depth"] == 1, what="second request queued")
+        server.send(signal.SIGTERM)
+        for line in lines:  # the running request streams on to its natural end
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+            done = done or line == "data: [DONE]"
+        t.join()
+    assert done and events[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+    assert events[-1]["timings"]["decode_tokens"] >= 1
+    assert queued[0].status_code == 503 and queued[0].json()["error"]["code"] == "shutting_down"
+    assert server.proc.wait(300) == 0
+    log = server.log(mark)
+    assert "shutdown: refused 1 queued request(s)" in log and "reason=SIGTERM code=0" in log
+
+
+def test_grace_period_over_cancels_running_request(tiny_synth_dir, tmp_path):  # noqa: F811
+    srv = ServerProc(tmp_path / "home", tmp_path, "--model", str(tiny_synth_dir), "--max-seq", "8192",
+                     "--grace-seconds", "1").start()
+    result: list = []
+
+    def long_request() -> None:
+        try:
+            result.append(httpx.post(srv.url + "/v1/completions", timeout=900,
+                                     json={"prompt": "go", "max_tokens": 8000, "temperature": 0}))
+        except httpx.HTTPError as e:  # the server may close the connection when it gives up
+            result.append(e)
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    wait_for(lambda: srv.health().json()["busy"], what="request running")
+    assert srv.stop(signal.SIGTERM) == 0
+    t.join()
+    m = re.search(r"job \d+ cancelled after (\d+) token\(s\)", srv.log())
+    assert m and int(m.group(1)) < 8000
+    assert "reason=SIGTERM code=0" in srv.log()

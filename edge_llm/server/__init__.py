@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: app factory, schemas, worker queue, metrics, errors."""

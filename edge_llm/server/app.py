@@ -168,8 +168,9 @@ def create_app(settings: Settings, notifier: Any = None, loader: Callable[[], An
             raise bad_request("tools are not supported", "tools")
         params, stop = sampling(body)
         engine = state.engine
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in body.messages]
+        # OpenAI's newer "developer" role is what chat templates call "system"
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                     **({"name": m.name} if m.name else {})} for m in body.messages]
         try:
             tokens = await run_in_threadpool(engine.tokenizer.apply_chat_template_ids, messages, True)
         except EdgeLLMError as e:  # e.g. the template raises on a role order it does not accept
