@@ -214,6 +214,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.letter0 = secrets.randbelow(len(LETTERS))
     if a.base_url and not a.start_cmd and not (a.log_file and a.kv_dir and a.restart_cmd):
         p.error("--base-url without --start-cmd needs --log-file, --kv-dir and --restart-cmd")
+    if a.start_cmd and not (a.base_url and a.log_file and a.kv_dir):
+        p.error("--start-cmd needs --base-url, --log-file and --kv-dir (where that server listens and writes)")
     return a
 
 
@@ -234,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
             repeats.append(one_repeat(svc, res, r, stamp, enc, dec))
     except NotReady as e:
         fatal.append(f"service not ready within the {a.ready_timeout:.0f} s wait budget: {e}")
-    except (S.HTTPFailure, RuntimeError, OSError) as e:
-        fatal.append(f"aborted: {e}")
+    except Exception as e:  # any other error still ends in a written verdict, never a bare traceback
+        log.exception("aborted")
+        fatal.append(f"aborted: {type(e).__name__}: {e}")
     finally:
         svc.stop()
     listing = S.dir_listing(svc.kv_dir)
