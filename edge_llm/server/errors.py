@@ -129,7 +129,8 @@ class BodyLimitMiddleware:
                 break
             seen += len(msg.get("body", b""))
             if seen > self.limit:
-                await self._drain(receive)
+                if msg.get("more_body", False):  # else the body is complete: nothing to drain
+                    await self._drain(receive)
                 return await self._reject(send)
             if not msg.get("more_body", False):
                 break
