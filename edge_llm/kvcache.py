@@ -8,6 +8,7 @@ straight from/into `block_view(...)` without an intermediate copy.
 from __future__ import annotations
 
 import logging
+import mmap
 from collections.abc import Sequence
 
 import numpy as np
@@ -44,8 +45,7 @@ class KVCache:
                     f"({geometry.kv_bytes_per_token} B/token) but only {avail / 2**20:.0f} MiB are "
                     f"available (keeping {MEMORY_HEADROOM >> 20} MiB headroom): lower --max-seq"
                 )
-        # np.zeros: pages are committed on first touch, and unused rows never leak old data
-        self.data = np.zeros((geometry.n_layers, 2, max_seq, geometry.kv_dim), dtype=np.float32)
+        self.data = _committed_zeros((geometry.n_layers, 2, max_seq, geometry.kv_dim))
         self.tokens: list[int] = []  # token ids whose rows [0, len) are valid
 
     # ---- state ----------------------------------------------------------------------
@@ -101,6 +101,23 @@ class KVCache:
         start = block * self.kv_bs
         stop = min(n_rows, start + self.kv_bs)
         return memoryview(self.rows(layer, kv, start, stop)).cast("B")
+
+
+def _committed_zeros(shape: tuple[int, ...]) -> np.ndarray:
+    """Zeroed float32 array whose pages are all resident now.
+
+    Committing up front makes the memory check meaningful (no OOM kill later) and keeps page
+    faults off the restore path: the first restore after a restart would otherwise fault once per
+    4 KiB it reads. MAP_POPULATE lets the kernel fault everything in one call (~5x faster here
+    than touching pages from numpy); elsewhere we touch them.
+    """
+    nbytes = int(np.prod(shape)) * 4
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate)
+    arr = np.frombuffer(buf, dtype=np.float32, count=nbytes // 4).reshape(shape)
+    if not populate:
+        arr.fill(0)
+    return arr
 
 
 def lcp(a: Sequence[int], b: Sequence[int]) -> int:
