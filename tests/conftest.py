@@ -8,6 +8,8 @@ writes. `tiny_hf_model(path)` loads it back into transformers for reference outp
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub from tests
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -116,6 +118,25 @@ def load_hf_model():
     """Fixture form of `tiny_hf_model` for tests that prefer not to import conftest."""
     return tiny_hf_model
 
-# session fixtures shared by the server, engine and restore tests: one EDGE_LLM_HOME with the
-# default model imported once, one tiny random qwen3_vl checkpoint
-from serverutil import edge_home, tiny_synth_dir  # noqa: E402,F401
+# ---- session fixtures shared by the server, engine and restore tests ----------------------------
+# Defined here (not imported into test modules): a fixture imported into several modules would be
+# a separate session fixture per module, importing the default model once per module.
+READY_TIMEOUT = 600
+
+
+@pytest.fixture(scope="session")
+def edge_home(tmp_path_factory) -> Path:
+    """A session EDGE_LLM_HOME with the default model imported into it (in a subprocess)."""
+    home = tmp_path_factory.mktemp("edge-home")
+    env = {**os.environ, "EDGE_LLM_HOME": str(home)}
+    subprocess.run([sys.executable, "-c", "from edge_llm.models.default import resolve_model_dir;"
+                    "resolve_model_dir('default')"], env=env, check=True, timeout=READY_TIMEOUT)
+    return home
+
+
+@pytest.fixture(scope="session")
+def tiny_synth_dir(tmp_path_factory) -> Path:
+    """A tiny random qwen3_vl checkpoint with the real Qwen3 tokenizer: fast to run."""
+    from edge_llm.models.synth import synth_checkpoint
+
+    return synth_checkpoint(tmp_path_factory.mktemp("tiny-synth") / "tiny-qwen3vl", preset="tiny")

@@ -1,8 +1,7 @@
 """Run a real `python -m edge_llm serve` subprocess on a free port for the server tests.
 
-Import the `edge_home` fixture into a test module (`from serverutil import edge_home`): one
-EDGE_LLM_HOME per session, so the embedded default model is imported (and its weights hashed)
-once and shared by every server the tests start.
+The session fixtures `edge_home` (one EDGE_LLM_HOME with the default model imported once) and
+`tiny_synth_dir` live in conftest.py, so every module shares one instance of each.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 READY_TIMEOUT = 600  # generous: a hang is a failure, slowness on a loaded CI box is not
 STOP_TIMEOUT = 180
@@ -26,24 +24,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def edge_home(tmp_path_factory) -> Path:
-    """A session EDGE_LLM_HOME with the default model imported into it (in a subprocess)."""
-    home = tmp_path_factory.mktemp("edge-home")
-    env = {**os.environ, "EDGE_LLM_HOME": str(home)}
-    subprocess.run([sys.executable, "-c", "from edge_llm.models.default import resolve_model_dir;"
-                    "resolve_model_dir('default')"], env=env, check=True, timeout=READY_TIMEOUT)
-    return home
-
-
-@pytest.fixture(scope="session")
-def tiny_synth_dir(tmp_path_factory) -> Path:
-    """A tiny random qwen3_vl checkpoint with the real Qwen3 tokenizer: fast to run."""
-    from edge_llm.models.synth import synth_checkpoint
-
-    return synth_checkpoint(tmp_path_factory.mktemp("tiny-synth") / "tiny-qwen3vl", preset="tiny")
 
 
 class ServerProc:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 
 from click.testing import CliRunner
-from serverutil import tiny_synth_dir  # noqa: F401  (session fixture)
 
 from edge_llm.cli.bench import bench
 
 
-def test_bench_recovery_on_tiny_model(tiny_synth_dir, tmp_path, monkeypatch):  # noqa: F811
+def test_bench_recovery_on_tiny_model(tiny_synth_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("EDGE_LLM_HOME", str(tmp_path / "home"))
     out = tmp_path / "results"
     r = CliRunner().invoke(bench, ["recovery", "--model", str(tiny_synth_dir), "--contexts", "300",

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from serverutil import edge_home, free_port  # noqa: F401  (session fixture: default model imported once)
+from serverutil import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "lab-a.md"
@@ -43,7 +43,7 @@ def test_prompt_files_share_their_history():
         assert t2.startswith(head) and len(head) > 1000
 
 
-def test_lab_walkthrough_runs(edge_home, tmp_path):  # noqa: F811
+def test_lab_walkthrough_runs(edge_home, tmp_path):
     lab = tmp_path / "lab"
     script = "set -euo pipefail\n" + "\n".join(lab_blocks())
     env = {**os.environ, "EDGE_LLM_HOME": str(edge_home), "LAB": str(lab), "PORT": str(free_port()),

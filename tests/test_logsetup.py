@@ -8,7 +8,7 @@ import re
 import signal
 
 import httpx
-from serverutil import ServerProc, tiny_synth_dir  # noqa: F401  (fixture)
+from serverutil import ServerProc
 
 from edge_llm.logsetup import log_banner, log_exit, setup_logging
 
@@ -55,7 +55,7 @@ def _request(srv: ServerProc) -> None:
     assert r.status_code == 200, r.text
 
 
-def test_restart_keeps_lines_and_sighup_reopens(tiny_synth_dir, tmp_path):  # noqa: F811
+def test_restart_keeps_lines_and_sighup_reopens(tiny_synth_dir, tmp_path):
     log_file = tmp_path / "edge-llm.log"
     args = ("--model", str(tiny_synth_dir), "--max-seq", "128")
     first = ServerProc(tmp_path / "home", tmp_path, *args, log_file=log_file).start()

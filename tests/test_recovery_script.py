@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from serverutil import edge_home  # noqa: F401  (session fixture: default model imported once)
 
 from edge_llm.cli.bench_server import Completion, dir_bytes, log_offset, read_since
 
@@ -107,7 +106,7 @@ def test_median():
 
 
 # ---- end to end: the real protocol on the default model -------------------------------------------
-def test_recovery_script_passes_on_default_model(edge_home, tmp_path):  # noqa: F811
+def test_recovery_script_passes_on_default_model(edge_home, tmp_path):
     out = tmp_path / "results"
     env = {**os.environ, "EDGE_LLM_HOME": str(edge_home), "PYTHON": sys.executable}
     r = subprocess.run([str(ROOT / "tools" / "test-recovery.sh"), "--context-tokens", "300", "--repeats", "3",

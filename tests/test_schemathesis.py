@@ -10,13 +10,13 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
-from serverutil import ServerProc, tiny_synth_dir  # noqa: F401  (fixture)
+from serverutil import ServerProc
 
 MAX_EXAMPLES = 25
 
 
 @pytest.fixture(scope="module")
-def live(tiny_synth_dir, tmp_path_factory):  # noqa: F811
+def live(tiny_synth_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("srv-schemathesis")
     srv = ServerProc(work / "home", work, "--model", str(tiny_synth_dir), "--max-seq", "64",
                      "--queue-size", "4", "--max-body-bytes", "65536").start()

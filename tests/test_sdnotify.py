@@ -9,7 +9,7 @@ import threading
 import uuid
 
 import pytest
-from serverutil import ServerProc, tiny_synth_dir  # noqa: F401  (fixture)
+from serverutil import ServerProc
 
 from edge_llm.sdnotify import Notifier
 
@@ -60,7 +60,7 @@ def test_disabled_and_failures_are_harmless(tmp_path):
     assert Notifier({"WATCHDOG_USEC": "soon"}).watchdog_interval is None
 
 
-def test_server_lifecycle_notifications(tiny_synth_dir, tmp_path):  # noqa: F811
+def test_server_lifecycle_notifications(tiny_synth_dir, tmp_path):
     path = str(tmp_path / "n.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(path)

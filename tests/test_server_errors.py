@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from serverutil import ServerProc, tiny_synth_dir  # noqa: F401  (fixture)
+from serverutil import ServerProc
 
 KEY = "edge-secret-key"
 LIMIT = 8192
@@ -12,7 +12,7 @@ MAX_SEQ = 128
 
 
 @pytest.fixture(scope="module")
-def srv(tiny_synth_dir, tmp_path_factory):  # noqa: F811
+def srv(tiny_synth_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("srv-errors")
     (work / "keys").write_text(f"{KEY}\nsecond-key\n")
     s = ServerProc(work / "home", work, "--model", str(tiny_synth_dir), "--max-seq", str(MAX_SEQ),

@@ -8,7 +8,7 @@ import time
 import httpx
 import openai
 import pytest
-from serverutil import ServerProc, edge_home  # noqa: F401  (fixture)
+from serverutil import ServerProc
 
 KEY = "sk-edge-test-0123456789"
 MAX_SEQ = 1024
@@ -16,7 +16,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def server(edge_home, tmp_path_factory):  # noqa: F811
+def server(edge_home, tmp_path_factory):
     work = tmp_path_factory.mktemp("srv-openai")
     (work / "api-key").write_text(f"# clients of this test\n{KEY}\n")
     srv = ServerProc(edge_home, work, "--model", "default", "--max-seq", str(MAX_SEQ),

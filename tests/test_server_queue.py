@@ -9,7 +9,7 @@ import threading
 
 import httpx
 import pytest
-from serverutil import ServerProc, edge_home, tiny_synth_dir, wait_for  # noqa: F401  (fixture)
+from serverutil import ServerProc, wait_for
 
 QUEUE = 2
 CLIENTS = 6
@@ -17,7 +17,7 @@ LONG = 1500  # far more tokens than a test could wait for: only a cancel ends th
 
 
 @pytest.fixture(scope="module")
-def server(edge_home, tmp_path_factory):  # noqa: F811
+def server(edge_home, tmp_path_factory):
     srv = ServerProc(edge_home, tmp_path_factory.mktemp("srv-queue"), "--model", "default",
                      "--max-seq", "2048", "--queue-size", str(QUEUE)).start()
     yield srv
@@ -128,7 +128,7 @@ def test_sigterm_finishes_running_refuses_queued(server):
     assert "shutdown: refused 1 queued request(s)" in log and "reason=SIGTERM code=0" in log
 
 
-def test_grace_period_over_cancels_running_request(tiny_synth_dir, tmp_path):  # noqa: F811
+def test_grace_period_over_cancels_running_request(tiny_synth_dir, tmp_path):
     srv = ServerProc(tmp_path / "home", tmp_path, "--model", str(tiny_synth_dir), "--max-seq", "8192",
                      "--grace-seconds", "1").start()
     result: list = []

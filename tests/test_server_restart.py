@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serverutil import ServerProc, edge_home, wait_for  # noqa: F401  (fixture)
+from serverutil import ServerProc, wait_for
 
 from edge_llm.kvcache import lcp
 from edge_llm.snapshot.format import read_header, verify_file
@@ -47,7 +47,7 @@ def snapshots(ns: Path) -> dict[str, list[int]]:
 
 
 @pytest.fixture()
-def tokenizer(edge_home, monkeypatch):  # noqa: F811
+def tokenizer(edge_home, monkeypatch):
     from edge_llm.models.default import resolve_model_dir
     from edge_llm.tokenizer import Tokenizer
 
@@ -62,7 +62,7 @@ def expected_prefill(tok, messages: list[dict], stored: dict[str, list[int]]) ->
     return len(ids), len(ids) - m
 
 
-def test_sigterm_restore_then_sigkill_mid_save(edge_home, tmp_path, tokenizer):  # noqa: F811
+def test_sigterm_restore_then_sigkill_mid_save(edge_home, tmp_path, tokenizer):
     kv, log_file = tmp_path / "kv", tmp_path / "edge-llm.log"
 
     def server() -> ServerProc:
