@@ -15,7 +15,7 @@ LAYERS = {
     "backends": 3, "models": 3, "snapshot.format": 3,
     "snapshot.identity": 4, "snapshot.store": 4, "snapshot": 4,
     "sampling": 5, "engine": 5, "runtime": 5,
-    "server": 6, "logsetup": 6, "sdnotify": 6, "settings": 6, "doctor": 6,
+    "server": 6, "bench": 6, "logsetup": 6, "sdnotify": 6, "settings": 6, "doctor": 6,
     "cli": 7, "__main__": 8, "__init__": 0,
 }
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from edge_llm.cli.bench_server import Completion, dir_bytes, log_offset, read_since
+from edge_llm.bench.client import Completion, dir_bytes, log_offset, read_since
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))

@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import recovery_checks as C  # noqa: E402
 import recovery_report as R  # noqa: E402
 
-from edge_llm.cli import bench_server as S  # noqa: E402
-from edge_llm.cli.bench_disk import new_results_dir  # noqa: E402
-from edge_llm.cli.bench_prompts import FOLLOW_UP, history  # noqa: E402
+from edge_llm.bench import client as S  # noqa: E402
+from edge_llm.bench.disk import new_results_dir  # noqa: E402
+from edge_llm.bench.prompts import FOLLOW_UP, history  # noqa: E402
 
 log = logging.getLogger("recovery")
 LETTERS = "ABCDEFGHJKLMNPQRSTUVWXYZ"

@@ -2,7 +2,7 @@
 
 Each check returns a list of failure messages (empty = pass). Log text is always the part of
 the append-only log written after the phase's byte-offset marker, so older lines never count.
-`resp` is an edge_llm.cli.bench_server.Completion (or anything with the same attributes).
+`resp` is an edge_llm.bench.client.Completion (or anything with the same attributes).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 import statistics
 from collections.abc import Callable, Sequence
 
-from edge_llm.cli.bench_server import LOADED_RE, PREFILL_RE, SAVED_RE
+from edge_llm.bench.client import LOADED_RE, PREFILL_RE, SAVED_RE
 
 
 def median(values: Sequence[float]) -> float | None:

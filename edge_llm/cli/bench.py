@@ -63,8 +63,8 @@ def restore_cmd(data_dir, contexts, preset, layers, kv_bs, repeats, scan_files, 
 
 def run_restore(data_dir, contexts, preset="qwen3-vl-2b", layers=None, kv_bs=64, repeats=3, scan_files=8,
                 scan_tokens=None, out="benchmarks/results") -> Path:
-    from edge_llm.cli import bench_restore as B
-    from edge_llm.cli.bench_disk import new_results_dir
+    from edge_llm.bench import restore as B
+    from edge_llm.bench.disk import new_results_dir
     from edge_llm.config import Geometry
     from edge_llm.settings import edge_home
 
@@ -121,8 +121,8 @@ def synth_model(layers: int) -> Path:
 
 def run_recovery(model, synth_layers, contexts, max_tokens=8, ready_timeout=600.0,
                  out="benchmarks/results") -> Path:
-    from edge_llm.cli import bench_recovery as B
-    from edge_llm.cli.bench_disk import new_results_dir
+    from edge_llm.bench import recovery as B
+    from edge_llm.bench.disk import new_results_dir
     from edge_llm.config import ModelArgs
     from edge_llm.models.default import resolve_model_dir
 

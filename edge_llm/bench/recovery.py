@@ -13,9 +13,9 @@ import shutil
 import signal
 from pathlib import Path
 
-from edge_llm.cli import bench_server as S
-from edge_llm.cli.bench_disk import MB, measure_raw
-from edge_llm.cli.bench_prompts import FOLLOW_UP, QUESTION, history, sized_history
+from edge_llm.bench import client as S
+from edge_llm.bench.disk import MB, measure_raw
+from edge_llm.bench.prompts import FOLLOW_UP, QUESTION, history, sized_history
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_llm.cli.bench_disk import MB, Throughput, drop_file_cache, measure_raw, proc_read_bytes
+from edge_llm.bench.disk import MB, Throughput, drop_file_cache, measure_raw, proc_read_bytes
 from edge_llm.config import Geometry
 from edge_llm.kvcache import KVCache
 from edge_llm.snapshot.format import fnv1a64, snapshot_name, snapshot_size
