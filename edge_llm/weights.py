@@ -223,7 +223,8 @@ def digest_cache_path() -> Path:
     return base / "digests.json"
 
 
-def _file_sha256(path: Path) -> str:
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes, streamed through one reusable buffer."""
     h = hashlib.sha256()
     buf = bytearray(_DIGEST_CHUNK)
     view = memoryview(buf)
@@ -256,7 +257,7 @@ def weight_digest(model_dir: str | Path) -> str:
         if not (isinstance(entry, dict) and entry.get("size") == st.st_size
                 and entry.get("mtime_ns") == st.st_mtime_ns and isinstance(entry.get("sha256"), str)):
             log.info("hashing %s (%d bytes)", path.name, st.st_size)
-            entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": _file_sha256(path)}
+            entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(path)}
             cache[key] = entry
             dirty = True
         total.update(f"{path.name}:{entry['sha256']}\n".encode())

