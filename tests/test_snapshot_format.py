@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from edge_llm import errors as E
 from edge_llm.config import Geometry
 from edge_llm.snapshot import format as F
+from edge_llm.snapshot.inspect import describe
 
 # ---- the golden file: 2 layers, 1 kv head, head_dim 2, kv_bs 2, 3 tokens --------------------------
 G_GEOM = Geometry(n_layers=2, n_kv_heads=1, head_dim=2)
@@ -271,7 +272,7 @@ def test_each_bad_file_rejected_with_its_own_class(name, tmp_path):
     # describe() checks no model expectation and reads no block: these look valid to it
     described_valid = name in ("model geometry", "model_id", "model_id field", "n_tokens > max",
                                "block (L1 V1)", "block (L0 K0)")
-    info = F.describe(path)
+    info = describe(path)
     assert info["valid"] is described_valid
     assert (info["error"] is None) is described_valid or info["error"]["reason"] == exc.reason
 
@@ -407,7 +408,7 @@ def test_read_rows_into_checks_arguments_before_reading():
 def test_describe_dissects_the_golden_file(tmp_path):
     path = tmp_path / F.snapshot_name(0x962C13705A558298)
     path.write_bytes(GOLDEN)
-    info = F.describe(path, max_blocks=None)
+    info = describe(path, max_blocks=None)
     assert info["valid"] and info["error"] is None and info["tokens"] == G_TOKENS
     fields = {h["name"]: h for h in info["header"]}
     assert fields["magic"]["hex"] == "56 4b 4c 56" and fields["model_id"]["offset"] == 40
@@ -420,9 +421,9 @@ def test_describe_dissects_the_golden_file(tmp_path):
         chunk = GOLDEN[blk["offset"]:blk["offset"] + blk["size"]]
         assert crc32c.crc32c(chunk) == blk["crc_stored"]
         assert GOLDEN[blk["trailer_offset"]:blk["trailer_offset"] + 4] == struct.pack("<I", blk["crc_stored"])
-    assert len(F.describe(path, max_blocks=3)["blocks"]) == 3
+    assert len(describe(path, max_blocks=3)["blocks"]) == 3
     path.write_bytes(GOLDEN[:-1])
-    short = F.describe(path)
+    short = describe(path)
     assert not short["valid"] and short["error"]["reason"] == "size" and short["blocks"] == []
     assert short["size_formula"]["expected"] == 204 and short["size_formula"]["actual"] == 203
 

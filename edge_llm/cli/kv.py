@@ -20,6 +20,7 @@ from rich.table import Table
 from edge_llm.errors import SnapshotError
 from edge_llm.snapshot import format as fmt
 from edge_llm.snapshot.identity import read_identity
+from edge_llm.snapshot.inspect import describe as inspect_file
 from edge_llm.snapshot.index import QUARANTINE, Entry, lru_victims
 from edge_llm.snapshot.writer import TMP_SUFFIX, fsync_dir
 
@@ -152,7 +153,7 @@ def ls(kv_dir: Path) -> None:
               help="How many block-map entries to show.")
 def inspect(file: Path, tokenizer_dir: Path | None, n_show: int, n_blocks: int) -> None:
     """Dissect one snapshot file, byte by byte (a walkthrough of the VLKV v1 layout)."""
-    d = fmt.describe(file, max_blocks=n_blocks)
+    d = inspect_file(file, max_blocks=n_blocks)
     out.print(f"[bold]{file}[/bold]  {d['file_size']:,} bytes")
     if d["header"]:
         t = Table(title="header (64 bytes, little-endian)", show_edge=False)

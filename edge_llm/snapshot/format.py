@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 # magic, version, n_layers, n_kv_heads, head_dim, kv_bs, n_tokens, kv_dim, tokens_fnv (C engine, 0-39)
 # model_id, flags, reserved, trailer_crc, header_crc (this product, 40-63)
 HEADER = struct.Struct("<8IQQ4I")
-HEADER_FIELDS = (  # (name, offset, size): the table of SPEC section 3, used by describe()
+HEADER_FIELDS = (  # (name, offset, size): the table of SPEC section 3, used by inspect.describe()
     ("magic", 0, 4), ("version", 4, 4), ("n_layers", 8, 4), ("n_kv_heads", 12, 4),
     ("head_dim", 16, 4), ("kv_bs", 20, 4), ("n_tokens", 24, 4), ("kv_dim", 28, 4),
     ("tokens_fnv", 32, 8), ("model_id", 40, 8), ("flags", 48, 4), ("reserved", 52, 4),
@@ -388,56 +388,3 @@ def verify_file(path: str | os.PathLike, geometry: Geometry | None = None, model
                     if crc32c.crc32c(view) != hdr.block_crc(layer, b, kv):
                         raise SnapshotBlockCRC(f"layer {layer} block {b} ({KV_NAMES[kv]}) fails its CRC32C")
     return hdr
-
-
-# ---- dissection (data for `edge-llm kv inspect`; no printing here) ---------------------------------
-def describe(path: str | os.PathLike, max_blocks: int | None = 64) -> dict[str, Any]:
-    """Dissect a file: header fields with offsets, sections, size formula, block map, first error.
-
-    Works on bad files: what could be parsed is returned and `error` names the first failed check
-    ({reason, message}). Sections and the block map are listed only once the exact size matched
-    (nothing is sized from an unchecked field); `max_blocks` caps the block map (None = all).
-    """
-    out: dict[str, Any] = {"path": os.fspath(path), "valid": False, "error": None, "header": [],
-                           "size_formula": None, "sections": [], "tokens": None, "blocks": [],
-                           "n_blocks_total": 0}
-    with open(path, "rb", buffering=0) as f:
-        size = out["file_size"] = _file_size(f)
-        if size >= HEADER.size:
-            raw = bytes(_read_exact(f, 0, HEADER.size))
-            values = dict(zip((name for name, _, _ in HEADER_FIELDS), HEADER.unpack(raw)))
-            out["header"] = [{"name": name, "offset": off, "size": sz, "hex": raw[off:off + sz].hex(" "),
-                              "value": values[name]} for name, off, sz in HEADER_FIELDS]
-            out["header_crc_actual"] = crc32c.crc32c(raw[:60])
-            L, n, kv_dim, kv_bs = (values[k] for k in ("n_layers", "n_tokens", "kv_dim", "kv_bs"))
-            if kv_bs > 0:
-                B = n_blocks(n, kv_bs)
-                out["size_formula"] = {
-                    "formula": "64 + 4*n + 2*L*n*kv_dim*4 + 8*L*B", "n": n, "L": L, "kv_dim": kv_dim,
-                    "kv_bs": kv_bs, "B": B, "terms": [HEADER.size, 4 * n, 2 * L * n * kv_dim * F32, 8 * L * B],
-                    "expected": snapshot_size(L, n, kv_dim, kv_bs), "actual": size}
-        try:
-            h, tokens = read_header(f, None, None, None, size)
-            out["valid"], out["tokens"] = True, tokens.tolist()
-        except (SnapshotTokenHash, SnapshotTrailerCRC) as e:  # raised after the size check passed
-            out["error"] = {"reason": e.reason, "message": str(e)}
-            h = SnapshotHeader(*(values[k] for k in ("n_layers", "n_kv_heads", "head_dim", "kv_bs",
-                                                     "n_tokens", "kv_dim", "tokens_fnv", "model_id")))
-        except SnapshotError as e:
-            out["error"] = {"reason": e.reason, "message": str(e)}
-            return out
-    out["sections"] = [
-        {"name": "header", "offset": 0, "size": HEADER.size},
-        {"name": "token ids", "offset": h.tokens_offset, "size": 4 * h.n_tokens},
-        {"name": "payload", "offset": h.payload_offset, "size": h.n_layers * h.layer_bytes},
-        {"name": "trailer", "offset": h.trailer_offset, "size": h.trailer_size}]
-    out["n_blocks_total"] = total = 2 * h.n_layers * h.n_blocks
-    for i in range(total if max_blocks is None else min(max_blocks, total)):
-        (layer, b), kv = divmod(i // 2, h.n_blocks), i % 2
-        start, stop = h.block_rows(b)
-        out["blocks"].append({
-            "layer": layer, "block": b, "kv": KV_NAMES[kv], "rows": (start, stop),
-            "offset": h.block_offset(layer, b, kv), "size": (stop - start) * h.kv_dim * F32,
-            "trailer_offset": h.trailer_offset + 4 * i,
-            "crc_stored": h.block_crc(layer, b, kv) if h.trailer else None})
-    return out
