@@ -1,7 +1,7 @@
 """`edge-llm bench recovery`: the lab's S1/S2 experiment with real server processes.
 
 Per context: S1 (fresh kv dir) prefills history + question from scratch and publishes a snapshot;
-S1 is killed (SIGKILL); S2 starts, indexes the snapshot, and gets history + a follow-up: the prefix
+S1 is killed (SIGKILL) and the snapshot's pages are dropped from the page cache; S2 starts, indexes the snapshot, and gets history + a follow-up: the prefix
 comes back from disk and only the tail is prefilled. The lower bound for S2's TTFT is
 restore_bytes / (raw cold-read bandwidth of the same directory) + the tail's prefill time.
 """
@@ -14,7 +14,7 @@ import signal
 from pathlib import Path
 
 from edge_llm.bench import client as S
-from edge_llm.bench.disk import MB, measure_raw
+from edge_llm.bench.disk import MB, drop_file_cache, measure_raw
 from edge_llm.bench.prompts import FOLLOW_UP, QUESTION, history, sized_history
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,9 @@ def run_context(model: str, geometry, ctx: int, work: Path, max_tokens: int, rea
             raise RuntimeError(f"S1 wrote no snapshot (no [KV-DISK] saved line in {log_file})")
         step(f"{ctx}: kill S1, start S2")
         srv.stop(signal.SIGKILL)
+        # as after a power cut: S2 reads the snapshot from the device, not from S1's page cache
+        for snap in kv_dir.rglob("*.kv"):
+            drop_file_cache(snap)
         mark = S.log_offset(log_file)
         srv.start()
         row["s2_ready_s"] = S.wait_ready(srv.base_url, ready_timeout, srv.proc)
@@ -106,7 +109,8 @@ def markdown(res: dict) -> str:
             f"| {r['lower_bound_ms']:.0f} | {r['restored_vs_bound']:.2f} |")
     lines += ["", "Lower bound = restore_bytes / raw cold-read bandwidth of the kv directory (measured in the "
               "same run, page cache dropped) + the tail's prefill time. S1 is killed with SIGKILL after its "
-              "`[KV-DISK] saved` line; S2 is a new process."]
+              "`[KV-DISK] saved` line and the snapshot's pages are dropped from the page cache (as after a "
+              "power cut); S2 is a new process that reads it from the device."]
     return "\n".join(lines) + "\n"
 
 
