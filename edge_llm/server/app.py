@@ -126,6 +126,16 @@ def create_app(settings: Settings, notifier: Any = None, loader: Callable[[], An
             raise unavailable("server is shutting down", "shutting_down") from None
         return job, asyncio.create_task(_watch_disconnect(request, job))
 
+    async def respond(request: Request, body, gen: GenerationRequest, chat: bool):
+        """Queue the request; answer with SSE chunks (stream) or one JSON body."""
+        job, watcher = await submit(request, gen, "chat" if chat else "completion")
+        meta = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{job.id}", model=state.model_id)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = (sse_chat if chat else sse_completion)(job, watcher, meta, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+        return await collect(job, watcher, meta, chat=chat)
+
     @app.post("/v1/completions", response_model=S.CompletionResponse, responses=ERRORS,
               dependencies=[Depends(auth)])
     async def completions(body: S.CompletionRequest, request: Request):
@@ -150,13 +160,7 @@ def create_app(settings: Settings, notifier: Any = None, loader: Callable[[], An
             tokens = list(body.prompt)
         max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
         check_length(len(tokens), max_tokens, "max_tokens")
-        job, watcher = await submit(request, GenerationRequest(tokens, max_tokens, params, stop), "completion")
-        meta = dict(id=f"cmpl-{job.id}", model=state.model_id)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(sse_completion(job, watcher, meta, include_usage),
-                                     media_type="text/event-stream", headers=_SSE_HEADERS)
-        return await collect(job, watcher, meta, chat=False)
+        return await respond(request, body, GenerationRequest(tokens, max_tokens, params, stop), chat=False)
 
     @app.post("/v1/chat/completions", response_model=S.ChatCompletionResponse, responses=ERRORS,
               dependencies=[Depends(auth)])
@@ -180,13 +184,7 @@ def create_app(settings: Settings, notifier: Any = None, loader: Callable[[], An
         if max_tokens is None:  # OpenAI chat default: whatever the context leaves
             max_tokens = max(1, settings.max_seq - len(tokens))
         check_length(len(tokens), max_tokens, param)
-        job, watcher = await submit(request, GenerationRequest(tokens, max_tokens, params, stop), "chat")
-        meta = dict(id=f"chatcmpl-{job.id}", model=state.model_id)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(sse_chat(job, watcher, meta, include_usage),
-                                     media_type="text/event-stream", headers=_SSE_HEADERS)
-        return await collect(job, watcher, meta, chat=True)
+        return await respond(request, body, GenerationRequest(tokens, max_tokens, params, stop), chat=True)
 
     return app
 
