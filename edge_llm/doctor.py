@@ -12,12 +12,11 @@ import ctypes.util
 import glob
 import importlib.metadata as md
 import logging
-import mmap
+import math
 import platform
 import re
 import shutil
 import stat
-import struct
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -270,13 +269,14 @@ class Doctor:
         d = Path(self.o.model)
         if self.o.model == "default":
             from edge_llm.models import default as dm  # lazy: the importer pulls in gguf
+            from edge_llm.models.gguf_header import gguf_sizes
 
             if not dm.default_model_ready():
                 try:
                     gguf = dm.default_gguf_path()
                 except Exception as e:
                     return Check("model", FAIL, f"embedded default model: {e}", dm.SMOLLM2_PIP)
-                params, bpt = _gguf_sizes(gguf)
+                params, bpt = gguf_sizes(gguf)
                 self._model = ("default model", params * 4, bpt)
                 return Check("model", PASS, f"embedded default model {gguf.name} ({params / 1e6:.0f}M "
                              f"parameters), imported into {dm.edge_llm_home() / 'models'} on first start")
@@ -284,7 +284,7 @@ class Doctor:
         try:
             args = ModelArgs.from_dir(d)
             from edge_llm.weights import index_tensors  # lazy: pulls in safetensors
-            f32 = sum(4 * _prod(t.shape) for t in index_tensors(d).values())
+            f32 = sum(4 * math.prod(t.shape) for t in index_tensors(d).values())
         except Exception as e:  # ConfigError / WeightsError name the problem
             return Check("model", FAIL, str(e), "point `model` at a complete HF model directory")
         self._model = (d.name, f32, args.geometry.kv_bytes_per_token)
@@ -412,13 +412,6 @@ class Doctor:
                      "timedatectl set-ntp true (or install chrony)")
 
 
-def _prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _adjtimex_state() -> int | None:
     """Kernel clock state from adjtimex(2) with modes=0 (read-only, unprivileged)."""
     try:
@@ -427,65 +420,6 @@ def _adjtimex_state() -> int | None:
         return int(libc.adjtimex(buf))
     except (OSError, AttributeError):
         return None
-
-
-_GGUF_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-
-
-def _gguf_sizes(path: Path) -> tuple[int, int]:
-    """(parameter count, F32 KV bytes per token) from a GGUF header.
-
-    A minimal walk of the metadata and tensor table: gguf.GGUFReader builds an object per
-    tokenizer entry and takes ~10 s on a 49k-token vocabulary; this reads only what it needs.
-    """
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        return _gguf_walk(mm)
-
-
-def _gguf_walk(buf: mmap.mmap) -> tuple[int, int]:
-    pos = 24
-    n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
-
-    def take(fmt: str):
-        nonlocal pos
-        vals = struct.unpack_from("<" + fmt, buf, pos)
-        pos += struct.calcsize("<" + fmt)
-        return vals[0] if len(vals) == 1 else vals
-
-    def string() -> str:
-        nonlocal pos
-        n = take("Q")
-        pos += n
-        return buf[pos - n:pos].decode(errors="replace")
-
-    def value(vtype: int):
-        nonlocal pos
-        if vtype == 8:
-            return string()
-        if vtype == 9:
-            itype, n = take("IQ")
-            if itype in _GGUF_SCALAR:  # skip numeric arrays in one step
-                pos += n * struct.calcsize("<" + _GGUF_SCALAR[itype])
-            else:
-                for _ in range(n):
-                    value(itype)
-            return None
-        return take(_GGUF_SCALAR[vtype])
-
-    meta = {}
-    for _ in range(n_kv):
-        key = string()
-        meta[key] = value(take("I"))
-    params = 0
-    for _ in range(n_tensors):
-        string()
-        dims = take(f"{take('I')}Q")
-        params += _prod(dims if isinstance(dims, tuple) else (dims,))
-        take("IQ")  # ggml type, data offset
-    arch = meta["general.architecture"]
-    heads, kv_heads = meta[f"{arch}.attention.head_count"], meta[f"{arch}.attention.head_count_kv"]
-    head_dim = meta.get(f"{arch}.attention.key_length") or meta[f"{arch}.embedding_length"] // heads
-    return params, 2 * meta[f"{arch}.block_count"] * kv_heads * head_dim * 4
 
 
 def run_checks(opts: DoctorOptions) -> list[Check]:

@@ -214,7 +214,7 @@ def test_gguf_header_walk_matches_gguf_reader(tmp_path: Path) -> None:
     """Our header walk (used for the not-yet-imported default model) against gguf's own reader."""
     import gguf
 
-    from edge_llm.doctor import _gguf_sizes
+    from edge_llm.models.gguf_header import gguf_sizes
 
     path = tmp_path / "tiny.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
@@ -231,6 +231,6 @@ def test_gguf_header_walk_matches_gguf_reader(tmp_path: Path) -> None:
     w.write_tensors_to_file()
     w.close()
     reader = gguf.GGUFReader(str(path))
-    params, bpt = _gguf_sizes(path)
+    params, bpt = gguf_sizes(path)
     assert params == sum(int(t.n_elements) for t in reader.tensors) == 50 * 48 + 48 * 48
     assert bpt == 2 * 3 * 2 * (48 // 6) * 4
