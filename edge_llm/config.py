@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +142,7 @@ class ModelArgs:
         if self.head_dim % 2:
             raise ConfigError(f"config.json: 'head_dim' must be even for RoPE, got {self.head_dim}")
         if not (self.rms_norm_eps > 0 and math.isfinite(self.rms_norm_eps)):
-            raise ConfigError(f"config.json: 'rms_norm_eps' must be a positive number")
+            raise ConfigError("config.json: 'rms_norm_eps' must be a positive number")
         if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
             raise ConfigError("config.json: 'rope_theta' must be a positive number")
         if self.model_type == "qwen3_vl":

@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from serverutil import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from edge_llm.bench.client import Completion, dir_bytes, log_offset, read_since
 

@@ -8,7 +8,6 @@ import socket
 import threading
 import uuid
 
-import pytest
 from serverutil import ServerProc
 
 from edge_llm.sdnotify import Notifier

@@ -13,7 +13,6 @@ Writes benchmarks/results/<UTC>-recovery/ (summary.json, summary.md, failures.tx
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import re
 import secrets

@@ -19,7 +19,6 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,6 @@ and reports the device bytes read, to show that no payload is touched.
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import time
 from pathlib import Path

@@ -18,7 +18,7 @@ from edge_llm.backends import Backend, get_backend, pick_chunk
 from edge_llm.backends.cpu import rms_norm
 from edge_llm.config import ModelArgs
 from edge_llm.errors import KVCacheError
-from edge_llm.kvcache import K, V, KVCache
+from edge_llm.kvcache import KVCache
 from edge_llm.models.rope import Rope, apply_rope
 from edge_llm.weights import load_weights
 

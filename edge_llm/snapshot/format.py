@@ -19,8 +19,7 @@ import crc32c
 import numpy as np
 
 from edge_llm.config import Geometry
-from edge_llm.errors import (SnapshotBadMagic, SnapshotBadVersion, SnapshotBlockCRC, SnapshotError,
-                             SnapshotFlags, SnapshotGeometry, SnapshotHeaderCRC, SnapshotKVDim,
+from edge_llm.errors import (SnapshotBadMagic, SnapshotBadVersion, SnapshotBlockCRC, SnapshotFlags, SnapshotGeometry, SnapshotHeaderCRC, SnapshotKVDim,
                              SnapshotModelID, SnapshotSize, SnapshotTokenCount, SnapshotTokenHash,
                              SnapshotTooShort, SnapshotTrailerCRC)
 
