@@ -85,6 +85,8 @@ class Engine:
         self.store = store
         self.prefill_chunk = prefill_chunk
         self.stop_ids = set(tokenizer.stop_token_ids)
+        if store is not None:  # the model waits per layer for rows a pending save still streams
+            cache.write_guard = store.wait_write
 
     @property
     def max_seq(self) -> int:
@@ -113,9 +115,7 @@ class Engine:
             t.cache_source, t.disk_cached_tokens = "disk", res.n_tokens
             t.restore_ms, t.restore_bytes = res.ms, res.nbytes
             return res.n_tokens
-        if self.store is not None:
-            t.save_wait_ms += self.store.wait_rows(m_ram) * 1e3
-        self.cache.truncate(m_ram)
+        self.cache.truncate(m_ram)  # rows >= m_ram are overwritten later, behind the write guard
         if m_ram > 0:
             t.cache_source, t.ram_cached_tokens = "ram", m_ram
         return m_ram
@@ -133,10 +133,12 @@ class Engine:
             raise ValueError("prompt is empty")
         t0 = time.perf_counter()
         t = Timings()
+        w0 = self.cache.write_wait_s
         m = self._reuse_prefix(tokens, t)
         t_pf = time.perf_counter()
         logits = self._prefill_tail(tokens[m:])
         t1 = time.perf_counter()
+        t.save_wait_ms += (self.cache.write_wait_s - w0) * 1e3
         t.prefill_tokens, t.prefill_ms = len(tokens) - m, (t1 - t_pf) * 1e3
         # total = restore/reuse + tail prefill: what a restart costs before the first token
         timing_log.info("[PREFILL-TIMING] n=%d total=%.1fms", t.prefill_tokens, (t1 - t0) * 1e3)

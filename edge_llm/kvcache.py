@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import mmap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import psutil
@@ -47,6 +47,10 @@ class KVCache:
                 )
         self.data = _committed_zeros((geometry.n_layers, 2, max_seq, geometry.kv_dim))
         self.tokens: list[int] = []  # token ids whose rows [0, len) are valid
+        # called as guard(layer, start) before rows >= start of a layer are overwritten: the
+        # snapshot writer may still be streaming them to disk (set by the engine)
+        self.write_guard: Callable[[int, int], float] | None = None
+        self.write_wait_s = 0.0  # total time spent in the guard
 
     # ---- state ----------------------------------------------------------------------
     @property
@@ -80,6 +84,11 @@ class KVCache:
         if self.length + len(tokens) > self.max_seq:
             raise KVCacheError(f"{self.length + len(tokens)} tokens exceed max_seq={self.max_seq}")
         self.tokens.extend(tokens)
+
+    def before_write(self, layer: int, start: int) -> None:
+        """The model is about to write rows [start, ...) of `layer`: wait for the guard if any."""
+        if self.write_guard is not None:
+            self.write_wait_s += self.write_guard(layer, start)
 
     def common_prefix(self, tokens: Sequence[int]) -> int:
         """Length of the longest common prefix between the cached ids and `tokens`."""

@@ -104,3 +104,14 @@ def test_default_model_knows_paris(edge_home, monkeypatch):
     ids = eng.tokenizer.apply_chat_template_ids([{"role": "user", "content": "What is the capital of France?"}])
     text, last = run(eng, ids, max_tokens=24, sampling=SamplingParams())
     assert "Paris" in text, text
+
+
+def test_model_asks_the_write_guard_before_overwriting_rows(tiny, tmp_path):
+    eng = engine(tiny, tmp_path / "kv")
+    assert eng.cache.write_guard == eng.store.wait_write  # installed by the engine
+    calls = []
+    eng.cache.write_guard = lambda layer, start: calls.append((layer, start)) or 0.0
+    run(eng, PROMPT, max_tokens=1)
+    n_layers = eng.model.args.num_hidden_layers
+    # chunked body from row 0, then the last prompt token alone at row len-1: every layer, each time
+    assert calls == [(layer, 0) for layer in range(n_layers)] + [(layer, len(PROMPT) - 1) for layer in range(n_layers)]

@@ -366,3 +366,30 @@ def test_save_after_close_never_raises(tmp_path):
     assert s.close(timeout=30)
     s.save_async(make_cache(seq(40)))  # shutdown race: the save is dropped, the request is not
     assert kv_files(s) == []
+
+
+def test_write_guard_releases_each_layer_as_soon_as_it_is_written(tmp_path, monkeypatch):
+    """A following request overwrites layer l's rows right behind the writer, not after the file."""
+    gate, at_layer1 = threading.Event(), threading.Event()
+    real = fmt.SnapshotWriter.write_layer
+
+    def held(self, layer, k_rows, v_rows):
+        if layer == 1:  # layer 0 is written; hold the writer before layer 1
+            at_layer1.set()
+            assert gate.wait(60)
+        return real(self, layer, k_rows, v_rows)
+
+    monkeypatch.setattr(fmt.SnapshotWriter, "write_layer", held)
+    s = new_store(tmp_path)
+    cache = make_cache(seq(40))
+    s.save_async(cache)
+    assert at_layer1.wait(60)
+    s.wait_write(0, 0, timeout=60)  # layer 0's rows are in the file: returns while the save runs
+    assert not gate.is_set() and s.stats()["save_pending"]
+    assert s.wait_write(0, 40) == 0.0 and s.wait_write(1, 40) == 0.0  # rows >= n are never needed
+    assert s.wait_write(1, 0, timeout=0.2) >= 0.2  # layer 1 is not written yet: still blocked
+    assert s.stats()["save_pending"]
+    gate.set()
+    assert s.wait_write(1, 0, timeout=60) >= 0.0 and s.flush(timeout=60)
+    fmt.verify_file(s.ns / name_of(seq(40)), G, ID_A.model_id)
+    s.close()

@@ -137,6 +137,7 @@ class Model:
             q = apply_rope(q, cos, sin)
             q *= self.scale
             keys, values = cache.layer(layer)
+            cache.before_write(layer, start)
             keys[start:start + T] = apply_rope(k, cos, sin).reshape(T, n_kv * D)
             values[start:start + T] = v
             attn = attention(q, keys[:start + T], values[:start + T], start, n_kv)

@@ -187,6 +187,11 @@ class SnapshotStore:
         """Block while a pending/running save still needs cache rows >= m; return seconds waited."""
         return self._writer.wait_rows(m)
 
+    def wait_write(self, layer: int, m: int, timeout: float | None = None) -> float:
+        """Block while a pending/running save still has to write rows >= m of `layer` (the KV
+        cache's write guard: called by the model before it overwrites rows); seconds waited."""
+        return self._writer.wait_write(layer, m, timeout)
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for the pending save (e.g. at SIGTERM); False on timeout."""
         return self._writer.flush(timeout)
@@ -217,11 +222,21 @@ class SnapshotStore:
                 self._counters["saves_skipped"] += 1
             return
         self._make_room(size)
-        data = job.cache.data
+        data, n_layers = job.cache.data, self.geometry.n_layers
+
+        def rows(layer: int, kv: int):
+            if kv == 0:  # asked for layer l's rows: layers < l are written, their rows are free
+                self._writer.progress(job, layer)
+            return data[layer, kv]
+
+        def write(f) -> int:
+            nbytes = fmt.write_snapshot(f, tokens, self.model_id, self.geometry, self.kv_bs, rows)
+            self._writer.progress(job, n_layers)  # before the fsync: the rows are in the file now
+            return nbytes
+
         t0 = time.monotonic()
         try:
-            written = publish_file(self.ns, name, size, lambda f: fmt.write_snapshot(
-                f, tokens, self.model_id, self.geometry, self.kv_bs, lambda layer, kv: data[layer, kv]))
+            written = publish_file(self.ns, name, size, write)
         except (OSError, ValueError) as e:
             self._save_failed(name, n, e)
             return

@@ -1,8 +1,11 @@
 """Background snapshot writer: one thread, at most one queued save, atomic publish of a file.
 
 The request path only enqueues (`submit`): the KV payload is never copied, the writer streams
-it from the cache's row views. The engine therefore calls `wait_rows(m)` before it overwrites
-cache rows >= m; that blocks only while a queued or running save still needs those rows.
+it from the cache's row views, layer by layer, and reports each finished layer (`progress`).
+Before the model overwrites rows >= m of layer l it calls `wait_write(l, m)`, which blocks only
+while a queued or running save still has to write those rows: a following request's prefill runs
+right behind the writer instead of waiting for the whole file. A restore (every layer from row
+0) uses `wait_rows(0)`.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class SaveJob:
     cache: KVCache
     tokens: np.ndarray  # (n,) uint32
     requested: float = field(default_factory=time.monotonic)
+    layers_done: int = 0  # layers whose rows are written out (the rows may be overwritten)
 
     @property
     def n(self) -> int:
@@ -107,17 +111,27 @@ class BackgroundWriter:
             self._cond.notify_all()
         return old
 
-    def _needs_rows(self, m: int) -> bool:
-        return any(j is not None and j.n > m for j in (self._pending, self._active))
+    def _needs(self, layer: int, m: int) -> bool:
+        return any(j is not None and j.n > m and j.layers_done <= layer for j in (self._pending, self._active))
 
-    def wait_rows(self, m: int, timeout: float | None = None) -> float:
-        """Block while a queued/running save still needs cache rows >= m; return seconds waited."""
+    def wait_write(self, layer: int, m: int, timeout: float | None = None) -> float:
+        """Block while a queued/running save still has to write rows >= m of `layer`; seconds waited."""
         t0 = time.monotonic()
         with self._cond:
-            if not self._needs_rows(m):
+            if not self._needs(layer, m):
                 return 0.0
-            self._cond.wait_for(lambda: not self._needs_rows(m), timeout)
+            self._cond.wait_for(lambda: not self._needs(layer, m), timeout)
         return time.monotonic() - t0
+
+    def wait_rows(self, m: int, timeout: float | None = None) -> float:
+        """Block while a queued/running save still needs cache rows >= m of any layer."""
+        return self.wait_write(1 << 30, m, timeout)
+
+    def progress(self, job: SaveJob, layers_done: int) -> None:
+        """Writer thread: layers [0, layers_done) of `job` are written; wake waiting requests."""
+        with self._cond:
+            job.layers_done = layers_done
+            self._cond.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until nothing is queued or running; False on timeout."""
