@@ -3,7 +3,7 @@
 # Idempotent: run it again to update the package; config and snapshots are kept.
 #
 #   sudo board/install.sh [--model DIR] [--no-start]
-#   board/install.sh --root /tmp/stage --no-venv      # staging tree, touches nothing else
+#   board/install.sh --root ./stage --no-venv        # staging tree, touches nothing else
 #
 # Options:
 #   --model DIR      HF model directory (e.g. /opt/edge-llm/models/Qwen3-VL-2B-Instruct),
