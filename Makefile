@@ -31,7 +31,8 @@ venv: $(VENV)/.runtime-stamp
 test-deps: $(VENV)/.test-stamp
 	@# systemd-analyze / systemd-sysusers / systemctl --root for the unit and install.sh tests
 	@command -v systemd-analyze >/dev/null && command -v systemd-sysusers >/dev/null || \
-		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd; \
+		if [ "$$(id -u)" = 0 ]; then (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd) || \
+			echo "could not install Debian's systemd: the unit/install tests will be skipped"; \
 		else echo "systemd tools missing and not root: the unit/install tests will be skipped"; fi
 
 serve: venv
