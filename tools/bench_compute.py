@@ -88,6 +88,15 @@ def synth(out: Path, layers: int) -> None:
 
 
 def peak_rss_bytes() -> int:
+    """Peak RSS of this process image. VmHWM belongs to the address space; ru_maxrss survives
+    exec on Linux, so a child of a big parent would report the parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
