@@ -258,11 +258,6 @@ class Doctor:
                      "(persist with a tmpfiles.d 'w' line)")
 
     # ---- model and memory ------------------------------------------------------------
-    def _model_dir(self) -> Path | None:
-        if self.o.model in (None, "", "default"):
-            return None
-        return Path(self.o.model)
-
     def model(self) -> Check:
         if self.o.model in (None, ""):
             return Check("model", WARN, "no model configured", "set model = \"DIR\" in /etc/edge-llm/edge-llm.toml")

@@ -2,7 +2,7 @@
 
 Layout: one array `(n_layers, 2, max_seq, kv_dim)` float32 (axis 1: 0 = K, 1 = V). For a layer,
 K rows `[a, b)` are one contiguous run of bytes, so a snapshot block can be read or written
-straight from/into `block_view(...)` without an intermediate copy.
+straight from/into `rows(...)` (or `data[layer, kv]`) without an intermediate copy.
 """
 
 from __future__ import annotations
@@ -61,9 +61,6 @@ class KVCache:
     def nbytes(self) -> int:
         return self.data.nbytes
 
-    def used_bytes(self) -> int:
-        return self.length * self.geometry.kv_bytes_per_token
-
     def truncate(self, m: int) -> None:
         """Keep rows [0, m). Rows beyond are left in place and overwritten later."""
         if not 0 <= m <= self.length:
@@ -104,12 +101,6 @@ class KVCache:
         if not 0 <= start <= stop <= self.max_seq:
             raise KVCacheError(f"rows [{start}, {stop}) outside [0, {self.max_seq})")
         return self.data[layer, kv, start:stop]
-
-    def block_view(self, layer: int, kv: int, block: int, n_rows: int) -> memoryview:
-        """Writable byte view of block `block` (rows [block*kv_bs, min(n_rows, (block+1)*kv_bs)))."""
-        start = block * self.kv_bs
-        stop = min(n_rows, start + self.kv_bs)
-        return memoryview(self.rows(layer, kv, start, stop)).cast("B")
 
 
 def _committed_zeros(shape: tuple[int, ...]) -> np.ndarray:

@@ -16,18 +16,10 @@ def test_layout_and_bytes():
     assert not c.data.any() and c.data.flags.writeable and c.data.flags.c_contiguous
 
 
-def test_block_view_is_the_cache_memory():
-    c = KVCache(G, max_seq=10, kv_bs=4)
-    view = c.block_view(layer=1, kv=1, block=2, n_rows=9)  # rows [8, 9): the tail block
-    assert len(view) == 1 * 8 * 4
-    view[:] = np.arange(8, dtype=np.float32).tobytes()
-    assert c.data[1, 1, 8].tolist() == list(range(8)) and not c.data[1, 1, 9].any()
-
-
 def test_tokens_truncate_and_limits():
     c = KVCache(G, max_seq=5)
     c.append_tokens([1, 2, 3])
-    assert c.length == 3 and c.used_bytes() == 3 * G.kv_bytes_per_token
+    assert c.length == 3
     assert c.common_prefix([1, 2, 9, 9]) == 2
     c.truncate(1)
     assert c.tokens == [1]

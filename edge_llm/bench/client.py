@@ -28,7 +28,6 @@ LOADED_RE = re.compile(r"\[KV-DISK\] loaded (\d+)-token KV prefix from disk file
                        r" \((\d+) bytes, ([\d.]+) ms, ([\d.]+) MB/s\)")
 SKIPPED_RE = re.compile(r"\[KV-DISK\] skipped (\d+)-token KV -> (kv_[0-9a-f]{16}\.kv)")
 PREFILL_RE = re.compile(r"\[PREFILL-TIMING\] n=(\d+) total=([\d.]+)ms")
-INDEX_RE = re.compile(r"\[KV-DISK\] index: (\d+) checkpoint\(s\)")
 
 
 # ---- log file ------------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ to generate the ready request files under docs/prompts/.
 
 from __future__ import annotations
 
-import json
 import random
 
 CHARS_PER_TOKEN = 3.7  # this text: 3.67 chars/token with SmolLM2, 4.1 with the Qwen3 vocabulary
@@ -57,8 +56,3 @@ def sized_history(encode, target_tokens: int, nonce: str = "", seed: int = 0) ->
             break
         t = max(1, round(t * target_tokens / n))
     return h
-
-
-def request_body(prompt: str, max_tokens: int = 32) -> str:
-    """A /v1/completions JSON body (greedy), as the lab's curl commands send it."""
-    return json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}, indent=1) + "\n"
