@@ -104,9 +104,7 @@ class Engine:
         m_ram = min(self.cache.common_prefix(tokens), limit)
         hit = self.store.lookup(tokens) if self.store is not None else None
         if hit is not None and hit.m > m_ram:
-            # a restore rewrites rows from 0: any pending save of the old rows must finish first
-            t.save_wait_ms += self.store.wait_rows(0) * 1e3
-            try:
+            try:  # the store first waits for a pending save: a restore rewrites rows from 0
                 res = self.store.restore(hit, self.cache)
             except (SnapshotError, OSError) as e:
                 log.warning("disk restore failed (%s): recomputing from scratch", e)
@@ -114,6 +112,7 @@ class Engine:
                 return 0
             t.cache_source, t.disk_cached_tokens = "disk", res.n_tokens
             t.restore_ms, t.restore_bytes = res.ms, res.nbytes
+            t.save_wait_ms += res.wait_ms
             return res.n_tokens
         self.cache.truncate(m_ram)  # rows >= m_ram are overwritten later, behind the write guard
         if m_ram > 0:

@@ -50,6 +50,7 @@ class RestoreResult:
     ms: float
     mbps: float  # 1e6 bytes per second
     name: str
+    wait_ms: float = 0.0  # waited for a pending save before rows could be rewritten
 
 
 def mbps(nbytes: int, seconds: float) -> float:

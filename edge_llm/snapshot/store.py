@@ -122,7 +122,7 @@ class SnapshotStore:
         """
         if cache.geometry != self.geometry:
             raise ValueError(f"cache geometry {cache.geometry} != store geometry {self.geometry}")
-        self.wait_rows(0)  # the engine does this too; a restore rewrites rows from 0
+        waited = self.wait_rows(0)  # a restore rewrites rows from 0 of every layer
         e, m = hit.entry, hit.m
         t0 = time.monotonic()
         try:
@@ -153,7 +153,7 @@ class SnapshotStore:
             raise SnapshotError(f"{e.name}: read failed: {err}") from err
         cache.set_tokens(e.tokens[:m].tolist())
         secs = time.monotonic() - t0
-        res = RestoreResult(m, nbytes, secs * 1e3, mbps(nbytes, secs), e.name)
+        res = RestoreResult(m, nbytes, secs * 1e3, mbps(nbytes, secs), e.name, waited * 1e3)
         self._touch(e)
         with self._lock:
             self._counters["loads"] += 1

@@ -64,7 +64,7 @@ def main() -> None:
         branch, n = schedule(step)
         if branch not in rows:  # rows_for(n) == rows_for(MAX_SEQ)[:, :, :n]: hash per index
             rows = {branch: rows_for(seed, branch, MAX_SEQ)}
-        store.wait_rows(0)  # as the engine does before it rewrites rows
+        store.wait_rows(0)  # it rewrites rows itself: wait as the write guard would
         cache.data[:, :, :n] = rows[branch][:, :, :n]
         cache.set_tokens(tokens_for(seed, branch, n))
         store.save_async(cache)
