@@ -207,7 +207,7 @@ class SnapshotWriter:
     """
 
     def __init__(self, f: BinaryIO, tokens: Sequence[int] | np.ndarray, model_id: int,
-                 geometry: Geometry, kv_bs: int):
+                 geometry: Geometry, kv_bs: int, tokens_fnv: int | None = None):
         ids = np.asarray(tokens, dtype=np.int64).ravel()
         if ids.size == 0:
             raise ValueError("a snapshot needs at least one token")
@@ -220,7 +220,8 @@ class SnapshotWriter:
         self.f = f
         self.token_bytes = ids.astype("<u4").tobytes()
         self.hdr = SnapshotHeader(geometry.n_layers, geometry.n_kv_heads, geometry.head_dim, kv_bs,
-                                  int(ids.size), geometry.kv_dim, fnv1a64(self.token_bytes), model_id)
+                                  int(ids.size), geometry.kv_dim,
+                                  fnv1a64(self.token_bytes) if tokens_fnv is None else tokens_fnv, model_id)
         self.crcs = np.zeros((geometry.n_layers, self.hdr.n_blocks, 2), dtype="<u4")
         self.next_layer = -1
         self.written = 0
@@ -270,9 +271,11 @@ class SnapshotWriter:
 
 
 def write_snapshot(f: BinaryIO, tokens: Sequence[int] | np.ndarray, model_id: int, geometry: Geometry,
-                   kv_bs: int, rows: Callable[[int, int], np.ndarray]) -> int:
-    """Write a whole snapshot; rows(layer, kv) -> (>= n_tokens, kv_dim) f32 array. Returns bytes."""
-    w = SnapshotWriter(f, tokens, model_id, geometry, kv_bs)
+                   kv_bs: int, rows: Callable[[int, int], np.ndarray], tokens_fnv: int | None = None) -> int:
+    """Write a whole snapshot; rows(layer, kv) -> (>= n_tokens, kv_dim) f32 array. Returns bytes.
+
+    `tokens_fnv`: the ids' FNV-1a if the caller already has it (it named the file with it)."""
+    w = SnapshotWriter(f, tokens, model_id, geometry, kv_bs, tokens_fnv)
     w.begin()
     for layer in range(geometry.n_layers):
         w.write_layer(layer, rows(layer, 0), rows(layer, 1))
@@ -327,8 +330,8 @@ def read_header(f: BinaryIO, geometry: Geometry | None, model_id: int | None,
     if model_id is not None and mid != model_id:
         raise SnapshotModelID(f"model_id {mid:016x} != loaded model {model_id:016x}")
     token_bytes = _read_exact(f, HEADER.size, 4 * n_tokens)
-    if fnv1a64(token_bytes) != tokens_fnv:
-        raise SnapshotTokenHash(f"token ids hash to {fnv1a64(token_bytes):016x}, header says {tokens_fnv:016x}")
+    if (actual := fnv1a64(token_bytes)) != tokens_fnv:
+        raise SnapshotTokenHash(f"token ids hash to {actual:016x}, header says {tokens_fnv:016x}")
     trailer = bytes(_read_exact(f, hdr.trailer_offset, hdr.trailer_size))
     if crc32c.crc32c(trailer) != trailer_crc:
         raise SnapshotTrailerCRC(f"trailer CRC32C {crc32c.crc32c(trailer):08x} != stored {trailer_crc:08x}")

@@ -213,7 +213,8 @@ class SnapshotStore:
             how = "already stored" if e.n_tokens == n else f"prefix of {e.name}"
             log.info("[KV-DISK] skipped %d-token KV -> %s (%s)", n, e.name, how)
             return
-        name = fmt.snapshot_name(fmt.fnv1a64(tokens.astype("<u4").tobytes()))
+        fnv = fmt.fnv1a64(tokens.astype("<u4").tobytes())
+        name = fmt.snapshot_name(fnv)
         size = fmt.snapshot_size(self.geometry.n_layers, n, self.geometry.kv_dim, self.kv_bs)
         if self.max_bytes is not None and size > self.max_bytes:
             log.info("[KV-DISK] skipped %d-token KV -> %s (%d bytes exceed max_bytes %d)",
@@ -230,7 +231,7 @@ class SnapshotStore:
             return data[layer, kv]
 
         def write(f) -> int:
-            nbytes = fmt.write_snapshot(f, tokens, self.model_id, self.geometry, self.kv_bs, rows)
+            nbytes = fmt.write_snapshot(f, tokens, self.model_id, self.geometry, self.kv_bs, rows, fnv)
             self._writer.progress(job, n_layers)  # before the fsync: the rows are in the file now
             return nbytes
 
