@@ -141,8 +141,7 @@ class Model:
             keys[start:start + T] = apply_rope(k, cos, sin).reshape(T, n_kv * D)
             values[start:start + T] = v
             attn = attention(q, keys[:start + T], values[:start + T], start, n_kv)
-            x = be.attn_out(layer, attn, x)
-            x = be.mlp(layer, x)
+            x = be.post(layer, attn, x)
         cache.append_tokens(ids.tolist())
         if want == "none":
             return None
