@@ -204,7 +204,7 @@ def export_model(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
             L = ref.layers[0]
             done.append(_export_one(spec, out, lambda g: build_qkv(g, L, eps, linear)))
             if samples:
-                _write_samples(out, spec, lambda x: list(ref.qkv_fused(0, x)))
+                _write_samples(out, spec, lambda x: [ref.qkv_fused(0, x)])
         elif spec.kind == POST:
             L = ref.layers[0]
             done.append(_export_one(spec, out, lambda g: build_post(g, L, eps, linear)))

@@ -14,11 +14,15 @@ numpy, the toolkit (`rknn.api`) and `wire.py` from its own directory. Requests (
 - {"op": "version"} / {"op": "quit"}.
 Every reply is {"ok": true, ...} or {"ok": false, "error": "..."}.
 The toolkit prints to stdout; the worker points fd 1 at stderr so nothing mixes with replies.
+This file's directory is removed from sys.path first: `rknn.py` beside it would shadow the
+toolkit's `rknn` package.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.util
 import os
 import re
 import sys
@@ -29,23 +33,51 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import wire  # noqa: E402  (this directory; stdlib + numpy only)
+_HERE = Path(__file__).resolve().parent
+# Python put this directory first on sys.path: its `rknn.py` would shadow the toolkit's package
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+_spec = importlib.util.spec_from_file_location("edge_llm_wire", _HERE / "wire.py")
+wire = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(wire)  # stdlib + numpy only
 
 TARGET = "rk3588"
 _ROW = re.compile(r"^\s*\d+\s+(\w+)\s+(\w+)\s+(CPU|NPU)\s+(\S+)\s+(\S+)\s+(\d+)/(\d+)/(\d+)\s+(\S+)\s+(\S+)")
 
 
-def _compile(req: dict, verbose_file: str | None):
+@contextlib.contextmanager
+def _capture_fds(path: str):
+    """fd 1 and 2 into `path`: the compiler's native code prints its tables there, not to a
+    Python logger."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for f in (fd, *saved):
+            os.close(f)
+
+
+def _compile(req: dict, verbose: bool = False):
     from rknn.api import RKNN
 
-    rk = RKNN(verbose=verbose_file is not None, verbose_file=verbose_file)
+    rk = RKNN(verbose=verbose)
     rows, inputs = req["rows"], req["inputs"]  # inputs: [[name, width], ...]
     dyn = [[[r, w] for _, w in inputs] for r in rows] if len(rows) > 1 else None
     _check(rk.config(target_platform=TARGET, float_dtype="float16", dynamic_input=dyn,
                      optimization_level=3), "config")
-    _check(rk.load_onnx(model=req["onnx"], inputs=[n for n, _ in inputs],
-                        input_size_list=None if dyn else [[rows[0], w] for _, w in inputs]), "load_onnx")
+    if dyn:  # input order and widths come from the ONNX graph itself
+        _check(rk.load_onnx(model=req["onnx"]), "load_onnx")
+    else:
+        _check(rk.load_onnx(model=req["onnx"], inputs=[n for n, _ in inputs],
+                            input_size_list=[[rows[0], w] for _, w in inputs]), "load_onnx")
     _check(rk.build(do_quantization=False), "build")
     return rk
 
@@ -108,7 +140,10 @@ def op_build(req: dict) -> dict:
     fd, log_path = tempfile.mkstemp(suffix=".rknn-build.log")
     os.close(fd)
     try:
-        rk = _compile(req, log_path)
+        with _capture_fds(log_path):
+            rk = _compile(req, verbose=True)
+        text = Path(log_path).read_text(errors="replace")
+        sys.stderr.write(text[-20000:])  # the end of it into the build log
         try:
             tmp = req["out"] + ".tmp"
             _check(rk.export_rknn(tmp), "export_rknn")
@@ -120,7 +155,7 @@ def op_build(req: dict) -> dict:
                 acc = _accuracy(rk, req, dict(np.load(req["samples"])))
         finally:
             rk.release()
-        cost = parse_cost(Path(log_path).read_text(errors="replace"))
+        cost = parse_cost(text)
     finally:
         os.unlink(log_path)
     data = Path(req["out"]).read_bytes()
@@ -132,7 +167,7 @@ LOADED: dict = {}
 
 
 def op_load(req: dict) -> dict:
-    rk = _compile(req, None)
+    rk = _compile(req)
     _check(rk.init_runtime(), "init_runtime (simulator)")
     LOADED[req["name"]] = (rk, req)
     return {"ok": True}
