@@ -19,7 +19,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class RuntimeOptions:
     model: str = "default"  # a HF model directory, or "default" for the embedded model
-    backend: str = "cpu"
+    backend: str = "cpu"  # cpu | rknn | auto (rknn when an NPU and a matching rknn_dir exist)
+    rknn_dir: str | None = None  # `edge-llm convert rknn` output directory
+    rknn_runner: str = "auto"  # auto (the NPU) | rknnlite | sim | onnxruntime (docs/npu.md)
     max_seq: int = DEFAULT_MAX_SEQ
     kv_bs: int = DEFAULT_KV_BS
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
@@ -30,6 +32,26 @@ class RuntimeOptions:
     disk_kv_max_tokens: int = 8192
 
 
+def make_backend(opts: RuntimeOptions, model_dir: Path):
+    """The backend named by the options; `auto` logs which one it chose and why."""
+    from edge_llm.backends import get_backend
+    from edge_llm.errors import ConfigError
+
+    name = opts.backend
+    if name == "auto":
+        from edge_llm.backends.rknn import resolve_auto
+
+        name, why = resolve_auto(opts.rknn_dir, model_dir)
+        log.info("backend auto -> %s (%s)", name, why)
+    if name != "rknn":
+        return get_backend(name)
+    if not opts.rknn_dir:
+        raise ConfigError("backend rknn needs --rknn-dir (an `edge-llm convert rknn` output directory)")
+    from edge_llm.backends.rknn import open_rknn
+
+    return open_rknn(opts.rknn_dir, opts.rknn_runner, model_dir=model_dir)
+
+
 def load_runtime(opts: RuntimeOptions, progress=None) -> Engine:
     """Load model + tokenizer, allocate the KV cache, open and scan the snapshot store."""
     from edge_llm.models.default import resolve_model_dir
@@ -37,7 +59,7 @@ def load_runtime(opts: RuntimeOptions, progress=None) -> Engine:
     from edge_llm.tokenizer import Tokenizer
 
     model_dir = Path(resolve_model_dir(opts.model, progress=progress))
-    model = Model.load(model_dir, backend=opts.backend)
+    model = Model.load(model_dir, backend=make_backend(opts, model_dir))
     tokenizer = Tokenizer.from_dir(model_dir)
     cache = KVCache(model.args.geometry, max_seq=opts.max_seq, kv_bs=opts.kv_bs)
     store = None
@@ -55,5 +77,5 @@ def load_runtime(opts: RuntimeOptions, progress=None) -> Engine:
     engine = Engine(model, tokenizer, cache, store=store, prefill_chunk=opts.prefill_chunk,
                     model_dir=model_dir)
     log.info("runtime ready: model %s (%s), KV cache %d MiB (max_seq %d)", model_dir.name,
-             opts.backend, cache.nbytes >> 20, opts.max_seq)
+             model.backend.numerics, cache.nbytes >> 20, opts.max_seq)
     return engine

@@ -44,7 +44,9 @@ class Settings:
     queue_size: int = 16
     api_key_file: str | None = None
     log_file: str | None = None  # resolved by `default_log_file()` when left unset; "" = none
-    backend: str = "cpu"
+    backend: str = "cpu"  # cpu | rknn | auto
+    rknn_dir: str | None = None
+    rknn_runner: str = "auto"
     grace_seconds: float = 30.0
     max_body_bytes: int = 4 * 1024 * 1024
 
@@ -54,13 +56,15 @@ class Settings:
             model=self.model, backend=self.backend, max_seq=self.max_seq, kv_bs=self.kv_bs,
             disk_kv=self.disk_kv or None, disk_kv_min_lcp=self.disk_kv_min_lcp,
             disk_kv_max_files=self.disk_kv_max_files, disk_kv_max_bytes=self.disk_kv_max_bytes,
-            disk_kv_max_tokens=self.disk_kv_max_tokens,
+            disk_kv_max_tokens=self.disk_kv_max_tokens, rknn_dir=self.rknn_dir, rknn_runner=self.rknn_runner,
         )
 
 
 _FIELDS = {f.name: f for f in fields(Settings)}
 # keys whose value may be absent (None) after conversion
-_OPTIONAL = {"disk_kv", "disk_kv_max_bytes", "api_key_file", "log_file"}
+_OPTIONAL = {"disk_kv", "disk_kv_max_bytes", "api_key_file", "log_file", "rknn_dir"}
+BACKENDS = ("cpu", "rknn", "auto")
+RKNN_RUNNERS = ("auto", "rknnlite", "sim", "onnxruntime")
 _POSITIVE = {"port", "disk_kv_min_lcp", "disk_kv_max_files", "disk_kv_max_bytes", "disk_kv_max_tokens",
              "kv_bs", "max_seq", "queue_size", "max_body_bytes"}
 
@@ -103,7 +107,7 @@ def _convert(key: str, value: Any, source: str) -> Any:
     if key in _OPTIONAL and (value is None or (isinstance(value, str) and value.strip().lower() in ("none", ""))):
         return "" if key == "log_file" else None
     typ = {"model": str, "host": str, "api_key_file": str, "log_file": str, "backend": str,
-           "grace_seconds": float}.get(key, int)
+           "rknn_dir": str, "rknn_runner": str, "grace_seconds": float}.get(key, int)
     try:
         if isinstance(value, bool) or (typ is str and not isinstance(value, str)):
             raise ValueError
@@ -166,6 +170,8 @@ def load_settings(flags: Mapping[str, Any] | None = None, config_file: str | Pat
         s = replace(s, disk_kv=default_disk_kv(env))
     if s.log_file is None:
         s = replace(s, log_file=default_log_file(env))
-    if s.backend != "cpu":
-        raise ConfigError(f"backend {s.backend!r} is not available (available: cpu)")
+    if s.backend not in BACKENDS:
+        raise ConfigError(f"backend {s.backend!r} is not available (available: {', '.join(BACKENDS)})")
+    if s.rknn_runner not in RKNN_RUNNERS:
+        raise ConfigError(f"rknn_runner {s.rknn_runner!r} is not one of {', '.join(RKNN_RUNNERS)}")
     return s

@@ -14,7 +14,12 @@ def runtime_options(fn):
     d = RuntimeOptions()
 
     @click.option("--model", default=d.model, show_default=True, help="HF model directory or 'default'.")
-    @click.option("--backend", default=d.backend, show_default=True, type=click.Choice(["cpu"]))
+    @click.option("--backend", default=d.backend, show_default=True, type=click.Choice(["cpu", "rknn", "auto"]),
+                  help="auto: rknn when an NPU and a matching --rknn-dir exist, else cpu.")
+    @click.option("--rknn-dir", default=None, metavar="DIR", help="`edge-llm convert rknn` output (backend rknn).")
+    @click.option("--rknn-runner", default=d.rknn_runner, show_default=True,
+                  type=click.Choice(["auto", "rknnlite", "sim", "onnxruntime"]),
+                  help="What runs the graphs: the NPU, the toolkit simulator, or onnxruntime (F32).")
     @click.option("--max-seq", default=d.max_seq, show_default=True, type=click.IntRange(1))
     @click.option("--kv-bs", default=d.kv_bs, show_default=True, type=click.IntRange(1),
                   help="KV rows per snapshot block.")

@@ -44,7 +44,11 @@ def _flags(**kw):
 @click.option("--log-file", default=None, metavar="FILE",
               help="Append-only log file; '' for none.  [default: $LOGS_DIRECTORY/edge-llm.log or "
                    "$EDGE_LLM_HOME/logs/edge-llm.log]")
-@click.option("--backend", default=None, type=click.Choice(["cpu"]), help="[default: cpu]")
+@click.option("--backend", default=None, type=click.Choice(["cpu", "rknn", "auto"]),
+              help="auto: rknn when an NPU and a matching --rknn-dir exist, else cpu.  [default: cpu]")
+@click.option("--rknn-dir", default=None, metavar="DIR", help="`edge-llm convert rknn` output (backend rknn).")
+@click.option("--rknn-runner", default=None, type=click.Choice(["auto", "rknnlite", "sim", "onnxruntime"]),
+              help="What runs the graphs (docs/npu.md).  [default: auto = the NPU]")
 @click.option("--grace-seconds", default=None, type=click.FloatRange(0),
               help="How long a running request may finish after SIGTERM.  [default: 30]")
 @click.option("--max-body-bytes", default=None, type=click.IntRange(1), help="[default: 4 MiB]")
