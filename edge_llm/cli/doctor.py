@@ -41,7 +41,8 @@ def doctor(config_file: str | None, model: str | None, kv_dir: str | None, max_s
         raise click.ClickException(str(e)) from None
     opts = DoctorOptions(model=s.model, kv_dir=s.disk_kv or None, max_seq=s.max_seq,
                          max_bytes=s.disk_kv_max_bytes, max_files=s.disk_kv_max_files,
-                         max_tokens=s.disk_kv_max_tokens, backend=s.backend, sysroot=sysroot)
+                         max_tokens=s.disk_kv_max_tokens, backend=s.backend, rknn_dir=s.rknn_dir,
+                         sysroot=sysroot)
     checks = run_checks(opts)
     failed = [c for c in checks if c.status == "fail"]
     if as_json:
