@@ -59,7 +59,7 @@ def pick_chunk(backend: Backend, requested: int) -> int:
 
 
 def get_backend(name: str) -> Backend:
-    """Instantiate a backend by name ("cpu")."""
+    """Instantiate a backend by name ("cpu"); `rknn` needs a directory: `rknn.open_rknn`."""
     if name == "cpu":
         from edge_llm.backends.cpu import CPUBackend
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -190,8 +189,3 @@ class SimRunner:
 
     def close(self) -> None:
         self.worker.close()
-
-
-def running_in(python: str | Path) -> bool:
-    """True if `python` is this interpreter (then no worker is needed for what it runs)."""
-    return Path(python).resolve() == Path(sys.executable).resolve()
