@@ -17,8 +17,14 @@ import tempfile
 from pathlib import Path
 
 from edge_llm.errors import ConfigError, ModelImportError
-from edge_llm.models.packaged import SMOLLM2_GGUF, SMOLLM2_PIP, SMOLLM2_SHA256, default_gguf_path
+from edge_llm.models.packaged import (
+    SMOLLM2_GGUF,
+    SMOLLM2_PIP,
+    SMOLLM2_SHA256,
+    default_gguf_path,
+)
 from edge_llm.models.safetensors_writer import Progress
+from edge_llm.settings import expand_path, models_dir
 from edge_llm.weights import sha256_file
 
 log = logging.getLogger(__name__)
@@ -27,12 +33,6 @@ DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 # bump when the importer's output changes, so existing imports are redone
 IMPORT_FORMAT = 1
 MARKER = ".edge_llm_default.json"
-
-
-def edge_llm_home() -> Path:
-    """`$EDGE_LLM_HOME`, else `~/.cache/edge-llm`."""
-    env = os.environ.get("EDGE_LLM_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "edge-llm"
 
 
 def _is_complete(d: Path) -> bool:
@@ -45,12 +45,12 @@ def _is_complete(d: Path) -> bool:
 
 def default_model_ready() -> bool:
     """True when the default model is already imported (no import on the next use)."""
-    return _is_complete(edge_llm_home() / "models" / DEFAULT_MODEL_NAME)
+    return _is_complete(models_dir() / DEFAULT_MODEL_NAME)
 
 
 def default_model_dir(progress: Progress | None = None) -> Path:
     """The imported default model directory, importing it first if needed."""
-    models = edge_llm_home() / "models"
+    models = models_dir()
     target = models / DEFAULT_MODEL_NAME
     if _is_complete(target):
         return target
@@ -95,7 +95,7 @@ def resolve_model_dir(spec: str | os.PathLike[str], progress: Progress | None = 
     """`"default"` -> the imported default model; anything else must be a model directory."""
     if str(spec) == "default":
         return default_model_dir(progress=progress)
-    d = Path(spec).expanduser()
+    d = expand_path(spec)
     if not d.is_dir():
         raise ConfigError(f"{d}: not a model directory (pass an HF model directory or 'default')")
     return d
