@@ -169,7 +169,8 @@ def test_snapshot_namespaces_are_per_numerics(tiny_synth_dir, tmp_path):
     """Snapshots made under the graph backend are never restored by the cpu backend and vice
     versa; the same backend finds its own again."""
     from edge_llm.engine import GenerationRequest
-    from edge_llm.runtime import RuntimeOptions, load_runtime
+    from edge_llm.runtime import load_runtime
+    from edge_llm.settings import Settings
 
     gdir = tmp_path / "g"
     export_graph_set(tiny_synth_dir, gdir, samples=False)
@@ -177,7 +178,7 @@ def test_snapshot_namespaces_are_per_numerics(tiny_synth_dir, tmp_path):
     prompt = list(range(100, 140))
 
     def engine(backend):
-        return load_runtime(RuntimeOptions(model=str(tiny_synth_dir), backend=backend, rknn_dir=str(gdir),
+        return load_runtime(Settings(model=str(tiny_synth_dir), backend=backend, rknn_dir=str(gdir),
                                            rknn_runner="onnxruntime", disk_kv=str(kv), max_seq=256, kv_bs=16))
 
     ort = engine("rknn")
