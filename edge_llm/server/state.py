@@ -22,6 +22,10 @@ from edge_llm.settings import Settings
 
 log = logging.getLogger(__name__)
 
+# each start-up step (a tensor loaded, 256 MiB hashed, a stage begun) must finish within this
+# many seconds of the previous one, or systemd's start timeout (extended by each step) fires
+STARTUP_STEP_TIMEOUT = 120.0
+
 
 def model_id_for(settings: Settings) -> str:
     """The id /v1/models lists: the model directory's name, or "default"."""
@@ -55,7 +59,15 @@ class AppState:
     def _default_loader(self) -> Any:
         from edge_llm.runtime import load_runtime
 
-        return load_runtime(self.settings)
+        return load_runtime(self.settings, progress=self._load_progress,
+                            import_progress=lambda done, total, what: self._load_progress(
+                                f"importing the default model {done >> 20}/{total >> 20} MiB"))
+
+    def _load_progress(self, text: str) -> None:
+        """A start-up step finished: extend systemd's start timeout from now, say what we do."""
+        if self.notifier is not None:
+            self.notifier.extend_timeout(STARTUP_STEP_TIMEOUT)
+            self.notifier.status(text)
 
     def start_loading(self) -> None:
         self._status("loading model")

@@ -357,13 +357,15 @@ def rows_needed(hdr: SnapshotHeader, m: int) -> int:
 
 
 def read_rows_into(f: BinaryIO, hdr: SnapshotHeader, m: int,
-                   dest: Callable[[int, int], np.ndarray]) -> int:
+                   dest: Callable[[int, int], np.ndarray],
+                   on_layer: Callable[[int], None] | None = None) -> int:
     """Read rows [0, m) of every layer into dest(layer, kv) and CRC-check exactly those blocks.
 
     Whole blocks are read, so rows [m, rows_needed(hdr, m)) of the destination are overwritten
     too; only [0, m) is meaningful to the caller. One preadv per layer reads the needed K/V blocks
     straight into the destination arrays. On SnapshotBlockCRC / SnapshotSize the destination
-    holds garbage and must be discarded. Returns payload bytes read.
+    holds garbage and must be discarded. `on_layer(l)` runs after layer l is read and checked.
+    Returns payload bytes read.
     """
     if not 1 <= m <= hdr.n_tokens:
         raise ValueError(f"m={m} outside 1..{hdr.n_tokens}")
@@ -383,6 +385,8 @@ def read_rows_into(f: BinaryIO, hdr: SnapshotHeader, m: int,
             if crc32c.crc32c(view) != hdr.block_crc(layer, b, kv):
                 raise SnapshotBlockCRC(f"layer {layer} block {b} ({KV_NAMES[kv]}, rows "
                                        f"{hdr.block_rows(b)}) fails its CRC32C")
+        if on_layer is not None:
+            on_layer(layer)
     log.debug("read rows [0, %d) of a %d-token snapshot: %d payload bytes", m, hdr.n_tokens, total)
     return total
 
