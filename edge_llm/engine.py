@@ -26,7 +26,7 @@ import numpy as np
 from edge_llm.errors import ContextOverflowError, SnapshotError
 from edge_llm.kvcache import KVCache
 from edge_llm.progress import DECODE, NO_WORK, PREFILL, Cancelled, OnProgress, Work
-from edge_llm.sampling import Sampler, SamplingParams
+from edge_llm.sampling import OPENAI_DEFAULTS, Sampler, SamplingParams, model_sampling_defaults
 from edge_llm.settings import DEFAULTS
 from edge_llm.tokenizer import StopMatcher
 
@@ -90,6 +90,9 @@ class Engine:
         self.store = store
         self.prefill_chunk = prefill_chunk
         self.stop_ids = set(tokenizer.stop_token_ids)
+        # what requests get for omitted temperature / top_p / top_k
+        self.sampling_defaults = (model_sampling_defaults(model_dir) if model_dir is not None
+                                  else OPENAI_DEFAULTS)
 
     @property
     def max_seq(self) -> int:

@@ -161,6 +161,7 @@ class AppState:
             "queue_depth": w.depth if w else 0, "queue_size": self.settings.queue_size,
             "busy": bool(w and w.busy), "degraded": self.degraded(), "error": self.error,
             "uptime_s": round(time.monotonic() - self.started, 3),
+            "sampling_defaults": self.engine.sampling_defaults.to_dict() if self.engine is not None else None,
         }
 
     def metrics_state(self) -> dict[str, Any]:
