@@ -26,7 +26,12 @@ import numpy as np
 from edge_llm.errors import ContextOverflowError, SnapshotError
 from edge_llm.kvcache import KVCache
 from edge_llm.progress import DECODE, NO_WORK, PREFILL, Cancelled, OnProgress, Work
-from edge_llm.sampling import OPENAI_DEFAULTS, Sampler, SamplingParams, model_sampling_defaults
+from edge_llm.sampling import (
+    OPENAI_DEFAULTS,
+    Sampler,
+    SamplingParams,
+    model_sampling_defaults,
+)
 from edge_llm.settings import DEFAULTS
 from edge_llm.tokenizer import StopMatcher
 
