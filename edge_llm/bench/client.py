@@ -1,6 +1,6 @@
 """Driving a real `edge-llm serve` from outside: process control, HTTP, log markers, kv dir size.
 
-Used by `edge-llm bench recovery` and by tools/recovery_check.py (the SPEC section 8 evidence
+Used by `edge-llm bench recovery` and by tools/recovery_check.py (the docs/evidence.md evidence
 script). Standard library only (urllib, subprocess), so it runs unchanged on a board that has
 nothing but the installed package.
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
-# SPEC section 7 log lines
+# the log lines of docs/logs.md
 SAVED_RE = re.compile(r"\[KV-DISK\] saved (\d+)-token KV -> (kv_[0-9a-f]{16}\.kv) \((\d+) bytes, ([\d.]+) ms, ([\d.]+) MB/s\)")
 LOADED_RE = re.compile(r"\[KV-DISK\] loaded (\d+)-token KV prefix from disk file (kv_[0-9a-f]{16}\.kv)"
                        r" \((\d+) bytes, ([\d.]+) ms, ([\d.]+) MB/s\)")

@@ -24,7 +24,7 @@ HEADROOM = 64  # tokens left free below the context size for the question/follow
 
 
 def _snapshot_formula(geometry, n: int, kv_bs: int) -> int:
-    """SPEC section 3: 64 + 4n + 2*L*n*kv_dim*4 + 8*L*ceil(n/kv_bs)."""
+    """docs/snapshot-format.md: 64 + 4n + 2*L*n*kv_dim*4 + 8*L*ceil(n/kv_bs)."""
     return 64 + 4 * n + n * geometry.kv_bytes_per_token + 8 * geometry.n_layers * -(-n // kv_bs)
 
 
