@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -112,12 +113,19 @@ def http_json(method: str, url: str, body: dict | None = None, timeout: float = 
 
 
 def wait_ready(base_url: str, timeout: float, proc: subprocess.Popen | None = None,
-               api_key: str | None = None) -> float:
-    """Poll GET /health until 200; return seconds waited. Raises TimeoutError / RuntimeError."""
+               api_key: str | None = None, stderr_file: str | os.PathLike | None = None) -> float:
+    """Poll GET /health until 200; return seconds waited. Raises TimeoutError / RuntimeError
+    (with the end of the server's stderr, if it was written to `stderr_file`)."""
     t0 = time.monotonic()
     while True:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server process exited with code {proc.returncode} before it was ready")
+            tail = ""
+            if stderr_file is not None:
+                try:
+                    tail = ":\n" + Path(stderr_file).read_text(errors="replace")[-2000:]
+                except OSError:
+                    pass
+            raise RuntimeError(f"server process exited with code {proc.returncode} before it was ready{tail}")
         try:
             status, _ = http_json("GET", base_url.rstrip("/") + "/health", timeout=5, api_key=api_key)
             if status == 200:
