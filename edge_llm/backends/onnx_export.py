@@ -240,14 +240,18 @@ def _write_samples(out: Path, spec: GraphSpec, fn) -> None:
 
 def export_graph_set(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, ...] = DEFAULT_CHUNKS,
                      layers: int | None = None, head_split: int = 1, samples: bool = True,
-                     progress: Callable[[GraphSpec], None] | None = None) -> Manifest:
-    """Export all graphs to `out_dir/onnx/` and write `out_dir/manifest.json` (ONNX part)."""
+                     progress: Callable[[GraphSpec], None] | None = None, linear: Linear = f32_linear
+                     ) -> Manifest:
+    """Export all graphs to `out_dir/onnx/` and write `out_dir/manifest.json` (ONNX part).
+
+    The manifest identity hashes each graph's ONNX bytes, so another `linear` (e.g. quantized
+    weights) gives another identity, and so another snapshot namespace."""
     from edge_llm.weights import weight_digest
 
     root = Path(out_dir)
     args = ModelArgs.from_dir(model_dir)
-    exported = export_model(model_dir, root / "onnx", chunks, layers, head_split, samples=samples,
-                            progress=progress)
+    exported = export_model(model_dir, root / "onnx", chunks, layers, head_split, linear=linear,
+                            samples=samples, progress=progress)
     entries = [GraphEntry(name=e.spec.name, kind=e.spec.kind, index=e.spec.index, rows=list(e.spec.rows),
                           inputs=[list(i) for i in e.spec.inputs], outputs=[list(o) for o in e.spec.outputs],
                           vocab=list(e.spec.vocab), onnx=str(e.onnx.relative_to(root)),

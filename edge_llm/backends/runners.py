@@ -111,6 +111,7 @@ class ToolkitWorker:
         py = converter_python(str(python) if python else None)
         r_req, w_req = os.pipe()
         r_rep, w_rep = os.pipe()
+        self._temp_log = log_file is None
         if log_file is None:
             fd, log_file = tempfile.mkstemp(prefix="edge-llm-toolkit-", suffix=".log")
             os.close(fd)
@@ -149,6 +150,8 @@ class ToolkitWorker:
                 self.proc.wait()
         for f in (self._w, self._r, self._log):
             f.close()
+        if self._temp_log and self.proc.returncode == 0:
+            self.log_file.unlink(missing_ok=True)  # kept when the worker failed: errors point at it
 
 
 def compile_request(spec: GraphSpec, onnx_path: Path, **extra: Any) -> dict[str, Any]:
