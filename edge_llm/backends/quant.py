@@ -134,6 +134,28 @@ def from_gguf(type_name: str, raw: np.ndarray, K: int, N: int) -> QuantWeight | 
     return QuantWeight(4, 32, K, N, q, d, zp, mins, type_name, True)
 
 
+def center(qw: QuantWeight) -> QuantWeight:
+    """The same weights with the block minimum moved into an integer zero point where exact.
+
+    Q4_1's form `d * q + m` (zp 0) works, but the kernel multiplies `d * q`, all of one sign
+    and up to 15 d, by int8-quantized activations, and their rounding error grows with it. With
+    z = round(-m / d), `d * (q - z) + (m + z d)` is the same weight (checked exactly in float64
+    per block; a block where `m + z d` would round keeps z = 0): the kernel's part is centred on
+    zero like any quantized weight and the remainder |m + z d| <= d / 2 stays in the float term.
+    On SmolLM2 (Q4_1) it cut the mean logit KL against F32 from 0.015 to 0.0035
+    (docs/quantization.md)."""
+    if qw.mins is None:
+        return qw
+    levels = (1 << qw.bits) - 1
+    d, m = qw.scales, qw.mins.T  # (N, n_blocks)
+    z = np.clip(np.rint(-m / d), 0, levels).astype(np.uint8)
+    r = (m + z.astype(np.float32) * d).astype(np.float32)
+    ok = r.astype(np.float64) == m.astype(np.float64) + z.astype(np.float64) * d.astype(np.float64)
+    z[~ok], r[~ok] = qw.zp[~ok], m[~ok]
+    return QuantWeight(qw.bits, qw.block, qw.K, qw.N, qw.q, qw.scales, z, np.ascontiguousarray(r.T),
+                       qw.origin, qw.exact)
+
+
 def concat(parts: list[QuantWeight]) -> QuantWeight:
     """Parts along N (fused q/k/v): same bits, block and K; a missing `mins` becomes zeros."""
     p0 = parts[0]

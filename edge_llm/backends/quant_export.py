@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from edge_llm.backends.onnx_export import MS_DOMAIN, GraphBuilder, WeightKey
-from edge_llm.backends.quant import QuantWeight, concat, dequantize, from_gguf, permute_rows, quantize, rows
+from edge_llm.backends.quant import QuantWeight, center, concat, dequantize, from_gguf, permute_rows, quantize, rows
 from edge_llm.config import ModelArgs
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class QuantLinear:
     # ---- the Linear protocol ----------------------------------------------------------------
     def __call__(self, g: GraphBuilder, x: str, w: np.ndarray, bias: np.ndarray | None, out: str | None,
                  key: WeightKey) -> str:
-        qw = self.weight(w, key)
+        qw = center(self.weight(w, key))
         y = write_nbits(g, x, qw, self.accuracy_level, out if bias is None else None)
         return y if bias is None else g.op("Add", [y, g.const("b", bias)], out=out)
 
