@@ -101,8 +101,7 @@ def quantize(w: np.ndarray, bits: int, block: int, origin: str = "F32") -> Quant
 
 def dequantize(qw: QuantWeight) -> np.ndarray:
     """W (K, N) float32, in gguf-py's float order (d * q + m; d * (q - zp))."""
-    lv = qw.q.astype(np.float32) - qw.zp[..., None].astype(np.float32) if qw.mins is None \
-        else qw.q.astype(np.float32)  # Q4_1 (zp 0): d * q + m, as gguf-py
+    lv = qw.q.astype(np.float32) - qw.zp[..., None].astype(np.float32)  # exact small integers
     w = qw.scales[..., None] * lv
     if qw.mins is not None:
         w += qw.mins.T[..., None]

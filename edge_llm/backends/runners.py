@@ -87,6 +87,7 @@ class OrtRunner:
             opts.add_session_config_entry(k, v)
         self.sessions = {name: ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
                          for name, path in onnx_files.items()}
+        self.version = ort.__version__
         self.numerics = f"onnxruntime-{ort.__version__}-{kind}-t{self.threads}"
 
     def run(self, spec: GraphSpec, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
