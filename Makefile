@@ -12,7 +12,7 @@ SERVE_ARGS ?=
 # e.g. BENCH_ARGS='--synth-layers 4' for the qwen3-vl-2b geometry (4 of 28 layers) at 2K and 8K
 BENCH_ARGS ?=
 
-.PHONY: venv test-deps converter serve test bench clean
+.PHONY: venv test-deps converter serve test bench bench-peer clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,7 +23,7 @@ $(VENV)/.runtime-stamp: $(BIN)/python pyproject.toml
 	touch $@
 
 $(VENV)/.test-stamp: $(VENV)/.runtime-stamp pyproject.toml
-	$(PIP) install -q -e '.[test,bench,convert]'
+	$(PIP) install -q -e '.[test,bench,convert,quant]'
 	touch $@
 
 # Rockchip's rknn-toolkit2 in its own venv (pinned, --no-deps; docs/npu.md). The script keeps a
@@ -47,8 +47,15 @@ serve: venv
 test: test-deps
 	$(BIN)/python -m pytest -q -ra tests
 
-bench: test-deps
-	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(BIN)/edge-llm bench all $(BENCH_ARGS)
+# llama.cpp (llama-cpp-python, compiled: several minutes the first time) in its own venv, the
+# peer of `edge-llm bench quant`; never in the runtime venv
+LLAMACPP_VENV ?= .venv-llamacpp
+bench-peer:
+	tools/setup-bench-llamacpp.sh $(LLAMACPP_VENV)
+
+bench: test-deps bench-peer
+	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE EDGE_LLM_LLAMACPP_PYTHON=$(LLAMACPP_VENV)/bin/python \
+		$(BIN)/edge-llm bench all $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(CONVERTER_VENV) build *.egg-info
+	rm -rf $(VENV) $(CONVERTER_VENV) $(LLAMACPP_VENV) build *.egg-info

@@ -151,6 +151,7 @@ def ensure_quantized(model_dir: str | Path, qm: QuantMode,
             return root, m
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{root.name}-", dir=root.parent))
         try:
+            os.chmod(tmp, 0o755)  # mkdtemp makes it private; the service user may differ from ours
             m = build(model_dir, tmp, qm, progress)
             if root.exists():
                 shutil.rmtree(root)
