@@ -62,8 +62,7 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
         from edge_llm.snapshot.identity import Identity
         from edge_llm.snapshot.store import SnapshotStore
 
-        say("hashing weights (first start only)")
-        identity = Identity.for_model(model_dir, model.args, model.backend.numerics)
+        identity = Identity.for_model(model_dir, model.args, model.backend.numerics, progress=say)
         say("scanning snapshots")
         store = SnapshotStore(
             Path(s.disk_kv), identity, model.args.geometry,

@@ -224,18 +224,23 @@ def load_weights(model_dir: str | Path, args: ModelArgs) -> Weights:
 
 
 # ---- weight digest ---------------------------------------------------------------------------
-def sha256_file(path: str | Path) -> str:
-    """Hex sha256 of a file's bytes, streamed through one reusable buffer."""
+def sha256_file(path: str | Path, progress: Callable[[int], None] | None = None) -> str:
+    """Hex sha256 of a file's bytes, streamed through one reusable buffer; `progress(bytes done)`
+    after every 256 MiB (hashing GBs on eMMC takes minutes)."""
     h = hashlib.sha256()
     buf = bytearray(_DIGEST_CHUNK)
     view = memoryview(buf)
+    done, step = 0, 256 << 20
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
             h.update(view[:n])
+            done += n
+            if progress is not None and done % step < n:
+                progress(done)
     return h.hexdigest()
 
 
-def weight_digest(model_dir: str | Path) -> str:
+def weight_digest(model_dir: str | Path, progress: Callable[[str], None] | None = None) -> str:
     """sha256 over the checkpoint's safetensors files (name + per-file sha256, in name order).
 
     Per-file digests are cached in `digests.json` keyed by absolute path, size and mtime, so
@@ -258,7 +263,9 @@ def weight_digest(model_dir: str | Path) -> str:
         if not (isinstance(entry, dict) and entry.get("size") == st.st_size
                 and entry.get("mtime_ns") == st.st_mtime_ns and isinstance(entry.get("sha256"), str)):
             log.info("hashing %s (%d bytes)", path.name, st.st_size)
-            entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(path)}
+            report = None if progress is None else (
+                lambda done, p=path, size=st.st_size: progress(f"hashing {p.name} {done >> 20}/{size >> 20} MiB"))
+            entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(path, report)}
             cache[key] = entry
             dirty = True
         total.update(f"{path.name}:{entry['sha256']}\n".encode())

@@ -8,6 +8,7 @@ import sys
 import click
 
 from edge_llm.cli.options import settings_options
+from edge_llm.cli.progress import resolve_model_with_bar
 from edge_llm.settings import Settings
 
 
@@ -17,9 +18,12 @@ from edge_llm.settings import Settings
 @click.option("--chat/--raw", default=True, show_default=True, help="Wrap the prompt in the chat template.")
 @click.option("--system", default=None, help="System message (with --chat).")
 @click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(1))
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0))
-@click.option("--top-k", default=0, show_default=True, type=click.IntRange(0))
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--temperature", default=None, type=click.FloatRange(0),
+              help="0 = greedy.  [default: the model's generation_config.json, else 1.0]")
+@click.option("--top-k", default=None, type=click.IntRange(0),
+              help="0 = off.  [default: the model's generation_config.json, else 0]")
+@click.option("--top-p", default=None, type=click.FloatRange(0, 1, min_open=True),
+              help="[default: the model's generation_config.json, else 1.0]")
 @click.option("--seed", default=None, type=int)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("-v", "--verbose", is_flag=True, help="Show library log lines ([KV-DISK], [PREFILL-TIMING]).")
@@ -31,7 +35,6 @@ def generate(settings: Settings, prompt, chat, system, max_tokens, temperature, 
     from edge_llm.engine import GenerationRequest
     from edge_llm.errors import EdgeLLMError
     from edge_llm.runtime import load_runtime
-    from edge_llm.sampling import SamplingParams
 
     err = Console(stderr=True)
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
@@ -39,6 +42,7 @@ def generate(settings: Settings, prompt, chat, system, max_tokens, temperature, 
     if prompt is None:
         prompt = sys.stdin.read()
     try:
+        resolve_model_with_bar(settings.model)  # a first-use import of the default model: a bar
         with err.status("loading model..."):
             engine = load_runtime(settings)
         if chat:
@@ -48,7 +52,7 @@ def generate(settings: Settings, prompt, chat, system, max_tokens, temperature, 
         else:
             ids = engine.tokenizer.encode(prompt)
         req = GenerationRequest(ids, max_tokens=max_tokens, stop=list(stop),
-                                sampling=SamplingParams(temperature, top_k, top_p, seed))
+                                sampling=engine.sampling_defaults.params(temperature, top_p, top_k, seed))
         last = None
         for ev in engine.generate(req):
             sys.stdout.write(ev.text)

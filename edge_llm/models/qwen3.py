@@ -21,6 +21,7 @@ from edge_llm.config import ModelArgs
 from edge_llm.errors import KVCacheError
 from edge_llm.kvcache import KVCache
 from edge_llm.models.rope import Rope, apply_rope
+from edge_llm.progress import NO_WORK, PREFILL, Work
 from edge_llm.settings import DEFAULTS
 from edge_llm.weights import load_weights
 
@@ -95,27 +96,33 @@ class Model:
 
     # ---- forward --------------------------------------------------------------------------
     def forward(self, tokens, cache: KVCache, all_logits: bool = False,
-                positions: np.ndarray | None = None) -> np.ndarray:
+                positions: np.ndarray | None = None, work: Work = NO_WORK) -> np.ndarray:
         """Run `tokens` at rows [cache.length, +T): write their K/V rows, extend cache.tokens.
 
         Returns float32 logits of the last position (vocab,), or (T, vocab) if all_logits.
         `positions` overrides the text positions (T,) or MRoPE (3, T) (for image tokens).
         """
-        return self._run(tokens, cache, "all" if all_logits else "last", positions)
+        return self._run(tokens, cache, "all" if all_logits else "last", positions, work)
 
-    def prefill(self, tokens, cache: KVCache, chunk: int = DEFAULTS.prefill_chunk) -> np.ndarray:
-        """Forward in chunks so memory stays bounded; logits (vocab,) of the last token only."""
+    def prefill(self, tokens, cache: KVCache, chunk: int = DEFAULTS.prefill_chunk,
+                work: Work = NO_WORK) -> np.ndarray | None:
+        """Forward in chunks so memory stays bounded; logits (vocab,) of the last token only.
+
+        After each chunk `work` gets a prefill report (rows valid / rows when done) and may
+        cancel: `Cancelled` then leaves the cache valid up to the last complete chunk."""
         ids = np.asarray(tokens, dtype=np.int64)
         if ids.size == 0:
             raise ValueError("prefill needs at least one token")
         chunk = pick_chunk(self.backend, chunk)
+        target = cache.length + ids.size
         logits = None
         for a in range(0, ids.size, chunk):
             part = ids[a:a + chunk]
-            logits = self._run(part, cache, "last" if a + chunk >= ids.size else "none", None)
+            logits = self._run(part, cache, "last" if a + chunk >= ids.size else "none", None, work)
+            work.report(PREFILL, cache.length, target)
         return logits
 
-    def _run(self, tokens, cache: KVCache, want: str, positions: np.ndarray | None):
+    def _run(self, tokens, cache: KVCache, want: str, positions: np.ndarray | None, work: Work = NO_WORK):
         args, be = self.args, self.backend
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         T, start = ids.size, cache.length
@@ -140,11 +147,9 @@ class Model:
                 k = rms_norm(k, self.k_norms[layer], eps)
             q = apply_rope(q, cos, sin)
             q *= self.scale
-            keys, values = cache.layer(layer)
-            cache.before_write(layer, start)
-            keys[start:start + T] = apply_rope(k, cos, sin).reshape(T, n_kv * D)
-            values[start:start + T] = v
-            attn = attention(q, keys[:start + T], values[:start + T], start, n_kv)
+            cache.write(layer, start, apply_rope(k, cos, sin).reshape(T, n_kv * D), v, work)
+            keys, values = cache.valid(layer, start + T)
+            attn = attention(q, keys, values, start, n_kv)
             x = be.post(layer, attn, x)
         cache.append_tokens(ids.tolist())
         if want == "none":

@@ -1,4 +1,4 @@
-"""VLKV version 1: one KV snapshot file (SPEC section 3). Knows nothing of directories.
+"""VLKV version 1: one KV snapshot file (docs/snapshot-format.md). Knows nothing of directories.
 
 Layout: 64-byte header | n_tokens u32 token ids | payload | trailer. Payload: for each layer, for
 each block of `kv_bs` rows, the K rows then the V rows (F32, tail block holds only valid rows).
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 # magic, version, n_layers, n_kv_heads, head_dim, kv_bs, n_tokens, kv_dim, tokens_fnv (C engine, 0-39)
 # model_id, flags, reserved, trailer_crc, header_crc (this product, 40-63)
 HEADER = struct.Struct("<8IQQ4I")
-HEADER_FIELDS = (  # (name, offset, size): the table of SPEC section 3, used by inspect.describe()
+HEADER_FIELDS = (  # (name, offset, size): the header table of docs/snapshot-format.md, used by inspect.describe()
     ("magic", 0, 4), ("version", 4, 4), ("n_layers", 8, 4), ("n_kv_heads", 12, 4),
     ("head_dim", 16, 4), ("kv_bs", 20, 4), ("n_tokens", 24, 4), ("kv_dim", 28, 4),
     ("tokens_fnv", 32, 8), ("model_id", 40, 8), ("flags", 48, 4), ("reserved", 52, 4),
@@ -305,7 +305,7 @@ def _file_size(f: Any) -> int:
 def read_header(f: BinaryIO, geometry: Geometry | None, model_id: int | None,
                 max_tokens: int | None = DEFAULTS.disk_kv_max_tokens,
                 file_size: int | None = None) -> tuple[SnapshotHeader, np.ndarray]:
-    """Validate everything but the payload, in SPEC order; return (header, token ids as uint32).
+    """Validate everything but the payload, in the documented order (docs/snapshot-format.md); return (header, token ids as uint32).
 
     geometry / model_id / max_tokens None = don't check (inspecting foreign files). Each failure
     raises its own SnapshotError subclass; no buffer is sized from a field before the exact file
@@ -357,13 +357,15 @@ def rows_needed(hdr: SnapshotHeader, m: int) -> int:
 
 
 def read_rows_into(f: BinaryIO, hdr: SnapshotHeader, m: int,
-                   dest: Callable[[int, int], np.ndarray]) -> int:
+                   dest: Callable[[int, int], np.ndarray],
+                   on_layer: Callable[[int], None] | None = None) -> int:
     """Read rows [0, m) of every layer into dest(layer, kv) and CRC-check exactly those blocks.
 
     Whole blocks are read, so rows [m, rows_needed(hdr, m)) of the destination are overwritten
     too; only [0, m) is meaningful to the caller. One preadv per layer reads the needed K/V blocks
     straight into the destination arrays. On SnapshotBlockCRC / SnapshotSize the destination
-    holds garbage and must be discarded. Returns payload bytes read.
+    holds garbage and must be discarded. `on_layer(l)` runs after layer l is read and checked.
+    Returns payload bytes read.
     """
     if not 1 <= m <= hdr.n_tokens:
         raise ValueError(f"m={m} outside 1..{hdr.n_tokens}")
@@ -383,6 +385,8 @@ def read_rows_into(f: BinaryIO, hdr: SnapshotHeader, m: int,
             if crc32c.crc32c(view) != hdr.block_crc(layer, b, kv):
                 raise SnapshotBlockCRC(f"layer {layer} block {b} ({KV_NAMES[kv]}, rows "
                                        f"{hdr.block_rows(b)}) fails its CRC32C")
+        if on_layer is not None:
+            on_layer(layer)
     log.debug("read rows [0, %d) of a %d-token snapshot: %d payload bytes", m, hdr.n_tokens, total)
     return total
 
