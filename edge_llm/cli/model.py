@@ -80,7 +80,7 @@ def synth_cmd(preset: str, layers: int | None, seed: int, out_dir: str) -> None:
 
 def _param_counts(model_dir, prefix: str) -> tuple[int, int, dict[str, int], int]:
     """(all params, text-model params, dtype -> count, bytes on disk) from safetensors headers."""
-    from edge_llm.models.synth import read_safetensors_header
+    from edge_llm.models.safetensors_writer import read_safetensors_header
     from edge_llm.weights import safetensors_files
 
     total = text = size = 0

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from edge_llm.errors import ModelImportError
-from edge_llm.models.synth import Progress, TensorPlan, write_json_atomic, write_checkpoint
+from edge_llm.models.safetensors_writer import Progress, TensorPlan, write_checkpoint, write_json_atomic
 
 log = logging.getLogger(__name__)
 
