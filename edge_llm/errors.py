@@ -96,6 +96,10 @@ class SnapshotFlags(SnapshotError):
     reason = "flags"
 
 
+class SnapshotExtension(SnapshotError):
+    reason = "extension"
+
+
 class ImageError(EdgeLLMError):
     """An image input was refused (the API answers 400). `reason` is a short machine-readable tag."""
 
