@@ -6,6 +6,12 @@ first generated token depend only on the KV rows before it, never on how many ro
 prefilled together — a request restored from disk (rows [0, n-1) read back bitwise) produces
 bitwise the same text as the cold run that wrote the snapshot, and as a server that kept its
 RAM cache.
+
+Images (Qwen3-VL) keep that rule: the engine matches on the prompt's prefix key (image rows carry
+ids derived from the image's digest, see `vision.positions`), never reuses part of an image run,
+feeds the tail its MRoPE positions, and keeps the next position (the cache's `next_pos`, which
+after an image is not the row count) for the decode steps. The engine never sees pixels: it asks
+the vision model for the image rows of the tail.
 """
 
 from __future__ import annotations
@@ -18,8 +24,12 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from edge_llm.errors import ContextOverflowError, SnapshotError
+from edge_llm.errors import ContextOverflowError, ImageError, SnapshotError
 from edge_llm.kvcache import KVCache
+from edge_llm.snapshot.index import Hit
+from edge_llm.vision.model import VisionModel
+from edge_llm.vision.positions import PromptPlan, plan_prompt
+from edge_llm.vision.preprocess import PreparedImage
 from edge_llm.sampling import Sampler, SamplingParams
 from edge_llm.tokenizer import StopMatcher
 
@@ -36,6 +46,8 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
     save_snapshot: bool = True
+    # one per image placeholder run in prompt_tokens, in order (opaque to the engine)
+    images: list[PreparedImage] = field(default_factory=list)
 
 
 @dataclass
@@ -51,6 +63,10 @@ class Timings:
     restore_ms: float = 0.0
     restore_bytes: int = 0
     save_wait_ms: float = 0.0  # time spent waiting for a pending snapshot save to release rows
+    images: int = 0  # images in the prompt
+    image_tokens: int = 0  # prompt rows that are image tokens
+    images_encoded: int = 0  # images that ran through the vision encoder (the others were cached)
+    vision_ms: float = 0.0  # vision encoder time
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -77,13 +93,15 @@ class Engine:
     """Owns the model, tokenizer, the one KV cache and (optionally) the snapshot store."""
 
     def __init__(self, model, tokenizer, cache: KVCache, store=None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, model_dir=None):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, model_dir=None,
+                 vision: VisionModel | None = None):
         self.model = model
         self.model_dir = model_dir
         self.tokenizer = tokenizer
         self.cache = cache
         self.store = store
         self.prefill_chunk = prefill_chunk
+        self.vision = vision
         self.stop_ids = set(tokenizer.stop_token_ids)
         if store is not None:  # the model waits per layer for rows a pending save still streams
             cache.write_guard = store.wait_write
@@ -97,12 +115,25 @@ class Engine:
         if n_prompt + max_tokens > self.max_seq:
             raise ContextOverflowError(n_prompt, max_tokens, self.max_seq)
 
+    def plan(self, tokens: list[int], images: list[PreparedImage] = ()) -> PromptPlan:
+        """The prompt's prefix key and positions; ImageError if images and placeholders disagree."""
+        if self.vision is None:
+            if images:
+                raise ImageError("this model has no vision encoder: it cannot take images")
+            return plan_prompt(tokens, [], None)
+        return self.vision.plan(tokens, images)
+
     # ---- prefix -------------------------------------------------------------------------
-    def _reuse_prefix(self, tokens: list[int], t: Timings) -> int:
-        """Make cache rows [0, m) valid for tokens[:m] from RAM or disk; return m (<= len-1)."""
-        limit = len(tokens) - 1  # at least one token is computed: it yields the logits
-        m_ram = min(self.cache.common_prefix(tokens), limit)
-        hit = self.store.lookup(tokens) if self.store is not None else None
+    def _reuse_prefix(self, plan: PromptPlan, t: Timings) -> int:
+        """Make cache rows [0, m) valid for the plan's first m keys from RAM or disk; return m
+        (<= len-1). `plan.reusable` decides for both sources how much of a match may be used."""
+        keys = plan.keys
+        limit = len(keys) - 1  # at least one token is computed: it yields the logits
+        m_ram = plan.reusable(min(self.cache.common_prefix(keys), limit), self.cache.spans)
+        hit = self.store.lookup(keys) if self.store is not None else None
+        if hit is not None:
+            m_disk = plan.reusable(hit.m, hit.entry.spans)
+            hit = Hit(hit.entry, m_disk) if m_disk >= self.store.min_lcp else None
         if hit is not None and hit.m > m_ram:
             try:  # the store first waits for a pending save: a restore rewrites rows from 0
                 res = self.store.restore(hit, self.cache)
@@ -119,23 +150,35 @@ class Engine:
             t.cache_source, t.ram_cached_tokens = "ram", m_ram
         return m_ram
 
-    def _prefill_tail(self, tail: list[int]):
-        """Chunked prefill of tail[:-1], then the last token alone (see module docstring)."""
-        body, last = tail[:-1], tail[-1:]
-        if body:
-            self.model.prefill(body, self.cache, chunk=self.prefill_chunk)
-        return self.model.forward(last, self.cache)
+    def _prefill_tail(self, plan: PromptPlan, m: int, t: Timings):
+        """Chunked prefill of rows [m, n-1), then the last token alone (see module docstring)."""
+        n = plan.n
+        vis = None
+        if self.vision is not None and plan.spans:
+            vis, t.vision_ms, t.images_encoded = self.vision.visual_rows(plan, m, n)
+            self.cache.add_spans([s for s in plan.spans if s.start >= m])
+        pos = plan.positions_for(m, n)
+        keys = plan.keys
+        if n - 1 > m:
+            self.model.prefill(keys[m:n - 1], self.cache, chunk=self.prefill_chunk,
+                               positions=None if pos is None else pos[:, :-1],
+                               visual=None if vis is None else vis.slice(0, n - 1 - m))
+        return self.model.forward(keys[n - 1:], self.cache, positions=None if pos is None else pos[:, -1:],
+                                  visual=None if vis is None else vis.slice(n - 1 - m, n - m))
 
-    def prefill_prompt(self, tokens: list[int]) -> tuple[np.ndarray, Timings]:
+    def prefill_prompt(self, tokens: list[int], images: list[PreparedImage] = ()
+                       ) -> tuple[np.ndarray, Timings]:
         """Reuse the longest cached prefix (RAM or disk), prefill the rest; logits of the last token."""
         if not tokens:
             raise ValueError("prompt is empty")
         t0 = time.perf_counter()
         t = Timings()
+        plan = self.plan(tokens, list(images))
+        t.images, t.image_tokens = len(plan.spans), plan.image_tokens
         w0 = self.cache.write_wait_s
-        m = self._reuse_prefix(tokens, t)
+        m = self._reuse_prefix(plan, t)
         t_pf = time.perf_counter()
-        logits = self._prefill_tail(tokens[m:])
+        logits = self._prefill_tail(plan, m, t)
         t1 = time.perf_counter()
         t.save_wait_ms += (self.cache.write_wait_s - w0) * 1e3
         t.prefill_tokens, t.prefill_ms = len(tokens) - m, (t1 - t_pf) * 1e3
@@ -150,7 +193,7 @@ class Engine:
         tokens = list(req.prompt_tokens)
         self.check_fits(len(tokens), req.max_tokens)
         t0 = time.perf_counter()
-        logits, t = self.prefill_prompt(tokens)
+        logits, t = self.prefill_prompt(tokens, req.images)
         sampler = Sampler(req.sampling)
         detok = self.tokenizer.incremental_decoder()
         stops = StopMatcher(req.stop)
@@ -175,7 +218,9 @@ class Engine:
                 finish = "stop"
                 break
             if len(generated) < req.max_tokens:
-                logits = self.model.forward([tok], self.cache)
+                # after an image the next MRoPE position is not the row count
+                pos = np.full((3, 1), self.cache.next_pos) if self.cache.spans else None
+                logits = self.model.forward([tok], self.cache, positions=pos)
         t.decode_tokens = len(generated)
         t.decode_ms = (time.perf_counter() - t_dec) * 1e3
         tail = "" if finish == "cancelled" or stops.stopped else stops.feed(detok.flush())[0] + stops.flush()

@@ -28,6 +28,8 @@ class RuntimeOptions:
     disk_kv_max_files: int = 8
     disk_kv_max_bytes: int | None = None
     disk_kv_max_tokens: int = 8192
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 64 * 1024 * 1024
 
 
 def load_runtime(opts: RuntimeOptions, progress=None) -> Engine:
@@ -38,6 +40,13 @@ def load_runtime(opts: RuntimeOptions, progress=None) -> Engine:
 
     model_dir = Path(resolve_model_dir(opts.model, progress=progress))
     model = Model.load(model_dir, backend=opts.backend)
+    from edge_llm.vision.model import VisionModel
+
+    from edge_llm.vision.preprocess import ImageLimits
+
+    limits = ImageLimits(opts.max_image_bytes, opts.max_image_pixels)
+    vision = (VisionModel.load(model_dir, model.args, backend=opts.backend, limits=limits)
+              if model.args.model_type == "qwen3_vl" else None)
     tokenizer = Tokenizer.from_dir(model_dir)
     cache = KVCache(model.args.geometry, max_seq=opts.max_seq, kv_bs=opts.kv_bs)
     store = None
@@ -53,7 +62,7 @@ def load_runtime(opts: RuntimeOptions, progress=None) -> Engine:
         )
         store.scan()
     engine = Engine(model, tokenizer, cache, store=store, prefill_chunk=opts.prefill_chunk,
-                    model_dir=model_dir)
+                    model_dir=model_dir, vision=vision)
     log.info("runtime ready: model %s (%s), KV cache %d MiB (max_seq %d)", model_dir.name,
              opts.backend, cache.nbytes >> 20, opts.max_seq)
     return engine

@@ -47,6 +47,9 @@ class Settings:
     backend: str = "cpu"
     grace_seconds: float = 30.0
     max_body_bytes: int = 4 * 1024 * 1024
+    image_dir: str | None = None  # local image files allowed under this directory; None = data: URLs only
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 64 * 1024 * 1024  # width x height of an encoded image (decompression bombs)
 
     def runtime_options(self) -> RuntimeOptions:
         """The engine-loading subset of these settings."""
@@ -54,15 +57,16 @@ class Settings:
             model=self.model, backend=self.backend, max_seq=self.max_seq, kv_bs=self.kv_bs,
             disk_kv=self.disk_kv or None, disk_kv_min_lcp=self.disk_kv_min_lcp,
             disk_kv_max_files=self.disk_kv_max_files, disk_kv_max_bytes=self.disk_kv_max_bytes,
-            disk_kv_max_tokens=self.disk_kv_max_tokens,
+            disk_kv_max_tokens=self.disk_kv_max_tokens, max_image_bytes=self.max_image_bytes,
+            max_image_pixels=self.max_image_pixels,
         )
 
 
 _FIELDS = {f.name: f for f in fields(Settings)}
 # keys whose value may be absent (None) after conversion
-_OPTIONAL = {"disk_kv", "disk_kv_max_bytes", "api_key_file", "log_file"}
+_OPTIONAL = {"disk_kv", "disk_kv_max_bytes", "api_key_file", "log_file", "image_dir"}
 _POSITIVE = {"port", "disk_kv_min_lcp", "disk_kv_max_files", "disk_kv_max_bytes", "disk_kv_max_tokens",
-             "kv_bs", "max_seq", "queue_size", "max_body_bytes"}
+             "kv_bs", "max_seq", "queue_size", "max_body_bytes", "max_image_bytes", "max_image_pixels"}
 
 
 def edge_home(env: Mapping[str, str] | None = None) -> Path:
@@ -103,7 +107,7 @@ def _convert(key: str, value: Any, source: str) -> Any:
     if key in _OPTIONAL and (value is None or (isinstance(value, str) and value.strip().lower() in ("none", ""))):
         return "" if key == "log_file" else None
     typ = {"model": str, "host": str, "api_key_file": str, "log_file": str, "backend": str,
-           "grace_seconds": float}.get(key, int)
+           "grace_seconds": float, "image_dir": str}.get(key, int)
     try:
         if isinstance(value, bool) or (typ is str and not isinstance(value, str)):
             raise ValueError

@@ -48,6 +48,11 @@ def _flags(**kw):
 @click.option("--grace-seconds", default=None, type=click.FloatRange(0),
               help="How long a running request may finish after SIGTERM.  [default: 30]")
 @click.option("--max-body-bytes", default=None, type=click.IntRange(1), help="[default: 4 MiB]")
+@click.option("--image-dir", default=None, metavar="DIR",
+              help="Allow chat image_url parts naming files under DIR.  [default: data: URLs only]")
+@click.option("--max-image-bytes", default=None, type=click.IntRange(1), help="[default: 20 MiB]")
+@click.option("--max-image-pixels", default=None, type=click.IntRange(1),
+              help="Largest width x height of an image before decoding.  [default: 64 Mi]")
 def serve(config_file, no_disk_kv, **kw) -> None:
     """Serve the OpenAI-compatible API (completions, chat, models, health, metrics)."""
     from edge_llm.errors import ConfigError

@@ -23,7 +23,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from edge_llm.kvcache import KVCache
+from edge_llm.kvcache import ImageSpan, KVCache
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ class SaveJob:
 
     cache: KVCache
     tokens: np.ndarray  # (n,) uint32
+    spans: tuple[ImageSpan, ...] = ()  # image runs among rows [0, n)
     requested: float = field(default_factory=time.monotonic)
     layers_done: int = 0  # layers whose rows are written out (the rows may be overwritten)
 

@@ -8,7 +8,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -19,7 +19,7 @@ from edge_llm.config import ModelArgs, VisionArgs, vision_args_from_dir
 from edge_llm.errors import ConfigError
 from edge_llm.models.qwen3 import VisualRows
 from edge_llm.vision.encoder import ImageFeatures, VisionEncoder
-from edge_llm.vision.positions import PromptPlan, plan_prompt
+from edge_llm.vision.positions import PromptPlan, expand_placeholders, plan_prompt
 from edge_llm.vision.preprocess import ImageLimits, PreparedImage, PreprocessConfig, prepare_image
 from edge_llm.weights import load_vision_weights
 
@@ -61,6 +61,18 @@ class VisionModel:
     def prepare(self, data: bytes) -> PreparedImage:
         """Image bytes -> PreparedImage (raises an ImageError subclass naming the problem)."""
         return prepare_image(data, self.pre, self.limits, self.tag)
+
+    def placeholder(self, id_to_token: Callable[[int], str | None]) -> str:
+        """The text a chat template renders for one image: <|vision_start|><|image_pad|><|vision_end|>."""
+        ids = (self.args.vision_start_token_id, self.args.image_token_id, self.args.vision_end_token_id)
+        names = [id_to_token(i) for i in ids]
+        if any(n is None for n in names):
+            raise ConfigError(f"the tokenizer has no tokens for the image ids {ids}")
+        return "".join(names)  # type: ignore[arg-type]
+
+    def expand(self, tokens: Sequence[int], images: Sequence[PreparedImage]) -> list[int]:
+        """One placeholder per image -> each image's run of pad tokens (its token count)."""
+        return expand_placeholders(tokens, images, self.args.image_token_id)
 
     def plan(self, tokens: Sequence[int], images: Sequence[PreparedImage]) -> PromptPlan:
         return plan_prompt(tokens, images, self.args.image_token_id)

@@ -109,3 +109,20 @@ def plan_prompt(tokens: Sequence[int], images: Sequence[PreparedImage], image_to
         cur, row = span.next_pos, int(b)
     pos[:, row:] = np.arange(cur, cur + ids.size - row)
     return PromptPlan(keys.tolist(), spans, list(images), pos)
+
+
+def expand_placeholders(tokens: Sequence[int], images: Sequence[PreparedImage], image_token_id: int
+                        ) -> list[int]:
+    """Replace the i-th single image placeholder (as a chat template renders it) by images[i]'s
+    n_tokens pads, as the reference processor does before tokenisation."""
+    ids = list(tokens)
+    at = [i for i, t in enumerate(ids) if t == image_token_id]
+    if len(at) != len(images):
+        raise ImageError(f"the prompt has {len(at)} image placeholder(s) for {len(images)} image(s) "
+                         f"(image placeholder tokens in the text are not allowed)")
+    out: list[int] = []
+    prev = 0
+    for i, img in zip(at, images):
+        out += ids[prev:i] + [image_token_id] * img.n_tokens
+        prev = i + 1
+    return out + ids[prev:]
