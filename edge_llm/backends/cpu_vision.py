@@ -41,9 +41,17 @@ def gelu_erf(x: np.ndarray) -> np.ndarray:
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    """gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
-    inner = np.float32(np.sqrt(2.0 / np.pi)) * (x + np.float32(0.044715) * x * x * x)
-    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
+    """gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), in two temporaries."""
+    t = np.square(x)
+    t *= np.float32(0.044715)
+    t += np.float32(1.0)
+    t *= x
+    t *= np.float32(np.sqrt(2.0 / np.pi))
+    np.tanh(t, out=t)
+    t += np.float32(1.0)
+    t *= x
+    t *= np.float32(0.5)
+    return t
 
 
 ACTIVATIONS = {"gelu_pytorch_tanh": gelu_tanh, "gelu": gelu_erf}
