@@ -13,7 +13,7 @@ import logging
 import mmap
 import os
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +22,7 @@ from safetensors import safe_open
 
 from edge_llm.config import ModelArgs, VisionArgs
 from edge_llm.errors import WeightsError
+from edge_llm.settings import digest_cache_path
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +208,10 @@ class Weights(Mapping[str, np.ndarray]):
     def __init__(self, args: ModelArgs, tensors: dict[str, TensorInfo]):
         self.args = args
         self._infos = tensors
+        self._total = len(tensors)
+        # progress(done, total) after each tensor handed over: loading GBs from eMMC is slow, and
+        # the server turns this into systemd start-timeout extensions
+        self.progress: Callable[[int, int], None] | None = None
 
     def __getitem__(self, name: str) -> np.ndarray:
         try:
@@ -222,6 +227,8 @@ class Weights(Mapping[str, np.ndarray]):
         """Read a tensor and drop it from this mapping."""
         arr = self[name]
         del self._infos[name]
+        if self.progress is not None:
+            self.progress(self._total - len(self._infos), self._total)
         return arr
 
     def __contains__(self, name: object) -> bool:
@@ -262,24 +269,23 @@ def load_vision_weights(model_dir: str | Path, args: ModelArgs, vision: VisionAr
 
 
 # ---- weight digest ---------------------------------------------------------------------------
-def digest_cache_path() -> Path:
-    home = os.environ.get("EDGE_LLM_HOME")
-    base = Path(home) if home else Path.home() / ".cache" / "edge-llm"
-    return base / "digests.json"
-
-
-def sha256_file(path: str | Path) -> str:
-    """Hex sha256 of a file's bytes, streamed through one reusable buffer."""
+def sha256_file(path: str | Path, progress: Callable[[int], None] | None = None) -> str:
+    """Hex sha256 of a file's bytes, streamed through one reusable buffer; `progress(bytes done)`
+    after every 256 MiB (hashing GBs on eMMC takes minutes)."""
     h = hashlib.sha256()
     buf = bytearray(_DIGEST_CHUNK)
     view = memoryview(buf)
+    done, step = 0, 256 << 20
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
             h.update(view[:n])
+            done += n
+            if progress is not None and done % step < n:
+                progress(done)
     return h.hexdigest()
 
 
-def weight_digest(model_dir: str | Path) -> str:
+def weight_digest(model_dir: str | Path, progress: Callable[[str], None] | None = None) -> str:
     """sha256 over the checkpoint's safetensors files (name + per-file sha256, in name order).
 
     Per-file digests are cached in `digests.json` keyed by absolute path, size and mtime, so
@@ -302,7 +308,9 @@ def weight_digest(model_dir: str | Path) -> str:
         if not (isinstance(entry, dict) and entry.get("size") == st.st_size
                 and entry.get("mtime_ns") == st.st_mtime_ns and isinstance(entry.get("sha256"), str)):
             log.info("hashing %s (%d bytes)", path.name, st.st_size)
-            entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(path)}
+            report = None if progress is None else (
+                lambda done, p=path, size=st.st_size: progress(f"hashing {p.name} {done >> 20}/{size >> 20} MiB"))
+            entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(path, report)}
             cache[key] = entry
             dirty = True
         total.update(f"{path.name}:{entry['sha256']}\n".encode())

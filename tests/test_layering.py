@@ -10,12 +10,12 @@ PKG = Path(__file__).resolve().parents[1] / "edge_llm"
 # module (dotted, relative to edge_llm) -> layer; a package maps all its modules
 LAYERS = {
     "errors": 0,
-    "config": 1,
+    "config": 1, "settings": 1,
     "weights": 2, "tokenizer": 2, "kvcache": 2,
     "backends": 3, "models": 3, "vision": 3, "snapshot.format": 3, "snapshot.inspect": 3,
     "snapshot.identity": 4, "snapshot.store": 4, "snapshot": 4,
     "sampling": 5, "engine": 5, "runtime": 5,
-    "server": 6, "bench": 6, "logsetup": 6, "sdnotify": 6, "settings": 6, "doctor": 6,
+    "server": 6, "bench": 6, "logsetup": 6, "sdnotify": 6, "doctor": 6,
     "cli": 7, "__main__": 8, "__init__": 0,
 }
 

@@ -92,9 +92,10 @@ def end_to_end(model_dir: Path, kv_dir: Path, side: int, max_tokens: int,
 
     from edge_llm.bench.disk import drop_file_cache
     from edge_llm.engine import GenerationRequest
-    from edge_llm.runtime import RuntimeOptions, load_runtime
+    from edge_llm.runtime import load_runtime
+    from edge_llm.settings import Settings
 
-    opts = RuntimeOptions(model=str(model_dir), max_seq=4096, disk_kv=str(kv_dir))
+    opts = Settings(model=str(model_dir), max_seq=4096, disk_kv=str(kv_dir))
     question = "Describe this picture: the colours, the shapes and what stands out."
 
     def ask(engine, photo: bytes, follow_up: bool, answer: str = "") -> tuple[dict, str]:

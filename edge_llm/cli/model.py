@@ -9,14 +9,20 @@ from collections.abc import Callable, Iterator
 
 import click
 
-from edge_llm.kvcache import DEFAULT_MAX_SEQ
+from edge_llm.settings import DEFAULTS
 
 
 @contextlib.contextmanager
 def progress_bar(label: str) -> Iterator[Callable[[int, int, str], None]]:
     """A rich progress bar on stderr, driven by the library's `progress(done, total, what)` callback."""
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
 
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), transient=False, console=_err()) as bar:
@@ -108,7 +114,7 @@ def _param_counts(model_dir, prefix: str, vision_prefix: str = "model.visual."
 
 @model.command("info")
 @click.argument("model_dir", default="default")
-@click.option("--max-seq", type=click.IntRange(1), default=DEFAULT_MAX_SEQ, show_default=True,
+@click.option("--max-seq", type=click.IntRange(1), default=DEFAULTS.max_seq, show_default=True,
               help="Context length for the KV size line.")
 def info_cmd(model_dir: str, max_seq: int) -> None:
     """Geometry, KV bytes per token and parameter count of MODEL_DIR (or 'default')."""

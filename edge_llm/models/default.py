@@ -17,22 +17,25 @@ import tempfile
 from pathlib import Path
 
 from edge_llm.errors import ConfigError, ModelImportError
-from edge_llm.models.packaged import SMOLLM2_GGUF, SMOLLM2_PIP, SMOLLM2_SHA256, default_gguf_path
+from edge_llm.models.packaged import (
+    SMOLLM2_GGUF,
+    SMOLLM2_PIP,
+    SMOLLM2_SHA256,
+    default_gguf_path,
+)
 from edge_llm.models.safetensors_writer import Progress
+from edge_llm.settings import expand_path, models_dir
 from edge_llm.weights import sha256_file
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 # bump when the importer's output changes, so existing imports are redone
-IMPORT_FORMAT = 1
+IMPORT_FORMAT = 2
+# SmolLM2-135M-Instruct's own recommended sampling (its model card's generate() example); the
+# GGUF carries no general.sampling.* keys, so the import writes these into generation_config.json
+SMOLLM2_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 MARKER = ".edge_llm_default.json"
-
-
-def edge_llm_home() -> Path:
-    """`$EDGE_LLM_HOME`, else `~/.cache/edge-llm`."""
-    env = os.environ.get("EDGE_LLM_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "edge-llm"
 
 
 def _is_complete(d: Path) -> bool:
@@ -45,12 +48,12 @@ def _is_complete(d: Path) -> bool:
 
 def default_model_ready() -> bool:
     """True when the default model is already imported (no import on the next use)."""
-    return _is_complete(edge_llm_home() / "models" / DEFAULT_MODEL_NAME)
+    return _is_complete(models_dir() / DEFAULT_MODEL_NAME)
 
 
 def default_model_dir(progress: Progress | None = None) -> Path:
     """The imported default model directory, importing it first if needed."""
-    models = edge_llm_home() / "models"
+    models = models_dir()
     target = models / DEFAULT_MODEL_NAME
     if _is_complete(target):
         return target
@@ -73,6 +76,8 @@ def default_model_dir(progress: Progress | None = None) -> Path:
         try:
             os.chmod(tmp, 0o755)  # mkdtemp makes it private; the service user may differ from ours
             import_gguf(gguf_path, tmp, progress=progress)
+            gen_path = tmp / "generation_config.json"
+            gen_path.write_text(json.dumps({**json.loads(gen_path.read_text()), **SMOLLM2_SAMPLING}, indent=2) + "\n")
             (tmp / MARKER).write_text(json.dumps({"format": IMPORT_FORMAT, "sha256": SMOLLM2_SHA256,
                                                   "source": SMOLLM2_GGUF}) + "\n")
             if target.exists():  # an older or broken import: move it aside, swap, then delete
@@ -95,7 +100,7 @@ def resolve_model_dir(spec: str | os.PathLike[str], progress: Progress | None = 
     """`"default"` -> the imported default model; anything else must be a model directory."""
     if str(spec) == "default":
         return default_model_dir(progress=progress)
-    d = Path(spec).expanduser()
+    d = expand_path(spec)
     if not d.is_dir():
         raise ConfigError(f"{d}: not a model directory (pass an HF model directory or 'default')")
     return d

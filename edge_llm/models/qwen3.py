@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,12 +21,12 @@ from edge_llm.backends.cpu import rms_norm
 from edge_llm.config import ModelArgs
 from edge_llm.errors import KVCacheError
 from edge_llm.kvcache import KVCache
+from edge_llm.progress import NO_WORK, PREFILL, Work
 from edge_llm.models.rope import Rope, apply_rope
+from edge_llm.settings import DEFAULTS
 from edge_llm.weights import load_weights
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CHUNK = 128
 
 
 @dataclass
@@ -83,10 +84,14 @@ class Model:
         self.scale = np.float32(1.0 / math.sqrt(args.head_dim))
 
     @classmethod
-    def load(cls, model_dir: str | Path, backend: str | Backend = "cpu") -> "Model":
-        """Read config.json, check every tensor's name and shape, then load the weights."""
+    def load(cls, model_dir: str | Path, backend: str | Backend = DEFAULTS.backend,
+             progress: Callable[[int, int], None] | None = None) -> "Model":
+        """Read config.json, check every tensor's name and shape, then load the weights.
+
+        `progress(done, total)` is called after each tensor is loaded."""
         args = ModelArgs.from_dir(model_dir)
         weights = load_weights(model_dir, args)  # raises WeightsError before anything is read
+        weights.progress = progress
         be = get_backend(backend) if isinstance(backend, str) else backend
         q_norms: list[np.ndarray] = []
         k_norms: list[np.ndarray] = []
@@ -104,13 +109,14 @@ class Model:
     def numerics(self) -> str:
         return self.backend.numerics
 
-    def new_cache(self, max_seq: int = 8192, **kw) -> KVCache:
+    def new_cache(self, max_seq: int = DEFAULTS.max_seq, **kw) -> KVCache:
         """A KV cache with this model's geometry."""
         return KVCache(self.args.geometry, max_seq=max_seq, **kw)
 
     # ---- forward --------------------------------------------------------------------------
     def forward(self, tokens, cache: KVCache, all_logits: bool = False,
-                positions: np.ndarray | None = None, visual: VisualRows | None = None) -> np.ndarray:
+                positions: np.ndarray | None = None, work: Work = NO_WORK,
+                visual: VisualRows | None = None) -> np.ndarray:
         """Run `tokens` at rows [cache.length, +T): write their K/V rows, extend cache.tokens.
 
         Returns float32 logits of the last position (vocab,), or (T, vocab) if all_logits.
@@ -118,25 +124,31 @@ class Model:
         `visual` rows take their embeddings from the vision encoder; their entries in `tokens`
         are the image key ids stored in the cache (any value, not looked up).
         """
-        return self._run(tokens, cache, "all" if all_logits else "last", positions, visual)
+        return self._run(tokens, cache, "all" if all_logits else "last", positions, work, visual)
 
-    def prefill(self, tokens, cache: KVCache, chunk: int = DEFAULT_CHUNK,
-                positions: np.ndarray | None = None, visual: VisualRows | None = None) -> np.ndarray:
+    def prefill(self, tokens, cache: KVCache, chunk: int = DEFAULTS.prefill_chunk,
+                work: Work = NO_WORK, positions: np.ndarray | None = None,
+                visual: VisualRows | None = None) -> np.ndarray | None:
         """Forward in chunks so memory stays bounded; logits (vocab,) of the last token only.
-        `positions` (3, T) and `visual` describe the whole run and are sliced per chunk."""
+        `positions` (3, T) and `visual` describe the whole run and are sliced per chunk.
+
+        After each chunk `work` gets a prefill report (rows valid / rows when done) and may
+        cancel: `Cancelled` then leaves the cache valid up to the last complete chunk."""
         ids = np.asarray(tokens, dtype=np.int64)
         if ids.size == 0:
             raise ValueError("prefill needs at least one token")
         chunk = pick_chunk(self.backend, chunk)
+        target = cache.length + ids.size
         logits = None
         for a in range(0, ids.size, chunk):
             part = ids[a:a + chunk]
             pos = None if positions is None else positions[..., a:a + chunk]
             vis = None if visual is None else visual.slice(a, a + part.size)
-            logits = self._run(part, cache, "last" if a + chunk >= ids.size else "none", pos, vis)
+            logits = self._run(part, cache, "last" if a + chunk >= ids.size else "none", pos, work, vis)
+            work.report(PREFILL, cache.length, target)
         return logits
 
-    def _run(self, tokens, cache: KVCache, want: str, positions: np.ndarray | None,
+    def _run(self, tokens, cache: KVCache, want: str, positions: np.ndarray | None, work: Work = NO_WORK,
              visual: VisualRows | None = None):
         args, be = self.args, self.backend
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
@@ -169,11 +181,9 @@ class Model:
                 k = rms_norm(k, self.k_norms[layer], eps)
             q = apply_rope(q, cos, sin)
             q *= self.scale
-            keys, values = cache.layer(layer)
-            cache.before_write(layer, start)
-            keys[start:start + T] = apply_rope(k, cos, sin).reshape(T, n_kv * D)
-            values[start:start + T] = v
-            attn = attention(q, keys[:start + T], values[:start + T], start, n_kv)
+            cache.write(layer, start, apply_rope(k, cos, sin).reshape(T, n_kv * D), v, work)
+            keys, values = cache.valid(layer, start + T)
+            attn = attention(q, keys, values, start, n_kv)
             x = be.attn_out(layer, attn, x)
             x = be.mlp(layer, x)
             if visual is not None and layer < len(visual.deepstack):

@@ -20,8 +20,14 @@ import numpy as np
 from edge_llm.config import VisionArgs
 from edge_llm.errors import ModelImportError
 from edge_llm.models.packaged import qwen3_tokenizer_dir
-from edge_llm.models.safetensors_writer import (DEFAULT_SHARD_BYTES, Progress, TensorPlan, f32_to_bf16_bits,
-                                                write_checkpoint, write_json_atomic)
+from edge_llm.models.safetensors_writer import (
+    DEFAULT_SHARD_BYTES,
+    Progress,
+    TensorPlan,
+    f32_to_bf16_bits,
+    write_checkpoint,
+    write_json_atomic,
+)
 from edge_llm.weights import vision_tensors
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,14 @@ from edge_llm.engine import GenerationRequest
 from edge_llm.errors import EdgeLLMError, ImageError
 from edge_llm.sampling import SamplingParams
 from edge_llm.server import schemas as S
-from edge_llm.server.errors import (APIError, BodyLimitMiddleware, bad_request, install_handlers,
-                                    queue_full, unavailable)
+from edge_llm.server.errors import (
+    APIError,
+    BodyLimitMiddleware,
+    bad_request,
+    install_handlers,
+    queue_full,
+    unavailable,
+)
 from edge_llm.server.images import chat_prompt
 from edge_llm.server.metrics import StatusCountMiddleware
 from edge_llm.server.state import AppState
@@ -88,7 +94,9 @@ def create_app(settings: Settings, notifier: Any = None, loader: Callable[[], An
 
     @app.get("/v1/models", response_model=S.ModelList, responses=ERRORS, dependencies=[Depends(auth)])
     def models() -> S.ModelList:
-        return S.ModelList(data=[S.ModelCard(id=state.model_id, created=state.created)])
+        defaults = state.engine.sampling_defaults.to_dict() if state.engine is not None else None
+        return S.ModelList(data=[S.ModelCard(id=state.model_id, created=state.created,
+                                             sampling_defaults=defaults)])
 
     # ---- generation ---------------------------------------------------------------------------
     def sampling(body: S._Sampling) -> tuple[SamplingParams, list[str]]:
@@ -102,9 +110,8 @@ def create_app(settings: Settings, notifier: Any = None, loader: Callable[[], An
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > 4:
             raise bad_request(f"at most 4 stop sequences are allowed, got {len(stop)}", "stop")
-        temperature = 1.0 if body.temperature is None else body.temperature  # OpenAI default
-        params = SamplingParams(temperature=temperature, top_k=body.top_k or 0,
-                                top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed)
+        # omitted fields: the model's recommended values (generation_config.json), else OpenAI's
+        params = state.engine.sampling_defaults.params(body.temperature, body.top_p, body.top_k, body.seed)
         return params, [s for s in stop if s]
 
     def check_length(n_prompt: int, max_tokens: int, param: str) -> None:

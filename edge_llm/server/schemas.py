@@ -197,11 +197,21 @@ class ChatCompletionChunk(BaseModel):
     timings: Timings | None = None
 
 
+class SamplingDefaultsInfo(BaseModel):
+    """What a request gets for omitted temperature / top_p / top_k (top_k 0 = off)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    source: str = Field(description="generation_config.json of the model, or openai (fallback).")
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "edge-llm"
+    sampling_defaults: SamplingDefaultsInfo | None = None
 
 
 class ModelList(BaseModel):
@@ -227,9 +237,10 @@ class Health(BaseModel):
     queue_depth: int
     queue_size: int
     busy: bool
-    degraded: list[str] = Field(default_factory=list, description="e.g. 'snapshot-disk-full'.")
+    degraded: list[str] = Field(default_factory=list, description="e.g. 'snapshot disk full'.")
     error: str | None = None
     uptime_s: float
+    sampling_defaults: SamplingDefaultsInfo | None = None
 
 
 class ErrorDetail(BaseModel):

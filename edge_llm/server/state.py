@@ -22,6 +22,10 @@ from edge_llm.settings import Settings
 
 log = logging.getLogger(__name__)
 
+# each start-up step (a tensor loaded, 256 MiB hashed, a stage begun) must finish within this
+# many seconds of the previous one, or systemd's start timeout (extended by each step) fires
+STARTUP_STEP_TIMEOUT = 120.0
+
 
 def model_id_for(settings: Settings) -> str:
     """The id /v1/models lists: the model directory's name, or "default"."""
@@ -55,7 +59,15 @@ class AppState:
     def _default_loader(self) -> Any:
         from edge_llm.runtime import load_runtime
 
-        return load_runtime(self.settings.runtime_options())
+        return load_runtime(self.settings, progress=self._load_progress,
+                            import_progress=lambda done, total, what: self._load_progress(
+                                f"importing the default model {done >> 20}/{total >> 20} MiB"))
+
+    def _load_progress(self, text: str) -> None:
+        """A start-up step finished: extend systemd's start timeout from now, say what we do."""
+        if self.notifier is not None:
+            self.notifier.extend_timeout(STARTUP_STEP_TIMEOUT)
+            self.notifier.status(text)
 
     def start_loading(self) -> None:
         self._status("loading model")
@@ -149,6 +161,7 @@ class AppState:
             "queue_depth": w.depth if w else 0, "queue_size": self.settings.queue_size,
             "busy": bool(w and w.busy), "degraded": self.degraded(), "error": self.error,
             "uptime_s": round(time.monotonic() - self.started, 3),
+            "sampling_defaults": self.engine.sampling_defaults.to_dict() if self.engine is not None else None,
         }
 
     def metrics_state(self) -> dict[str, Any]:

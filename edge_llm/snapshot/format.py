@@ -21,11 +21,24 @@ import crc32c
 import numpy as np
 
 from edge_llm.config import Geometry
-from edge_llm.errors import (SnapshotBadMagic, SnapshotBadVersion, SnapshotBlockCRC, SnapshotExtension,
-                             SnapshotFlags, SnapshotGeometry, SnapshotHeaderCRC, SnapshotKVDim,
-                             SnapshotModelID, SnapshotSize, SnapshotTokenCount, SnapshotTokenHash,
-                             SnapshotTooShort, SnapshotTrailerCRC)
+from edge_llm.errors import (
+    SnapshotBadMagic,
+    SnapshotBadVersion,
+    SnapshotBlockCRC,
+    SnapshotExtension,
+    SnapshotFlags,
+    SnapshotGeometry,
+    SnapshotHeaderCRC,
+    SnapshotKVDim,
+    SnapshotModelID,
+    SnapshotSize,
+    SnapshotTokenCount,
+    SnapshotTokenHash,
+    SnapshotTooShort,
+    SnapshotTrailerCRC,
+)
 from edge_llm.kvcache import ImageSpan
+from edge_llm.settings import DEFAULTS
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +61,6 @@ EXT_RECORD = struct.Struct("<II")  # tag, length of the record body
 EXT_IMAGES = 1  # record: u32 count, then count x IMAGE_SPAN
 IMAGE_SPAN = struct.Struct("<5I32s")  # start row, t, h, w, pos0, sha256 digest
 F32 = 4
-DEFAULT_MAX_TOKENS = 8192
 FNV_OFFSET, FNV_PRIME, U64 = 0xCBF29CE484222325, 0x100000001B3, (1 << 64) - 1
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 KV_NAMES = ("K", "V")
@@ -356,7 +368,7 @@ def _file_size(f: Any) -> int:
 
 
 def read_header(f: BinaryIO, geometry: Geometry | None, model_id: int | None,
-                max_tokens: int | None = DEFAULT_MAX_TOKENS,
+                max_tokens: int | None = DEFAULTS.disk_kv_max_tokens,
                 file_size: int | None = None) -> tuple[SnapshotHeader, np.ndarray]:
     """Validate everything but the payload, in SPEC order; return (header, token ids as uint32).
 
@@ -419,13 +431,15 @@ def rows_needed(hdr: SnapshotHeader, m: int) -> int:
 
 
 def read_rows_into(f: BinaryIO, hdr: SnapshotHeader, m: int,
-                   dest: Callable[[int, int], np.ndarray]) -> int:
+                   dest: Callable[[int, int], np.ndarray],
+                   on_layer: Callable[[int], None] | None = None) -> int:
     """Read rows [0, m) of every layer into dest(layer, kv) and CRC-check exactly those blocks.
 
     Whole blocks are read, so rows [m, rows_needed(hdr, m)) of the destination are overwritten
     too; only [0, m) is meaningful to the caller. One preadv per layer reads the needed K/V blocks
     straight into the destination arrays. On SnapshotBlockCRC / SnapshotSize the destination
-    holds garbage and must be discarded. Returns payload bytes read.
+    holds garbage and must be discarded. `on_layer(l)` runs after layer l is read and checked.
+    Returns payload bytes read.
     """
     if not 1 <= m <= hdr.n_tokens:
         raise ValueError(f"m={m} outside 1..{hdr.n_tokens}")
@@ -445,6 +459,8 @@ def read_rows_into(f: BinaryIO, hdr: SnapshotHeader, m: int,
             if crc32c.crc32c(view) != hdr.block_crc(layer, b, kv):
                 raise SnapshotBlockCRC(f"layer {layer} block {b} ({KV_NAMES[kv]}, rows "
                                        f"{hdr.block_rows(b)}) fails its CRC32C")
+        if on_layer is not None:
+            on_layer(layer)
     log.debug("read rows [0, %d) of a %d-token snapshot: %d payload bytes", m, hdr.n_tokens, total)
     return total
 

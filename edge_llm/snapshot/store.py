@@ -22,11 +22,28 @@ import numpy as np
 from edge_llm.config import Geometry
 from edge_llm.errors import SnapshotError
 from edge_llm.kvcache import KVCache
+from edge_llm.progress import NO_WORK, RESTORE, Cancelled, Work
+from edge_llm.settings import DEFAULTS
 from edge_llm.snapshot import format as fmt
 from edge_llm.snapshot.identity import Identity, ensure_namespace
-from edge_llm.snapshot.index import (Entry, Hit, RestoreResult, is_prefix, lcp, lru_victims, mbps,
-                                     quarantine_file)
-from edge_llm.snapshot.writer import TMP_SUFFIX, BackgroundWriter, SaveJob, fsync_dir, publish_file
+from edge_llm.snapshot.index import (
+    Entry,
+    Hit,
+    RestoreResult,
+    is_prefix,
+    lcp,
+    lru_victims,
+    mbps,
+    quarantine_file,
+)
+from edge_llm.snapshot.writer import (
+    TMP_SUFFIX,
+    BackgroundWriter,
+    SaveJob,
+    fsync_dir,
+    orphaned_temp,
+    publish_file,
+)
 
 log = logging.getLogger("edge_llm.kvdisk")
 
@@ -38,8 +55,10 @@ READ_MAX_TOKENS = 1 << 18
 class SnapshotStore:
     """Snapshots of one identity under `<kv_dir>/<model_id hex>/`; see the module docstring."""
 
-    def __init__(self, kv_dir: str | Path, identity: Identity, geometry: Geometry, min_lcp: int = 16,
-                 max_files: int = 8, max_bytes: int | None = None, max_tokens: int = 8192, kv_bs: int = 64):
+    def __init__(self, kv_dir: str | Path, identity: Identity, geometry: Geometry,
+                 min_lcp: int = DEFAULTS.disk_kv_min_lcp, max_files: int = DEFAULTS.disk_kv_max_files,
+                 max_bytes: int | None = DEFAULTS.disk_kv_max_bytes,
+                 max_tokens: int = DEFAULTS.disk_kv_max_tokens, kv_bs: int = DEFAULTS.kv_bs):
         if min_lcp < 1 or max_files < 1 or max_tokens < 1 or kv_bs < 1:
             raise ValueError("min_lcp, max_files, max_tokens and kv_bs must be >= 1")
         self.identity, self.geometry = identity, geometry
@@ -58,8 +77,8 @@ class SnapshotStore:
     def scan(self) -> int:
         """Index the namespace from headers + token ids (no payload); quarantine bad files."""
         t0 = time.monotonic()
-        if not self._writer.busy:  # a temp file of our own running save is not debris
-            for tmp in self.ns.glob("*" + TMP_SUFFIX):
+        for tmp in self.ns.glob("*" + TMP_SUFFIX):  # debris of killed writers, not a live one's file
+            if orphaned_temp(tmp, self._writer.busy):
                 self._unlink(tmp, "leftover temp file")
         entries, rejected = {}, 0
         for path in sorted(self.ns.glob("kv_*.kv")):
@@ -113,18 +132,21 @@ class SnapshotStore:
                     best = Hit(e, m)
         return best
 
-    def restore(self, hit: Hit, cache: KVCache) -> RestoreResult:
+    def restore(self, hit: Hit, cache: KVCache, work: Work = NO_WORK) -> RestoreResult:
         """Read rows [0, hit.m) of the hit's file straight into `cache` and set its tokens.
 
-        Raises SnapshotError (the subclass names the reason) if the file is bad or unreadable:
-        the cache is then reset (its rows are garbage), the file quarantined (unless it vanished),
-        and the caller recomputes from scratch.
+        Each layer read is reported to `work` (stage restore) and a cancel is honoured between
+        layers (`Cancelled` propagates; the cache is then reset). Raises SnapshotError (the
+        subclass names the reason) if the file is bad or unreadable: the cache is then reset (its
+        rows are garbage), the file quarantined (unless it vanished), and the caller recomputes.
         """
         if cache.geometry != self.geometry:
             raise ValueError(f"cache geometry {cache.geometry} != store geometry {self.geometry}")
-        waited = self.wait_rows(0)  # a restore rewrites rows from 0 of every layer
         e, m = hit.entry, hit.m
+        w0 = cache.write_wait_s
+        cache.reset()  # from here on the rows are being rewritten from 0
         t0 = time.monotonic()
+        n_layers = self.geometry.n_layers
         try:
             with open(e.path, "rb", buffering=0) as f:
                 hdr, tokens = fmt.read_header(f, self.geometry, self.model_id, READ_MAX_TOKENS)
@@ -138,7 +160,11 @@ class SnapshotStore:
                     raise SnapshotError(f"cache of {cache.max_seq} rows cannot hold one block of {hdr.kv_bs}")
                 if hasattr(os, "posix_fadvise"):
                     os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                nbytes = fmt.read_rows_into(f, hdr, m, lambda layer, kv: cache.data[layer, kv])
+                nbytes = fmt.read_rows_into(f, hdr, m, lambda layer, kv: cache.restore_rows(layer, kv, work),
+                                            on_layer=lambda layer: work.report(RESTORE, layer + 1, n_layers))
+        except Cancelled:
+            cache.reset()
+            raise
         except (SnapshotError, OSError) as err:
             cache.reset()
             with self._lock:
@@ -152,7 +178,8 @@ class SnapshotStore:
                 raise
             raise SnapshotError(f"{e.name}: read failed: {err}") from err
         cache.set_tokens(e.tokens[:m].tolist(), hdr.spans)
-        secs = time.monotonic() - t0
+        waited = cache.write_wait_s - w0  # for a pending save of the same rows, per layer
+        secs = time.monotonic() - t0 - waited
         res = RestoreResult(m, nbytes, secs * 1e3, mbps(nbytes, secs), e.name, waited * 1e3)
         self._touch(e)
         with self._lock:
@@ -166,14 +193,14 @@ class SnapshotStore:
     def save_async(self, cache: KVCache) -> None:
         """Queue a snapshot of the cache's valid rows (capped at max_tokens); never raises I/O errors.
 
-        Only the token ids are copied; the writer streams rows from the cache, so the caller must
-        call wait_rows(m) before overwriting rows >= m.
+        Only the token ids are copied; the writer streams rows from the cache under a `RowLease`
+        (taken here), so later writers wait for rows the save still needs (edge_llm/kvcache.py).
         """
         n = min(cache.length, self.max_tokens)
         if n < self.min_lcp:  # could never be used: a hit needs >= min_lcp rows
             log.debug("[KV-DISK] not saving %d-token KV (below min_lcp %d)", n, self.min_lcp)
             return
-        job = SaveJob(cache, np.asarray(cache.tokens[:n], dtype=np.uint32),
+        job = SaveJob(cache.lease(n), np.asarray(cache.tokens[:n], dtype=np.uint32),
                       tuple(s for s in cache.spans if s.start < n))
         try:
             superseded = self._writer.submit(job)
@@ -183,15 +210,6 @@ class SnapshotStore:
         if superseded is not None:
             with self._lock:
                 self._counters["saves_superseded"] += 1
-
-    def wait_rows(self, m: int) -> float:
-        """Block while a pending/running save still needs cache rows >= m; return seconds waited."""
-        return self._writer.wait_rows(m)
-
-    def wait_write(self, layer: int, m: int, timeout: float | None = None) -> float:
-        """Block while a pending/running save still has to write rows >= m of `layer` (the KV
-        cache's write guard: called by the model before it overwrites rows); seconds waited."""
-        return self._writer.wait_write(layer, m, timeout)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for the pending save (e.g. at SIGTERM); False on timeout."""
@@ -225,17 +243,17 @@ class SnapshotStore:
                 self._counters["saves_skipped"] += 1
             return
         self._make_room(size)
-        data, n_layers = job.cache.data, self.geometry.n_layers
+        lease, n_layers = job.lease, self.geometry.n_layers
 
         def rows(layer: int, kv: int):
             if kv == 0:  # asked for layer l's rows: layers < l are written, their rows are free
-                self._writer.progress(job, layer)
-            return data[layer, kv]
+                lease.layer_done(layer)
+            return lease.rows(layer, kv)
 
         def write(f) -> int:
             nbytes = fmt.write_snapshot(f, tokens, self.model_id, self.geometry, self.kv_bs, rows, fnv,
                                         job.spans)
-            self._writer.progress(job, n_layers)  # before the fsync: the rows are in the file now
+            lease.layer_done(n_layers)  # before the fsync: the rows are in the file now
             return nbytes
 
         t0 = time.monotonic()
