@@ -9,7 +9,7 @@ PKG = Path(__file__).resolve().parents[1] / "edge_llm"
 
 # module (dotted, relative to edge_llm) -> layer; a package maps all its modules
 LAYERS = {
-    "errors": 0,
+    "errors": 0, "progress": 0,
     "config": 1, "settings": 1,
     "weights": 2, "tokenizer": 2, "kvcache": 2,
     "backends": 3, "models": 3, "vision": 3, "snapshot.format": 3, "snapshot.inspect": 3,
