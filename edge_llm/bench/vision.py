@@ -62,27 +62,30 @@ def square_png(side: int, seed: int = 0) -> bytes:
 
 def encoder_rows(vision, sizes=SIZES, repeats: int = 2, step: Callable[[str], None] = lambda s: None
                  ) -> tuple[list[dict], float]:
-    """Encoder time per square size; returns (rows, peak sgemm GFLOP/s used as the roofline)."""
+    """Encoder time per square size; returns (rows, best sgemm GFLOP/s seen).
+
+    Each size's roofline is the sgemm rate of that image's own MLP matmul (patches x hidden x
+    intermediate), measured right before it: on a shared machine a peer measured at the same
+    moment is the fair yardstick."""
     v = vision.args
-    biggest = max(sizes)
-    n_big = (biggest // v.patch_size) ** 2
-    step("sgemm roofline")
-    peak = sgemm_rate(n_big, v.hidden_size, v.intermediate_size)
-    rows = []
+    rows, best = [], 0.0
     for side in sizes:
         img = vision.prepare(square_png(side))
         n = img.pixel_values.shape[0]
+        step(f"sgemm roofline at {n} patches")
+        peak = sgemm_rate(n, v.hidden_size, v.intermediate_size)
+        best = max(best, peak)
         times = []
-        for r in range(repeats if side < biggest else 1):
+        for r in range(repeats if side < max(sizes) else 1):
             step(f"encoder {side}x{side} ({r + 1})")
             times.append(_time(lambda: vision.encode(img)))
-        secs = statistics.median(times)
+        secs = min(times)
         flops = encoder_flops(v, n)
         rows.append({"size": side, "grid": list(img.grid_thw), "patches": n, "tokens": img.n_tokens,
                      "ms": secs * 1e3, "gflop": flops / 1e9, "gflops": flops / secs / 1e9,
-                     "roofline_ms": flops / (peak * 1e9) * 1e3, "of_roofline": flops / secs / 1e9 / peak,
-                     "repeats": len(times)})
-    return rows, peak
+                     "sgemm_gflops": peak, "roofline_ms": flops / (peak * 1e9) * 1e3,
+                     "of_roofline": flops / secs / 1e9 / peak, "repeats": len(times)})
+    return rows, best
 
 
 def end_to_end(model_dir: Path, kv_dir: Path, side: int, max_tokens: int,
@@ -140,13 +143,16 @@ def end_to_end(model_dir: Path, kv_dir: Path, side: int, max_tokens: int,
 def markdown(res: dict) -> str:
     lines = [f"# Vision encoder and image conversation ({res['label']})", "",
              f"Machine: {res['machine']}; BLAS: {res['blas']}.",
-             f"Roofline: sgemm at the encoder's largest shape, {res['peak_gflops']:.1f} GFLOP/s (same run).", "",
-             "| image | patch grid | patches | decoder tokens | encoder ms | GFLOP | GFLOP/s | roofline ms | of roofline |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "Roofline: the sgemm rate of each image's own MLP matmul (patches x 1024 x 4096), measured "
+             "right before it; encoder ms is the best of the repeats.", "",
+             "| image | patch grid | patches | decoder tokens | encoder ms | GFLOP | GFLOP/s | sgemm GFLOP/s "
+             "| roofline ms | of roofline |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["encoder"]:
         g = "x".join(map(str, r["grid"]))
         lines.append(f"| {r['size']}x{r['size']} | {g} | {r['patches']} | {r['tokens']} | {r['ms']:.0f} | "
-                     f"{r['gflop']:.1f} | {r['gflops']:.1f} | {r['roofline_ms']:.0f} | {r['of_roofline']:.0%} |")
+                     f"{r['gflop']:.1f} | {r['gflops']:.1f} | {r['sgemm_gflops']:.1f} | {r['roofline_ms']:.0f} | "
+                     f"{r['of_roofline']:.0%} |")
     e = res.get("e2e")
     if e:
         lines += ["", f"## Image ({e['side']}x{e['side']}) + question, end to end ({res['e2e_label']})", "",
