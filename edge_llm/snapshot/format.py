@@ -25,7 +25,6 @@ from edge_llm.errors import (
     SnapshotBadMagic,
     SnapshotBadVersion,
     SnapshotBlockCRC,
-    SnapshotExtension,
     SnapshotFlags,
     SnapshotGeometry,
     SnapshotHeaderCRC,
@@ -39,6 +38,7 @@ from edge_llm.errors import (
 )
 from edge_llm.kvcache import ImageSpan
 from edge_llm.settings import DEFAULTS
+from edge_llm.snapshot.extension import EXT_MAX, EXT_RECORD, FLAG_EXTENSION, decode_extension, encode_extension
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +54,7 @@ HEADER_FIELDS = (  # (name, offset, size): the table of SPEC section 3, used by 
 MAGIC = 0x564C4B56
 VERSION = 1
 FLAG_TRAILER = 1
-FLAG_EXTENSION = 2  # an extension section follows the token ids; `reserved` holds its byte length
 KNOWN_FLAGS = FLAG_TRAILER | FLAG_EXTENSION
-EXT_MAX = 1 << 20  # an extension section is small (an image run record is 52 bytes)
-EXT_RECORD = struct.Struct("<II")  # tag, length of the record body
-EXT_IMAGES = 1  # record: u32 count, then count x IMAGE_SPAN
-IMAGE_SPAN = struct.Struct("<5I32s")  # start row, t, h, w, pos0, sha256 digest
 F32 = 4
 FNV_OFFSET, FNV_PRIME, U64 = 0xCBF29CE484222325, 0x100000001B3, (1 << 64) - 1
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
@@ -82,45 +77,6 @@ def snapshot_size(n_layers: int, n_tokens: int, kv_dim: int, kv_bs: int, ext_siz
     """Exact file size: 64 + 4n + E + 2*L*n*kv_dim*4 + 8*L*B (B = ceil(n / kv_bs), E = extension)."""
     return (HEADER.size + 4 * n_tokens + ext_size + 2 * n_layers * n_tokens * kv_dim * F32
             + 8 * n_layers * n_blocks(n_tokens, kv_bs))
-
-
-def encode_extension(spans: Sequence[ImageSpan]) -> bytes:
-    """The extension section for these image runs (b"" if none): records + CRC32C of them."""
-    if not spans:
-        return b""
-    body = struct.pack("<I", len(spans)) + b"".join(
-        IMAGE_SPAN.pack(s.start, *s.grid, s.pos0, s.digest) for s in spans)
-    records = EXT_RECORD.pack(EXT_IMAGES, len(body)) + body  # body is a multiple of 4 bytes
-    return records + struct.pack("<I", crc32c.crc32c(records))
-
-
-def decode_extension(raw: bytes, n_tokens: int) -> tuple[ImageSpan, ...]:
-    """Parse + validate an extension section; SnapshotExtension names what is wrong."""
-    if crc32c.crc32c(raw[:-4]) != struct.unpack_from("<I", raw, len(raw) - 4)[0]:
-        raise SnapshotExtension("extension section fails its CRC32C")
-    spans: list[ImageSpan] = []
-    off, end = 0, len(raw) - 4
-    while off < end:
-        if off + EXT_RECORD.size > end:
-            raise SnapshotExtension(f"extension record header at {off} runs past the section")
-        tag, length = EXT_RECORD.unpack_from(raw, off)
-        off += EXT_RECORD.size
-        if length > end - off:
-            raise SnapshotExtension(f"extension record {tag} ({length} bytes) runs past the section")
-        if tag != EXT_IMAGES:
-            raise SnapshotExtension(f"unknown extension record type {tag}")
-        (count,) = struct.unpack_from("<I", raw, off)
-        if length != 4 + count * IMAGE_SPAN.size:
-            raise SnapshotExtension(f"image record of {length} bytes cannot hold {count} runs")
-        for i in range(count):
-            start, t, h, w, pos0, digest = IMAGE_SPAN.unpack_from(raw, off + 4 + i * IMAGE_SPAN.size)
-            span = ImageSpan(start, (t, h, w), pos0, digest)
-            if min(t, h, w) < 1 or start >= n_tokens or (spans and start < spans[-1].end):
-                raise SnapshotExtension(f"image run {i} (rows from {start}, grid {t}x{h}x{w}) is not "
-                                        f"inside the file's {n_tokens} rows in order")
-            spans.append(span)
-        off += length
-    return tuple(spans)
 
 
 def snapshot_name(tokens_fnv: int) -> str:
