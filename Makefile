@@ -12,7 +12,7 @@ SERVE_ARGS ?=
 # e.g. BENCH_ARGS='--synth-layers 4' for the qwen3-vl-2b geometry (4 of 28 layers) at 2K and 8K
 BENCH_ARGS ?=
 
-.PHONY: venv test-deps serve test bench clean
+.PHONY: venv test-deps converter serve test bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,12 +23,18 @@ $(VENV)/.runtime-stamp: $(BIN)/python pyproject.toml
 	touch $@
 
 $(VENV)/.test-stamp: $(VENV)/.runtime-stamp pyproject.toml
-	$(PIP) install -q -e '.[test,bench]'
+	$(PIP) install -q -e '.[test,bench,convert]'
 	touch $@
+
+# Rockchip's rknn-toolkit2 in its own venv (pinned, --no-deps; docs/npu.md). The script keeps a
+# stamp of its pin list, so a second run is a no-op (~1.5 min the first time here).
+CONVERTER_VENV ?= .venv-converter
+converter:
+	tools/setup-converter.sh $(CONVERTER_VENV)
 
 venv: $(VENV)/.runtime-stamp
 
-test-deps: $(VENV)/.test-stamp
+test-deps: $(VENV)/.test-stamp converter
 	@# systemd-analyze / systemd-sysusers / systemctl --root for the unit and install.sh tests
 	@command -v systemd-analyze >/dev/null && command -v systemd-sysusers >/dev/null || \
 		if [ "$$(id -u)" = 0 ]; then (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd) || \
@@ -45,4 +51,4 @@ bench: test-deps
 	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(BIN)/edge-llm bench all $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(CONVERTER_VENV) build *.egg-info
