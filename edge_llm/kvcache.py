@@ -22,6 +22,7 @@ import mmap
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import psutil
@@ -36,6 +37,42 @@ log = logging.getLogger(__name__)
 K, V = 0, 1
 # leave this much RAM free after allocating the cache (OS, page cache for snapshots, the server)
 MEMORY_HEADROOM = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """One image's run of KV rows and its MRoPE grid (Qwen3-VL): rows [start, start + t*h*w).
+
+    Row start + (i*h + j)*w + k sits at MRoPE position (pos0 + i, pos0 + j, pos0 + k); the text
+    after the run continues at `next_pos` = pos0 + max(h, w), not at the row count.
+    """
+
+    start: int
+    grid: tuple[int, int, int]  # (t, h, w) of the decoder tokens (patch grid after the merge)
+    pos0: int
+    digest: bytes  # sha256 of the preprocessed pixels + grid: what makes the rows this image's
+
+    @property
+    def length(self) -> int:
+        t, h, w = self.grid
+        return t * h * w
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def next_pos(self) -> int:
+        return self.pos0 + max(self.grid[1], self.grid[2])
+
+
+def next_position(n: int, spans: Sequence[ImageSpan]) -> int:
+    """MRoPE position of row n (text), given the image runs among rows [0, n)."""
+    done = [s for s in spans if s.end <= n]
+    if not done:
+        return n
+    last = max(done, key=lambda s: s.end)
+    return last.next_pos + (n - last.end)
 
 
 class KVCache:
@@ -59,6 +96,8 @@ class KVCache:
                 )
         self.data = _committed_zeros((geometry.n_layers, 2, max_seq, geometry.kv_dim))
         self.tokens: list[int] = []  # token ids whose rows [0, len) are valid
+        # image runs among the valid rows (their token ids are image keys, see vision.positions)
+        self.spans: list[ImageSpan] = []
         self._cond = threading.Condition()
         self._leases: list[RowLease] = []
         self.write_wait_s = 0.0  # total time writers spent waiting for pending saves
@@ -77,15 +116,29 @@ class KVCache:
         if not 0 <= m <= self.length:
             raise KVCacheError(f"truncate({m}) outside [0, {self.length}]")
         del self.tokens[m:]
+        self.spans = [s for s in self.spans if s.start < m]
 
     def reset(self) -> None:
         self.tokens.clear()
+        self.spans = []
 
-    def set_tokens(self, tokens: Sequence[int]) -> None:
+    def set_tokens(self, tokens: Sequence[int], spans: Sequence[ImageSpan] = ()) -> None:
         """Declare rows [0, len(tokens)) valid for these ids (after a restore wrote the rows)."""
         if len(tokens) > self.max_seq:
             raise KVCacheError(f"{len(tokens)} tokens exceed max_seq={self.max_seq}")
         self.tokens = list(tokens)
+        self.spans = [s for s in spans if s.start < len(tokens)]
+
+    def add_spans(self, spans: Sequence[ImageSpan]) -> None:
+        """Record image runs among rows the model wrote (or is about to write)."""
+        known = {s.start for s in self.spans}
+        self.spans += [s for s in spans if s.start not in known]
+        self.spans.sort(key=lambda s: s.start)
+
+    @property
+    def next_pos(self) -> int:
+        """MRoPE position of the next row (== length for text-only rows)."""
+        return next_position(self.length, self.spans) if self.spans else self.length
 
     def append_tokens(self, tokens: Sequence[int]) -> None:
         """Declare the next len(tokens) rows valid (the model wrote them)."""

@@ -58,6 +58,15 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
     model_dir = Path(resolve_model_dir(s.model, progress=import_progress))
     model = Model.load(model_dir, backend=make_backend(s, model_dir, say),
                        progress=lambda done, total: say(f"loading weights {done}/{total} tensors"))
+    vision = None
+    if model.args.model_type == "qwen3_vl":
+        from edge_llm.vision.model import VisionModel
+        from edge_llm.vision.preprocess import ImageLimits
+
+        say("loading the vision tower")
+        # the NPU backend covers the text decoder's dense layers; the vision tower stays on the CPU
+        vision = VisionModel.load(model_dir, model.args, backend="cpu",
+                                  limits=ImageLimits(s.max_image_bytes, s.max_image_pixels))
     tokenizer = Tokenizer.from_dir(model_dir)
     say("allocating the KV cache")
     cache = KVCache(model.args.geometry, max_seq=s.max_seq, kv_bs=s.kv_bs)
@@ -75,7 +84,7 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
         )
         store.scan()
     engine = Engine(model, tokenizer, cache, store=store, prefill_chunk=s.prefill_chunk,
-                    model_dir=model_dir)
+                    model_dir=model_dir, vision=vision)
     log.info("runtime ready: model %s (%s), KV cache %d MiB (max_seq %d)", model_dir.name,
              model.backend.numerics, cache.nbytes >> 20, s.max_seq)
     return engine

@@ -13,7 +13,7 @@ LAYERS = {
     "errors": 0, "progress": 0,
     "config": 1, "settings": 1,
     "weights": 2, "tokenizer": 2, "kvcache": 2,
-    "backends": 3, "models": 3, "snapshot.format": 3, "snapshot.inspect": 3,
+    "backends": 3, "models": 3, "vision": 3, "snapshot.format": 3, "snapshot.extension": 3, "snapshot.inspect": 3,
     "snapshot.identity": 4, "snapshot.store": 4, "snapshot": 4,
     "sampling": 5, "engine": 5, "runtime": 5,
     "server": 6, "bench": 6, "logsetup": 6, "sdnotify": 6, "doctor": 6, "convert": 6,

@@ -171,11 +171,15 @@ def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], N
         raise ConfigError(f"backend cpu-q needs onnx and onnxruntime ({e}): pip install 'edge-llm[quant]'") from None
     from edge_llm.config import ModelArgs
 
+    from edge_llm.config import vision_args_from_dir
+
     args = ModelArgs.from_dir(model_dir)
+    vision = vision_args_from_dir(model_dir)
+    deepstack = len(vision.deepstack_visual_indexes) if vision is not None else 0
     linear = QuantLinear(args, model_dir, qm.bits, qm.block, qm.accuracy_level)
     log.info("quantizing %s (%s%s) into %s", model_dir.name, qm.label,
              f", GGUF blocks from {linear.source.name}" if linear.source else "", out)
-    m = export_graph_set(model_dir, out, chunks=None, samples=False, linear=linear, fused=True,
+    m = export_graph_set(model_dir, out, chunks=None, samples=False, linear=linear, fused=True, unfused=deepstack,
                          progress=(lambda s: progress(f"quantizing {s.name}")) if progress else None,
                          target=TARGET, dtype=qm.label)
     s = summarize(linear.report)

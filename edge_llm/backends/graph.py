@@ -47,8 +47,9 @@ class GraphBackend:
 
     def load(self, args: ModelArgs, weights: Weights) -> None:
         n = args.num_hidden_layers
-        qkv_layers = [0] if self.fused else list(range(n))
-        if sorted(self.qkv_g) != qkv_layers or sorted(self.post_g) != list(range(n)):
+        # layer l's qkv comes from its own graph or from a step l-1 that also outputs it
+        fed = {s.index + 1 for s in self.post_g.values() if s.kind == STEP and len(s.outputs) > 1}
+        if sorted(set(self.qkv_g) | fed) != list(range(n)) or sorted(self.post_g) != list(range(n)):
             raise ConfigError(f"graphs cover layers {sorted(self.qkv_g)}, the model has {n} "
                               "(converted with --layers? convert all layers to serve)")
         if not self.head_g or self.head_g[-1].vocab[1] != args.vocab_size:

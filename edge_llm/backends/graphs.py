@@ -89,9 +89,11 @@ def check_chunks(chunks: tuple[int, ...] | list[int]) -> tuple[int, ...]:
 
 
 def graph_specs(args: ModelArgs, chunks: tuple[int, ...] | None = DEFAULT_CHUNKS, layers: int | None = None,
-                head_split: int = 1, fused: bool = False) -> list[GraphSpec]:
+                head_split: int = 1, fused: bool = False, unfused: int = 0) -> list[GraphSpec]:
     """Every graph of a model in execution order: qkv/post per layer (or qkv + fused steps),
-    then the head part(s). `chunks=None`: dynamic row counts."""
+    then the head part(s). `chunks=None`: dynamic row counts. `unfused`: the first N layers'
+    steps leave the next qkv to a graph of its own, because the decoder changes h after them
+    (Qwen3-VL adds DeepStack image rows after layers 0..N-1)."""
     chunks = () if chunks is None else check_chunks(chunks)
     head_rows = HEAD_ROWS if chunks else ()
     n = args.num_hidden_layers if layers is None else layers
@@ -102,8 +104,11 @@ def graph_specs(args: ModelArgs, chunks: tuple[int, ...] | None = DEFAULT_CHUNKS
     if fused:
         out.append(GraphSpec(layer_name(0, QKV), QKV, 0, chunks, (("x", h),), (("qkv", qkv),)))
         for i in range(n):
-            outs = (("h", h), ("qkv", qkv)) if i + 1 < n else (("h", h),)
+            fuse_next = i + 1 < n and i >= unfused
+            outs = (("h", h), ("qkv", qkv)) if fuse_next else (("h", h),)
             out.append(GraphSpec(layer_name(i, STEP), STEP, i, chunks, (("attn", args.q_dim), ("x", h)), outs))
+            if i + 1 < n and not fuse_next:
+                out.append(GraphSpec(layer_name(i + 1, QKV), QKV, i + 1, chunks, (("x", h),), (("qkv", qkv),)))
     for i in range(n if not fused else 0):
         out.append(GraphSpec(layer_name(i, QKV), QKV, i, chunks, (("x", h),), (("qkv", qkv),)))
         out.append(GraphSpec(layer_name(i, POST), POST, i, chunks, (("attn", args.q_dim), ("x", h)),

@@ -211,7 +211,7 @@ def sample_inputs(spec: GraphSpec, rows: int, seed: int = SAMPLE_SEED) -> list[n
 def export_model(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, ...] | None = DEFAULT_CHUNKS,
                  layers: int | None = None, head_split: int = 1, linear: Linear = f32_linear,
                  samples: bool = False, progress: Callable[[GraphSpec], None] | None = None,
-                 fused: bool = False) -> list[Exported]:
+                 fused: bool = False, unfused: int = 0) -> list[Exported]:
     """Write every graph of `graph_specs(...)` to `out_dir` as `<name>.onnx` + `.onnx.data`.
 
     With `samples`, also writes `<name>.samples.npz`: inputs of max(rows) rows and the CPU
@@ -222,8 +222,7 @@ def export_model(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
     out.mkdir(parents=True, exist_ok=True)
     args = ModelArgs.from_dir(model_dir)
     weights = load_weights(model_dir, args)
-    specs = graph_specs(args, chunks, layers, head_split, fused=fused)
-    n_layers = sum(1 for s in specs if s.kind in (POST, STEP))
+    specs = graph_specs(args, chunks, layers, head_split, fused=fused, unfused=unfused)
     ref = CPUBackend()
     ref.setup(args)
     eps = float(args.rms_norm_eps)
@@ -253,7 +252,7 @@ def export_model(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
                 ref.layers = [L]
                 _write_samples(out, spec, lambda a, x: list(ref.post_deltas(0, a, x)))
         elif spec.kind == STEP:
-            L, nxt = held.pop(i), (layer(i + 1) if i + 1 < n_layers else None)
+            L, nxt = held.pop(i), (layer(i + 1) if len(spec.outputs) > 1 else None)
             done.append(_export_one(spec, out, lambda g: build_step(g, L, nxt, eps, linear, i)))
         else:
             ref.layers = []
@@ -286,7 +285,7 @@ def _write_samples(out: Path, spec: GraphSpec, fn) -> None:
 def export_graph_set(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, ...] | None = DEFAULT_CHUNKS,
                      layers: int | None = None, head_split: int = 1, samples: bool = True,
                      progress: Callable[[GraphSpec], None] | None = None, linear: Linear = f32_linear,
-                     fused: bool = False, **manifest_fields) -> Manifest:
+                     fused: bool = False, unfused: int = 0, **manifest_fields) -> Manifest:
     """Export all graphs to `out_dir/onnx/` and write `out_dir/manifest.json` (ONNX part).
 
     The manifest identity hashes each graph's ONNX bytes, so another `linear` (e.g. quantized
@@ -297,7 +296,7 @@ def export_graph_set(model_dir: str | Path, out_dir: str | Path, chunks: tuple[i
     root = Path(out_dir)
     args = ModelArgs.from_dir(model_dir)
     exported = export_model(model_dir, root / "onnx", chunks, layers, head_split, linear=linear,
-                            samples=samples, progress=progress, fused=fused)
+                            samples=samples, progress=progress, fused=fused, unfused=unfused)
     entries = [GraphEntry(name=e.spec.name, kind=e.spec.kind, index=e.spec.index, rows=list(e.spec.rows),
                           inputs=[list(i) for i in e.spec.inputs], outputs=[list(o) for o in e.spec.outputs],
                           vocab=list(e.spec.vocab), onnx=str(e.onnx.relative_to(root)),

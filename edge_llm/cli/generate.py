@@ -26,9 +26,11 @@ from edge_llm.settings import Settings
               help="[default: the model's generation_config.json, else 1.0]")
 @click.option("--seed", default=None, type=int)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="Image file (PNG, JPEG, WebP) shown before the prompt (repeatable; Qwen3-VL).")
 @click.option("-v", "--verbose", is_flag=True, help="Show library log lines ([KV-DISK], [PREFILL-TIMING]).")
 def generate(settings: Settings, prompt, chat, system, max_tokens, temperature, top_k, top_p, seed,
-             stop, verbose) -> None:
+             stop, images, verbose) -> None:
     """Generate text for one prompt, streaming it to stdout."""
     from rich.console import Console
 
@@ -45,14 +47,23 @@ def generate(settings: Settings, prompt, chat, system, max_tokens, temperature, 
         resolve_model_with_bar(settings.model)  # a first-use import of the default model: a bar
         with err.status("loading model..."):
             engine = load_runtime(settings)
+        prepared, shown = [], ""
+        if images:
+            if engine.vision is None:
+                raise click.ClickException(f"{settings.model}: this model has no vision encoder (--image)")
+            prepared = [engine.vision.prepare(open(path, "rb").read()) for path in images]
+            shown = engine.vision.placeholder(engine.tokenizer.id_to_token) * len(images)
         if chat:
             messages = ([{"role": "system", "content": system}] if system else [])
-            messages.append({"role": "user", "content": prompt})
+            messages.append({"role": "user", "content": shown + prompt})
             ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         else:
-            ids = engine.tokenizer.encode(prompt)
+            ids = engine.tokenizer.encode(shown + prompt)
+        if prepared:
+            ids = engine.vision.expand(ids, prepared)
         req = GenerationRequest(ids, max_tokens=max_tokens, stop=list(stop),
-                                sampling=engine.sampling_defaults.params(temperature, top_p, top_k, seed))
+                                sampling=engine.sampling_defaults.params(temperature, top_p, top_k, seed),
+                                images=prepared)
         last = None
         for ev in engine.generate(req):
             sys.stdout.write(ev.text)
@@ -70,5 +81,7 @@ def generate(settings: Settings, prompt, chat, system, max_tokens, temperature, 
         f"({t.prefill_tokens / max(t.prefill_ms, 1e-9) * 1e3:.1f} tok/s), cache {t.cache_source} "
         f"({t.ram_cached_tokens + t.disk_cached_tokens} tok); decode {t.decode_tokens} tok in "
         f"{t.decode_ms:.1f} ms ({t.decode_tokens / max(t.decode_ms, 1e-9) * 1e3:.1f} tok/s); "
+        + (f"{t.images} image(s), {t.image_tokens} image tok, {t.images_encoded} encoded in "
+           f"{t.vision_ms:.1f} ms; " if t.images else "") +
         f"TTFT {t.ttft_ms:.1f} ms; finish {last.finish_reason}[/dim]"
     )

@@ -18,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 
 from edge_llm import __version__
 from edge_llm.engine import Engine, GenerationRequest
-from edge_llm.errors import EdgeLLMError
+from edge_llm.errors import EdgeLLMError, ImageError
 from edge_llm.sampling import SamplingParams
 from edge_llm.sdnotify import Notifier
 from edge_llm.server import schemas as S
@@ -30,6 +30,7 @@ from edge_llm.server.errors import (
     queue_full,
     unavailable,
 )
+from edge_llm.server.images import chat_prompt
 from edge_llm.server.metrics import StatusCountMiddleware
 from edge_llm.server.state import AppState
 from edge_llm.server.streaming import collect, sse_chat, sse_completion
@@ -166,6 +167,10 @@ def create_app(settings: Settings, notifier: Notifier | None = None, loader: Cal
             if bad is not None:
                 raise bad_request(f"token id {bad} is out of range (vocabulary size {vocab})", "prompt")
             tokens = list(body.prompt)
+        try:  # image placeholder tokens without images (they need the chat endpoint)
+            engine.plan(tokens, [])
+        except ImageError as e:
+            raise bad_request(f"{e}; send images through /v1/chat/completions", "prompt", e.reason) from None
         max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
         check_length(len(tokens), max_tokens, "max_tokens")
         return await respond(request, body, GenerationRequest(tokens, max_tokens, params, stop), chat=False)
@@ -179,12 +184,9 @@ def create_app(settings: Settings, notifier: Notifier | None = None, loader: Cal
         if body.tools:
             raise bad_request("tools are not supported", "tools")
         params, stop = sampling(body)
-        engine = state.engine
-        # OpenAI's newer "developer" role is what chat templates call "system"
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-                     **({"name": m.name} if m.name else {})} for m in body.messages]
         try:
-            tokens = await run_in_threadpool(engine.tokenizer.apply_chat_template_ids, messages, True)
+            tokens, images = await run_in_threadpool(chat_prompt, state.engine, body.messages,
+                                                     settings.image_dir, settings.max_image_bytes)
         except EdgeLLMError as e:  # e.g. the template raises on a role order it does not accept
             raise bad_request(f"messages: {e}", "messages") from None
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -192,7 +194,8 @@ def create_app(settings: Settings, notifier: Notifier | None = None, loader: Cal
         if max_tokens is None:  # OpenAI chat default: whatever the context leaves
             max_tokens = max(1, settings.max_seq - len(tokens))
         check_length(len(tokens), max_tokens, param)
-        return await respond(request, body, GenerationRequest(tokens, max_tokens, params, stop), chat=True)
+        return await respond(request, body, GenerationRequest(tokens, max_tokens, params, stop, images=images),
+                             chat=True)
 
     return app
 

@@ -49,9 +49,22 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
 
-class ContentPart(_Request):
+class TextPart(_Request):
     type: Literal["text"]
     text: str
+
+
+class ImageURL(_Request):
+    url: str = Field(description="data:image/...;base64,... or a file under the server's --image-dir.")
+    detail: str | None = Field(default=None, description="Accepted and ignored.")
+
+
+class ImagePart(_Request):
+    type: Literal["image_url"]
+    image_url: ImageURL | str
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
 class ChatMessage(_Request):
@@ -59,12 +72,19 @@ class ChatMessage(_Request):
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
-    def text(self) -> str:
+    def image_urls(self) -> list[str]:
+        if not isinstance(self.content, list):
+            return []
+        return [p.image_url if isinstance(p.image_url, str) else p.image_url.url
+                for p in self.content if isinstance(p, ImagePart)]
+
+    def text(self, image_placeholder: str = "") -> str:
+        """The content as one string; each image part becomes `image_placeholder`."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text if isinstance(p, TextPart) else image_placeholder for p in self.content)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -90,6 +110,11 @@ class Timings(BaseModel):
     restore_ms: float
     restore_bytes: int
     save_wait_ms: float = 0.0
+    images: int = Field(default=0, description="Images in the prompt.")
+    image_tokens: int = Field(default=0, description="Prompt tokens that are image tokens.")
+    images_encoded: int = Field(default=0, description="Images run through the vision encoder "
+                                                       "(the others' rows were reused).")
+    vision_ms: float = Field(default=0.0, description="Vision encoder time.")
 
 
 class PromptTokensDetails(BaseModel):

@@ -109,7 +109,7 @@ class SnapshotStore:
             hdr, tokens = fmt.read_header(f, self.geometry, self.model_id, READ_MAX_TOKENS, st.st_size)
         if fmt.snapshot_name(hdr.tokens_fnv) != path.name:
             raise SnapshotError(f"file name does not match its tokens hash {hdr.tokens_fnv:016x}")
-        return Entry(path.name, path, tokens, st.st_size, st.st_mtime)
+        return Entry(path.name, path, tokens, st.st_size, st.st_mtime, hdr.spans)
 
     def entries(self) -> list[Entry]:
         """Indexed snapshots, most recently used first."""
@@ -178,7 +178,7 @@ class SnapshotStore:
             if isinstance(err, SnapshotError):
                 raise
             raise SnapshotError(f"{e.name}: read failed: {err}") from err
-        cache.set_tokens(e.tokens[:m].tolist())
+        cache.set_tokens(e.tokens[:m].tolist(), hdr.spans)
         waited = cache.write_wait_s - w0  # for a pending save of the same rows, per layer
         secs = time.monotonic() - t0 - waited
         res = RestoreResult(m, nbytes, secs * 1e3, mbps(nbytes, secs), e.name, waited * 1e3)
@@ -201,7 +201,8 @@ class SnapshotStore:
         if n < self.min_lcp:  # could never be used: a hit needs >= min_lcp rows
             log.debug("[KV-DISK] not saving %d-token KV (below min_lcp %d)", n, self.min_lcp)
             return
-        job = SaveJob(cache.lease(n), np.asarray(cache.tokens[:n], dtype=np.uint32))
+        job = SaveJob(cache.lease(n), np.asarray(cache.tokens[:n], dtype=np.uint32),
+                      tuple(s for s in cache.spans if s.start < n))
         try:
             superseded = self._writer.submit(job)
         except RuntimeError as e:  # closed (shutting down): a lost save is fine, an exception is not
@@ -262,7 +263,8 @@ class SnapshotStore:
             return
         fnv = fmt.fnv1a64(tokens.astype("<u4").tobytes())
         name = fmt.snapshot_name(fnv)
-        size = fmt.snapshot_size(self.geometry.n_layers, n, self.geometry.kv_dim, self.kv_bs)
+        size = fmt.snapshot_size(self.geometry.n_layers, n, self.geometry.kv_dim, self.kv_bs,
+                                 len(fmt.encode_extension(job.spans)))
         if self.max_bytes is not None and size > self.max_bytes:
             log.info("[KV-DISK] skipped %d-token KV -> %s (%d bytes exceed max_bytes %d)",
                      n, name, size, self.max_bytes)
@@ -278,7 +280,8 @@ class SnapshotStore:
             return lease.rows(layer, kv)
 
         def write(f) -> int:
-            nbytes = fmt.write_snapshot(f, tokens, self.model_id, self.geometry, self.kv_bs, rows, fnv)
+            nbytes = fmt.write_snapshot(f, tokens, self.model_id, self.geometry, self.kv_bs, rows, fnv,
+                                        job.spans)
             lease.layer_done(n_layers)  # before the fsync: the rows are in the file now
             return nbytes
 
@@ -290,7 +293,7 @@ class SnapshotStore:
             return
         secs = time.monotonic() - t0
         now = time.time()
-        entry = Entry(name, self.ns / name, tokens, written, now)
+        entry = Entry(name, self.ns / name, tokens, written, now, job.spans)
         with self._lock:
             replaced = [e for e in self._index.values() if e.name != name and is_prefix(e.tokens, tokens)]
             for e in replaced:

@@ -23,7 +23,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from edge_llm.kvcache import RowLease
+from edge_llm.kvcache import ImageSpan, RowLease
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ class SaveJob:
 
     lease: RowLease
     tokens: np.ndarray  # (n,) uint32
+    spans: tuple[ImageSpan, ...] = ()  # image runs among rows [0, n)
     requested: float = field(default_factory=time.monotonic)
 
     @property
