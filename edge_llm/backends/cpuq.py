@@ -201,7 +201,7 @@ def open_cpu_q(model_dir: str | Path, quant: str = "q4", threads: int | None = N
     if cores:
         os.sched_setaffinity(0, cores)
         log.info("cpu-q: pinned to the big cores %s (%d threads)", cores, n)
-    r = OrtRunner(m.onnx_files(root), threads=n, kind=qm.label, config=SESSION_CONFIG)
+    r = OrtRunner(m.onnx_files(root), threads=n, kind=qm.label, config=SESSION_CONFIG, shared_arena=True)
     # no thread count: these kernels give the same bits on 1, 2 or 3 threads (tests/test_cpu_q.py),
     # so changing `threads` keeps the snapshots; the CPU's kernel ISA does change them
     numerics = f"cpu-q:{qm.name}:{m.identity()}:onnxruntime-{r.version}-{qm.label}-{kernel_isa()}"

@@ -70,9 +70,11 @@ class OrtRunner:
     act_dtype = np.float32
 
     def __init__(self, onnx_files: Mapping[str, Path], threads: int | None = None, kind: str = "f32",
-                 config: Mapping[str, str] | None = None):
+                 config: Mapping[str, str] | None = None, shared_arena: bool = False):
         """`kind` names the graphs' arithmetic in `numerics` (f32, or the quantized CPU backend's
-        kernel and quantization); `config`: onnxruntime session config entries."""
+        kernel and quantization); `config`: onnxruntime session config entries; `shared_arena`:
+        all sessions allocate from one process-wide arena (else each graph's session keeps its
+        own, and their peaks add up: +0.9 GB for 28 Qwen3-VL-2B layers after a 128-row prefill)."""
         try:
             import onnxruntime as ort
         except ImportError:
@@ -85,6 +87,9 @@ class OrtRunner:
         opts.log_severity_level = 3
         for k, v in (config or {}).items():
             opts.add_session_config_entry(k, v)
+        if shared_arena:
+            _register_shared_arena(ort)
+            opts.add_session_config_entry("session.use_env_allocators", "1")
         self.sessions = {name: ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
                          for name, path in onnx_files.items()}
         self.version = ort.__version__
@@ -97,6 +102,17 @@ class OrtRunner:
 
     def close(self) -> None:
         self.sessions.clear()
+
+
+_ARENA: list[bool] = []
+
+
+def _register_shared_arena(ort) -> None:
+    """One CPU arena for every session of this process (onnxruntime's environment allocator)."""
+    if not _ARENA:
+        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+        ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))
+        _ARENA.append(True)
 
 
 def converter_python(explicit: str | None = None) -> Path:
