@@ -69,8 +69,7 @@ def main() -> int:
                 data = f.read()
             llm.load_state(LlamaState(input_ids=st.input_ids, scores=st.scores, n_tokens=st.n_tokens,
                                       llama_state=data, llama_state_size=len(data), seed=st.seed))
-            llm.eval(ids[-tail:])
-            np.asarray(llm.scores[llm.n_tokens - 1])
+            llm.eval(ids[-tail:])  # computes the last position's logits, as our prefill does
             restore = time.perf_counter() - t0
             os.unlink(req["state"])
             out = {"prefill_s": prefill, "decode_s": decode, "restore_s": restore, "state_bytes": len(data)}
