@@ -193,7 +193,7 @@ def test_graph_cache_and_model_info(cpu_q, default_dir, home_env):
     root = cpuq.quant_dir(default_dir, cpuq.mode("q4"))
     m = json.loads((root / "manifest.json").read_text())
     assert m["dtype"] == "q4-b32-acc4" and m["build"]["summary"]["requantized"] == 0
-    assert m["build"]["summary"]["exact"] == 30 * 5 + 1  # qkv, o, gate, up, down per layer + head
+    assert m["build"]["summary"]["exact"] == 30 * 4 + 1  # qkv, o, gate+up, down per layer + head
     # a second open reuses the directory (same identity, nothing rebuilt)
     mtime = (root / "manifest.json").stat().st_mtime_ns
     again = cpuq.open_cpu_q(default_dir, "q4")
@@ -201,7 +201,7 @@ def test_graph_cache_and_model_info(cpu_q, default_dir, home_env):
     r = subprocess.run([sys.executable, "-m", "edge_llm", "model", "info", str(default_dir), "--quant", "q4"],
                        capture_output=True, text=True, timeout=300, env={**os.environ})
     assert r.returncode == 0, r.stderr
-    assert "151 exact (Q4_1: 150, Q8_0: 1); 0 re-quantized" in r.stdout
+    assert "121 exact (Q4_1: 120, Q8_0: 1); 0 re-quantized" in r.stdout
 
 
 def test_plan_threads_pins_big_cores(tmp_path):

@@ -138,13 +138,20 @@ def build_qkv(g: GraphBuilder, L: DenseLayer, eps: float, linear: Linear, layer:
 
 
 def _post_deltas(g: GraphBuilder, L: DenseLayer, eps: float, linear: Linear, layer: int,
-                 outs: tuple[str | None, str | None]) -> tuple[str, str]:
-    """attn_out = attn @ Wo; mlp_out = SwiGLU(RMSNorm(x + attn_out)); returns both names."""
+                 outs: tuple[str | None, str | None], fuse_gate_up: bool = False) -> tuple[str, str]:
+    """attn_out = attn @ Wo; mlp_out = SwiGLU(RMSNorm(x + attn_out)); returns both names.
+    `fuse_gate_up`: one (hidden, 2 inter) linear + Split instead of two (fewer kernel launches)."""
     o = linear(g, "attn", L.w_o, None, outs[0], WeightKey("o", layer))
     hn = rms_norm_op(g, g.op("Add", ["x", o]), L.post_norm, eps)
     inter = L.w_down.shape[0]
-    gate = linear(g, hn, L.w_gu[:, :inter], None, None, WeightKey("gate", layer))
-    up = linear(g, hn, L.w_gu[:, inter:], None, None, WeightKey("up", layer))
+    if fuse_gate_up:
+        gu = linear(g, hn, L.w_gu, None, None, WeightKey("gate_up", layer))
+        gate, up = g.fresh("gate"), g.fresh("up")
+        g.nodes.append(helper.make_node("Split", [gu, g.const("split", np.array([inter, inter], np.int64))],
+                                        [gate, up], axis=1))
+    else:
+        gate = linear(g, hn, L.w_gu[:, :inter], None, None, WeightKey("gate", layer))
+        up = linear(g, hn, L.w_gu[:, inter:], None, None, WeightKey("up", layer))
     act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])  # SwiGLU
     return o, linear(g, act, L.w_down, None, outs[1], WeightKey("down", layer))
 
@@ -156,7 +163,7 @@ def build_post(g: GraphBuilder, L: DenseLayer, eps: float, linear: Linear, layer
 def build_step(g: GraphBuilder, L: DenseLayer, nxt: DenseLayer | None, eps: float, linear: Linear,
                layer: int) -> None:
     """Fused step (graphs.py): h = (x + attn_out) + mlp_out in float32, then the next layer's qkv."""
-    o, m = _post_deltas(g, L, eps, linear, layer, (None, None))
+    o, m = _post_deltas(g, L, eps, linear, layer, (None, None), fuse_gate_up=True)
     h_name, qkv_name = OUTPUTS[STEP]
     g.op("Add", [g.op("Add", ["x", o]), m], out=h_name)
     if nxt is not None:

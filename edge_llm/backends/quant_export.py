@@ -1,7 +1,7 @@
 """The quantized `linear` of the ONNX exporter: `MatMulNBits` nodes from GGUF blocks or F32.
 
 `QuantLinear` is passed to `onnx_export.export_graph_set(linear=...)`. For every weight the
-exporter writes (a `WeightKey`: a layer's fused qkv, o, gate, up, down, or a head part) it looks
+exporter writes (a `WeightKey`: a layer's fused qkv, o, gate, up (or fused gate_up), down, or a head part) it looks
 for the tensors' original blocks in the GGUF the model was imported from. When every part has a
 type `quant.from_gguf` holds exactly, and the blocks dequantize bitwise to the F32 tensor the
 model directory holds, the blocks are written as they are ("exact"); otherwise the F32 values
@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 IMPORT_RECORD = "edge_llm_import.json"  # written by models/gguf_import.py
 DEFAULT_MARKER = ".edge_llm_default.json"  # written by models/default.py
 _PARTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
-          "gate": ("mlp.gate_proj",), "up": ("mlp.up_proj",), "down": ("mlp.down_proj",)}
+          "gate": ("mlp.gate_proj",), "up": ("mlp.up_proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+          "down": ("mlp.down_proj",)}
 
 
 def gguf_source(model_dir: str | Path) -> Path | None:
