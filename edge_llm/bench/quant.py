@@ -75,22 +75,23 @@ def load() -> float:
     return os.getloadavg()[0]
 
 
+def best_of(fn, reps: int = 5) -> float:
+    """Fastest wall time of `reps` runs after one warm-up (the machine is shared: take the best)."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def read_bandwidth(nbytes: int = 1 << 30) -> float:
     """Best streaming-read GB/s (numpy sum on one thread, and on two halves in parallel)."""
     a = np.ones(nbytes // 4, dtype=np.float32)
     halves = np.array_split(a, 2)
-
-    def best(fn, reps=5):
-        fn()
-        t = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            t = min(t, time.perf_counter() - t0)
-        return t
-
     with ThreadPoolExecutor(2) as ex:
-        secs = min(best(lambda: a.sum()), best(lambda: list(ex.map(np.sum, halves))))
+        secs = min(best_of(lambda: a.sum()), best_of(lambda: list(ex.map(np.sum, halves))))
     return nbytes / secs / 1e9
 
 

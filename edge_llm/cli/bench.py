@@ -44,6 +44,13 @@ def _show(res_dir: Path, md: str) -> None:
     click.echo(f"results: {res_dir}")
 
 
+def _save(res_dir: Path, stem: str, res: dict, md: str) -> None:
+    """`<stem>.json` + `<stem>.md` in the results folder, then the Markdown on stdout."""
+    (res_dir / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")
+    (res_dir / f"{stem}.md").write_text(md)
+    _show(res_dir, md)
+
+
 @click.group("bench")
 def bench() -> None:
     """Benchmarks: snapshot save/restore vs raw disk, restart recovery, prefill/decode compute."""
@@ -92,9 +99,7 @@ def run_restore(data_dir, contexts, preset="qwen3-vl-2b", layers=None, kv_bs=DEF
     res["preset"], res["layers_reduced"] = preset, bool(layers)
     res["command"] = " ".join(sys.argv)
     md = B.markdown(res)
-    (res_dir / "restore.json").write_text(json.dumps(res, indent=2) + "\n")
-    (res_dir / "restore.md").write_text(md)
-    _show(res_dir, md)
+    _save(res_dir, "restore", res, md)
     return res_dir
 
 
@@ -295,9 +300,7 @@ def run_quant(lengths, threads=2, repeats=2, decode=32, tail=32, f32=True, llama
     res["command"] = " ".join(sys.argv)
     res["env"] = {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
     md = B.markdown(res)
-    (res_dir / "quant.json").write_text(json.dumps(res, indent=2) + "\n")
-    (res_dir / "quant.md").write_text(md)
-    _show(res_dir, md)
+    _save(res_dir, "quant", res, md)
     return res_dir
 
 
@@ -323,9 +326,7 @@ def run_quant_memory(model_dir=None, layers=28, max_seq=8192, out="benchmarks/re
                     step=lambda msg: prog.update(task, description=msg))
     res["command"] = " ".join(sys.argv)
     md = B.markdown(res)
-    (res_dir / "quant-memory.json").write_text(json.dumps(res, indent=2) + "\n")
-    (res_dir / "quant-memory.md").write_text(md)
-    _show(res_dir, md)
+    _save(res_dir, "quant-memory", res, md)
     return res_dir
 
 
@@ -360,6 +361,4 @@ def npu_cmd(model, rknn_dir, runner, repeats, prefill_tokens, decode_steps, out)
             raise click.ClickException(str(e)) from None
     res["command"] = " ".join(sys.argv)
     md = B.markdown(res)
-    (res_dir / "npu.json").write_text(json.dumps(res, indent=2) + "\n")
-    (res_dir / "npu.md").write_text(md)
-    _show(res_dir, md)
+    _save(res_dir, "npu", res, md)
