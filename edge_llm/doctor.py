@@ -26,6 +26,7 @@ from typing import Callable
 import psutil
 
 from edge_llm.config import ModelArgs
+from edge_llm.settings import Settings, models_dir, resolve
 
 log = logging.getLogger(__name__)
 
@@ -51,26 +52,13 @@ class Check:
         return asdict(self)
 
 
-@dataclass
-class DoctorOptions:
-    """What to check against; mirrors the serve settings that matter for the board."""
-
-    model: str | None = None  # HF dir, "default", or None (not configured)
-    kv_dir: str | None = None
-    max_seq: int = 8192
-    max_bytes: int | None = None
-    max_files: int = 8
-    max_tokens: int = 8192
-    backend: str = "cpu"
-    sysroot: str = "/"
-
-
 class Doctor:
-    """Runs the checks; `run()` returns them in a fixed order."""
+    """Runs the checks against the serve settings (`model` "" = not configured); `run()` returns
+    them in a fixed order. `sysroot`: read /sys, /proc, /dev, /etc below this directory."""
 
-    def __init__(self, opts: DoctorOptions):
-        self.o = opts
-        self.root = Path(opts.sysroot)
+    def __init__(self, settings: Settings, sysroot: str = "/"):
+        self.o = resolve(settings)
+        self.root = Path(sysroot)
         compat = self._read("proc/device-tree/compatible").replace("\0", " ").strip()
         self.rk3588 = "rockchip,rk3588" in compat
         self.not_rk = f"not an RK3588 (machine: {platform.machine()})"
@@ -263,7 +251,9 @@ class Doctor:
             return Check("model", WARN, "no model configured", "set model = \"DIR\" in /etc/edge-llm/edge-llm.toml")
         d = Path(self.o.model)
         if self.o.model == "default":
-            from edge_llm.models import default as dm  # lazy: the importer pulls in gguf
+            from edge_llm.models import (
+                default as dm,  # lazy: the importer pulls in gguf
+            )
             from edge_llm.models.gguf_header import gguf_sizes
 
             if not dm.default_model_ready():
@@ -274,8 +264,8 @@ class Doctor:
                 params, bpt = gguf_sizes(gguf)
                 self._model = ("default model", params * 4, bpt)
                 return Check("model", PASS, f"embedded default model {gguf.name} ({params / 1e6:.0f}M "
-                             f"parameters), imported into {dm.edge_llm_home() / 'models'} on first start")
-            d = dm.edge_llm_home() / "models" / dm.DEFAULT_MODEL_NAME
+                             f"parameters), imported into {models_dir()} on first start")
+            d = models_dir() / dm.DEFAULT_MODEL_NAME
         try:
             args = ModelArgs.from_dir(d)
             from edge_llm.weights import index_tensors  # lazy: pulls in safetensors
@@ -287,12 +277,14 @@ class Doctor:
         if not (d / "tokenizer.json").is_file():
             return Check("model", FAIL, detail + "; tokenizer.json missing", "copy tokenizer.json into the model dir")
         try:
-            from edge_llm.snapshot.identity import Identity  # lazy: hashes the weights once (cached)
+            from edge_llm.snapshot.identity import (
+                Identity,  # lazy: hashes the weights once (cached)
+            )
             ident = Identity.for_model(d, args, "cpu-f32" if self.o.backend == "cpu" else self.o.backend)
         except Exception as e:
             return Check("model", WARN, detail + f"; identity not computed: {e}")
-        ns = Path(self.o.kv_dir or "") / ident.namespace
-        n = len(list(ns.glob("kv_*.kv"))) if self.o.kv_dir and ns.is_dir() else 0
+        ns = Path(self.o.disk_kv or "") / ident.namespace
+        n = len(list(ns.glob("kv_*.kv"))) if self.o.disk_kv and ns.is_dir() else 0
         return Check("model", PASS, detail + f"; model_id {ident.namespace} ({n} snapshot(s) in its namespace)")
 
     def memory(self) -> Check:
@@ -315,9 +307,9 @@ class Doctor:
 
     # ---- storage ---------------------------------------------------------------------
     def _existing_kv(self) -> Path | None:
-        if not self.o.kv_dir:
+        if not self.o.disk_kv:
             return None
-        p = Path(self.o.kv_dir).absolute()
+        p = Path(self.o.disk_kv).absolute()
         while not p.exists():
             p = p.parent
         return p.resolve()
@@ -339,7 +331,7 @@ class Doctor:
         if p is None:
             return Check("kv-filesystem", NA, "disk KV off")
         dev, mp, fs, opts = self._mount(p)
-        detail = f"{self.o.kv_dir} on {dev} ({mp}, {fs}, {','.join(opts)})"
+        detail = f"{self.o.disk_kv} on {dev} ({mp}, {fs}, {','.join(opts)})"
         if "ro" in opts:
             return Check("kv-filesystem", FAIL, detail + ": read-only", "put disk_kv on a writable filesystem")
         notes = []
@@ -363,10 +355,10 @@ class Doctor:
         if p is None:
             return Check("kv-space", NA, "disk KV off")
         du = shutil.disk_usage(p)
-        cap, how = self.o.max_bytes, "disk_kv_max_bytes"
+        cap, how = self.o.disk_kv_max_bytes, "disk_kv_max_bytes"
         if cap is None and self._model is not None:
-            cap, how = self.o.max_files * self.o.max_tokens * self._model[2], (
-                f"{self.o.max_files} files x {self.o.max_tokens} tokens x {self._model[2]} B")
+            cap, how = self.o.disk_kv_max_files * self.o.disk_kv_max_tokens * self._model[2], (
+                f"{self.o.disk_kv_max_files} files x {self.o.disk_kv_max_tokens} tokens x {self._model[2]} B")
         detail = f"{du.free / 2**30:.2f} GiB free of {du.total / 2**30:.2f} GiB"
         if cap is None:
             return Check("kv-space", WARN, detail + "; snapshot cap unknown (no model, no max_bytes)",
@@ -417,6 +409,6 @@ def _adjtimex_state() -> int | None:
         return None
 
 
-def run_checks(opts: DoctorOptions) -> list[Check]:
-    """All checks for `opts`, in display order."""
-    return Doctor(opts).run()
+def run_checks(settings: Settings, sysroot: str = "/") -> list[Check]:
+    """All checks for these settings, in display order."""
+    return Doctor(settings, sysroot).run()

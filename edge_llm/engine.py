@@ -21,12 +21,11 @@ import numpy as np
 from edge_llm.errors import ContextOverflowError, SnapshotError
 from edge_llm.kvcache import KVCache
 from edge_llm.sampling import Sampler, SamplingParams
+from edge_llm.settings import DEFAULTS
 from edge_llm.tokenizer import StopMatcher
 
 log = logging.getLogger(__name__)
 timing_log = logging.getLogger("edge_llm.prefill")
-
-DEFAULT_PREFILL_CHUNK = 128
 
 
 @dataclass
@@ -77,7 +76,7 @@ class Engine:
     """Owns the model, tokenizer, the one KV cache and (optionally) the snapshot store."""
 
     def __init__(self, model, tokenizer, cache: KVCache, store=None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, model_dir=None):
+                 prefill_chunk: int = DEFAULTS.prefill_chunk, model_dir=None):
         self.model = model
         self.model_dir = model_dir
         self.tokenizer = tokenizer

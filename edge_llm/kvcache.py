@@ -16,18 +16,17 @@ import psutil
 
 from edge_llm.config import Geometry
 from edge_llm.errors import KVCacheError
+from edge_llm.settings import DEFAULTS
 
 log = logging.getLogger(__name__)
 
 K, V = 0, 1
-DEFAULT_MAX_SEQ = 8192
-DEFAULT_KV_BS = 64
 # leave this much RAM free after allocating the cache (OS, page cache for snapshots, the server)
 MEMORY_HEADROOM = 256 * 1024 * 1024
 
 
 class KVCache:
-    def __init__(self, geometry: Geometry, max_seq: int = DEFAULT_MAX_SEQ, kv_bs: int = DEFAULT_KV_BS,
+    def __init__(self, geometry: Geometry, max_seq: int = DEFAULTS.max_seq, kv_bs: int = DEFAULTS.kv_bs,
                  check_memory: bool = True):
         if max_seq <= 0:
             raise KVCacheError(f"max_seq must be > 0, got {max_seq}")

@@ -1,59 +1,57 @@
-"""Build a ready Engine from options: model dir -> model, tokenizer, KV cache, snapshot store.
+"""Build a ready Engine from settings: model dir -> model, tokenizer, KV cache, snapshot store.
 
 Shared by `edge-llm generate`, `edge-llm serve` and the benchmarks so all three load a model the
-same way.
+same way. `progress(text)` is called as loading advances (the server turns it into systemd
+STATUS= and EXTEND_TIMEOUT_USEC= messages).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
-from edge_llm.engine import DEFAULT_PREFILL_CHUNK, Engine
-from edge_llm.kvcache import DEFAULT_KV_BS, DEFAULT_MAX_SEQ, KVCache
+from edge_llm.engine import Engine
+from edge_llm.kvcache import KVCache
+from edge_llm.settings import Settings, resolve
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class RuntimeOptions:
-    model: str = "default"  # a HF model directory, or "default" for the embedded model
-    backend: str = "cpu"
-    max_seq: int = DEFAULT_MAX_SEQ
-    kv_bs: int = DEFAULT_KV_BS
-    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
-    disk_kv: str | None = None  # directory of snapshot namespaces; None = disk KV off
-    disk_kv_min_lcp: int = 16
-    disk_kv_max_files: int = 8
-    disk_kv_max_bytes: int | None = None
-    disk_kv_max_tokens: int = 8192
+def load_runtime(settings: Settings, progress: Callable[[str], None] | None = None,
+                 import_progress=None) -> Engine:
+    """Load model + tokenizer, allocate the KV cache, open and scan the snapshot store.
 
-
-def load_runtime(opts: RuntimeOptions, progress=None) -> Engine:
-    """Load model + tokenizer, allocate the KV cache, open and scan the snapshot store."""
+    `import_progress(done, total, what)`: byte progress of a first-use default-model import."""
     from edge_llm.models.default import resolve_model_dir
     from edge_llm.models.qwen3 import Model
     from edge_llm.tokenizer import Tokenizer
 
-    model_dir = Path(resolve_model_dir(opts.model, progress=progress))
-    model = Model.load(model_dir, backend=opts.backend)
+    s = resolve(settings)
+    say = progress or (lambda _text: None)
+    say("resolving model")
+    model_dir = Path(resolve_model_dir(s.model, progress=import_progress))
+    model = Model.load(model_dir, backend=s.backend,
+                       progress=lambda done, total: say(f"loading weights {done}/{total} tensors"))
     tokenizer = Tokenizer.from_dir(model_dir)
-    cache = KVCache(model.args.geometry, max_seq=opts.max_seq, kv_bs=opts.kv_bs)
+    say("allocating the KV cache")
+    cache = KVCache(model.args.geometry, max_seq=s.max_seq, kv_bs=s.kv_bs)
     store = None
-    if opts.disk_kv:
+    if s.disk_kv is not None:
         from edge_llm.snapshot.identity import Identity
         from edge_llm.snapshot.store import SnapshotStore
 
+        say("hashing weights (first start only)")
         identity = Identity.for_model(model_dir, model.args, model.backend.numerics)
+        say("scanning snapshots")
         store = SnapshotStore(
-            Path(opts.disk_kv), identity, model.args.geometry,
-            min_lcp=opts.disk_kv_min_lcp, max_files=opts.disk_kv_max_files,
-            max_bytes=opts.disk_kv_max_bytes, max_tokens=opts.disk_kv_max_tokens, kv_bs=opts.kv_bs,
+            Path(s.disk_kv), identity, model.args.geometry,
+            min_lcp=s.disk_kv_min_lcp, max_files=s.disk_kv_max_files,
+            max_bytes=s.disk_kv_max_bytes, max_tokens=s.disk_kv_max_tokens, kv_bs=s.kv_bs,
         )
         store.scan()
-    engine = Engine(model, tokenizer, cache, store=store, prefill_chunk=opts.prefill_chunk,
+    engine = Engine(model, tokenizer, cache, store=store, prefill_chunk=s.prefill_chunk,
                     model_dir=model_dir)
     log.info("runtime ready: model %s (%s), KV cache %d MiB (max_seq %d)", model_dir.name,
-             opts.backend, cache.nbytes >> 20, opts.max_seq)
+             s.backend, cache.nbytes >> 20, s.max_seq)
     return engine

@@ -1,16 +1,22 @@
-"""Server settings: command-line flag > EDGE_LLM_* environment variable > TOML file > default.
+"""Every setting and its default, declared once; the home directory, resolved once.
 
-Key names are the TOML keys of `board/edge-llm.toml.example` (flags use dashes, environment
-variables are `EDGE_LLM_<KEY upper>`). `disk_kv` is a directory, or false/"off" to disable disk KV.
+`Settings` is the single declaration: each field carries its default, its help text, its type
+and which commands expose it. The TOML keys of `board/edge-llm.toml.example`, the
+`EDGE_LLM_<KEY>` environment variables and the `--flags` of `serve`, `generate` and `doctor`
+(`edge_llm/cli/options.py`) are all generated from it. Precedence: flag > environment > TOML file
+> default. Lower modules (KV cache, store, engine) take their defaults from `DEFAULTS`.
+
+Optional paths have one meaning for "off": `None`. `disk_kv` and `log_file` default to `AUTO`,
+which `load_settings`/`resolve` turn into a directory below systemd's `STATE_DIRECTORY` /
+`LOGS_DIRECTORY` or below the home directory (`home_dir`). See docs/configuration.md.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,56 +26,103 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from edge_llm.errors import ConfigError
-from edge_llm.runtime import RuntimeOptions
-
-log = logging.getLogger(__name__)
 
 ENV_PREFIX = "EDGE_LLM_"
+HOME_ENV = "EDGE_LLM_HOME"
+CONFIG_ENV = "EDGE_LLM_CONFIG"
+AUTO = "auto"  # disk_kv / log_file: the default location (resolved by `resolve`)
+BACKEND_NAMES = ("cpu",)  # the registry in edge_llm/backends maps these names to classes
 _OFF = {"", "0", "false", "no", "off", "none"}
-_ON = {"1", "true", "yes", "on"}
+_ON = {"1", "true", "yes", "on", AUTO}
+
+SERVE, GENERATE, DOCTOR = "serve", "generate", "doctor"
+_ALL = (SERVE, GENERATE, DOCTOR)
+
+
+def _opt(default: Any, help: str, kind: type | str = int, commands: tuple[str, ...] = _ALL,
+         minimum: float | None = None, maximum: float | None = None,
+         choices: tuple[str, ...] | None = None, nullable: bool = False, metavar: str | None = None,
+         shown_default: str | None = None) -> Any:
+    """A settings field: default + the metadata the CLI, env and TOML readers need."""
+    return field(default=default, metadata=dict(
+        help=help, kind=kind, commands=commands, minimum=minimum, maximum=maximum, choices=choices,
+        nullable=nullable, metavar=metavar, shown_default=shown_default))
 
 
 @dataclass(frozen=True)
 class Settings:
-    model: str = "default"
-    host: str = "127.0.0.1"
-    port: int = 8080
-    disk_kv: str | None = None  # resolved by `default_disk_kv()` when left unset
-    disk_kv_min_lcp: int = 16
-    disk_kv_max_files: int = 8
-    disk_kv_max_bytes: int | None = None
-    disk_kv_max_tokens: int = 8192
-    kv_bs: int = 64
-    max_seq: int = 8192
-    queue_size: int = 16
-    api_key_file: str | None = None
-    log_file: str | None = None  # resolved by `default_log_file()` when left unset; "" = none
-    backend: str = "cpu"
-    grace_seconds: float = 30.0
-    max_body_bytes: int = 4 * 1024 * 1024
+    # ---- model and compute ----------------------------------------------------------------------
+    model: str = _opt("default", "HF model directory, or 'default' for the embedded SmolLM2-135M.", str,
+                      metavar="DIR")
+    backend: str = _opt("cpu", "Compute backend.", str, choices=BACKEND_NAMES)
+    max_seq: int = _opt(8192, "Context window in tokens (prompt + completion); the KV cache is "
+                        "preallocated for it.", minimum=1)
+    kv_bs: int = _opt(64, "KV rows per snapshot block (the unit of CRC checks and partial restore).",
+                      minimum=1)
+    prefill_chunk: int = _opt(128, "Prompt rows computed per prefill step (cancel, progress and "
+                              "watchdog granularity).", minimum=1)
+    # ---- disk KV snapshots ----------------------------------------------------------------------
+    disk_kv: str | None = _opt(AUTO, "Snapshot directory, or 'off'.", "dir-or-off", metavar="DIR|off",
+                               shown_default="$STATE_DIRECTORY/kv, else $EDGE_LLM_HOME/kv")
+    disk_kv_min_lcp: int = _opt(16, "Shortest common prefix (tokens) worth restoring from disk; also "
+                                "the fewest rows an interrupted prefill saves.", minimum=1)
+    disk_kv_max_files: int = _opt(8, "Snapshots kept per model namespace (LRU eviction).", minimum=1)
+    disk_kv_max_bytes: int | None = _opt(None, "Byte cap of a namespace's snapshots.", minimum=1,
+                                         nullable=True, shown_default="no cap")
+    disk_kv_max_tokens: int = _opt(8192, "Tokens stored per snapshot (longer conversations are cut).",
+                                   minimum=1)
+    # ---- server ---------------------------------------------------------------------------------
+    host: str = _opt("127.0.0.1", "Bind address of the HTTP API.", str, commands=(SERVE,))
+    port: int = _opt(8080, "TCP port of the HTTP API.", commands=(SERVE,), minimum=1, maximum=65535)
+    queue_size: int = _opt(16, "Requests waiting behind the running one; beyond: 503.",
+                           commands=(SERVE,), minimum=1)
+    api_key_file: str | None = _opt(None, "Require 'Authorization: Bearer <key>' with a key from this "
+                                    "file.", "path", commands=(SERVE,), nullable=True, metavar="FILE",
+                                    shown_default="no authentication")
+    log_file: str | None = _opt(AUTO, "Append-only log file, or 'off'.", "file-or-off", commands=(SERVE,),
+                                metavar="FILE|off",
+                                shown_default="$LOGS_DIRECTORY/edge-llm.log, else $EDGE_LLM_HOME/logs/edge-llm.log")
+    grace_seconds: float = _opt(30.0, "How long a running request may continue after SIGTERM before it "
+                                "is cancelled (its completed rows are then saved).", float,
+                                commands=(SERVE,), minimum=0)
+    max_body_bytes: int = _opt(4 * 1024 * 1024, "Largest accepted request body (413 beyond).",
+                               commands=(SERVE,), minimum=1)
 
-    def runtime_options(self) -> RuntimeOptions:
-        """The engine-loading subset of these settings."""
-        return RuntimeOptions(
-            model=self.model, backend=self.backend, max_seq=self.max_seq, kv_bs=self.kv_bs,
-            disk_kv=self.disk_kv or None, disk_kv_min_lcp=self.disk_kv_min_lcp,
-            disk_kv_max_files=self.disk_kv_max_files, disk_kv_max_bytes=self.disk_kv_max_bytes,
-            disk_kv_max_tokens=self.disk_kv_max_tokens,
-        )
+    @property
+    def disk_kv_enabled(self) -> bool:
+        return self.disk_kv is not None
 
 
-_FIELDS = {f.name: f for f in fields(Settings)}
-# keys whose value may be absent (None) after conversion
-_OPTIONAL = {"disk_kv", "disk_kv_max_bytes", "api_key_file", "log_file"}
-_POSITIVE = {"port", "disk_kv_min_lcp", "disk_kv_max_files", "disk_kv_max_bytes", "disk_kv_max_tokens",
-             "kv_bs", "max_seq", "queue_size", "max_body_bytes"}
+DEFAULTS = Settings()
+FIELDS = {f.name: f for f in fields(Settings)}
 
 
-def edge_home(env: Mapping[str, str] | None = None) -> Path:
-    """$EDGE_LLM_HOME, else ~/.cache/edge-llm (models, kv snapshots and logs live below)."""
+def env_name(key: str) -> str:
+    return ENV_PREFIX + key.upper()
+
+
+# ---- the home directory and the default locations -----------------------------------------------
+def expand_path(value: str | os.PathLike[str]) -> Path:
+    """`~` expanded and made absolute against the current directory, once, at start-up."""
+    return Path(os.path.abspath(os.path.expanduser(os.fspath(value))))
+
+
+def home_dir(env: Mapping[str, str] | None = None) -> Path:
+    """$EDGE_LLM_HOME (with `~` and relative paths resolved), else ~/.cache/edge-llm.
+
+    The one place that reads EDGE_LLM_HOME: models, the weight-digest cache, snapshots and logs
+    live below it unless systemd's directories say otherwise."""
     env = os.environ if env is None else env
-    home = env.get("EDGE_LLM_HOME")
-    return Path(home) if home else Path.home() / ".cache" / "edge-llm"
+    value = env.get(HOME_ENV)
+    return expand_path(value) if value else Path.home() / ".cache" / "edge-llm"
+
+
+def models_dir(env: Mapping[str, str] | None = None) -> Path:
+    return home_dir(env) / "models"
+
+
+def digest_cache_path(env: Mapping[str, str] | None = None) -> Path:
+    return home_dir(env) / "digests.json"
 
 
 def _first_dir(value: str | None) -> Path | None:
@@ -82,40 +135,62 @@ def _first_dir(value: str | None) -> Path | None:
 
 def default_disk_kv(env: Mapping[str, str]) -> str:
     state = _first_dir(env.get("STATE_DIRECTORY"))
-    return str((state if state else edge_home(env)) / "kv")
+    return str((state if state else home_dir(env)) / "kv")
 
 
 def default_log_file(env: Mapping[str, str]) -> str:
     logs = _first_dir(env.get("LOGS_DIRECTORY"))
-    return str((logs if logs else edge_home(env) / "logs") / "edge-llm.log")
+    return str((logs if logs else home_dir(env) / "logs") / "edge-llm.log")
 
 
-def _convert(key: str, value: Any, source: str) -> Any:
-    """Coerce a raw value (TOML type or env string) to the field's type; ConfigError if bad."""
-    if key == "disk_kv":
-        if value is False or (isinstance(value, str) and value.strip().lower() in _OFF):
-            return ""  # explicitly off (distinct from None = use the default directory)
-        if value is True or (isinstance(value, str) and value.strip().lower() in _ON):
-            return None  # explicitly on, default directory
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{source}: disk_kv must be a directory or false, got {value!r}")
-    if key in _OPTIONAL and (value is None or (isinstance(value, str) and value.strip().lower() in ("none", ""))):
-        return "" if key == "log_file" else None
-    typ = {"model": str, "host": str, "api_key_file": str, "log_file": str, "backend": str,
-           "grace_seconds": float}.get(key, int)
+def resolve(s: Settings, env: Mapping[str, str] | None = None) -> Settings:
+    """Replace AUTO locations with real paths (idempotent)."""
+    env = os.environ if env is None else env
+    if s.disk_kv == AUTO:
+        s = replace(s, disk_kv=default_disk_kv(env))
+    if s.log_file == AUTO:
+        s = replace(s, log_file=default_log_file(env))
+    return s
+
+
+# ---- reading values -------------------------------------------------------------------------------
+def convert(key: str, value: Any, source: str) -> Any:
+    """Coerce a raw value (TOML type, env string or flag) to the field's type; ConfigError if bad."""
+    meta = FIELDS[key].metadata
+    kind = meta["kind"]
+    text = value.strip() if isinstance(value, str) else None
+    if kind in ("dir-or-off", "file-or-off"):
+        if value is False or value is None or (text is not None and text.lower() in _OFF):
+            return None
+        if value is True or (text is not None and text.lower() in _ON):
+            return AUTO
+        if text is not None:
+            return str(expand_path(text))
+        what = "a directory" if kind == "dir-or-off" else "a file"
+        raise ConfigError(f"{source}: {key} must be {what} or false/off, got {value!r}")
+    if meta["nullable"] and (value is None or (text is not None and text.lower() in ("", "none"))):
+        return None
+    if kind == "path":
+        if text is None:
+            raise ConfigError(f"{source}: {key} must be a path, got {value!r}")
+        return str(expand_path(text))
+    typ = {int: int, float: float, str: str}[kind]
     try:
         if isinstance(value, bool) or (typ is str and not isinstance(value, str)):
             raise ValueError
-        out = typ(value.strip()) if isinstance(value, str) else typ(value)
+        if typ is int and isinstance(value, float):
+            raise ValueError
+        out = typ(text) if text is not None else typ(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{source}: {key} must be {typ.__name__}, got {value!r}") from None
-    if key in _POSITIVE and out <= 0:
-        raise ConfigError(f"{source}: {key} must be > 0, got {out!r}")
-    if key == "port" and out > 65535:
-        raise ConfigError(f"{source}: port must be <= 65535, got {out}")
-    if key == "grace_seconds" and out < 0:
-        raise ConfigError(f"{source}: grace_seconds must be >= 0, got {out}")
+    lo, hi = meta["minimum"], meta["maximum"]
+    if lo is not None and out < lo:
+        rel = "> 0" if lo == 1 and typ is int else f">= {lo}"
+        raise ConfigError(f"{source}: {key} must be {rel}, got {out!r}")
+    if hi is not None and out > hi:
+        raise ConfigError(f"{source}: {key} must be <= {hi}, got {out!r}")
+    if meta["choices"] and out not in meta["choices"]:
+        raise ConfigError(f"{source}: {key} {out!r} is not available (available: {', '.join(meta['choices'])})")
     return out
 
 
@@ -130,42 +205,38 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {p}: {e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {p}: invalid TOML: {e}") from None
-    unknown = sorted(set(data) - set(_FIELDS))
+    unknown = sorted(set(data) - set(FIELDS))
     if unknown:
         raise ConfigError(f"config file {p}: unknown key(s) {', '.join(unknown)} "
-                          f"(known: {', '.join(_FIELDS)})")
-    return {k: _convert(k, v, f"config file {p}") for k, v in data.items()}
+                          f"(known: {', '.join(FIELDS)})")
+    return {k: convert(k, v, f"config file {p}") for k, v in data.items()}
 
 
 def read_env(env: Mapping[str, str]) -> dict[str, Any]:
     """EDGE_LLM_<KEY> variables that name a setting (EDGE_LLM_HOME/CONFIG are not settings)."""
-    out = {}
-    for key in _FIELDS:
-        name = ENV_PREFIX + key.upper()
-        if name in env:
-            out[key] = _convert(key, env[name], f"environment {name}")
-    return out
+    return {key: convert(key, env[env_name(key)], f"environment {env_name(key)}")
+            for key in FIELDS if env_name(key) in env}
 
 
 def load_settings(flags: Mapping[str, Any] | None = None, config_file: str | Path | None = None,
                   env: Mapping[str, str] | None = None) -> Settings:
-    """Merge the sources. `flags` holds only flags the user gave (None values are ignored)."""
+    """Merge the sources and resolve locations. `flags` holds only flags the user gave."""
     env = os.environ if env is None else env
-    config_file = config_file or env.get(ENV_PREFIX + "CONFIG") or None
+    config_file = config_file or env.get(CONFIG_ENV) or None
     merged: dict[str, Any] = {}
     if config_file:
         merged.update(read_toml(config_file))
     merged.update(read_env(env))
     for k, v in (flags or {}).items():
-        if k not in _FIELDS:
+        if k not in FIELDS:
             raise ConfigError(f"unknown setting {k!r}")
-        if v is not None:
-            merged[k] = _convert(k, v, f"--{k.replace('_', '-')}")
-    s = replace(Settings(), **merged)
-    if s.disk_kv is None:
-        s = replace(s, disk_kv=default_disk_kv(env))
-    if s.log_file is None:
-        s = replace(s, log_file=default_log_file(env))
-    if s.backend != "cpu":
-        raise ConfigError(f"backend {s.backend!r} is not available (available: cpu)")
-    return s
+        merged[k] = convert(k, v, f"--{k.replace('_', '-')}")
+    return resolve(replace(DEFAULTS, **merged), env)
+
+
+def describe_default(key: str) -> str:
+    """The default as the docs and `--help` show it."""
+    meta = FIELDS[key].metadata
+    if meta["shown_default"]:
+        return meta["shown_default"]
+    return str(FIELDS[key].default)

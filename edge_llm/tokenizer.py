@@ -293,21 +293,34 @@ class StopMatcher:
         if not self.stops:
             self._held = ""
             return buf, False
-        hits = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
-        if hits:
-            i, s = min(hits)
+        hit = self._first_hit(buf)
+        # a stop string that starts before the hit but is not complete yet may still match first
+        pending = self._pending_start(buf, hit[0] if hit else len(buf))
+        if hit and pending is None:
+            i, s = hit
             self._held, self.stopped, self.matched = "", True, s
             return buf[:i], True
-        hold = 0  # longest suffix of buf that is a proper prefix of some stop string
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(buf)), hold, -1):
-                if buf.endswith(s[:n]):
-                    hold = n
-                    break
-        self._held = buf[len(buf) - hold:] if hold else ""
-        return buf[:len(buf) - hold], False
+        cut = len(buf) if pending is None else pending
+        self._held = buf[cut:]
+        return buf[:cut], False
+
+    def _first_hit(self, buf: str) -> tuple[int, str] | None:
+        hits = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
+        return min(hits) if hits else None
+
+    def _pending_start(self, buf: str, before: int) -> int | None:
+        """Earliest j < before where buf[j:] is a proper prefix of some stop string."""
+        for j in range(max(0, len(buf) - max(len(s) for s in self.stops) + 1), min(before, len(buf))):
+            tail = buf[j:]
+            if any(len(tail) < len(s) and s.startswith(tail) for s in self.stops):
+                return j
+        return None
 
     def flush(self) -> str:
-        """Held-back text at the end of generation (no stop string followed it)."""
+        """Held-back text at the end of generation: cut at a stop string it holds, if any."""
         out, self._held = ("" if self.stopped else self._held), ""
+        hit = self._first_hit(out) if self.stops else None
+        if hit:
+            self.stopped, self.matched = True, hit[1]
+            return out[:hit[0]]
         return out

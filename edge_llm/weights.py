@@ -13,7 +13,7 @@ import logging
 import mmap
 import os
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +22,7 @@ from safetensors import safe_open
 
 from edge_llm.config import ModelArgs
 from edge_llm.errors import WeightsError
+from edge_llm.settings import digest_cache_path
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,10 @@ class Weights(Mapping[str, np.ndarray]):
     def __init__(self, args: ModelArgs, tensors: dict[str, TensorInfo]):
         self.args = args
         self._infos = tensors
+        self._total = len(tensors)
+        # progress(done, total) after each tensor handed over: loading GBs from eMMC is slow, and
+        # the server turns this into systemd start-timeout extensions
+        self.progress: Callable[[int, int], None] | None = None
 
     def __getitem__(self, name: str) -> np.ndarray:
         try:
@@ -179,6 +184,8 @@ class Weights(Mapping[str, np.ndarray]):
         """Read a tensor and drop it from this mapping."""
         arr = self[name]
         del self._infos[name]
+        if self.progress is not None:
+            self.progress(self._total - len(self._infos), self._total)
         return arr
 
     def __contains__(self, name: object) -> bool:
@@ -217,12 +224,6 @@ def load_weights(model_dir: str | Path, args: ModelArgs) -> Weights:
 
 
 # ---- weight digest ---------------------------------------------------------------------------
-def digest_cache_path() -> Path:
-    home = os.environ.get("EDGE_LLM_HOME")
-    base = Path(home) if home else Path.home() / ".cache" / "edge-llm"
-    return base / "digests.json"
-
-
 def sha256_file(path: str | Path) -> str:
     """Hex sha256 of a file's bytes, streamed through one reusable buffer."""
     h = hashlib.sha256()

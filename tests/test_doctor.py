@@ -19,7 +19,8 @@ import numpy as np
 import psutil
 import pytest
 
-from edge_llm.doctor import FAIL, NA, PASS, WARN, DoctorOptions, run_checks
+from edge_llm.settings import Settings
+from edge_llm.doctor import FAIL, NA, PASS, WARN, run_checks
 
 REPO = Path(__file__).resolve().parents[1]
 NPU_ITEMS = ("board", "rknn-toolkit-lite2", "librknnrt", "npu-driver", "npu-device",
@@ -56,7 +57,7 @@ def test_cli_json_on_this_machine(tmp_path: Path) -> None:
     kv = tmp_path / "kv"
     env = {**os.environ, "EDGE_LLM_HOME": str(tmp_path / "home")}
     res = subprocess.run([sys.executable, "-m", "edge_llm", "doctor", "--json", "--model", "default",
-                          "--kv-dir", str(kv), "--max-seq", "4096"],
+                          "--disk-kv", str(kv), "--max-seq", "4096"],
                          capture_output=True, text=True, timeout=300, env=env)
     doc = json.loads(res.stdout)
     assert res.returncode == (0 if doc["ok"] else 1), res.stderr
@@ -88,7 +89,7 @@ def test_cli_table_and_exit_code(tmp_path: Path) -> None:
     bad.mkdir()
     (bad / "config.json").write_text("{ not json")
     res = subprocess.run([sys.executable, "-m", "edge_llm", "doctor", "--model", str(bad),
-                          "--kv-dir", str(tmp_path / "kv")],
+                          "--disk-kv", str(tmp_path / "kv")],
                          capture_output=True, text=True, timeout=300,
                          env={**os.environ, "COLUMNS": "200", "EDGE_LLM_HOME": str(tmp_path)})
     assert res.returncode == 1
@@ -105,17 +106,17 @@ def test_hf_model_sizes_and_identity(tmp_path: Path, monkeypatch: pytest.MonkeyP
     ns = Identity.for_model(model, ModelArgs.from_dir(model)).namespace
     (tmp_path / "kv" / ns).mkdir(parents=True)
     (tmp_path / "kv" / ns / "kv_0000000000000001.kv").write_bytes(b"x")
-    c = by_name(run_checks(DoctorOptions(model=str(model), kv_dir=str(tmp_path / "kv"), max_seq=1 << 20,
-                                         max_bytes=5 << 30)))
+    c = by_name(run_checks(Settings(model=str(model), disk_kv=str(tmp_path / "kv"), max_seq=1 << 20,
+                                    disk_kv_max_bytes=5 << 30)))
     assert c["model"].status == PASS and f"model_id {ns} (1 snapshot(s)" in c["model"].detail
     # weights as F32: (64*32 + 32) * 4 bytes; KV: 2**20 tokens * 2 layers * 2 * 16 dims * 4 B = 0.25 GiB
     assert gib(c["memory"].detail, "KV") == 0.25
     assert c["kv-space"].detail.endswith("snapshot cap 5.00 GiB (disk_kv_max_bytes)") or "does not fit" in c["kv-space"].detail
 
     (model / "tokenizer.json").unlink()
-    c = by_name(run_checks(DoctorOptions(model=str(model), kv_dir=str(tmp_path / "kv"))))
+    c = by_name(run_checks(Settings(model=str(model), disk_kv=str(tmp_path / "kv"))))
     assert c["model"].status == FAIL and "tokenizer.json missing" in c["model"].detail
-    c = by_name(run_checks(DoctorOptions(model=None, kv_dir=None)))
+    c = by_name(run_checks(Settings(model="", disk_kv=None)))
     assert c["model"].status == WARN and c["memory"].status == NA and c["kv-space"].status == NA
 
 
@@ -157,7 +158,7 @@ def rk_checks(tmp_path: Path, **kw) -> dict:
     kv = tmp_path / "data" / "kv"
     kv.parent.mkdir(exist_ok=True)
     root = fake_board(tmp_path / "sysroot", kv, **kw)
-    return by_name(run_checks(DoctorOptions(model=None, kv_dir=str(kv), sysroot=str(root))))
+    return by_name(run_checks(Settings(model="", disk_kv=str(kv)), sysroot=str(root)))
 
 
 def test_rk3588_healthy_board(tmp_path: Path) -> None:

@@ -8,7 +8,8 @@ import pytest
 
 from edge_llm.engine import GenerationRequest
 from edge_llm.errors import ContextOverflowError
-from edge_llm.runtime import RuntimeOptions, load_runtime
+from edge_llm.runtime import load_runtime
+from edge_llm.settings import Settings
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,7 @@ def tiny(tmp_path_factory):
 
 
 def engine(model, kv=None, **kw):
-    return load_runtime(RuntimeOptions(model=str(model), disk_kv=str(kv) if kv else None,
+    return load_runtime(Settings(model=str(model), disk_kv=str(kv) if kv else None,
                                        max_seq=512, kv_bs=16, **kw))
 
 

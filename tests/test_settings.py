@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,8 +21,6 @@ def test_defaults(tmp_path):
     assert (s.host, s.port, s.max_seq, s.kv_bs, s.queue_size, s.model) == ("127.0.0.1", 8080, 8192, 64, 16, "default")
     assert s.disk_kv == str(tmp_path / "kv")
     assert s.log_file == str(tmp_path / "logs" / "edge-llm.log")
-    opts = s.runtime_options()
-    assert opts.disk_kv == str(tmp_path / "kv") and opts.max_seq == 8192
 
 
 def test_systemd_directories(tmp_path):
@@ -49,9 +49,11 @@ def test_disk_kv_off_and_on(tmp_path):
     env = {"EDGE_LLM_HOME": str(tmp_path)}
     cfg = tmp_path / "c.toml"
     cfg.write_text("disk_kv = false\n")
-    assert load_settings({}, config_file=cfg, env=env).disk_kv == ""
-    assert load_settings({}, config_file=cfg, env=env).runtime_options().disk_kv is None
-    assert load_settings({}, env={**env, "EDGE_LLM_DISK_KV": "off"}).disk_kv == ""
+    assert load_settings({}, config_file=cfg, env=env).disk_kv is None  # None is the one meaning of off
+    assert not load_settings({}, config_file=cfg, env=env).disk_kv_enabled
+    assert load_settings({}, env={**env, "EDGE_LLM_DISK_KV": "off"}).disk_kv is None
+    assert load_settings({"disk_kv": "off"}, env=env).disk_kv is None
+    assert load_settings({}, env={**env, "EDGE_LLM_LOG_FILE": ""}).log_file is None
     assert load_settings({"disk_kv": str(tmp_path / "x")}, config_file=cfg, env=env).disk_kv == str(tmp_path / "x")
     assert load_settings({}, env={**env, "EDGE_LLM_DISK_KV": "on"}).disk_kv == str(tmp_path / "kv")
 
@@ -98,3 +100,55 @@ def test_serve_cli_rejects_bad_config_before_loading(tmp_path):
     r = subprocess.run([sys.executable, "-m", "edge_llm", "serve", "--disk-kv", "x", "--no-disk-kv"],
                        capture_output=True, text=True, timeout=120, env={"EDGE_LLM_HOME": str(tmp_path)})
     assert r.returncode == 2 and "mutually exclusive" in r.stderr
+
+
+@pytest.mark.parametrize("home", ["~/eh", "eh"])
+def test_edge_llm_home_tilde_and_relative_resolve_once(tmp_path, tiny_synth_dir, home):
+    """`EDGE_LLM_HOME='~/eh'` and a relative `eh` put the kv dir, the digest cache and the models
+    under one absolute directory (never a literal `~` directory in the working directory)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    base = tmp_path if home.startswith("~") else work
+    env = {**os.environ, "HOME": str(tmp_path), "EDGE_LLM_HOME": home}
+    r = subprocess.run([sys.executable, "-m", "edge_llm", "generate", "--model", str(tiny_synth_dir),
+                        "--max-tokens", "2", "--temperature", "0", "-p", "Tell me about the sea. " * 4],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=work)
+    assert r.returncode == 0, r.stderr
+    r2 = subprocess.run([sys.executable, "-c", "from edge_llm import settings as s; print(s.models_dir());"
+                         "print(s.load_settings({}).disk_kv); print(s.digest_cache_path())"],
+                        capture_output=True, text=True, timeout=60, env=env, cwd=work)
+    models, kv, digests = r2.stdout.split()
+    assert (models, kv, digests) == (str(base / "eh" / "models"), str(base / "eh" / "kv"),
+                                     str(base / "eh" / "digests.json"))
+    assert (base / "eh" / "digests.json").is_file()  # written by the generate run's identity
+    assert list((base / "eh" / "kv").glob("*/kv_*.kv")), "the generate run saved no snapshot"
+    assert not (work / "~").exists()
+
+
+def test_every_setting_is_documented_once():
+    """The example config and docs/configuration.md name every key of the one declaration."""
+    example = (REPO / "board" / "edge-llm.toml.example").read_text()
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    from edge_llm.settings import describe_default, env_name
+
+    for key in Settings.__dataclass_fields__:
+        assert re.search(rf"^#? ?{key} = ", example, re.M), f"{key} missing from the example config"
+        row = f"| `{key}` | `{env_name(key)}` | {describe_default(key)} |"
+        assert row in doc, f"docs/configuration.md lacks the row starting {row!r}"
+
+
+def test_cli_flags_come_from_the_declaration():
+    """serve / generate / doctor expose every setting of their command, with the declared default."""
+    from click.testing import CliRunner
+
+    from edge_llm.cli import cli
+    from edge_llm.settings import FIELDS, describe_default
+
+    for command in ("serve", "generate", "doctor"):
+        out = CliRunner().invoke(cli, [command, "--help"], terminal_width=400).output
+        for key, f in FIELDS.items():
+            flag = "--" + key.replace("_", "-")
+            if command in f.metadata["commands"]:
+                assert flag in out and describe_default(key) in out, (command, key)
+            else:
+                assert flag + " " not in out, (command, key)

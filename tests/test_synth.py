@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from edge_llm.config import ModelArgs
 from edge_llm.errors import ModelImportError
-from edge_llm.models.synth import (bf16_bits_to_f32, f32_to_bf16_bits, qwen3_vl_plans, read_safetensors_header,
-                                   synth_checkpoint, synth_tensor_bf16_blocks, synth_tensor_f32, text_config)
+from edge_llm.models.safetensors_writer import bf16_bits_to_f32, f32_to_bf16_bits, read_safetensors_header
+from edge_llm.models.synth import (qwen3_vl_plans, synth_checkpoint, synth_tensor_bf16_blocks, synth_tensor_f32,
+                                   text_config)
 from edge_llm.weights import expected_tensors, index_tensors, safetensors_files
 
 torch = pytest.importorskip("torch")

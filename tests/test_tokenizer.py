@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from edge_llm.errors import TokenizerError
-from edge_llm.models.default import default_gguf_path, qwen3_tokenizer_dir
+from edge_llm.models.packaged import default_gguf_path, qwen3_tokenizer_dir
 from edge_llm.models.gguf_import import import_tokenizer
 from edge_llm.tokenizer import REPLACEMENT_CHAR, StopMatcher, Tokenizer
 
@@ -176,6 +176,7 @@ def test_stop_matcher_holds_back_and_truncates():
 
 
 @settings(max_examples=200, deadline=None)
+@example(text="aXX", stops=["X", "aXX"], cuts=[2])  # a longer stop string that starts earlier wins
 @given(text=st.text(alphabet="abc XY", max_size=40), stops=st.lists(st.text(alphabet="abcX", min_size=1, max_size=4),
                                                                     max_size=3),
        cuts=st.lists(st.integers(0, 40), max_size=8))

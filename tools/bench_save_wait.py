@@ -15,7 +15,8 @@ import argparse
 import tempfile
 
 from edge_llm.engine import GenerationRequest
-from edge_llm.runtime import RuntimeOptions, load_runtime
+from edge_llm.runtime import load_runtime
+from edge_llm.settings import Settings
 
 
 def main() -> None:
@@ -24,7 +25,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2000)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="edge-llm-wait-") as kv:
-        eng = load_runtime(RuntimeOptions(model=args.model, disk_kv=kv))
+        eng = load_runtime(Settings(model=args.model, disk_kv=kv))
         enc = eng.tokenizer.encode
         a = enc(" ".join(f"Note {i}: crate {i} holds {i * 7 % 13} lamps." for i in range(800)))[:args.tokens]
         b = enc(" ".join(f"Memo {i}: shelf {i} has {i * 5 % 11} cups." for i in range(800)))[:args.tokens]

@@ -16,6 +16,7 @@ from pathlib import Path
 from edge_llm.bench import client as S
 from edge_llm.bench.disk import MB, drop_file_cache, measure_raw
 from edge_llm.bench.prompts import FOLLOW_UP, QUESTION, history, sized_history
+from edge_llm.settings import DEFAULTS
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ def _snapshot_formula(geometry, n: int, kv_bs: int) -> int:
 
 
 def run_context(model: str, geometry, ctx: int, work: Path, max_tokens: int, ready_timeout: float,
-                kv_bs: int = 64, step=lambda _m: None, encode=None) -> dict:
+                kv_bs: int = DEFAULTS.kv_bs, step=lambda _m: None, encode=None) -> dict:
     """One context size: S1 cold + snapshot, kill, S2 restore + tail. Returns the row.
 
     `encode` (the model's tokenizer) sizes the history to ctx - HEADROOM tokens exactly enough.

@@ -27,6 +27,7 @@ from edge_llm.bench.disk import (
 )
 from edge_llm.config import Geometry
 from edge_llm.kvcache import KVCache
+from edge_llm.settings import DEFAULTS
 from edge_llm.snapshot.format import fnv1a64, snapshot_name, snapshot_size
 from edge_llm.snapshot.identity import Identity
 from edge_llm.snapshot.store import SnapshotStore
@@ -142,7 +143,7 @@ def rows_equal(a: KVCache, b: KVCache, n: int) -> bool:
     return bool(np.array_equal(a.data[:, :, :n].view(np.uint32), b.data[:, :, :n].view(np.uint32)))
 
 
-def run(directory: Path, geometry: Geometry, contexts: list[int], kv_bs: int = 64, scan_files: int = 8,
+def run(directory: Path, geometry: Geometry, contexts: list[int], kv_bs: int = DEFAULTS.kv_bs, scan_files: int = DEFAULTS.disk_kv_max_files,
         scan_tokens: int | None = None, seed: int = 0, repeats: int = 3, progress=None) -> dict:
     """The whole benchmark; returns a JSON-ready dict. `progress(description)` is called per step."""
     step = progress or (lambda _msg: None)

@@ -16,6 +16,8 @@ import click
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from edge_llm.settings import DEFAULTS
+
 console = Console()
 OUT_HELP = "Parent folder of the dated results folder."
 
@@ -51,9 +53,9 @@ def bench() -> None:
 @click.option("--contexts", default="2048,8192", show_default=True, help="Snapshot sizes in tokens.")
 @click.option("--preset", type=click.Choice(["qwen3-vl-2b"]), default="qwen3-vl-2b", show_default=True)
 @click.option("--layers", type=click.IntRange(1), default=None, help="Fewer layers than the preset's.")
-@click.option("--kv-bs", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--kv-bs", type=click.IntRange(1), default=DEFAULTS.kv_bs, show_default=True)
 @click.option("--repeats", type=click.IntRange(1), default=3, show_default=True)
-@click.option("--scan-files", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--scan-files", type=click.IntRange(1), default=DEFAULTS.disk_kv_max_files, show_default=True)
 @click.option("--scan-tokens", type=click.IntRange(1), default=None, help="[default: smallest context]")
 @click.option("--out", default="benchmarks/results", show_default=True, help=OUT_HELP)
 def restore_cmd(data_dir, contexts, preset, layers, kv_bs, repeats, scan_files, scan_tokens, out) -> None:
@@ -61,18 +63,18 @@ def restore_cmd(data_dir, contexts, preset, layers, kv_bs, repeats, scan_files, 
     run_restore(data_dir, _ints(contexts), preset, layers, kv_bs, repeats, scan_files, scan_tokens, out)
 
 
-def run_restore(data_dir, contexts, preset="qwen3-vl-2b", layers=None, kv_bs=64, repeats=3, scan_files=8,
+def run_restore(data_dir, contexts, preset="qwen3-vl-2b", layers=None, kv_bs=DEFAULTS.kv_bs, repeats=3, scan_files=DEFAULTS.disk_kv_max_files,
                 scan_tokens=None, out="benchmarks/results") -> Path:
     from edge_llm.bench import restore as B
     from edge_llm.bench.disk import new_results_dir
     from edge_llm.config import Geometry
-    from edge_llm.settings import edge_home
+    from edge_llm.settings import home_dir
 
     g = B.PRESETS[preset]
     if layers:
         g = Geometry(layers, g.n_kv_heads, g.head_dim)
     res_dir = new_results_dir(out, "restore")
-    work = Path(data_dir) if data_dir else edge_home() / "bench"
+    work = Path(data_dir) if data_dir else home_dir() / "bench"
     with _progress() as prog:
         task = prog.add_task("restore bench", total=None)
         try:
@@ -109,9 +111,9 @@ def recovery_cmd(model, synth_layers, contexts, max_tokens, ready_timeout, out) 
 
 def synth_model(layers: int) -> Path:
     """$EDGE_LLM_HOME/models/synth-qwen3-vl-2b-<N>l, written by `edge-llm model synth` if missing."""
-    from edge_llm.settings import edge_home
+    from edge_llm.settings import home_dir
 
-    path = edge_home() / "models" / f"synth-qwen3-vl-2b-{layers}l"
+    path = home_dir() / "models" / f"synth-qwen3-vl-2b-{layers}l"
     if not (path / "config.json").is_file():
         console.print(f"writing synthetic checkpoint {path} ...")
         subprocess.run([sys.executable, "-m", "edge_llm", "model", "synth", "--preset", "qwen3-vl-2b",

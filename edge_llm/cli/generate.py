@@ -7,12 +7,12 @@ import sys
 
 import click
 
-from edge_llm.cli.options import runtime_options
-from edge_llm.runtime import RuntimeOptions
+from edge_llm.cli.options import settings_options
+from edge_llm.settings import Settings
 
 
 @click.command("generate")
-@runtime_options
+@settings_options("generate")
 @click.option("--prompt", "-p", default=None, help="Prompt text (default: read stdin).")
 @click.option("--chat/--raw", default=True, show_default=True, help="Wrap the prompt in the chat template.")
 @click.option("--system", default=None, help="System message (with --chat).")
@@ -23,7 +23,7 @@ from edge_llm.runtime import RuntimeOptions
 @click.option("--seed", default=None, type=int)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("-v", "--verbose", is_flag=True, help="Show library log lines ([KV-DISK], [PREFILL-TIMING]).")
-def generate(opts: RuntimeOptions, prompt, chat, system, max_tokens, temperature, top_k, top_p, seed,
+def generate(settings: Settings, prompt, chat, system, max_tokens, temperature, top_k, top_p, seed,
              stop, verbose) -> None:
     """Generate text for one prompt, streaming it to stdout."""
     from rich.console import Console
@@ -40,7 +40,7 @@ def generate(opts: RuntimeOptions, prompt, chat, system, max_tokens, temperature
         prompt = sys.stdin.read()
     try:
         with err.status("loading model..."):
-            engine = load_runtime(opts)
+            engine = load_runtime(settings)
         if chat:
             messages = ([{"role": "system", "content": system}] if system else [])
             messages.append({"role": "user", "content": prompt})

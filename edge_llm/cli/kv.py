@@ -20,8 +20,8 @@ from rich.table import Table
 from edge_llm.errors import SnapshotError
 from edge_llm.snapshot import format as fmt
 from edge_llm.snapshot.identity import read_identity
-from edge_llm.snapshot.inspect import describe as inspect_file
 from edge_llm.snapshot.index import QUARANTINE, Entry, lru_victims
+from edge_llm.snapshot.inspect import describe as inspect_file
 from edge_llm.snapshot.writer import TMP_SUFFIX, fsync_dir
 
 NS_RE = re.compile(r"^[0-9a-f]{16}$")
@@ -212,7 +212,9 @@ def _field_value(h: dict, d: dict) -> str:
 def _print_tokens(tokens: list[int], n_show: int, tokenizer_dir: Path | None) -> None:
     tok = None
     if tokenizer_dir is not None:
-        from edge_llm.tokenizer import Tokenizer  # lazy: only inspect --tokenizer needs it
+        from edge_llm.tokenizer import (
+            Tokenizer,  # lazy: only inspect --tokenizer needs it
+        )
 
         tok = Tokenizer.from_dir(tokenizer_dir)
     t = Table(title=f"token ids (first {min(n_show, len(tokens))} of {len(tokens)}, u32 at offset 64)",

@@ -9,14 +9,20 @@ from collections.abc import Callable, Iterator
 
 import click
 
-from edge_llm.kvcache import DEFAULT_MAX_SEQ
+from edge_llm.settings import DEFAULTS
 
 
 @contextlib.contextmanager
 def progress_bar(label: str) -> Iterator[Callable[[int, int, str], None]]:
     """A rich progress bar on stderr, driven by the library's `progress(done, total, what)` callback."""
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
 
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), transient=False, console=_err()) as bar:
@@ -80,7 +86,7 @@ def synth_cmd(preset: str, layers: int | None, seed: int, out_dir: str) -> None:
 
 def _param_counts(model_dir, prefix: str) -> tuple[int, int, dict[str, int], int]:
     """(all params, text-model params, dtype -> count, bytes on disk) from safetensors headers."""
-    from edge_llm.models.synth import read_safetensors_header
+    from edge_llm.models.safetensors_writer import read_safetensors_header
     from edge_llm.weights import safetensors_files
 
     total = text = size = 0
@@ -102,7 +108,7 @@ def _param_counts(model_dir, prefix: str) -> tuple[int, int, dict[str, int], int
 
 @model.command("info")
 @click.argument("model_dir", default="default")
-@click.option("--max-seq", type=click.IntRange(1), default=DEFAULT_MAX_SEQ, show_default=True,
+@click.option("--max-seq", type=click.IntRange(1), default=DEFAULTS.max_seq, show_default=True,
               help="Context length for the KV size line.")
 def info_cmd(model_dir: str, max_seq: int) -> None:
     """Geometry, KV bytes per token and parameter count of MODEL_DIR (or 'default')."""

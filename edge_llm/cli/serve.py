@@ -2,7 +2,7 @@
 
 SIGTERM/SIGINT: stop accepting, let the running request finish for up to --grace-seconds (then
 cancel it), flush the pending snapshot save, write the exit line, exit 0. SIGHUP reopens the log
-file. Settings: flag > EDGE_LLM_* env > --config TOML > default.
+file. Settings: flag > EDGE_LLM_* env > --config TOML > default (edge_llm/settings.py).
 """
 
 from __future__ import annotations
@@ -14,53 +14,15 @@ import threading
 
 import click
 
+from edge_llm.cli.options import settings_options
+
 log = logging.getLogger("edge_llm.lifecycle")
 
 
-def _flags(**kw):
-    """Only the flags the user gave (click passes None for the rest)."""
-    return {k: v for k, v in kw.items() if v is not None}
-
-
 @click.command("serve")
-@click.option("--config", "config_file", default=None, metavar="FILE",
-              help="TOML settings file (keys as in board/edge-llm.toml.example).")
-@click.option("--model", default=None, help="HF model directory or 'default'.  [default: default]")
-@click.option("--host", default=None, help="Bind address.  [default: 127.0.0.1]")
-@click.option("--port", default=None, type=click.IntRange(1, 65535), help="[default: 8080]")
-@click.option("--disk-kv", default=None, metavar="DIR",
-              help="Snapshot directory.  [default: $STATE_DIRECTORY/kv or $EDGE_LLM_HOME/kv]")
-@click.option("--no-disk-kv", is_flag=True, default=False, help="Turn disk KV snapshots off.")
-@click.option("--disk-kv-min-lcp", default=None, type=click.IntRange(1), help="[default: 16]")
-@click.option("--disk-kv-max-files", default=None, type=click.IntRange(1), help="[default: 8]")
-@click.option("--disk-kv-max-bytes", default=None, type=click.IntRange(1), help="[default: no cap]")
-@click.option("--disk-kv-max-tokens", default=None, type=click.IntRange(1), help="[default: 8192]")
-@click.option("--kv-bs", default=None, type=click.IntRange(1), help="KV rows per block.  [default: 64]")
-@click.option("--max-seq", default=None, type=click.IntRange(1), help="Context window.  [default: 8192]")
-@click.option("--queue-size", default=None, type=click.IntRange(1),
-              help="Requests waiting behind the running one; beyond: 503.  [default: 16]")
-@click.option("--api-key-file", default=None, metavar="FILE",
-              help="Require 'Authorization: Bearer <key>' with a key from this file.")
-@click.option("--log-file", default=None, metavar="FILE",
-              help="Append-only log file; '' for none.  [default: $LOGS_DIRECTORY/edge-llm.log or "
-                   "$EDGE_LLM_HOME/logs/edge-llm.log]")
-@click.option("--backend", default=None, type=click.Choice(["cpu"]), help="[default: cpu]")
-@click.option("--grace-seconds", default=None, type=click.FloatRange(0),
-              help="How long a running request may finish after SIGTERM.  [default: 30]")
-@click.option("--max-body-bytes", default=None, type=click.IntRange(1), help="[default: 4 MiB]")
-def serve(config_file, no_disk_kv, **kw) -> None:
+@settings_options("serve")
+def serve(settings) -> None:
     """Serve the OpenAI-compatible API (completions, chat, models, health, metrics)."""
-    from edge_llm.errors import ConfigError
-    from edge_llm.settings import load_settings
-
-    if no_disk_kv:
-        if kw.get("disk_kv"):
-            raise click.UsageError("--disk-kv and --no-disk-kv are mutually exclusive")
-        kw["disk_kv"] = "off"
-    try:
-        settings = load_settings(_flags(**kw), config_file=config_file)
-    except ConfigError as e:
-        raise click.ClickException(str(e)) from None
     sys.exit(run_server(settings))
 
 

@@ -15,7 +15,12 @@ from typing import Any
 import numpy as np
 
 from edge_llm.errors import ModelImportError
-from edge_llm.models.synth import Progress, TensorPlan, write_json_atomic, write_checkpoint
+from edge_llm.models.safetensors_writer import (
+    Progress,
+    TensorPlan,
+    write_checkpoint,
+    write_json_atomic,
+)
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +131,16 @@ def build_tokenizer(meta: _Meta) -> tuple[str, dict[str, Any], list[int]]:
 
     Returns (tokenizer.json text, tokenizer_config.json dict, eos ids for generation_config).
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
 
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -20,11 +21,10 @@ from edge_llm.config import ModelArgs
 from edge_llm.errors import KVCacheError
 from edge_llm.kvcache import KVCache
 from edge_llm.models.rope import Rope, apply_rope
+from edge_llm.settings import DEFAULTS
 from edge_llm.weights import load_weights
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CHUNK = 128
 
 
 def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int,
@@ -64,10 +64,14 @@ class Model:
         self.scale = np.float32(1.0 / math.sqrt(args.head_dim))
 
     @classmethod
-    def load(cls, model_dir: str | Path, backend: str | Backend = "cpu") -> "Model":
-        """Read config.json, check every tensor's name and shape, then load the weights."""
+    def load(cls, model_dir: str | Path, backend: str | Backend = DEFAULTS.backend,
+             progress: Callable[[int, int], None] | None = None) -> "Model":
+        """Read config.json, check every tensor's name and shape, then load the weights.
+
+        `progress(done, total)` is called after each tensor is loaded."""
         args = ModelArgs.from_dir(model_dir)
         weights = load_weights(model_dir, args)  # raises WeightsError before anything is read
+        weights.progress = progress
         be = get_backend(backend) if isinstance(backend, str) else backend
         q_norms: list[np.ndarray] = []
         k_norms: list[np.ndarray] = []
@@ -85,7 +89,7 @@ class Model:
     def numerics(self) -> str:
         return self.backend.numerics
 
-    def new_cache(self, max_seq: int = 8192, **kw) -> KVCache:
+    def new_cache(self, max_seq: int = DEFAULTS.max_seq, **kw) -> KVCache:
         """A KV cache with this model's geometry."""
         return KVCache(self.args.geometry, max_seq=max_seq, **kw)
 
@@ -99,7 +103,7 @@ class Model:
         """
         return self._run(tokens, cache, "all" if all_logits else "last", positions)
 
-    def prefill(self, tokens, cache: KVCache, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
+    def prefill(self, tokens, cache: KVCache, chunk: int = DEFAULTS.prefill_chunk) -> np.ndarray:
         """Forward in chunks so memory stays bounded; logits (vocab,) of the last token only."""
         ids = np.asarray(tokens, dtype=np.int64)
         if ids.size == 0:

@@ -21,8 +21,14 @@ from edge_llm.engine import GenerationRequest
 from edge_llm.errors import EdgeLLMError
 from edge_llm.sampling import SamplingParams
 from edge_llm.server import schemas as S
-from edge_llm.server.errors import (APIError, BodyLimitMiddleware, bad_request, install_handlers,
-                                    queue_full, unavailable)
+from edge_llm.server.errors import (
+    APIError,
+    BodyLimitMiddleware,
+    bad_request,
+    install_handlers,
+    queue_full,
+    unavailable,
+)
 from edge_llm.server.metrics import StatusCountMiddleware
 from edge_llm.server.state import AppState
 from edge_llm.server.streaming import collect, sse_chat, sse_completion

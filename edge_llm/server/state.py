@@ -55,7 +55,7 @@ class AppState:
     def _default_loader(self) -> Any:
         from edge_llm.runtime import load_runtime
 
-        return load_runtime(self.settings.runtime_options())
+        return load_runtime(self.settings)
 
     def start_loading(self) -> None:
         self._status("loading model")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge_llm.engine import GenerationEvent, GenerationRequest
+from edge_llm.settings import DEFAULTS
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class Job:
 class Worker:
     """One thread runs `engine.generate` for one job at a time, in FIFO order."""
 
-    def __init__(self, engine: Any, queue_size: int = 16, notifier: Any = None, on_finish=None):
+    def __init__(self, engine: Any, queue_size: int = DEFAULTS.queue_size, notifier: Any = None, on_finish=None):
         self.engine = engine
         self.queue_size = queue_size
         self.notifier = notifier

@@ -19,9 +19,22 @@ import crc32c
 import numpy as np
 
 from edge_llm.config import Geometry
-from edge_llm.errors import (SnapshotBadMagic, SnapshotBadVersion, SnapshotBlockCRC, SnapshotFlags, SnapshotGeometry, SnapshotHeaderCRC, SnapshotKVDim,
-                             SnapshotModelID, SnapshotSize, SnapshotTokenCount, SnapshotTokenHash,
-                             SnapshotTooShort, SnapshotTrailerCRC)
+from edge_llm.errors import (
+    SnapshotBadMagic,
+    SnapshotBadVersion,
+    SnapshotBlockCRC,
+    SnapshotFlags,
+    SnapshotGeometry,
+    SnapshotHeaderCRC,
+    SnapshotKVDim,
+    SnapshotModelID,
+    SnapshotSize,
+    SnapshotTokenCount,
+    SnapshotTokenHash,
+    SnapshotTooShort,
+    SnapshotTrailerCRC,
+)
+from edge_llm.settings import DEFAULTS
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +51,6 @@ MAGIC = 0x564C4B56
 VERSION = 1
 FLAG_TRAILER = 1
 F32 = 4
-DEFAULT_MAX_TOKENS = 8192
 FNV_OFFSET, FNV_PRIME, U64 = 0xCBF29CE484222325, 0x100000001B3, (1 << 64) - 1
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
 KV_NAMES = ("K", "V")
@@ -291,7 +303,7 @@ def _file_size(f: Any) -> int:
 
 
 def read_header(f: BinaryIO, geometry: Geometry | None, model_id: int | None,
-                max_tokens: int | None = DEFAULT_MAX_TOKENS,
+                max_tokens: int | None = DEFAULTS.disk_kv_max_tokens,
                 file_size: int | None = None) -> tuple[SnapshotHeader, np.ndarray]:
     """Validate everything but the payload, in SPEC order; return (header, token ids as uint32).
 

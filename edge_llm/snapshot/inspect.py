@@ -8,8 +8,16 @@ from typing import Any
 import crc32c
 
 from edge_llm.errors import SnapshotError, SnapshotTokenHash, SnapshotTrailerCRC
-from edge_llm.snapshot.format import (F32, HEADER, HEADER_FIELDS, KV_NAMES, SnapshotHeader, n_blocks,
-                                      read_header, snapshot_size)
+from edge_llm.snapshot.format import (
+    F32,
+    HEADER,
+    HEADER_FIELDS,
+    KV_NAMES,
+    SnapshotHeader,
+    n_blocks,
+    read_header,
+    snapshot_size,
+)
 
 
 def describe(path: str | os.PathLike, max_blocks: int | None = 64) -> dict[str, Any]:

@@ -22,11 +22,26 @@ import numpy as np
 from edge_llm.config import Geometry
 from edge_llm.errors import SnapshotError
 from edge_llm.kvcache import KVCache
+from edge_llm.settings import DEFAULTS
 from edge_llm.snapshot import format as fmt
 from edge_llm.snapshot.identity import Identity, ensure_namespace
-from edge_llm.snapshot.index import (Entry, Hit, RestoreResult, is_prefix, lcp, lru_victims, mbps,
-                                     quarantine_file)
-from edge_llm.snapshot.writer import TMP_SUFFIX, BackgroundWriter, SaveJob, fsync_dir, publish_file
+from edge_llm.snapshot.index import (
+    Entry,
+    Hit,
+    RestoreResult,
+    is_prefix,
+    lcp,
+    lru_victims,
+    mbps,
+    quarantine_file,
+)
+from edge_llm.snapshot.writer import (
+    TMP_SUFFIX,
+    BackgroundWriter,
+    SaveJob,
+    fsync_dir,
+    publish_file,
+)
 
 log = logging.getLogger("edge_llm.kvdisk")
 
@@ -38,8 +53,10 @@ READ_MAX_TOKENS = 1 << 18
 class SnapshotStore:
     """Snapshots of one identity under `<kv_dir>/<model_id hex>/`; see the module docstring."""
 
-    def __init__(self, kv_dir: str | Path, identity: Identity, geometry: Geometry, min_lcp: int = 16,
-                 max_files: int = 8, max_bytes: int | None = None, max_tokens: int = 8192, kv_bs: int = 64):
+    def __init__(self, kv_dir: str | Path, identity: Identity, geometry: Geometry,
+                 min_lcp: int = DEFAULTS.disk_kv_min_lcp, max_files: int = DEFAULTS.disk_kv_max_files,
+                 max_bytes: int | None = DEFAULTS.disk_kv_max_bytes,
+                 max_tokens: int = DEFAULTS.disk_kv_max_tokens, kv_bs: int = DEFAULTS.kv_bs):
         if min_lcp < 1 or max_files < 1 or max_tokens < 1 or kv_bs < 1:
             raise ValueError("min_lcp, max_files, max_tokens and kv_bs must be >= 1")
         self.identity, self.geometry = identity, geometry

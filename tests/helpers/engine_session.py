@@ -14,7 +14,8 @@ import sys
 import numpy as np
 
 from edge_llm.engine import GenerationRequest
-from edge_llm.runtime import RuntimeOptions, load_runtime
+from edge_llm.runtime import load_runtime
+from edge_llm.settings import Settings
 
 FOLLOW_UP = [100, 200, 300, 400, 500, 600, 700, 800, 900, 1000, 1100]
 
@@ -39,7 +40,7 @@ def main() -> None:
 
     state = json.load(open(a.state))
     disk = a.kv_dir if a.mode != "oneshot" else None
-    eng = load_runtime(RuntimeOptions(model=a.model, disk_kv=disk, max_seq=1024, kv_bs=16))
+    eng = load_runtime(Settings(model=a.model, disk_kv=disk, max_seq=1024, kv_bs=16))
     if a.mode == "warm":
         last = list(eng.generate(GenerationRequest(state["prompt"], max_tokens=6)))[-1]
         state["completion"] = last.completion_ids
