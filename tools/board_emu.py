@@ -216,10 +216,18 @@ def sweep_stale(base: Path) -> None:
             owner = int((d / "owner.pid").read_text())
         except (OSError, ValueError):
             owner = 0
-        if owner and _pid_alive(owner):
-            continue
+        if owner and _pid_alive(owner) or any(str(d) in c for c in _cmdlines()):
+            continue  # its test run is alive, or its nspawn is still stopping (timeout -k)
         log(f"removing the leftover board directory {d} (owner pid {owner} is gone)")
         _remove_tree(d)
+
+
+def _cmdlines() -> list[str]:
+    out = []
+    for p in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            out.append(p.read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+    return out
 
 
 def checkout_files(repo: Path = REPO) -> list[str]:
@@ -244,6 +252,7 @@ class Board:
         self.dir: Path | None = None
         self.proc: subprocess.Popen | None = None
         self.init_pid: int | None = None
+        self.pidns = ""  # the board's pid namespace (readlink of /proc/PID/ns/pid)
 
     @property
     def root(self) -> Path:
@@ -329,6 +338,7 @@ class Board:
                 raise TimeoutError(f"no container init after {timeout_s} s:\n{self.console()}")
             self.init_pid = self._find_init()
             time.sleep(0.2)
+        self.pidns = os.readlink(f"/proc/{self.init_pid}/ns/pid")
         # systemd answers once it is up; "degraded" is fine (units nspawn cannot run, see docs)
         left = max(10.0, deadline - time.monotonic())
         while True:
@@ -367,28 +377,69 @@ class Board:
             return ""
 
     def shutdown(self, timeout_s: float = 120) -> int | None:
-        """Clean poweroff (SIGTERM to nspawn = SIGRTMIN+3 to the board's systemd), then SIGKILL."""
+        """`systemctl poweroff` inside, then nspawn's immediate termination, then SIGKILL.
+
+        Not SIGTERM first: nspawn forwards it as SIGRTMIN+3 (halt), and qemu-user remaps
+        real-time signals, so the board's systemd receives another one and enters rescue mode."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)  # timeout forwards it to nspawn
-            try:
+        if self.proc.poll() is None and self.init_pid is not None:
+            with contextlib.suppress(subprocess.SubprocessError, OSError):
+                self.run(["systemctl", "poweroff", "--no-block"], check=False, timeout=60)
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                log("board did not power off in time: killing it")
+        for sig in (signal.SIGTERM, signal.SIGTERM):  # nspawn: a second SIGTERM terminates at once
+            if self.proc.poll() is None:
+                log(f"board still running: sending {sig.name} to systemd-nspawn")
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
+                    self.proc.send_signal(sig)  # timeout forwards it to nspawn
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(15)
+        if self.proc.poll() is None:
+            log("board did not stop: killing it")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
         self.init_pid = None
+        self._reap_namespace()
         return self.proc.returncode
+
+    def _members(self) -> list[int]:
+        """Host pids still in the board's pid namespace (nsenter'd commands included)."""
+        out = []
+        for ns in Path("/proc").glob("[0-9]*/ns/pid"):
+            with contextlib.suppress(OSError):
+                if os.readlink(ns) == self.pidns:
+                    out.append(int(ns.parent.parent.name))
+        return out
+
+    def _reap_namespace(self, timeout_s: float = 30) -> None:
+        """Wait until the last process of the board is gone (SIGKILL after `timeout_s`), so no
+        late writer (journald's final flush) recreates files while the tree is removed."""
+        if not self.pidns:
+            return
+        deadline = time.monotonic() + timeout_s
+        while (left := self._members()):
+            if time.monotonic() > deadline:
+                for pid in left:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                deadline = time.monotonic() + 10
+            time.sleep(0.2)
+        self.pidns = ""
 
     def destroy(self) -> None:
         try:
             self.shutdown()
         finally:
             if self.dir is not None:
-                _remove_tree(self.dir)
+                for _ in range(3):
+                    _remove_tree(self.dir)
+                    if not self.dir.exists():
+                        break
+                    time.sleep(1)
+                else:
+                    log(f"could not remove {self.dir}")
                 self.dir = None
 
     # ---- commands inside ------------------------------------------------------------------
