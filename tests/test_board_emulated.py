@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,6 +47,7 @@ PROMPT = "Inventory log of the north warehouse.\n" + "".join(
 GREEDY = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}
 # a seeded sample reads the logits themselves (the tiny random model's greedy text repeats one token)
 SAMPLED = {"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 11}
+REFERENCE: dict[str, str] = {}  # the texts before any restart (set by the lifecycle test)
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +72,13 @@ def board(tmp_path_factory):
 
 
 # ---- helpers -------------------------------------------------------------------------------------
-def ctl(b, *args: str, check: bool = True) -> str:
-    return b.run(["systemctl", *args], check=check).stdout.strip()
+def ctl(b, *args: str, check: bool = True, timeout: float = 900) -> str:
+    try:
+        return b.run(["systemctl", *args], check=check, timeout=timeout).stdout.strip()
+    except subprocess.SubprocessError as e:  # failed or hung: show what the service said
+        out = (getattr(e, "stdout", "") or "") + (getattr(e, "stderr", "") or "")
+        pytest.fail(f"systemctl {' '.join(args)}: {e}\n{out}\n--- journal:\n"
+                    f"{b.run(['journalctl', '-n', '80', '--no-pager'], check=False).stdout}")
 
 
 def prop(b, name: str) -> str:
@@ -141,6 +148,7 @@ def test_restarts_restore_snapshots_and_keep_logs(board):
     sampled = complete(b, SAMPLED)  # same prompt: a RAM hit, then its own snapshot
     wait_save(b, mark)
     cold_text, sampled_text = cold["choices"][0]["text"], sampled["choices"][0]["text"]
+    REFERENCE.update(greedy=cold_text, sampled=sampled_text)
 
     for how in ("kill", "restart"):
         mark = log_offset(log)
@@ -273,6 +281,25 @@ def test_restore_is_bitwise_on_aarch64(board, x):
     for key in ("k", "v", "logits", "last_logits"):
         assert np.array_equal(restored[key].view(np.uint32), warm[key].view(np.uint32)), key
     assert restored["tokens"].tolist() == warm["tokens"].tolist()
+
+
+def test_reboot_starts_the_service_and_restores(board):
+    """A power cycle: the enabled service starts at boot (before `is-system-running` returns),
+    restores from the snapshots on disk, and the journal still has the previous boot."""
+    b = board
+    assert REFERENCE, "needs the texts of test_restarts_restore_snapshots_and_keep_logs"
+    before = [int(p) for p in START_RE.findall(journal(b, "-b", "0"))]
+    mark = log_offset(b.path(LOG))
+    b.reboot()
+    assert ctl(b, "is-active", "edge-llm") == "active"
+    wait_ready(b.url, timeout=60)
+    r = complete(b, GREEDY)
+    assert r["timings"]["cache_source"] == "disk" and r["choices"][0]["text"] == REFERENCE["greedy"]
+    assert LOADED_RE.search(read_since(b.path(LOG), mark))
+    assert complete(b, SAMPLED)["choices"][0]["text"] == REFERENCE["sampled"]
+    previous = [int(p) for p in START_RE.findall(journal(b, "-b", "-1"))]
+    assert before and previous == before  # `journalctl -u edge-llm -b -1`, as docs/board.md says
+    assert len(START_RE.findall(journal(b, "-b", "0"))) == 1
 
 
 LAB_DOC = REPO / "docs" / "lab-a.md"

@@ -10,8 +10,8 @@ What it does (the tests in tests/test_board_emulated.py drive the same class):
   board image (python3-venv, systemd, dbus, sudo, curl, logrotate), from the Debian mirrors this
   host's apt is configured with (read at run time, never stored). Packed as a zstd tarball in
   `$XDG_CACHE_HOME/edge-llm-board/` (or `~/.cache/...`), keyed by suite + package list, so only
-  the first run pays the ~7 minutes. pip's cache lives beside it and is bind-mounted into the
-  board, so a second install downloads nothing it already has.
+  the first run pays the minutes. The board's aarch64 wheels are downloaded natively on the host
+  into a wheelhouse beside it, which the board's pip reads first (the emulated pip is slow).
 - boot: the tarball is unpacked into a fresh temporary directory and booted with
   `systemd-nspawn -q --register=no --keep-unit -D ROOT -b` under `timeout -k` (the container
   shares the host network, so the service's port is reachable from here). Commands run inside
@@ -23,7 +23,7 @@ What it does (the tests in tests/test_board_emulated.py drive the same class):
 - teardown: poweroff, then SIGKILL after a timeout, then the directory is removed; a run that
   was killed outright leaves a directory that the next run removes (its owner pid is recorded).
 
-Standard library only: it runs with the host's python3 before any venv exists.
+Standard library (and pip) only: it runs with the host's python3 before any venv exists.
 """
 
 from __future__ import annotations
@@ -174,6 +174,65 @@ def rootfs_tarball(rebuild: bool = False) -> Path:
     return tarball
 
 
+# ---- aarch64 wheels for the board's pip ----------------------------------------------------------
+BOARD_PYTHON = "3.11"  # bookworm's python3
+WHEELHOUSE = "/var/cache/edge-llm-wheels"  # where the board sees cache_dir()/wheels-...
+
+
+def wheelhouse_dir() -> Path:
+    return cache_dir() / f"wheels-aarch64-cp{BOARD_PYTHON.replace('.', '')}"
+
+
+def board_requirements(repo: Path = REPO) -> list[str]:
+    """What `pip install '<checkout>[board]'` pulls in on the board: the project's dependencies and
+    `board` extra (markers evaluated for aarch64 + the board's Python) and its build requirements."""
+    import tomllib
+
+    from pip._vendor.packaging.requirements import Requirement
+
+    proj = tomllib.loads((repo / "pyproject.toml").read_text())
+    env = {"platform_machine": "aarch64", "sys_platform": "linux", "platform_system": "Linux",
+           "os_name": "posix", "python_version": BOARD_PYTHON, "python_full_version": BOARD_PYTHON + ".2",
+           "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+    out = []
+    for line in [*proj["project"]["dependencies"], *proj["project"]["optional-dependencies"]["board"]]:
+        req = Requirement(line)
+        if req.marker is None or req.marker.evaluate(env):
+            req.marker = None
+            out.append(str(req))
+    return out + list(proj["build-system"]["requires"])
+
+
+def prefetch_wheels() -> Path:
+    """Download the board's aarch64 wheels natively on this host (seconds) into the cache, so the
+    emulated pip (slow: every byte it handles goes through qemu) finds them locally. The board's
+    pip still resolves against the index; the wheelhouse only supplies files it already has.
+    pip's own HTTP cache cannot do this here: this sandbox's proxy strips caching headers."""
+    dest = wheelhouse_dir()
+    dest.mkdir(parents=True, exist_ok=True)
+    platforms = ["manylinux2014_aarch64", *(f"manylinux_2_{v}_aarch64" for v in range(17, 37)), "linux_aarch64"]
+    cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--only-binary=:all:",
+           "--python-version", BOARD_PYTHON, "--implementation", "cp", "--abi", "cp" + BOARD_PYTHON.replace(".", ""),
+           *(f"--platform={p}" for p in platforms), "-d", str(dest), *board_requirements()]
+    cafile = os.environ.get("SSL_CERT_FILE") or "/etc/ssl/certs/ca-certificates.crt"
+    if Path(cafile).is_file():
+        cmd[4:4] = ["--cert", cafile]
+    # PyPI only, as the board sees it: not this host's pip configuration or local indexes
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    t0 = time.monotonic()
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    if res.returncode != 0:  # not fatal: the board's pip downloads what it misses
+        log(f"wheel prefetch failed (the board will download): {res.stderr.strip()[-800:]}")
+        return dest
+    keep = set(re.findall(r"(?:Saved|File was already downloaded) (?:\S*/)?([^/\s]+\.whl)", res.stdout))
+    for old in dest.glob("*.whl"):
+        if keep and old.name not in keep:
+            old.unlink()  # an older version nothing asks for any more
+    log(f"{len(keep)} aarch64 wheels ready in {time.monotonic() - t0:.0f} s: {dest}")
+    return dest
+
+
 # ---- a booted board ----------------------------------------------------------------------------
 def _die_with_parent() -> None:
     """preexec: if the test process dies (even by SIGKILL), `timeout` gets SIGTERM and stops
@@ -306,7 +365,10 @@ class Board:
         self.write("/etc/systemd/system.conf.d/50-board-emu.conf",
                    "# board_emu.py: every unit runs under qemu-user; cortex-a76 = RK3588's big cores\n"
                    f"[Manager]\nDefaultEnvironment=QEMU_CPU={QEMU_CPU}\n")
-        (cache_dir() / "pip").mkdir(parents=True, exist_ok=True)
+        # every pip on the board (sudo resets the environment) looks in the wheelhouse first
+        self.write("/etc/pip.conf", f"# board_emu.py: aarch64 wheels prefetched on the host\n"
+                   f"[global]\nfind-links = {WHEELHOUSE}\n")
+        wheelhouse_dir().mkdir(parents=True, exist_ok=True)
 
     def write(self, inner: str, text: str, mode: int = 0o644) -> None:
         p = self.path(inner)
@@ -325,7 +387,7 @@ class Board:
         cmd = ["timeout", "-k", "20", str(self.lifetime_s),
                "systemd-nspawn", "-q", "--register=no", "--keep-unit", "-D", str(self.root), "-b",
                "--console=read-only", f"--setenv=QEMU_CPU={QEMU_CPU}",
-               f"--bind={cache_dir() / 'pip'}:/root/.cache/pip"]
+               f"--bind-ro={wheelhouse_dir()}:{WHEELHOUSE}"]
         t0 = time.monotonic()
         with open(self.console_log, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
@@ -383,11 +445,19 @@ class Board:
         real-time signals, so the board's systemd receives another one and enters rescue mode."""
         if self.proc is None:
             return None
+        t0 = time.monotonic()
         if self.proc.poll() is None and self.init_pid is not None:
-            with contextlib.suppress(subprocess.SubprocessError, OSError):
-                self.run(["systemctl", "poweroff", "--no-block"], check=False, timeout=60)
+            try:  # straight to the target: no logind, no inhibitors
+                r = self.run(["systemctl", "start", "--no-block", "--job-mode=replace-irreversibly",
+                              "poweroff.target"], check=False, timeout=60)
+                if r.returncode:
+                    log(f"poweroff request failed ({r.returncode}): {r.stderr.strip()}")
+            except (subprocess.SubprocessError, OSError) as e:
+                log(f"poweroff request failed: {e}")
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout_s)
+            log(f"powered off in {time.monotonic() - t0:.1f} s" if self.proc.poll() is not None
+                else f"no poweroff after {time.monotonic() - t0:.0f} s:\n{self.console(1500)}")
         for sig in (signal.SIGTERM, signal.SIGTERM):  # nspawn: a second SIGTERM terminates at once
             if self.proc.poll() is None:
                 log(f"board still running: sending {sig.name} to systemd-nspawn")
@@ -403,6 +473,11 @@ class Board:
         self.init_pid = None
         self._reap_namespace()
         return self.proc.returncode
+
+    def reboot(self, timeout_s: float = 300) -> None:
+        """Power off and boot the same tree again (the journal, snapshots and logs stay)."""
+        self.shutdown()
+        self.boot(timeout_s)
 
     def _members(self) -> list[int]:
         """Host pids still in the board's pid namespace (nsenter'd commands included)."""
@@ -521,6 +596,7 @@ def install_product(board: Board, model_dir: Path, port: int, timeout: float = 3
     board.copy_in(model_dir, f"/root/{name}")
     # a board owner's port override (documented in docs/board.md): keeps clear of 8080 here
     board.write("/etc/default/edge-llm", f"EDGE_LLM_PORT={port}\n")
+    prefetch_wheels()
     return board.run(install_script(name), timeout=timeout)
 
 
