@@ -169,7 +169,7 @@ class ModelArgs:
         return dict(self.rope_params).get(key, default)
 
     def identity_fields(self) -> dict[str, Any]:
-        """Every config field that determines KV values (SPEC section 4)."""
+        """Every config field that determines KV values (docs/identity.md)."""
         d = asdict(self)
         d.pop("bos_token_id", None)
         d.pop("eos_token_id", None)
@@ -232,3 +232,113 @@ def _rope_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         mrope_section=tuple(section),
         mrope_interleaved=bool(merged.get("mrope_interleaved", False)),
     )
+
+
+# ---- vision tower (qwen3_vl) -------------------------------------------------------------------
+@dataclass(frozen=True)
+class VisionArgs:
+    """The Qwen3-VL vision tower's `vision_config` plus the image token ids of the top-level config."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    num_position_embeddings: int = 2304
+    deepstack_visual_indexes: tuple[int, ...] = ()
+    hidden_act: str = "gelu_pytorch_tanh"
+    rope_theta: float = 10000.0  # the vision tower's 2-D ("axial") rotary base
+    image_token_id: int = 151655
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+    weight_prefix: str = "model.visual."
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> "VisionArgs | None":
+        """From a parsed qwen3_vl config.json; None if it declares no vision tower."""
+        vc = cfg.get("vision_config") if isinstance(cfg, dict) else None
+        if cfg.get("model_type") != "qwen3_vl" or not isinstance(vc, dict):
+            return None
+
+        def num(key: str, default: Any = None, src: dict = vc) -> Any:
+            val = src.get(key, default)
+            if val is None or isinstance(val, bool) or not isinstance(val, (int, float)):
+                raise ConfigError(f"config.json: vision_config {key!r} must be a number, got {val!r}")
+            return val
+
+        rope = vc.get("rope_parameters") if isinstance(vc.get("rope_parameters"), dict) else {}
+        ds = vc.get("deepstack_visual_indexes", [])
+        if not isinstance(ds, (list, tuple)) or not all(isinstance(i, int) for i in ds):
+            raise ConfigError(f"config.json: vision_config 'deepstack_visual_indexes' must be a list "
+                              f"of integers, got {ds!r}")
+        act = vc.get("hidden_act", "gelu_pytorch_tanh")
+        if act not in VISION_ACTIVATIONS:
+            raise ConfigError(f"config.json: vision_config hidden_act {act!r} is not supported "
+                              f"(supported: {', '.join(VISION_ACTIVATIONS)})")
+        args = cls(
+            depth=int(num("depth")), hidden_size=int(num("hidden_size")),
+            intermediate_size=int(num("intermediate_size")), num_heads=int(num("num_heads")),
+            out_hidden_size=int(num("out_hidden_size")), patch_size=int(num("patch_size", 16)),
+            temporal_patch_size=int(num("temporal_patch_size", 2)),
+            spatial_merge_size=int(num("spatial_merge_size", 2)), in_channels=int(num("in_channels", 3)),
+            num_position_embeddings=int(num("num_position_embeddings", 2304)),
+            deepstack_visual_indexes=tuple(ds), hidden_act=act,
+            rope_theta=float(num("rope_theta", 10000.0, rope)),
+            image_token_id=int(num("image_token_id", 151655, cfg)),
+            vision_start_token_id=int(num("vision_start_token_id", 151652, cfg)),
+            vision_end_token_id=int(num("vision_end_token_id", 151653, cfg)),
+        )
+        args.validate()
+        return args
+
+    def validate(self) -> None:
+        for key in ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size",
+                    "patch_size", "temporal_patch_size", "spatial_merge_size", "in_channels",
+                    "num_position_embeddings"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"config.json: vision_config {key!r} must be > 0, got {getattr(self, key)}")
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
+            raise ConfigError("config.json: vision_config hidden_size / num_heads must be a multiple of 4 "
+                              "(2-D rotary embedding)")
+        side = math.isqrt(self.num_position_embeddings)
+        if side * side != self.num_position_embeddings:
+            raise ConfigError("config.json: vision_config 'num_position_embeddings' must be a square")
+        if any(not 0 <= i < self.depth for i in self.deepstack_visual_indexes):
+            raise ConfigError(f"config.json: vision_config 'deepstack_visual_indexes' "
+                              f"{list(self.deepstack_visual_indexes)} must lie in [0, depth={self.depth})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values in one flattened patch: channels x temporal x patch x patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size * self.patch_size
+
+    @property
+    def merged_dim(self) -> int:
+        """Width of a 2x2 (merge x merge) group of patch features before the merger MLP."""
+        return self.hidden_size * self.spatial_merge_size ** 2
+
+    @property
+    def pos_side(self) -> int:
+        """Side of the square learned position-embedding grid."""
+        return math.isqrt(self.num_position_embeddings)
+
+
+VISION_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
+
+
+def vision_args_from_dir(model_dir: str | Path) -> VisionArgs | None:
+    """VisionArgs of an HF model directory's config.json (None: no vision tower declared)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return VisionArgs.from_config(cfg)

@@ -6,6 +6,17 @@ first generated token depend only on the KV rows before it, never on how many ro
 prefilled together — a request restored from disk (rows [0, n-1) read back bitwise) produces
 bitwise the same text as the cold run that wrote the snapshot, and as a server that kept its
 RAM cache.
+
+Long work reports progress and honours cancellation between steps (`edge_llm/progress.py`): a
+prefill chunk, a restored layer, a layer of a pending save we wait for, a decode step. A request
+cancelled during its prefill (client gone, shutdown) keeps the rows of every complete chunk and
+queues them as a snapshot, so a retry after a restart prefills only what was not done.
+
+Images (Qwen3-VL) keep the bit-exactness rule: the engine matches on the prompt's prefix key
+(image rows carry ids derived from the image's digest, see `vision.positions`), never reuses part
+of an image run or another image's run, feeds the tail its MRoPE positions, and takes the decode
+steps' position from the cache (`KVCache.next_pos`: after an image it is not the row count). The
+engine never sees pixels: it asks the vision model for the image rows of the tail.
 """
 
 from __future__ import annotations
@@ -15,14 +26,31 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from edge_llm.errors import ContextOverflowError, SnapshotError
+from edge_llm.errors import ContextOverflowError, ImageError, SnapshotError
 from edge_llm.kvcache import KVCache
-from edge_llm.sampling import Sampler, SamplingParams
+from edge_llm.progress import DECODE, NO_WORK, PREFILL, Cancelled, OnProgress, Work
+from edge_llm.sampling import (
+    OPENAI_DEFAULTS,
+    Sampler,
+    SamplingParams,
+    model_sampling_defaults,
+)
 from edge_llm.settings import DEFAULTS
+from edge_llm.snapshot.index import Hit
 from edge_llm.tokenizer import StopMatcher
+from edge_llm.vision.model import VisionModel
+from edge_llm.vision.positions import PromptPlan, plan_prompt
+from edge_llm.vision.preprocess import PreparedImage
+
+if TYPE_CHECKING:  # annotations only: the engine is handed these, it never builds them
+    from edge_llm.models.qwen3 import Model
+    from edge_llm.snapshot.store import SnapshotStore
+    from edge_llm.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 timing_log = logging.getLogger("edge_llm.prefill")
@@ -35,6 +63,8 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
     save_snapshot: bool = True
+    # one per image placeholder run in prompt_tokens, in order (opaque to the engine)
+    images: list[PreparedImage] = field(default_factory=list)
 
 
 @dataclass
@@ -50,6 +80,10 @@ class Timings:
     restore_ms: float = 0.0
     restore_bytes: int = 0
     save_wait_ms: float = 0.0  # time spent waiting for a pending snapshot save to release rows
+    images: int = 0  # images in the prompt
+    image_tokens: int = 0  # prompt rows that are image tokens
+    images_encoded: int = 0  # images that ran through the vision encoder (the others were cached)
+    vision_ms: float = 0.0  # vision encoder time
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -75,111 +109,172 @@ class GenerationEvent:
 class Engine:
     """Owns the model, tokenizer, the one KV cache and (optionally) the snapshot store."""
 
-    def __init__(self, model, tokenizer, cache: KVCache, store=None,
-                 prefill_chunk: int = DEFAULTS.prefill_chunk, model_dir=None):
+    def __init__(self, model: Model, tokenizer: Tokenizer, cache: KVCache, store: SnapshotStore | None = None,
+                 prefill_chunk: int = DEFAULTS.prefill_chunk, model_dir: Path | None = None,
+                 vision: VisionModel | None = None):
         self.model = model
         self.model_dir = model_dir
         self.tokenizer = tokenizer
         self.cache = cache
         self.store = store
         self.prefill_chunk = prefill_chunk
+        self.vision = vision
         self.stop_ids = set(tokenizer.stop_token_ids)
-        if store is not None:  # the model waits per layer for rows a pending save still streams
-            cache.write_guard = store.wait_write
+        # what requests get for omitted temperature / top_p / top_k
+        self.sampling_defaults = (model_sampling_defaults(model_dir) if model_dir is not None
+                                  else OPENAI_DEFAULTS)
 
     @property
     def max_seq(self) -> int:
         return self.cache.max_seq
 
     def check_fits(self, n_prompt: int, max_tokens: int) -> None:
-        """Raise ContextOverflowError unless prompt + max_tokens fits the cache (SPEC: 400)."""
+        """Raise ContextOverflowError unless prompt + max_tokens fits the cache (HTTP 400, docs/api.md)."""
         if n_prompt + max_tokens > self.max_seq:
             raise ContextOverflowError(n_prompt, max_tokens, self.max_seq)
 
+    def plan(self, tokens: list[int], images: list[PreparedImage] = ()) -> PromptPlan:
+        """The prompt's prefix key and positions; ImageError if images and placeholders disagree."""
+        if self.vision is None:
+            if images:
+                raise ImageError("this model has no vision encoder: it cannot take images")
+            return plan_prompt(tokens, [], None)
+        return self.vision.plan(tokens, images)
+
     # ---- prefix -------------------------------------------------------------------------
-    def _reuse_prefix(self, tokens: list[int], t: Timings) -> int:
-        """Make cache rows [0, m) valid for tokens[:m] from RAM or disk; return m (<= len-1)."""
-        limit = len(tokens) - 1  # at least one token is computed: it yields the logits
-        m_ram = min(self.cache.common_prefix(tokens), limit)
-        hit = self.store.lookup(tokens) if self.store is not None else None
+    def _reuse_prefix(self, plan: PromptPlan, t: Timings, work: Work) -> int:
+        """Make cache rows [0, m) valid for the plan's first m keys from RAM or disk; return m
+        (<= len-1). `plan.reusable` decides for both sources how much of a match may be used."""
+        keys = plan.keys
+        limit = len(keys) - 1  # at least one token is computed: it yields the logits
+        m_ram = plan.reusable(min(self.cache.common_prefix(keys), limit), self.cache.spans)
+        hit = self.store.lookup(keys) if self.store is not None else None
+        if hit is not None:
+            m_disk = plan.reusable(hit.m, hit.entry.spans)
+            hit = Hit(hit.entry, m_disk) if m_disk >= self.store.min_lcp else None
         if hit is not None and hit.m > m_ram:
-            try:  # the store first waits for a pending save: a restore rewrites rows from 0
-                res = self.store.restore(hit, self.cache)
+            try:  # per layer, the cache waits for a pending save of the rows being rewritten
+                res = self.store.restore(hit, self.cache, work)
             except (SnapshotError, OSError) as e:
                 log.warning("disk restore failed (%s): recomputing from scratch", e)
                 self.cache.reset()
                 return 0
             t.cache_source, t.disk_cached_tokens = "disk", res.n_tokens
             t.restore_ms, t.restore_bytes = res.ms, res.nbytes
-            t.save_wait_ms += res.wait_ms
             return res.n_tokens
         self.cache.truncate(m_ram)  # rows >= m_ram are overwritten later, behind the write guard
         if m_ram > 0:
             t.cache_source, t.ram_cached_tokens = "ram", m_ram
         return m_ram
 
-    def _prefill_tail(self, tail: list[int]):
-        """Chunked prefill of tail[:-1], then the last token alone (see module docstring)."""
-        body, last = tail[:-1], tail[-1:]
-        if body:
-            self.model.prefill(body, self.cache, chunk=self.prefill_chunk)
-        return self.model.forward(last, self.cache)
+    def _prefill_tail(self, plan: PromptPlan, m: int, t: Timings, work: Work):
+        """Chunked prefill of rows [m, n-1), then the last token alone (see module docstring)."""
+        n, keys = plan.n, plan.keys
+        vis = None
+        if self.vision is not None and plan.spans:
+            vis, t.vision_ms, t.images_encoded = self.vision.visual_rows(plan, m, n)
+            self.cache.add_spans([s for s in plan.spans if s.start >= m])
+        pos = plan.positions_for(m, n)
+        if n - 1 > m:
+            self.model.prefill(keys[m:n - 1], self.cache, chunk=self.prefill_chunk, work=work,
+                               positions=None if pos is None else pos[:, :-1],
+                               visual=None if vis is None else vis.slice(0, n - 1 - m))
+        logits = self.model.forward(keys[n - 1:], self.cache, work=work,
+                                    positions=None if pos is None else pos[:, -1:],
+                                    visual=None if vis is None else vis.slice(n - 1 - m, n - m))
+        work.report(PREFILL, self.cache.length, self.cache.length)
+        return logits
 
-    def prefill_prompt(self, tokens: list[int]) -> tuple[np.ndarray, Timings]:
-        """Reuse the longest cached prefix (RAM or disk), prefill the rest; logits of the last token."""
+    def prefill_prompt(self, tokens: list[int], t: Timings | None = None, work: Work = NO_WORK,
+                       images: list[PreparedImage] = ()) -> tuple[np.ndarray, Timings]:
+        """Reuse the longest cached prefix (RAM or disk), prefill the rest; logits of the last token.
+
+        Raises `Cancelled` between steps if `work` is cancelled (the cache then holds the rows of
+        the complete chunks)."""
         if not tokens:
             raise ValueError("prompt is empty")
         t0 = time.perf_counter()
-        t = Timings()
+        t = Timings() if t is None else t
+        plan = self.plan(tokens, list(images))
+        t.images, t.image_tokens = len(plan.spans), plan.image_tokens
         w0 = self.cache.write_wait_s
-        m = self._reuse_prefix(tokens, t)
+        m = self._reuse_prefix(plan, t, work)
         t_pf = time.perf_counter()
-        logits = self._prefill_tail(tokens[m:])
-        t1 = time.perf_counter()
-        t.save_wait_ms += (self.cache.write_wait_s - w0) * 1e3
-        t.prefill_tokens, t.prefill_ms = len(tokens) - m, (t1 - t_pf) * 1e3
+        try:
+            logits = self._prefill_tail(plan, m, t, work)
+        finally:
+            t1 = time.perf_counter()
+            t.save_wait_ms += (self.cache.write_wait_s - w0) * 1e3  # restore and prefill waits alike
+            t.prefill_tokens, t.prefill_ms = self.cache.length - m, (t1 - t_pf) * 1e3
         # total = restore/reuse + tail prefill: what a restart costs before the first token
         timing_log.info("[PREFILL-TIMING] n=%d total=%.1fms", t.prefill_tokens, (t1 - t0) * 1e3)
         return logits, t
 
     # ---- one request ----------------------------------------------------------------------
-    def generate(self, req: GenerationRequest, cancel: threading.Event | None = None
-                 ) -> Iterator[GenerationEvent]:
-        """Run one request; yields text deltas, the last event has finish_reason/timings/usage."""
+    def generate(self, req: GenerationRequest, cancel: threading.Event | None = None,
+                 progress: OnProgress | None = None) -> Iterator[GenerationEvent]:
+        """Run one request; yields text deltas, the last event has finish_reason/timings/usage.
+
+        `progress(stage, done, total)` is called after every step (see edge_llm/progress.py);
+        `cancel` is honoured between steps and ends the request with finish_reason "cancelled".
+        """
         tokens = list(req.prompt_tokens)
         self.check_fits(len(tokens), req.max_tokens)
+        work = Work(cancel, progress)
         t0 = time.perf_counter()
-        logits, t = self.prefill_prompt(tokens)
+        t = Timings()
+        generated: list[int] = []
+        try:
+            logits, _ = self.prefill_prompt(tokens, t, work, req.images)
+        except Cancelled as c:
+            self._save_interrupted(req, c)
+            yield self._last_event("", "cancelled", t, len(tokens), generated)
+            return
         sampler = Sampler(req.sampling)
         detok = self.tokenizer.incremental_decoder()
         stops = StopMatcher(req.stop)
-        generated: list[int] = []
         finish = "length"
         t_dec = time.perf_counter()
-        while len(generated) < req.max_tokens:
-            if cancel is not None and cancel.is_set():
-                finish = "cancelled"
-                break
-            tok = sampler(logits)
-            if not generated:
-                t.ttft_ms = (time.perf_counter() - t0) * 1e3
-            generated.append(tok)
-            if tok in self.stop_ids:
-                finish = "stop"
-                break
-            delta, stopped = stops.feed(detok.feed(tok))
-            if delta:
-                yield GenerationEvent(text=delta, token_id=tok)
-            if stopped:
-                finish = "stop"
-                break
-            if len(generated) < req.max_tokens:
-                logits = self.model.forward([tok], self.cache)
+        try:
+            while len(generated) < req.max_tokens:
+                work.check(DECODE, len(generated), req.max_tokens)
+                tok = sampler(logits)
+                if not generated:
+                    t.ttft_ms = (time.perf_counter() - t0) * 1e3
+                generated.append(tok)
+                if tok in self.stop_ids:
+                    finish = "stop"
+                    break
+                delta, stopped = stops.feed(detok.feed(tok))
+                if delta:
+                    yield GenerationEvent(text=delta, token_id=tok)
+                if stopped:
+                    finish = "stop"
+                    break
+                if len(generated) < req.max_tokens:
+                    # after an image the next MRoPE position is not the row count
+                    pos = np.full((3, 1), self.cache.next_pos) if self.cache.spans else None
+                    logits = self.model.forward([tok], self.cache, positions=pos, work=work)
+                    work.report(DECODE, len(generated), req.max_tokens)
+        except Cancelled:
+            finish = "cancelled"
         t.decode_tokens = len(generated)
         t.decode_ms = (time.perf_counter() - t_dec) * 1e3
         tail = "" if finish == "cancelled" or stops.stopped else stops.feed(detok.flush())[0] + stops.flush()
-        if finish != "cancelled" and req.save_snapshot and self.store is not None:
-            self.store.save_async(self.cache)
+        if req.save_snapshot and self.store is not None:
+            self.store.save_async(self.cache)  # a cancelled decode keeps its prompt rows too
+        yield self._last_event(tail, finish, t, len(tokens), generated)
+
+    def _save_interrupted(self, req: GenerationRequest, c: Cancelled) -> None:
+        """A cancelled prefill/restore: queue the rows of its complete chunks for a retry."""
+        n = self.cache.length
+        log.info("request cancelled during %s at %d/%d: %d prompt row(s) are complete", c.stage, c.done,
+                 c.total, n)
+        if req.save_snapshot and self.store is not None and n > 0:
+            self.store.save_async(self.cache)  # the store skips fewer than min_lcp rows
+
+    def _last_event(self, text: str, finish: str, t: Timings, n_prompt: int,
+                    generated: list[int]) -> GenerationEvent:
         cached = t.ram_cached_tokens + t.disk_cached_tokens
-        yield GenerationEvent(text=tail, finish_reason=finish, timings=t,
-                              usage=Usage(len(tokens), len(generated), cached), completion_ids=generated)
+        return GenerationEvent(text=text, finish_reason=finish, timings=t,
+                               usage=Usage(n_prompt, len(generated), cached), completion_ids=generated)

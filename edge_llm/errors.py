@@ -94,3 +94,37 @@ class SnapshotBlockCRC(SnapshotError):
 
 class SnapshotFlags(SnapshotError):
     reason = "flags"
+
+
+class SnapshotExtension(SnapshotError):
+    reason = "extension"
+
+
+class ImageError(EdgeLLMError):
+    """An image input was refused (the API answers 400). `reason` is a short machine-readable tag."""
+
+    reason = "invalid-image"
+
+
+class ImageDecodeError(ImageError):
+    """The bytes are not an image, or the image data is truncated or corrupt."""
+
+    reason = "not-an-image"
+
+
+class ImageFormatError(ImageError):
+    """A real image in a format this runtime does not accept (only PNG, JPEG, WebP)."""
+
+    reason = "unsupported-format"
+
+
+class ImageTooLarge(ImageError):
+    """Too many bytes or pixels (decompression bombs included)."""
+
+    reason = "too-large"
+
+
+class VisionUnsupported(ImageError):
+    """An image was sent to a model without a vision encoder."""
+
+    reason = "no-vision"

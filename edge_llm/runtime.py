@@ -33,6 +33,14 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
     model_dir = Path(resolve_model_dir(s.model, progress=import_progress))
     model = Model.load(model_dir, backend=s.backend,
                        progress=lambda done, total: say(f"loading weights {done}/{total} tensors"))
+    vision = None
+    if model.args.model_type == "qwen3_vl":
+        from edge_llm.vision.model import VisionModel
+        from edge_llm.vision.preprocess import ImageLimits
+
+        say("loading the vision tower")
+        vision = VisionModel.load(model_dir, model.args, backend=s.backend,
+                                  limits=ImageLimits(s.max_image_bytes, s.max_image_pixels))
     tokenizer = Tokenizer.from_dir(model_dir)
     say("allocating the KV cache")
     cache = KVCache(model.args.geometry, max_seq=s.max_seq, kv_bs=s.kv_bs)
@@ -41,8 +49,7 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
         from edge_llm.snapshot.identity import Identity
         from edge_llm.snapshot.store import SnapshotStore
 
-        say("hashing weights (first start only)")
-        identity = Identity.for_model(model_dir, model.args, model.backend.numerics)
+        identity = Identity.for_model(model_dir, model.args, model.backend.numerics, progress=say)
         say("scanning snapshots")
         store = SnapshotStore(
             Path(s.disk_kv), identity, model.args.geometry,
@@ -51,7 +58,7 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
         )
         store.scan()
     engine = Engine(model, tokenizer, cache, store=store, prefill_chunk=s.prefill_chunk,
-                    model_dir=model_dir)
+                    model_dir=model_dir, vision=vision)
     log.info("runtime ready: model %s (%s), KV cache %d MiB (max_seq %d)", model_dir.name,
              s.backend, cache.nbytes >> 20, s.max_seq)
     return engine

@@ -1,10 +1,22 @@
-"""Token sampling: greedy, temperature, top-k, top-p, reproducible with a seed."""
+"""Token sampling: greedy, temperature, top-k, top-p, reproducible with a seed; the defaults a
+request gets for what it omits.
+
+Defaults (as vLLM does): a request that omits temperature / top_p / top_k gets the model's own
+recommended values from its `generation_config.json` (written from GGUF metadata on import),
+else OpenAI's (temperature 1, top_p 1, no top_k). HF semantics: `do_sample: false` recommends
+greedy decoding. See docs/api.md.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,3 +67,54 @@ class Sampler:
             probs = np.where(mask, probs, 0.0)
             probs /= probs.sum()
         return int(self.rng.choice(probs.size, p=probs))
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request gets for omitted sampling fields, and where the values come from."""
+
+    temperature: float = 1.0  # OpenAI's defaults
+    top_p: float = 1.0
+    top_k: int = 0
+    source: str = "openai"
+
+    def params(self, temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+               seed: int | None = None) -> SamplingParams:
+        """Request values where given, these defaults for the rest."""
+        return SamplingParams(self.temperature if temperature is None else temperature,
+                              self.top_k if top_k is None else top_k,
+                              self.top_p if top_p is None else top_p, seed)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+OPENAI_DEFAULTS = SamplingDefaults()
+
+
+def model_sampling_defaults(model_dir: str | Path) -> SamplingDefaults:
+    """The model's recommended sampling from `generation_config.json`, else OpenAI's."""
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        return OPENAI_DEFAULTS
+    except (OSError, ValueError) as e:
+        log.warning("%s unreadable (%s): OpenAI's sampling defaults apply", path, e)
+        return OPENAI_DEFAULTS
+    if not isinstance(cfg, dict):
+        return OPENAI_DEFAULTS
+    if cfg.get("do_sample") is False:
+        return SamplingDefaults(0.0, 1.0, 0, "generation_config.json (do_sample: false = greedy)")
+    keys = [k for k in ("temperature", "top_p", "top_k") if isinstance(cfg.get(k), (int, float))
+            and not isinstance(cfg.get(k), bool)]
+    if not keys:
+        return OPENAI_DEFAULTS
+    try:
+        d = SamplingDefaults(float(cfg.get("temperature", 1.0)), float(cfg.get("top_p", 1.0)),
+                             int(cfg.get("top_k", 0)), "generation_config.json")
+        d.params()  # validate the ranges
+    except ValueError as e:
+        log.warning("%s: sampling values out of range (%s): OpenAI's defaults apply", path, e)
+        return OPENAI_DEFAULTS
+    return d

@@ -60,13 +60,21 @@ class Notifier:
     def stopping(self, status: str | None = None) -> bool:
         return self.notify("STOPPING=1", *([f"STATUS={status}"] if status else []))
 
+    def extend_timeout(self, seconds: float) -> bool:
+        """EXTEND_TIMEOUT_USEC: the start-up (or stop) timeout now ends `seconds` from now at the
+        earliest; sent on every step of a slow start so only a stalled one times out."""
+        return self.notify(f"EXTEND_TIMEOUT_USEC={int(seconds * 1e6)}")
+
     @property
     def watchdog_interval(self) -> float | None:
-        """Seconds between pings: half of WatchdogSec, as sd_watchdog_enabled(3) recommends."""
-        return self.watchdog_usec / 2e6 if self.watchdog_usec else None
+        """Least seconds between pings: an eighth of WatchdogSec. Pings are sent on progress (each
+        prefill chunk, restored layer, decode step), so two pings are at most an eighth of the
+        timeout plus one step apart (sd_watchdog_enabled(3) asks for at most half); the limit
+        only keeps hundreds of decode steps a second from becoming hundreds of datagrams."""
+        return self.watchdog_usec / 8e6 if self.watchdog_usec else None
 
     def watchdog(self, force: bool = False) -> bool:
-        """Ping if the watchdog is on and half an interval passed since the last ping."""
+        """Ping if the watchdog is on and an eighth of the interval passed since the last ping."""
         iv = self.watchdog_interval
         if iv is None or not self.address:
             return False

@@ -87,6 +87,15 @@ class Settings:
                                 commands=(SERVE,), minimum=0)
     max_body_bytes: int = _opt(4 * 1024 * 1024, "Largest accepted request body (413 beyond).",
                                commands=(SERVE,), minimum=1)
+    # ---- images (Qwen3-VL) ----------------------------------------------------------------------
+    image_dir: str | None = _opt(None, "Chat image_url parts may name files under this directory "
+                                 "(never a network URL).", "path", commands=(SERVE,), nullable=True,
+                                 metavar="DIR", shown_default="data: URLs only")
+    max_image_bytes: int = _opt(20 * 1024 * 1024, "Largest accepted image in bytes.",
+                                commands=(SERVE, GENERATE), minimum=1)
+    max_image_pixels: int = _opt(64 * 1024 * 1024, "Largest accepted image in width x height, checked "
+                                 "before decoding (decompression bombs).", commands=(SERVE, GENERATE),
+                                 minimum=1)
 
     @property
     def disk_kv_enabled(self) -> bool:

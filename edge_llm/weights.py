@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from edge_llm.config import ModelArgs
+from edge_llm.config import ModelArgs, VisionArgs
 from edge_llm.errors import WeightsError
 from edge_llm.settings import digest_cache_path
 
@@ -119,6 +119,49 @@ def expected_tensors(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def vision_tensors(v: VisionArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Qwen3-VL vision tower (HF names and shapes): the one schema that the
+    loader checks and `model synth` writes."""
+    p, h, m = v.weight_prefix, v.hidden_size, v.merged_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        f"{p}patch_embed.proj.weight": (h, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size),
+        f"{p}patch_embed.proj.bias": (h,),
+        f"{p}pos_embed.weight": (v.num_position_embeddings, h),
+    }
+    for i in range(v.depth):
+        bp = f"{p}blocks.{i}."
+        shapes |= {
+            f"{bp}norm1.weight": (h,), f"{bp}norm1.bias": (h,),
+            f"{bp}norm2.weight": (h,), f"{bp}norm2.bias": (h,),
+            f"{bp}attn.qkv.weight": (3 * h, h), f"{bp}attn.qkv.bias": (3 * h,),
+            f"{bp}attn.proj.weight": (h, h), f"{bp}attn.proj.bias": (h,),
+            f"{bp}mlp.linear_fc1.weight": (v.intermediate_size, h), f"{bp}mlp.linear_fc1.bias": (v.intermediate_size,),
+            f"{bp}mlp.linear_fc2.weight": (h, v.intermediate_size), f"{bp}mlp.linear_fc2.bias": (h,),
+        }
+    mergers = [f"{p}merger."] + [f"{p}deepstack_merger_list.{j}." for j in range(len(v.deepstack_visual_indexes))]
+    for j, mp in enumerate(mergers):
+        norm = h if j == 0 else m  # the main merger normalises each patch, DeepStack ones the 2x2 group
+        shapes |= {
+            f"{mp}norm.weight": (norm,), f"{mp}norm.bias": (norm,),
+            f"{mp}linear_fc1.weight": (m, m), f"{mp}linear_fc1.bias": (m,),
+            f"{mp}linear_fc2.weight": (v.out_hidden_size, m), f"{mp}linear_fc2.bias": (v.out_hidden_size,),
+        }
+    return shapes
+
+
+def _check(found: dict[str, TensorInfo], want: dict[str, tuple[int, ...]]) -> None:
+    missing = [n for n in want if n not in found]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise WeightsError(f"tensor {missing[0]!r} missing from the checkpoint{more}")
+    for name, shape in want.items():
+        info = found[name]
+        if info.shape != shape:
+            raise WeightsError(f"tensor {name!r} has shape {list(info.shape)}, expected {list(shape)}")
+        if info.dtype not in _NP_DTYPES:
+            raise WeightsError(f"tensor {name!r} has dtype {info.dtype}; supported: F32, F16, BF16")
+
+
 def _drop_pages(mm: mmap.mmap, start: int, length: int) -> None:
     """Tell the kernel we are done with these mapped file pages (they leave our RSS)."""
     page = mmap.PAGESIZE
@@ -209,33 +252,40 @@ def load_weights(model_dir: str | Path, args: ModelArgs) -> Weights:
     """
     found = index_tensors(model_dir)
     want = expected_tensors(args)
-    missing = [n for n in want if n not in found]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise WeightsError(f"tensor {missing[0]!r} missing from the checkpoint{more}")
-    for name, shape in want.items():
-        info = found[name]
-        if info.shape != shape:
-            raise WeightsError(f"tensor {name!r} has shape {list(info.shape)}, expected {list(shape)}")
-        if info.dtype not in _NP_DTYPES:
-            raise WeightsError(f"tensor {name!r} has dtype {info.dtype}; supported: F32, F16, BF16")
+    _check(found, want)
     log.debug("checkpoint %s: %d tensors checked (%d ignored)", model_dir, len(want), len(found) - len(want))
     return Weights(args, {n: found[n] for n in want})
 
 
+def load_vision_weights(model_dir: str | Path, args: ModelArgs, vision: VisionArgs) -> Weights | None:
+    """The vision tower's tensors, checked like the decoder's; None if the checkpoint has none
+    (a text-only export of a qwen3_vl model: it still serves text)."""
+    found = index_tensors(model_dir)
+    want = vision_tensors(vision)
+    if not any(n.startswith(vision.weight_prefix) for n in found):
+        return None
+    _check(found, want)
+    return Weights(args, {n: found[n] for n in want})
+
+
 # ---- weight digest ---------------------------------------------------------------------------
-def sha256_file(path: str | Path) -> str:
-    """Hex sha256 of a file's bytes, streamed through one reusable buffer."""
+def sha256_file(path: str | Path, progress: Callable[[int], None] | None = None) -> str:
+    """Hex sha256 of a file's bytes, streamed through one reusable buffer; `progress(bytes done)`
+    after every 256 MiB (hashing GBs on eMMC takes minutes)."""
     h = hashlib.sha256()
     buf = bytearray(_DIGEST_CHUNK)
     view = memoryview(buf)
+    done, step = 0, 256 << 20
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
             h.update(view[:n])
+            done += n
+            if progress is not None and done % step < n:
+                progress(done)
     return h.hexdigest()
 
 
-def weight_digest(model_dir: str | Path) -> str:
+def weight_digest(model_dir: str | Path, progress: Callable[[str], None] | None = None) -> str:
     """sha256 over the checkpoint's safetensors files (name + per-file sha256, in name order).
 
     Per-file digests are cached in `digests.json` keyed by absolute path, size and mtime, so
@@ -258,7 +308,9 @@ def weight_digest(model_dir: str | Path) -> str:
         if not (isinstance(entry, dict) and entry.get("size") == st.st_size
                 and entry.get("mtime_ns") == st.st_mtime_ns and isinstance(entry.get("sha256"), str)):
             log.info("hashing %s (%d bytes)", path.name, st.st_size)
-            entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(path)}
+            report = None if progress is None else (
+                lambda done, p=path, size=st.st_size: progress(f"hashing {p.name} {done >> 20}/{size >> 20} MiB"))
+            entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(path, report)}
             cache[key] = entry
             dirty = True
         total.update(f"{path.name}:{entry['sha256']}\n".encode())

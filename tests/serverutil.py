@@ -30,13 +30,16 @@ class ServerProc:
     """One server process: start, wait for /health 200, signal, read its log file."""
 
     def __init__(self, home: Path, workdir: Path, *args: str, env: dict[str, str] | None = None,
-                 port: int | None = None, log_file: Path | None = None, kv_dir: Path | None = None):
+                 port: int | None = None, log_file: Path | None = None, kv_dir: Path | None = None,
+                 entry: list[str] | None = None):
         self.home, self.workdir = Path(home), Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.log_file = log_file or self.workdir / "edge-llm.log"
         self.kv_dir = kv_dir or self.workdir / "kv"
         self.args = list(args)
+        # the program: `python -m edge_llm`, or a test helper that wraps it (e.g. a stuck engine)
+        self.entry = entry or [sys.executable, "-m", "edge_llm"]
         self.env = {**os.environ, "EDGE_LLM_HOME": str(self.home), "PYTHONUNBUFFERED": "1",
                     **(env or {})}
         self.proc: subprocess.Popen | None = None
@@ -47,7 +50,7 @@ class ServerProc:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "edge_llm", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+        cmd = [*self.entry, "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--log-file", str(self.log_file)]
         if "--no-disk-kv" not in self.args and "--disk-kv" not in self.args:
             cmd += ["--disk-kv", str(self.kv_dir)]

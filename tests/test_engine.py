@@ -8,6 +8,8 @@ import pytest
 
 from edge_llm.engine import GenerationRequest
 from edge_llm.errors import ContextOverflowError
+from edge_llm.kvcache import KVCache
+from edge_llm.progress import NO_WORK
 from edge_llm.runtime import load_runtime
 from edge_llm.settings import Settings
 
@@ -60,7 +62,7 @@ def test_context_overflow_names_numbers(tiny):
         run(eng, list(range(500)), max_tokens=100)
 
 
-def test_cancel_stops_at_next_token_and_skips_save(tiny, tmp_path):
+def test_cancel_stops_at_next_token_and_keeps_the_prompt_rows(tiny, tmp_path):
     eng = engine(tiny, tmp_path / "kv")
     cancel = threading.Event()
     gen = eng.generate(GenerationRequest(PROMPT, max_tokens=50), cancel=cancel)
@@ -70,7 +72,34 @@ def test_cancel_stops_at_next_token_and_skips_save(tiny, tmp_path):
         cancel.set()
     assert got[-1].finish_reason == "cancelled" and got[-1].usage.completion_tokens <= 2
     eng.store.flush()
-    assert not list((tmp_path / "kv").rglob("kv_*.kv"))
+    (entry,) = eng.store.entries()  # the rows computed so far are saved for a retry
+    assert entry.n_tokens >= len(PROMPT) and list(entry.tokens[:len(PROMPT)]) == PROMPT
+
+
+def test_cancel_during_prefill_keeps_complete_chunks_and_a_retry_resumes(tiny, tmp_path):
+    """A prefill cancelled after its third chunk keeps those rows, saves them, and a new engine
+    (a restart) restores them and prefills only the rest: same text as an uninterrupted run."""
+    prompt = [(i * 37) % 250 + 3 for i in range(200)]
+    cold_text, cold = run(engine(tiny, prefill_chunk=32), prompt, max_tokens=8)
+    eng = engine(tiny, tmp_path / "kv", prefill_chunk=32)
+    cancel, seen = threading.Event(), []
+
+    def progress(stage, done, total):
+        seen.append((stage, done, total))
+        if stage == "prefill" and done >= 96:
+            cancel.set()
+
+    events = list(eng.generate(GenerationRequest(prompt, max_tokens=8), cancel=cancel, progress=progress))
+    last = events[-1]
+    assert last.finish_reason == "cancelled" and last.usage.completion_tokens == 0
+    assert [s for s in seen if s[0] == "prefill"] == [("prefill", 32, 199), ("prefill", 64, 199), ("prefill", 96, 199)]
+    assert eng.cache.length == 96 and last.timings.prefill_tokens == 96
+    eng.store.close()
+    again = engine(tiny, tmp_path / "kv", prefill_chunk=32)
+    text, res = run(again, prompt, max_tokens=8)
+    assert res.timings.cache_source == "disk" and res.timings.disk_cached_tokens == 96
+    assert res.timings.prefill_tokens == len(prompt) - 96
+    assert text == cold_text and res.completion_ids == cold.completion_ids
 
 
 def test_corrupt_snapshot_during_restore_falls_back_and_quarantines(tiny, tmp_path):
@@ -107,12 +136,15 @@ def test_default_model_knows_paris(edge_home, monkeypatch):
     assert "Paris" in text, text
 
 
-def test_model_asks_the_write_guard_before_overwriting_rows(tiny, tmp_path):
-    eng = engine(tiny, tmp_path / "kv")
-    assert eng.cache.write_guard == eng.store.wait_write  # installed by the engine
+def test_model_writes_every_row_through_the_cache(tiny, tmp_path, monkeypatch):
+    """One writer of KV rows: the model's writes go through KVCache.write (which waits for a
+    pending save's lease), chunk by chunk, every layer."""
+    eng = engine(tiny, tmp_path / "kv", prefill_chunk=8)
     calls = []
-    eng.cache.write_guard = lambda layer, start: calls.append((layer, start)) or 0.0
+    real = KVCache.write
+    monkeypatch.setattr(KVCache, "write", lambda self, layer, start, k, v, work=None:
+                        calls.append((layer, start, k.shape[0])) or real(self, layer, start, k, v, work or NO_WORK))
     run(eng, PROMPT, max_tokens=1)
-    n_layers = eng.model.args.num_hidden_layers
-    # chunked body from row 0, then the last prompt token alone at row len-1: every layer, each time
-    assert calls == [(layer, 0) for layer in range(n_layers)] + [(layer, len(PROMPT) - 1) for layer in range(n_layers)]
+    n_layers, n = eng.model.args.num_hidden_layers, len(PROMPT)
+    chunks = [(a, min(8, n - 1 - a)) for a in range(0, n - 1, 8)] + [(n - 1, 1)]
+    assert calls == [(layer, a, t) for a, t in chunks for layer in range(n_layers)]

@@ -42,3 +42,71 @@ def test_allocation_beyond_available_memory_is_refused_clearly():
                                    ([5, 2], [1, 2], 0), ([1, 2, 4], [1, 2, 3], 2)])
 def test_lcp(a, b, n):
     assert lcp(a, b) == n == lcp(b, a)
+
+
+def _blocked(fn, *args, wait=0.2):
+    import threading
+
+    th = threading.Thread(target=fn, args=args, daemon=True)
+    th.start()
+    th.join(wait)
+    return th if th.is_alive() else None
+
+
+def test_lease_protects_rows_until_each_layer_is_written_out():
+    """The rule of who may overwrite a row: a writer waits only for rows [0, n) of the layers a
+    pending save (the lease) has not written out yet."""
+    c = KVCache(G, max_seq=10)
+    c.append_tokens(range(6))
+    lease = c.lease(6)
+    z = np.ones((2, G.kv_dim), np.float32)
+    assert _blocked(c.write, 0, 6, z, z) is None  # rows >= 6 are not leased
+    w1 = _blocked(c.write, 1, 4, z, z)
+    assert w1 is not None and _blocked(c.restore_rows, 0, 0) is not None
+    lease.layer_done(1)  # layer 0 is in the file
+    assert _blocked(c.write, 0, 0, z, z) is None and w1.is_alive()
+    lease.layer_done(2)
+    w1.join(5)
+    assert not w1.is_alive() and np.all(c.data[1, :, 4:6] == 1)
+    assert _blocked(c.write, 2, 0, z, z) is not None  # layer 2 still pending
+    lease.release()
+    assert _blocked(c.write, 2, 0, z, z) is None
+    with pytest.raises(KVCacheError):
+        c.lease(7)  # only valid rows can be leased
+    with pytest.raises(KVCacheError):
+        c.write(0, 9, z, z)  # rows [9, 11) do not fit
+
+
+def test_waiting_writer_reports_save_progress_and_honours_cancel():
+    import threading
+
+    from edge_llm.progress import Cancelled, Work
+
+    c = KVCache(G, max_seq=10)
+    c.append_tokens(range(6))
+    lease = c.lease(6)
+    reports, cancel, err = [], threading.Event(), []
+    z = np.ones((1, G.kv_dim), np.float32)
+
+    def write():
+        try:
+            c.write(2, 0, z, z, Work(cancel, lambda *a: reports.append(a)))
+        except Cancelled as e:
+            err.append(e)
+
+    def until(n):
+        for _ in range(100):
+            if len(reports) >= n:
+                return
+            th.join(0.05)
+
+    th = _blocked(write)
+    lease.layer_done(1)
+    until(1)
+    lease.layer_done(2)
+    until(2)
+    assert reports == [("save-wait", 1, 3), ("save-wait", 2, 3)]  # each layer the save wrote
+    cancel.set()
+    th.join(5)
+    assert not th.is_alive() and err and err[0].stage == "save-wait"
+    assert not np.any(c.data[2, :, 0])  # nothing was written

@@ -56,3 +56,25 @@ def test_distribution_matches_softmax():
 def test_invalid_params(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("config,want", [
+    (None, (1.0, 1.0, 0, "openai")),
+    ({"temperature": 0.7, "top_p": 0.8, "top_k": 20, "do_sample": True}, (0.7, 0.8, 20, "generation_config.json")),
+    ({"temperature": 0.2, "top_p": 0.9}, (0.2, 0.9, 0, "generation_config.json")),
+    ({"do_sample": False, "temperature": 0.7}, (0.0, 1.0, 0, "generation_config.json (do_sample: false = greedy)")),
+    ({"eos_token_id": 2}, (1.0, 1.0, 0, "openai")),
+    ({"temperature": -1}, (1.0, 1.0, 0, "openai")),  # out of range: ignored, with a warning
+    ("[not an object]", (1.0, 1.0, 0, "openai")),
+])
+def test_model_sampling_defaults(tmp_path, config, want):
+    import json
+
+    from edge_llm.sampling import model_sampling_defaults
+
+    if config is not None:
+        (tmp_path / "generation_config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    d = model_sampling_defaults(tmp_path)
+    assert (d.temperature, d.top_p, d.top_k, d.source) == want
+    p = d.params(top_p=0.5, seed=3)  # a request's own values win field by field
+    assert (p.temperature, p.top_p, p.top_k, p.seed) == (want[0], 0.5, want[2], 3)

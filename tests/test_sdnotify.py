@@ -28,13 +28,13 @@ def test_path_socket_messages(tmp_path):
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.bind(path)
         n = Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "2000000"})
-        assert n.enabled and n.watchdog_interval == 1.0
-        assert n.ready("up") and n.status("busy") and n.watchdog() and n.stopping()
-        assert not n.watchdog()  # rate limited to half the interval
+        assert n.enabled and n.watchdog_interval == 0.25
+        assert n.extend_timeout(90) and n.ready("up") and n.status("busy") and n.watchdog() and n.stopping()
+        assert not n.watchdog()  # rate limited to an eighth of the interval
         assert n.watchdog(force=True)
         n.close()
-        assert _recv_all(sock) == ["READY=1\nSTATUS=up", "STATUS=busy", "WATCHDOG=1", "STOPPING=1",
-                                   "WATCHDOG=1"]
+        assert _recv_all(sock) == ["EXTEND_TIMEOUT_USEC=90000000", "READY=1\nSTATUS=up", "STATUS=busy",
+                                   "WATCHDOG=1", "STOPPING=1", "WATCHDOG=1"]
 
 
 def test_abstract_socket():

@@ -60,6 +60,21 @@ def test_models(client):
     assert [m.id for m in models.data] == ["default"]
 
 
+def test_omitted_sampling_fields_get_the_models_recommendation(server, client):
+    """The default model recommends temperature 0.2 / top_p 0.9 (its generation_config.json):
+    /v1/models and /health show it, and a request that omits them samples exactly as one that
+    sends them (same seed)."""
+    want = {"temperature": 0.2, "top_p": 0.9, "top_k": 0, "source": "generation_config.json"}
+    card = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    assert card["data"][0]["sampling_defaults"] == want
+    assert server.health().json()["sampling_defaults"] == want
+    ask = [{"role": "user", "content": "Name three colours."}]
+    omitted = client.chat.completions.create(model="default", messages=ask, max_tokens=24, seed=7)
+    explicit = client.chat.completions.create(model="default", messages=ask, max_tokens=24, seed=7,
+                                              temperature=0.2, top_p=0.9)
+    assert omitted.choices[0].message.content == explicit.choices[0].message.content
+
+
 def test_completion_text_and_token_ids(client):
     r = client.completions.create(model="default", prompt="The capital of France is", max_tokens=4,
                                   temperature=0)

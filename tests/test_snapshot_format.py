@@ -440,3 +440,68 @@ def test_writer_loops_over_partial_writes():
     f = TrickleWriter()
     assert F.write_snapshot(f, G_TOKENS, G_MODEL_ID, G_GEOM, 2, lambda l, kv: data[l, kv]) == 204
     assert f.getvalue() == GOLDEN
+
+
+# ---- the extension section: image runs (flags bit 1, byte length in `reserved`) ----------------
+IMG_SPAN = dict(start=1, grid=(1, 1, 2), pos0=1, digest=bytes(range(32)))
+
+
+def hand_built_image_file() -> bytes:
+    """The golden rows and tokens with one image run (rows 1-2), assembled with struct only."""
+    g = hand_built_golden()
+    body = struct.pack("<I", 1) + struct.pack("<5I", 1, 1, 1, 2, 1) + bytes(range(32))
+    records = struct.pack("<II", 1, len(body)) + body
+    ext = records + struct.pack("<I", crc32c.crc32c(records))
+    assert len(ext) == 68
+    head = bytearray(g[:64])
+    struct.pack_into("<II", head, 48, 3, len(ext))  # flags: trailer | extension; reserved: E
+    struct.pack_into("<I", head, 60, crc32c.crc32c(bytes(head[:60])))
+    return bytes(head) + g[64:76] + ext + g[76:]
+
+
+IMAGE_FILE = hand_built_image_file()
+BAD_FILES.update({
+    "extension crc": (flip(IMAGE_FILE, 76 + 20), E.SnapshotExtension, {}),
+    "extension without flag": (repack(IMAGE_FILE, flags=1), E.SnapshotFlags, {}),
+    "extension size 6": (repack(IMAGE_FILE, reserved=6), E.SnapshotFlags, {}),
+})
+
+
+def _ext_file(body: bytes, tag: int = 1) -> bytes:
+    records = struct.pack("<II", tag, len(body)) + body
+    ext = records + struct.pack("<I", crc32c.crc32c(records))
+    assert len(ext) == 68
+    return IMAGE_FILE[:76] + ext + IMAGE_FILE[76 + 68:]
+
+
+BAD_FILES.update({
+    "extension unknown record": (_ext_file(IMAGE_FILE[76 + 8:76 + 64], tag=7), E.SnapshotExtension, {}),
+    "extension run beyond rows": (_ext_file(struct.pack("<I5I", 1, 3, 1, 1, 2, 1) + bytes(32)),
+                                  E.SnapshotExtension, {}),
+})
+
+
+def test_image_extension_golden_bytes(tmp_path):
+    """Writer output equals the hand-built file; the reader returns the run; the payload moved by E."""
+    from edge_llm.kvcache import ImageSpan
+
+    span = ImageSpan(**IMG_SPAN)
+    buf = io.BytesIO()
+    n = F.write_snapshot(buf, G_TOKENS, G_MODEL_ID, G_GEOM, 2, lambda l, kv: golden_rows()[l, kv], spans=[span])
+    assert buf.getvalue() == IMAGE_FILE and n == len(IMAGE_FILE) == len(GOLDEN) + 68
+    assert n == F.snapshot_size(2, 3, 2, 2, ext_size=68)
+    hdr, tokens, dest = read_all(IMAGE_FILE)
+    assert hdr.spans == (span,) and hdr.ext_size == 68 and hdr.flags == 3
+    assert span.next_pos == 3 and span.end == 3
+    assert np.array_equal(dest, golden_rows()[:, :, :3])
+    # no image run: byte-identical to the plain v1 file
+    buf = io.BytesIO()
+    F.write_snapshot(buf, G_TOKENS, G_MODEL_ID, G_GEOM, 2, lambda l, kv: golden_rows()[l, kv], spans=[])
+    assert buf.getvalue() == GOLDEN
+    path = tmp_path / "img.kv"
+    path.write_bytes(IMAGE_FILE)
+    info = describe(path)
+    assert info["valid"] and [s["name"] for s in info["sections"]] == ["header", "token ids", "extension",
+                                                                       "payload", "trailer"]
+    assert info["images"][0]["rows"] == (1, 3) and info["size_formula"]["E"] == 68
+    F.verify_file(path, G_GEOM, G_MODEL_ID)

@@ -1,10 +1,13 @@
-"""SnapshotStore on real files: save/scan/lookup/restore, dedupe, LRU, quarantine, identity, wait_rows."""
+"""SnapshotStore on real files: save/scan/lookup/restore, dedupe, LRU, quarantine, identity, and
+writers waiting (through the KV cache's row leases) only for rows a pending save still needs."""
 
 from __future__ import annotations
 
 import logging
 import os
 import re
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -13,6 +16,7 @@ import pytest
 from edge_llm.config import Geometry
 from edge_llm.errors import SnapshotBlockCRC, SnapshotError
 from edge_llm.kvcache import KVCache
+from edge_llm.progress import Cancelled, Work
 from edge_llm.snapshot import format as fmt
 from edge_llm.snapshot import store as store_mod
 from edge_llm.snapshot.identity import Identity
@@ -41,6 +45,14 @@ def new_store(kv_dir, identity=ID_A, **kw) -> SnapshotStore:
 def save(store, cache) -> None:
     store.save_async(cache)
     assert store.flush(timeout=60)
+
+
+def blocks(fn, *args, wait=0.2) -> threading.Thread | None:
+    """Run fn(*args) in a thread; the thread if still blocked after `wait` s, else None."""
+    th = threading.Thread(target=fn, args=args, daemon=True)
+    th.start()
+    th.join(wait)
+    return th if th.is_alive() else None
 
 
 def seq(n, start=1000):
@@ -199,7 +211,12 @@ def test_corrupt_files_quarantined_at_scan_tmp_removed(tmp_path, caplog):
     # a valid file of another model_id dropped into this namespace
     with open(ns / name_of(foreign), "wb") as f:
         fmt.write_snapshot(f, foreign, ID_B.model_id, G, KV_BS, lambda l, kv: make_cache(foreign).data[l, kv])
-    (ns / "kv_1234.kv.abc.tmp").write_bytes(b"partial")
+    (ns / "kv_1234.kv.abc.tmp").write_bytes(b"partial")  # an old-style name: no writer named
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (ns / f"kv_1235.kv.{dead.pid}-ab12.tmp").write_bytes(b"partial")  # its writer is gone
+    live = ns / f"kv_1236.kv.{os.getppid()}-ab12.tmp"  # a live process (a server sharing the dir)
+    live.write_bytes(b"in progress")
     (ns / "notes.txt").write_text("not a snapshot")  # unrelated files are left alone
 
     s2 = new_store(tmp_path)
@@ -209,7 +226,8 @@ def test_corrupt_files_quarantined_at_scan_tmp_removed(tmp_path, caplog):
     assert f"rejected {name_of(bad_hdr)}: header-crc" in rejected
     assert f"rejected {name_of(short)}: size" in rejected
     assert f"rejected {name_of(foreign)}: model-id" in rejected
-    assert not list(ns.glob("*.tmp")) and (ns / "notes.txt").exists()
+    assert list(ns.glob("*.tmp")) == [live] and (ns / "notes.txt").exists()
+    live.unlink()
     q = sorted(p.name for p in (ns / "quarantine").iterdir())
     assert len([n for n in q if n.endswith(".reason")]) == 3 and len(q) == 6
     assert s2.stats()["rejections"] == 3
@@ -289,19 +307,25 @@ def gated(monkeypatch):
     return gate, started
 
 
-def test_wait_rows_blocks_only_for_rows_still_needed(tmp_path, gated):
+def test_writers_wait_only_for_rows_a_pending_save_still_needs(tmp_path, gated):
     gate, started = gated
     s = new_store(tmp_path)
     cache = make_cache(seq(40))
     s.save_async(cache)
-    assert started.wait(60)
-    assert s.wait_rows(40) == 0.0 and s.wait_rows(100) == 0.0  # rows >= 40 are not being saved
+    assert started.wait(60)  # the save holds rows [0, 40) of every layer; nothing is written yet
+    z = np.zeros((1, G.kv_dim), np.float32)
+    assert blocks(cache.write, 1, 40, z, z) is None  # rows >= 40 are not being saved
     assert s.flush(timeout=0.05) is False
-    opener = threading.Timer(0.2, gate.set)
-    opener.start()
-    waited = s.wait_rows(0)  # rows [0, 40) are still needed: blocks until the file is published
-    assert waited > 0 and s.stats()["saves"] == 1 and kv_files(s) == [name_of(seq(40))]
-    assert s.wait_rows(0) == 0.0
+    writer = blocks(cache.write, 1, 39, z, z)
+    restorer = blocks(cache.restore_rows, 0, 0)
+    assert writer is not None and restorer is not None  # both must wait for the file
+    gate.set()
+    writer.join(60)
+    restorer.join(60)
+    assert not writer.is_alive() and not restorer.is_alive()
+    assert s.flush(timeout=60) and s.stats()["saves"] == 1 and kv_files(s) == [name_of(seq(40))]
+    fmt.verify_file(s.ns / name_of(seq(40)), G, ID_A.model_id)  # written before the rows changed
+    assert blocks(cache.write, 0, 0, z, z) is None  # the lease is gone
     s.close()
 
 
@@ -310,8 +334,11 @@ def test_queued_save_is_superseded_by_newer(tmp_path, gated):
     s = new_store(tmp_path)
     s.save_async(make_cache(seq(20, start=100)))
     assert started.wait(60)  # first job is running (held); the next two queue up
-    s.save_async(make_cache(seq(20, start=200)))
+    superseded = make_cache(seq(20, start=200))
+    s.save_async(superseded)
     s.save_async(make_cache(seq(20, start=300)))
+    z = np.zeros((1, G.kv_dim), np.float32)
+    assert blocks(superseded.write, 0, 0, z, z) is None  # a superseded save releases its rows
     gate.set()
     assert s.flush(timeout=60)
     assert kv_files(s) == sorted([name_of(seq(20, start=100)), name_of(seq(20, start=300))])
@@ -319,26 +346,26 @@ def test_queued_save_is_superseded_by_newer(tmp_path, gated):
     s.close()
 
 
-def test_wait_rows_with_a_real_large_save(tmp_path):
+def test_restore_right_behind_a_real_large_save(tmp_path):
+    """A restore into the cache that a pending save is still reading waits per layer for it."""
     big = Geometry(n_layers=4, n_kv_heads=8, head_dim=128)  # 32 KiB per token
     ident = Identity(config={"model": "big"}, weights_digest="cc" * 32)
     s = SnapshotStore(tmp_path, ident, big, kv_bs=64)
     s.scan()
+    older = make_cache(seq(2048, start=5), max_seq=2048, geometry=big, seed=9)
+    save(s, older)
     cache = make_cache(seq(2048), max_seq=2048, geometry=big)  # 64 MiB of rows
-    s.save_async(cache)
-    assert s.wait_rows(2048) == 0.0  # never needs rows >= n
-    assert s.wait_rows(0) > 0  # 64 MiB + fsync: still running when we get here
-    # after wait_rows(0) the save is complete: rows may be overwritten now
-    assert s.stats()["saves"] == 1 and not s.stats()["save_pending"]
-    path = s.ns / name_of(seq(2048))
-    fmt.verify_file(path, big, ident.model_id)
-    cache.data[:] = 0
-    s2 = SnapshotStore(tmp_path, ident, big, kv_bs=64)
-    s2.scan()
-    s2.restore(s2.lookup(seq(2048)), cache)
-    assert np.array_equal(cache.data[:, :, :2047], make_cache(seq(2048), max_seq=2048, geometry=big).data[:, :, :2047])
+    want = cache.data[:, :, :2048].copy()
+    s.save_async(cache)  # still streaming when the restore below starts
+    reports = []
+    res = s.restore(s.lookup(seq(2048, start=5)), cache, Work(on_progress=lambda *a: reports.append(a)))
+    assert res.n_tokens == 2047 and np.array_equal(cache.data[:, :, :2047], older.data[:, :, :2047])
+    assert [r for r in reports if r[0] == "restore"] == [("restore", i, 4) for i in range(1, 5)]
+    assert s.flush(timeout=120)
+    fresh = make_cache([], max_seq=2048, geometry=big, seed=1)
+    s.restore(s.lookup(seq(2048) + [7]), fresh)
+    assert np.array_equal(fresh.data[:, :, :2048], want)  # the file got the rows from before the restore
     s.close()
-    s2.close()
 
 
 def test_scan_drops_superseded_prefix_and_applies_caps(tmp_path, caplog):
@@ -368,8 +395,9 @@ def test_save_after_close_never_raises(tmp_path):
     assert kv_files(s) == []
 
 
-def test_write_guard_releases_each_layer_as_soon_as_it_is_written(tmp_path, monkeypatch):
-    """A following request overwrites layer l's rows right behind the writer, not after the file."""
+def test_lease_releases_each_layer_as_soon_as_it_is_written(tmp_path, monkeypatch):
+    """A following request overwrites layer l's rows right behind the writer, not after the file;
+    each layer the save finishes while a writer waits is reported as progress."""
     gate, at_layer1 = threading.Event(), threading.Event()
     real = fmt.SnapshotWriter.write_layer
 
@@ -382,14 +410,50 @@ def test_write_guard_releases_each_layer_as_soon_as_it_is_written(tmp_path, monk
     monkeypatch.setattr(fmt.SnapshotWriter, "write_layer", held)
     s = new_store(tmp_path)
     cache = make_cache(seq(40))
+    want = cache.data[:, :, :40].copy()
     s.save_async(cache)
     assert at_layer1.wait(60)
-    s.wait_write(0, 0, timeout=60)  # layer 0's rows are in the file: returns while the save runs
-    assert not gate.is_set() and s.stats()["save_pending"]
-    assert s.wait_write(0, 40) == 0.0 and s.wait_write(1, 40) == 0.0  # rows >= n are never needed
-    assert s.wait_write(1, 0, timeout=0.2) >= 0.2  # layer 1 is not written yet: still blocked
+    z = np.zeros((4, G.kv_dim), np.float32)
+    assert blocks(cache.write, 0, 0, z, z) is None  # layer 0's rows are in the file already
     assert s.stats()["save_pending"]
+    reports = []
+    work = Work(on_progress=lambda *a: reports.append(a))
+    layer1 = blocks(cache.write, 1, 0, z, z, work)  # layer 1 is not written yet: blocked
+    assert layer1 is not None
     gate.set()
-    assert s.wait_write(1, 0, timeout=60) >= 0.0 and s.flush(timeout=60)
+    layer1.join(60)
+    assert not layer1.is_alive() and ("save-wait", 2, 2) in reports
+    assert s.flush(timeout=60)
+    s2 = new_store(tmp_path)
+    dst = make_cache([], seed=3)
+    s2.restore(s2.lookup(seq(40) + [1]), dst)
+    assert np.array_equal(dst.data[:, :, :40], want)  # the file holds the rows from before the writes
+    s.close()
+    s2.close()
+
+
+def test_cancel_while_waiting_for_a_save(tmp_path, gated):
+    gate, started = gated
+    s = new_store(tmp_path)
+    cache = make_cache(seq(40))
+    s.save_async(cache)
+    assert started.wait(60)
+    cancel = threading.Event()
+    err: list[BaseException] = []
+
+    def write():
+        z = np.zeros((1, G.kv_dim), np.float32)
+        try:
+            cache.write(0, 0, z, z, Work(cancel=cancel))
+        except Cancelled as e:
+            err.append(e)
+
+    th = blocks(write)
+    assert th is not None
+    cancel.set()
+    th.join(10)
+    assert not th.is_alive() and isinstance(err[0], Cancelled) and err[0].stage == "save-wait"
+    gate.set()
+    assert s.flush(timeout=60)
     fmt.verify_file(s.ns / name_of(seq(40)), G, ID_A.model_id)
     s.close()

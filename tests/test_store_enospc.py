@@ -1,10 +1,11 @@
-"""ENOSPC on a real, tiny filesystem mounted for the test (SPEC section 5: faults never stop the service)."""
+"""ENOSPC on a real, tiny filesystem mounted for the test (docs/store.md: faults never stop the service)."""
 
 from __future__ import annotations
 
 import errno
 import logging
 import os
+import re
 import subprocess
 
 import numpy as np
@@ -115,3 +116,40 @@ def test_full_disk_makes_room_by_evicting_lru(small_fs, caplog):
     assert any("making room" in r.getMessage() for r in caplog.records)
     assert os.statvfs(s.ns).f_bavail > 0
     s.close()
+
+
+def test_enospc_through_http_answers_flags_degraded_and_recovers(small_fs, tiny_synth_dir, tmp_path):
+    """A real server whose kv dir is full: the request is answered, /health shows the degraded
+    flag, no partial file remains, and once space returns the next save succeeds."""
+    import httpx
+    from serverutil import ServerProc, wait_for
+
+    kv = small_fs / "kv"
+    with ServerProc(tmp_path / "home", tmp_path / "srv", "--model", str(tiny_synth_dir), "--max-seq", "1024",
+                    kv_dir=kv) as srv:
+        srv.start()
+        filler = small_fs / "filler"
+        with open(filler, "wb") as f:  # leave ~8 KiB: far below a 200-token snapshot (~100 KiB)
+            f.write(b"\0" * (os.statvfs(small_fs).f_bavail * os.statvfs(small_fs).f_frsize - 8192))
+
+        def ask(seed: int) -> dict:
+            prompt = [int(x) for x in np.random.default_rng(seed).integers(1000, 100000, 200)]
+            r = httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 4,
+                                                              "temperature": 0}, timeout=300)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        assert ask(1)["usage"]["completion_tokens"] == 4
+        wait_for(lambda: "snapshot disk full" in srv.health().json()["degraded"], timeout=60,
+                 what="the degraded flag")
+        (ns,) = [p for p in kv.iterdir() if p.is_dir()]
+        assert debris(ns) == []  # neither a final nor a temp file
+        assert srv.health().json()["status"] == "ok"  # degraded, still serving
+        filler.unlink()
+        ask(2)
+        wait_for(lambda: srv.health().json()["degraded"] == [], timeout=60, what="recovery")
+        (name,) = debris(ns)
+        fmt.verify_file(ns / name)
+        log = srv.log()
+        assert "[KV-DISK] save failed" in log and "No space left on device" in log
+        assert re.search(rf"\[KV-DISK\] saved \d+-token KV -> {name}", log)

@@ -10,12 +10,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edge_llm.config import ModelArgs
+from edge_llm.config import ModelArgs, VisionArgs
 from edge_llm.errors import ModelImportError
-from edge_llm.models.safetensors_writer import bf16_bits_to_f32, f32_to_bf16_bits, read_safetensors_header
-from edge_llm.models.synth import (qwen3_vl_plans, synth_checkpoint, synth_tensor_bf16_blocks, synth_tensor_f32,
-                                   text_config)
-from edge_llm.weights import expected_tensors, index_tensors, safetensors_files
+from edge_llm.models.safetensors_writer import (
+    bf16_bits_to_f32,
+    f32_to_bf16_bits,
+    read_safetensors_header,
+)
+from edge_llm.models.synth import (
+    qwen3_vl_plans,
+    synth_checkpoint,
+    synth_tensor_bf16_blocks,
+    synth_tensor_f32,
+    text_config,
+)
+from edge_llm.weights import expected_tensors, index_tensors, safetensors_files, vision_tensors
 
 torch = pytest.importorskip("torch")
 
@@ -48,12 +57,16 @@ def test_tiny_layout_and_config(tiny):
     assert args.mrope_interleaved and sum(args.mrope_section) == args.head_dim // 2
     assert args.weight_prefix == "model.language_model." and args.tie_word_embeddings
     tensors = index_tensors(d)
-    assert {k: v.shape for k, v in tensors.items()} == expected_tensors(args)
+    vargs = VisionArgs.from_config(cfg)
+    assert {k: v.shape for k, v in tensors.items()} == expected_tensors(args) | vision_tensors(vargs)
+    assert (vargs.patch_size, vargs.spatial_merge_size, vargs.out_hidden_size) == (16, 2, 64)
+    assert json.loads((d / "preprocessor_config.json").read_text())["size"]["shortest_edge"] == 65536
     assert {v.dtype for v in tensors.values()} == {"BF16"}
     gen = json.loads((d / "generation_config.json").read_text())
     assert gen["eos_token_id"] == [151645, 151643]
     assert (d / "tokenizer.json").is_file() and (d / "tokenizer_config.json").is_file()
-    total = sum(p.nbytes for p in qwen3_vl_plans(text_config("tiny")))
+    total = sum(p.nbytes for p in qwen3_vl_plans(text_config("tiny"))) + 2 * sum(
+        int(np.prod(s)) for s in vision_tensors(vargs).values())
     assert calls[-1] == (total, total) and all(a[0] < b[0] for a, b in zip(calls, calls[1:]))
 
 
@@ -108,11 +121,19 @@ def test_qwen3_vl_2b_one_layer_geometry_from_headers(tmp_path):
     assert tc["rope_scaling"] == {"mrope_section": [24, 20, 20], "mrope_interleaved": True, "rope_type": "default"}
     assert cfg["tie_word_embeddings"] is True
     args = ModelArgs.from_dir(d)
-    assert args.geometry.kv_bytes_per_token * 28 == 229_376  # one of 28 layers: SPEC's bytes/token
+    assert args.geometry.kv_bytes_per_token * 28 == 229_376  # one of 28 layers: Qwen3-VL-2B's bytes/token
     header = {}
     for f in safetensors_files(d):
         header |= {k: v for k, v in read_safetensors_header(f).items() if k != "__metadata__"}
-    assert {k: tuple(v["shape"]) for k, v in header.items()} == expected_tensors(args)
+    vargs = VisionArgs.from_config(cfg)
+    assert {k: tuple(v["shape"]) for k, v in header.items()} == expected_tensors(args) | vision_tensors(vargs)
+    # the published Qwen3-VL-2B vision tower: 24 blocks of width 1024, DeepStack after 5, 11, 17
+    assert header["model.visual.patch_embed.proj.weight"]["shape"] == [1024, 3, 2, 16, 16]
+    assert header["model.visual.merger.linear_fc2.weight"]["shape"] == [2048, 4096]
+    assert header["model.visual.deepstack_merger_list.2.norm.weight"]["shape"] == [4096]
+    assert vargs.depth == 24 and vargs.deepstack_visual_indexes == (5, 11, 17)
+    n_vis = sum(int(np.prod(s)) for s in vision_tensors(vargs).values())
+    assert 4.0e8 < n_vis < 4.1e8  # Qwen3-VL-2B's vision tower: ~0.41B params
     assert header["model.language_model.embed_tokens.weight"]["shape"] == [151936, 2048]
     assert header["model.language_model.layers.0.self_attn.k_proj.weight"]["shape"] == [1024, 2048]
     assert header["model.language_model.layers.0.mlp.down_proj.weight"]["shape"] == [2048, 6144]

@@ -1,4 +1,4 @@
-"""`edge-llm bench restore|recovery|compute|all`: measured against this machine's own limits.
+"""`edge-llm bench restore|recovery|vision|compute|all`: measured against this machine's own limits.
 
 Results go to a new dated folder `<out>/<UTC>-<kind>/` (JSON + Markdown, + PNG for recovery).
 `compute` runs tools/bench_compute.py from a source checkout as a separate process (the package
@@ -97,7 +97,7 @@ def run_restore(data_dir, contexts, preset="qwen3-vl-2b", layers=None, kv_bs=DEF
 
 
 @bench.command("recovery")
-@click.option("--model", default="default", show_default=True, help="HF model dir or 'default'.")
+@click.option("--model", default=DEFAULTS.model, show_default=True, help="HF model dir or 'default'.")
 @click.option("--synth-layers", type=click.IntRange(1), default=None,
               help="Use a synthetic qwen3-vl-2b-geometry model with this many layers (made on first use).")
 @click.option("--contexts", default="512,2048", show_default=True, help="Context sizes in tokens.")
@@ -109,15 +109,16 @@ def recovery_cmd(model, synth_layers, contexts, max_tokens, ready_timeout, out) 
     run_recovery(model, synth_layers, _ints(contexts), max_tokens, ready_timeout, out)
 
 
-def synth_model(layers: int) -> Path:
-    """$EDGE_LLM_HOME/models/synth-qwen3-vl-2b-<N>l, written by `edge-llm model synth` if missing."""
+def synth_model(layers: int, vision: bool = False) -> Path:
+    """$EDGE_LLM_HOME/models/synth-qwen3-vl-2b-<N>l[-vision], written by `edge-llm model synth` if
+    missing (the vision tower only when asked: it adds ~0.8 GB)."""
     from edge_llm.settings import home_dir
 
-    path = home_dir() / "models" / f"synth-qwen3-vl-2b-{layers}l"
+    path = home_dir() / "models" / f"synth-qwen3-vl-2b-{layers}l{'-vision' if vision else ''}"
     if not (path / "config.json").is_file():
         console.print(f"writing synthetic checkpoint {path} ...")
         subprocess.run([sys.executable, "-m", "edge_llm", "model", "synth", "--preset", "qwen3-vl-2b",
-                        "--layers", str(layers), str(path)], check=True)
+                        "--layers", str(layers), "--vision" if vision else "--no-vision", str(path)], check=True)
     return path
 
 
@@ -163,6 +164,52 @@ def run_recovery(model, synth_layers, contexts, max_tokens=8, ready_timeout=600.
     if len(ok) != len(res["rows"]):
         raise click.ClickException("some contexts failed (see above)")
     return res_dir
+
+
+@bench.command("vision")
+@click.option("--synth-layers", type=click.IntRange(1), default=4, show_default=True,
+              help="Decoder layers of the synthetic Qwen3-VL-2B (its vision tower is always complete).")
+@click.option("--sizes", default="224,448,896", show_default=True, help="Square image sides for the encoder table.")
+@click.option("--e2e-size", type=click.IntRange(32), default=448, show_default=True,
+              help="Image side of the end-to-end conversation (0 skips it).")
+@click.option("--max-tokens", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--repeats", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--out", default="benchmarks/results", show_default=True, help=OUT_HELP)
+def vision_cmd(synth_layers, sizes, e2e_size, max_tokens, repeats, out) -> None:
+    """Vision encoder time per image size vs the sgemm roofline; image + question cold vs restored."""
+    import os
+    import platform
+    import tempfile
+
+    from threadpoolctl import threadpool_info
+
+    from edge_llm.bench import vision as V
+    from edge_llm.bench.disk import new_results_dir
+    from edge_llm.config import ModelArgs
+    from edge_llm.vision.model import VisionModel
+
+    model_dir = synth_model(synth_layers, vision=True)
+    res_dir = new_results_dir(out, "bench-vision")
+    blas = ", ".join(f"{i.get('internal_api')} {i.get('architecture')} ({i.get('num_threads')} threads)"
+                     for i in threadpool_info() if i.get("user_api") == "blas") or "unknown"
+    res = {"label": "synthetic Qwen3-VL-2B vision tower (24 blocks, width 1024, DeepStack 5/11/17)",
+           "machine": f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}",
+           "blas": blas, "command": " ".join(sys.argv),
+           "e2e_label": f"Qwen3-VL-2B geometry, {synth_layers} of 28 decoder layers"}
+    with _progress() as prog:
+        task = prog.add_task("vision bench")
+        step = lambda msg: prog.update(task, description=msg)  # noqa: E731
+        args = ModelArgs.from_dir(model_dir)
+        vision = VisionModel.load(model_dir, args)
+        res["encoder"], res["peak_gflops"] = V.encoder_rows(vision, _ints(sizes), repeats, step)
+        del vision
+        if e2e_size:
+            with tempfile.TemporaryDirectory(dir=res_dir) as kv:
+                res["e2e"] = V.end_to_end(model_dir, Path(kv), e2e_size, max_tokens, step)
+    (res_dir / "vision.json").write_text(json.dumps(res, indent=2) + "\n")
+    md = V.markdown(res)
+    (res_dir / "vision.md").write_text(md)
+    _show(res_dir, md)
 
 
 def compute_script() -> Path | None:

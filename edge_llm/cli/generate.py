@@ -8,6 +8,7 @@ import sys
 import click
 
 from edge_llm.cli.options import settings_options
+from edge_llm.cli.progress import resolve_model_with_bar
 from edge_llm.settings import Settings
 
 
@@ -17,21 +18,25 @@ from edge_llm.settings import Settings
 @click.option("--chat/--raw", default=True, show_default=True, help="Wrap the prompt in the chat template.")
 @click.option("--system", default=None, help="System message (with --chat).")
 @click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(1))
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(0))
-@click.option("--top-k", default=0, show_default=True, type=click.IntRange(0))
-@click.option("--top-p", default=1.0, show_default=True, type=click.FloatRange(0, 1, min_open=True))
+@click.option("--temperature", default=None, type=click.FloatRange(0),
+              help="0 = greedy.  [default: the model's generation_config.json, else 1.0]")
+@click.option("--top-k", default=None, type=click.IntRange(0),
+              help="0 = off.  [default: the model's generation_config.json, else 0]")
+@click.option("--top-p", default=None, type=click.FloatRange(0, 1, min_open=True),
+              help="[default: the model's generation_config.json, else 1.0]")
 @click.option("--seed", default=None, type=int)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="Image file (PNG, JPEG, WebP) shown before the prompt (repeatable; Qwen3-VL).")
 @click.option("-v", "--verbose", is_flag=True, help="Show library log lines ([KV-DISK], [PREFILL-TIMING]).")
 def generate(settings: Settings, prompt, chat, system, max_tokens, temperature, top_k, top_p, seed,
-             stop, verbose) -> None:
+             stop, images, verbose) -> None:
     """Generate text for one prompt, streaming it to stdout."""
     from rich.console import Console
 
     from edge_llm.engine import GenerationRequest
     from edge_llm.errors import EdgeLLMError
     from edge_llm.runtime import load_runtime
-    from edge_llm.sampling import SamplingParams
 
     err = Console(stderr=True)
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
@@ -39,16 +44,26 @@ def generate(settings: Settings, prompt, chat, system, max_tokens, temperature, 
     if prompt is None:
         prompt = sys.stdin.read()
     try:
+        resolve_model_with_bar(settings.model)  # a first-use import of the default model: a bar
         with err.status("loading model..."):
             engine = load_runtime(settings)
+        prepared, shown = [], ""
+        if images:
+            if engine.vision is None:
+                raise click.ClickException(f"{settings.model}: this model has no vision encoder (--image)")
+            prepared = [engine.vision.prepare(open(path, "rb").read()) for path in images]
+            shown = engine.vision.placeholder(engine.tokenizer.id_to_token) * len(images)
         if chat:
             messages = ([{"role": "system", "content": system}] if system else [])
-            messages.append({"role": "user", "content": prompt})
+            messages.append({"role": "user", "content": shown + prompt})
             ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         else:
-            ids = engine.tokenizer.encode(prompt)
+            ids = engine.tokenizer.encode(shown + prompt)
+        if prepared:
+            ids = engine.vision.expand(ids, prepared)
         req = GenerationRequest(ids, max_tokens=max_tokens, stop=list(stop),
-                                sampling=SamplingParams(temperature, top_k, top_p, seed))
+                                sampling=engine.sampling_defaults.params(temperature, top_p, top_k, seed),
+                                images=prepared)
         last = None
         for ev in engine.generate(req):
             sys.stdout.write(ev.text)
@@ -66,5 +81,7 @@ def generate(settings: Settings, prompt, chat, system, max_tokens, temperature, 
         f"({t.prefill_tokens / max(t.prefill_ms, 1e-9) * 1e3:.1f} tok/s), cache {t.cache_source} "
         f"({t.ram_cached_tokens + t.disk_cached_tokens} tok); decode {t.decode_tokens} tok in "
         f"{t.decode_ms:.1f} ms ({t.decode_tokens / max(t.decode_ms, 1e-9) * 1e3:.1f} tok/s); "
+        + (f"{t.images} image(s), {t.image_tokens} image tok, {t.images_encoded} encoded in "
+           f"{t.vision_ms:.1f} ms; " if t.images else "") +
         f"TTFT {t.ttft_ms:.1f} ms; finish {last.finish_reason}[/dim]"
     )

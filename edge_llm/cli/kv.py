@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from edge_llm.errors import SnapshotError
+from edge_llm.settings import DEFAULTS
 from edge_llm.snapshot import format as fmt
 from edge_llm.snapshot.identity import read_identity
 from edge_llm.snapshot.index import QUARANTINE, Entry, lru_victims
@@ -178,6 +179,14 @@ def inspect(file: Path, tokenizer_dir: Path | None, n_show: int, n_blocks: int) 
         out.print(t)
     if d["tokens"] is not None and n_show:
         _print_tokens(d["tokens"], n_show, tokenizer_dir)
+    if d.get("images"):
+        t = Table(title="image runs (extension section)", show_edge=False)
+        for col in ("rows", "grid t x h x w", "MRoPE pos0", "next pos", "digest"):
+            t.add_column(col)
+        for im in d["images"]:
+            t.add_row(f"[{im['rows'][0]}, {im['rows'][1]})", "x".join(map(str, im["grid"])), str(im["pos0"]),
+                      str(im["next_pos"]), im["digest"][:16] + "...")
+        out.print(t)
     if d["blocks"]:
         t = Table(title=f"block map (first {len(d['blocks'])} of {d['n_blocks_total']})", show_edge=False)
         for col in ("layer", "block", "K/V", "rows", "offset", "bytes", "CRC32C", "trailer @"):
@@ -205,7 +214,11 @@ def _field_value(h: dict, d: dict) -> str:
     if name == "trailer_crc":
         return f"{v:08x}"
     if name == "flags":
-        return f"{v:#x}" + (" (trailer present)" if v & fmt.FLAG_TRAILER else "")
+        return f"{v:#x}" + (" (trailer present)" if v & fmt.FLAG_TRAILER else "") + (
+            " (extension section)" if v & fmt.FLAG_EXTENSION else "")
+    if name == "reserved" and d["header"] and any(
+            h["name"] == "flags" and h["value"] & fmt.FLAG_EXTENSION for h in d["header"]):
+        return f"{v} (extension section bytes)"
     return str(v)
 
 
@@ -293,7 +306,8 @@ def rm(kv_dir: Path, namespace: str | None, all_: bool, names: tuple[str, ...]) 
 @kv.command("gc")
 @kv_dir_option
 @click.option("--namespace", default=None, help="Only this namespace (16 hex digits).")
-@click.option("--max-files", default=8, show_default=True, type=click.IntRange(1), help="Files per namespace.")
+@click.option("--max-files", default=DEFAULTS.disk_kv_max_files, show_default=True, type=click.IntRange(1),
+              help="Files per namespace.")
 @click.option("--max-bytes", default=None, type=_Bytes(), help="Bytes per namespace (e.g. 4G).")
 @click.option("--dry-run", is_flag=True, help="Only show what would be removed.")
 def gc(kv_dir: Path, namespace: str | None, max_files: int, max_bytes: int | None, dry_run: bool) -> None:

@@ -2,42 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
-from collections.abc import Callable, Iterator
 
 import click
 
+from edge_llm.cli.progress import progress_bar, resolve_model_with_bar
 from edge_llm.settings import DEFAULTS
-
-
-@contextlib.contextmanager
-def progress_bar(label: str) -> Iterator[Callable[[int, int, str], None]]:
-    """A rich progress bar on stderr, driven by the library's `progress(done, total, what)` callback."""
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  TimeRemainingColumn(), transient=False, console=_err()) as bar:
-        task = bar.add_task(label, total=None)
-
-        def update(done: int, total: int, what: str) -> None:
-            bar.update(task, completed=done, total=total)
-
-        yield update
-
-
-def _err():
-    from rich.console import Console
-
-    return Console(stderr=True)
 
 
 def _fail(e: Exception) -> None:
@@ -70,26 +41,30 @@ def import_gguf_cmd(gguf_file: str, out_dir: str) -> None:
 @click.option("--preset", type=click.Choice(["qwen3-vl-2b", "tiny"]), default="qwen3-vl-2b", show_default=True)
 @click.option("--layers", type=click.IntRange(1), default=None, help="Number of decoder layers (default: preset's).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--vision/--no-vision", default=True, show_default=True,
+              help="Write the vision tower (published Qwen3-VL-2B vision geometry for qwen3-vl-2b).")
 @click.argument("out_dir", type=click.Path(file_okay=False))
-def synth_cmd(preset: str, layers: int | None, seed: int, out_dir: str) -> None:
+def synth_cmd(preset: str, layers: int | None, seed: int, vision: bool, out_dir: str) -> None:
     """Write a random-weight qwen3_vl checkpoint (BF16) with the real Qwen3 tokenizer."""
     from edge_llm.errors import EdgeLLMError
     from edge_llm.models.synth import synth_checkpoint
 
     try:
         with progress_bar(f"synth {preset}") as cb:
-            out = synth_checkpoint(out_dir, preset=preset, layers=layers, seed=seed, progress=cb)
+            out = synth_checkpoint(out_dir, preset=preset, layers=layers, seed=seed, progress=cb,
+                                       vision=vision)
     except EdgeLLMError as e:
         _fail(e)
     click.echo(f"wrote {preset} checkpoint -> {out}")
 
 
-def _param_counts(model_dir, prefix: str) -> tuple[int, int, dict[str, int], int]:
-    """(all params, text-model params, dtype -> count, bytes on disk) from safetensors headers."""
+def _param_counts(model_dir, prefix: str, vision_prefix: str = "model.visual."
+                  ) -> tuple[int, int, int, dict[str, int], int]:
+    """(all, text-model, vision-tower params, dtype -> count, bytes on disk) from safetensors headers."""
     from edge_llm.models.safetensors_writer import read_safetensors_header
     from edge_llm.weights import safetensors_files
 
-    total = text = size = 0
+    total = text = vis = size = 0
     dtypes: dict[str, int] = {}
     for path in safetensors_files(model_dir):
         size += path.stat().st_size
@@ -103,7 +78,9 @@ def _param_counts(model_dir, prefix: str) -> tuple[int, int, dict[str, int], int
             dtypes[entry["dtype"]] = dtypes.get(entry["dtype"], 0) + n
             if name.startswith(prefix) or name == "lm_head.weight":
                 text += n
-    return total, text, dtypes, size
+            elif name.startswith(vision_prefix):
+                vis += n
+    return total, text, vis, dtypes, size
 
 
 @model.command("info")
@@ -112,13 +89,14 @@ def _param_counts(model_dir, prefix: str) -> tuple[int, int, dict[str, int], int
               help="Context length for the KV size line.")
 def info_cmd(model_dir: str, max_seq: int) -> None:
     """Geometry, KV bytes per token and parameter count of MODEL_DIR (or 'default')."""
-    from edge_llm.config import ModelArgs
+    from edge_llm.config import ModelArgs, vision_args_from_dir
     from edge_llm.errors import EdgeLLMError
 
     try:
-        d = _resolve(model_dir)
+        d = resolve_model_with_bar(model_dir)
         a = ModelArgs.from_dir(d)
-        total, text, dtypes, size = _param_counts(d, a.weight_prefix)
+        v = vision_args_from_dir(d)
+        total, text, vis, dtypes, size = _param_counts(d, a.weight_prefix)
     except EdgeLLMError as e:
         _fail(e)
     g = a.geometry
@@ -139,26 +117,17 @@ def info_cmd(model_dir: str, max_seq: int) -> None:
         ("KV bytes per token (F32)", f"{g.kv_bytes_per_token:,}"),
         (f"KV bytes at {max_seq} tokens", f"{g.kv_bytes_per_token * max_seq:,} ({g.kv_bytes_per_token * max_seq / 2**20:.1f} MiB)"),
         ("parameters (text model)", f"{text:,}"),
+        ("vision tower", "none" if v is None or not vis else
+         f"{v.depth} blocks, hidden {v.hidden_size} / {v.intermediate_size}, {v.num_heads} heads, "
+         f"patch {v.patch_size} x{v.temporal_patch_size}, merge {v.spatial_merge_size}, "
+         f"deepstack {list(v.deepstack_visual_indexes)} -> {v.out_hidden_size}"),
+        ("parameters (vision tower)", f"{vis:,}"),
         ("parameters (all tensors)", f"{total:,}"),
         ("weights on disk", f"{size:,} bytes ({', '.join(f'{k}: {v:,}' for k, v in sorted(dtypes.items()))})"),
     ]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         click.echo(f"{k:<{width}}  {v}")
-
-
-@contextlib.contextmanager
-def _nullbar() -> Iterator[None]:
-    yield None
-
-
-def _resolve(spec: str):
-    """Model directory for DIR|default; draws a bar only when the default model gets imported."""
-    from edge_llm.models.default import default_model_ready, resolve_model_dir
-
-    importing = spec == "default" and not default_model_ready()
-    with progress_bar("importing default model") if importing else _nullbar() as cb:
-        return resolve_model_dir(spec, progress=cb)
 
 
 @model.command("digest")
@@ -170,7 +139,7 @@ def digest_cmd(model_dir: str) -> None:
     from edge_llm.snapshot.identity import Identity
 
     try:
-        d = _resolve(model_dir)
+        d = resolve_model_with_bar(model_dir)
         ident = Identity.for_model(d, ModelArgs.from_dir(d))
     except EdgeLLMError as e:
         _fail(e)

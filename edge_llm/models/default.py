@@ -31,7 +31,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 # bump when the importer's output changes, so existing imports are redone
-IMPORT_FORMAT = 1
+IMPORT_FORMAT = 2
+# SmolLM2-135M-Instruct's own recommended sampling (its model card's generate() example); the
+# GGUF carries no general.sampling.* keys, so the import writes these into generation_config.json
+SMOLLM2_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 MARKER = ".edge_llm_default.json"
 
 
@@ -73,6 +76,8 @@ def default_model_dir(progress: Progress | None = None) -> Path:
         try:
             os.chmod(tmp, 0o755)  # mkdtemp makes it private; the service user may differ from ours
             import_gguf(gguf_path, tmp, progress=progress)
+            gen_path = tmp / "generation_config.json"
+            gen_path.write_text(json.dumps({**json.loads(gen_path.read_text()), **SMOLLM2_SAMPLING}, indent=2) + "\n")
             (tmp / MARKER).write_text(json.dumps({"format": IMPORT_FORMAT, "sha256": SMOLLM2_SHA256,
                                                   "source": SMOLLM2_GGUF}) + "\n")
             if target.exists():  # an older or broken import: move it aside, swap, then delete

@@ -201,6 +201,24 @@ def build_tokenizer(meta: _Meta) -> tuple[str, dict[str, Any], list[int]]:
     return tk.to_str(), tcfg, list(dict.fromkeys(eos_ids))
 
 
+# llama.cpp's recommended-sampling keys (general.sampling.*) -> generation_config.json names
+_SAMPLING_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_p": "top_p",
+                  "general.sampling.top_k": "top_k"}
+
+
+def sampling_from_gguf(meta: _Meta) -> dict[str, Any]:
+    """The GGUF's recommended sampling values, if it carries any (do_sample implied)."""
+    out = {name: meta.get(key) for key, name in _SAMPLING_KEYS.items() if meta.get(key) is not None}
+    if "top_k" in out:
+        out["top_k"] = int(out["top_k"])
+    for k in ("temperature", "top_p"):
+        if k in out:
+            out[k] = _f32_clean(float(out[k]))
+    if out:
+        out["do_sample"] = True
+    return out
+
+
 def _write_tokenizer_files(meta: _Meta, bos_id: int | None, out: Path) -> list[int]:
     """tokenizer.json, tokenizer_config.json and generation_config.json; returns the eos ids."""
     tok_json, tcfg, eos_ids = build_tokenizer(meta)
@@ -213,6 +231,7 @@ def _write_tokenizer_files(meta: _Meta, bos_id: int | None, out: Path) -> list[i
         gen["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
     if bos_id is not None:
         gen["bos_token_id"] = bos_id
+    gen.update(sampling_from_gguf(meta))
     write_json_atomic(out / "generation_config.json", gen)
     return eos_ids
 

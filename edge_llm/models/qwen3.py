@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,10 +22,29 @@ from edge_llm.config import ModelArgs
 from edge_llm.errors import KVCacheError
 from edge_llm.kvcache import KVCache
 from edge_llm.models.rope import Rope, apply_rope
+from edge_llm.progress import NO_WORK, PREFILL, Work
 from edge_llm.settings import DEFAULTS
 from edge_llm.weights import load_weights
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class VisualRows:
+    """Image inputs of a run of rows (Qwen3-VL): which rows are image tokens, the vision
+    encoder's embeddings that replace their token embeddings, and the DeepStack features added to
+    their hidden states after decoder layers 0, 1, ... (as transformers' Qwen3VLTextModel)."""
+
+    rows: np.ndarray  # (n,) row offsets within the run, ascending
+    embeds: np.ndarray  # (n, hidden)
+    deepstack: list[np.ndarray]  # each (n, hidden)
+
+    def slice(self, a: int, b: int) -> "VisualRows | None":
+        """The part for rows [a, b) of the run, offsets relative to a; None if no image row."""
+        lo, hi = np.searchsorted(self.rows, [a, b])
+        if lo == hi:
+            return None
+        return VisualRows(self.rows[lo:hi] - a, self.embeds[lo:hi], [d[lo:hi] for d in self.deepstack])
 
 
 def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int,
@@ -95,27 +115,41 @@ class Model:
 
     # ---- forward --------------------------------------------------------------------------
     def forward(self, tokens, cache: KVCache, all_logits: bool = False,
-                positions: np.ndarray | None = None) -> np.ndarray:
+                positions: np.ndarray | None = None, work: Work = NO_WORK,
+                visual: VisualRows | None = None) -> np.ndarray:
         """Run `tokens` at rows [cache.length, +T): write their K/V rows, extend cache.tokens.
 
         Returns float32 logits of the last position (vocab,), or (T, vocab) if all_logits.
         `positions` overrides the text positions (T,) or MRoPE (3, T) (for image tokens).
+        `visual` rows take their embeddings from the vision encoder; their entries in `tokens`
+        are the image key ids stored in the cache (any value, not looked up).
         """
-        return self._run(tokens, cache, "all" if all_logits else "last", positions)
+        return self._run(tokens, cache, "all" if all_logits else "last", positions, work, visual)
 
-    def prefill(self, tokens, cache: KVCache, chunk: int = DEFAULTS.prefill_chunk) -> np.ndarray:
-        """Forward in chunks so memory stays bounded; logits (vocab,) of the last token only."""
+    def prefill(self, tokens, cache: KVCache, chunk: int = DEFAULTS.prefill_chunk,
+                work: Work = NO_WORK, positions: np.ndarray | None = None,
+                visual: VisualRows | None = None) -> np.ndarray | None:
+        """Forward in chunks so memory stays bounded; logits (vocab,) of the last token only.
+        `positions` (3, T) and `visual` describe the whole run and are sliced per chunk.
+
+        After each chunk `work` gets a prefill report (rows valid / rows when done) and may
+        cancel: `Cancelled` then leaves the cache valid up to the last complete chunk."""
         ids = np.asarray(tokens, dtype=np.int64)
         if ids.size == 0:
             raise ValueError("prefill needs at least one token")
         chunk = pick_chunk(self.backend, chunk)
+        target = cache.length + ids.size
         logits = None
         for a in range(0, ids.size, chunk):
             part = ids[a:a + chunk]
-            logits = self._run(part, cache, "last" if a + chunk >= ids.size else "none", None)
+            pos = None if positions is None else positions[..., a:a + chunk]
+            vis = None if visual is None else visual.slice(a, a + part.size)
+            logits = self._run(part, cache, "last" if a + chunk >= ids.size else "none", pos, work, vis)
+            work.report(PREFILL, cache.length, target)
         return logits
 
-    def _run(self, tokens, cache: KVCache, want: str, positions: np.ndarray | None):
+    def _run(self, tokens, cache: KVCache, want: str, positions: np.ndarray | None, work: Work = NO_WORK,
+             visual: VisualRows | None = None):
         args, be = self.args, self.backend
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         T, start = ids.size, cache.length
@@ -123,14 +157,21 @@ class Model:
             raise ValueError("forward needs at least one token")
         if start + T > cache.max_seq:
             raise KVCacheError(f"{start + T} tokens exceed the cache's max_seq={cache.max_seq}")
-        if ids.min() < 0 or ids.max() >= args.vocab_size:
+        lookup = ids
+        if visual is not None:  # image rows are not looked up: id 0 stands in, then is replaced
+            lookup = ids.copy()
+            lookup[visual.rows] = 0
+        if lookup.min() < 0 or lookup.max() >= args.vocab_size:
             raise ValueError(f"token id out of range [0, {args.vocab_size})")
         pos = self.rope.positions(start, T) if positions is None else np.asarray(positions)
         cos, sin = self.rope.cos_sin(pos)
         H, n_kv, D = args.num_attention_heads, args.num_key_value_heads, args.head_dim
         eps = np.float32(args.rms_norm_eps)
 
-        x = be.embed(ids)  # (T, hidden)
+        x = be.embed(lookup)  # (T, hidden)
+        if visual is not None:
+            x = np.array(x, dtype=np.float32)  # own the buffer before writing image rows into it
+            x[visual.rows] = visual.embeds
         for layer in range(args.num_hidden_layers):
             q, k, v = be.qkv(layer, x)
             q = q.reshape(T, H, D)
@@ -140,13 +181,13 @@ class Model:
                 k = rms_norm(k, self.k_norms[layer], eps)
             q = apply_rope(q, cos, sin)
             q *= self.scale
-            keys, values = cache.layer(layer)
-            cache.before_write(layer, start)
-            keys[start:start + T] = apply_rope(k, cos, sin).reshape(T, n_kv * D)
-            values[start:start + T] = v
-            attn = attention(q, keys[:start + T], values[:start + T], start, n_kv)
+            cache.write(layer, start, apply_rope(k, cos, sin).reshape(T, n_kv * D), v, work)
+            keys, values = cache.valid(layer, start + T)
+            attn = attention(q, keys, values, start, n_kv)
             x = be.attn_out(layer, attn, x)
             x = be.mlp(layer, x)
+            if visual is not None and layer < len(visual.deepstack):
+                x[visual.rows] += visual.deepstack[layer]
         cache.append_tokens(ids.tolist())
         if want == "none":
             return None

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from edge_llm.config import VisionArgs
 from edge_llm.errors import ModelImportError
 from edge_llm.models.packaged import qwen3_tokenizer_dir
 from edge_llm.models.safetensors_writer import (
@@ -27,6 +28,7 @@ from edge_llm.models.safetensors_writer import (
     write_checkpoint,
     write_json_atomic,
 )
+from edge_llm.weights import vision_tensors
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,20 @@ TINY_TEXT_OVERRIDES: dict[str, Any] = {
     "num_key_value_heads": 2, "head_dim": 16,
     "rope_scaling": {"mrope_interleaved": True, "mrope_section": [4, 2, 2], "rope_type": "default"},
 }
+# tiny's vision tower keeps the published patch/merge geometry (images tokenise as on the real
+# model) with small widths; its output width is the tiny text hidden size
+TINY_VISION_OVERRIDES: dict[str, Any] = {
+    "depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+    "deepstack_visual_indexes": [0, 1],
+}
+# the published Qwen3-VL preprocessor_config.json (Qwen2VLImageProcessor with patch 16, mean/std 0.5)
+QWEN3_VL_PREPROCESSOR: dict[str, Any] = {
+    "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "image_processor_type": "Qwen2VLImageProcessor",
+    "merge_size": 2, "patch_size": 16, "processor_class": "Qwen3VLProcessor", "resample": 3,
+    "rescale_factor": 1 / 255, "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+    "temporal_patch_size": 2,
+}
 PRESETS = ("qwen3-vl-2b", "tiny")
 GENERATION_CONFIG = {"bos_token_id": 151643, "pad_token_id": 151643, "do_sample": False,
                      "eos_token_id": [151645, 151643]}
@@ -64,8 +80,10 @@ def synth_tensor_f32(name: str, shape: tuple[int, ...], seed: int = 0) -> np.nda
 
     Seeded by (seed, crc32(name)) so a tensor's values do not depend on which others are written.
     """
-    if name.endswith("norm.weight"):
+    if name.endswith(("norm.weight", "norm1.weight", "norm2.weight")):
         return np.ones(shape, dtype=np.float32)
+    if name.endswith("norm.bias") or name.endswith(("norm1.bias", "norm2.bias")):
+        return np.zeros(shape, dtype=np.float32)
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
     out = rng.standard_normal(shape, dtype=np.float32)
     out *= np.float32(INIT_STD)
@@ -125,9 +143,12 @@ def qwen3_vl_plans(tc: dict[str, Any]) -> list[TensorPlan]:
 
 def synth_checkpoint(out_dir: str | Path, preset: str = "qwen3-vl-2b", layers: int | None = None,
                      seed: int = 0, progress: Progress | None = None,
-                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, durable: bool = True) -> Path:
+                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, durable: bool = True,
+                     vision: bool = True) -> Path:
     """Write a random-weight HF `qwen3_vl` checkpoint (BF16) with the real Qwen3 tokenizer.
 
+    With `vision` (default) the vision tower is written too (qwen3-vl-2b: the published Qwen3-VL-2B
+    vision geometry; tiny: small widths) with the published `preprocessor_config.json`.
     `durable=False` skips the fsyncs (scratch checkpoints in tests and benchmarks)."""
     tok_dir = qwen3_tokenizer_dir()
     out = Path(out_dir)
@@ -140,14 +161,21 @@ def synth_checkpoint(out_dir: str | Path, preset: str = "qwen3-vl-2b", layers: i
         "vision_end_token_id": 151653, "vision_start_token_id": 151652,
         "edge_llm_synthetic": {"preset": preset, "seed": seed, "init_std": INIT_STD},
     }
-    if preset == "tiny":  # the vision tower is not written; keep its declared output width consistent
-        config["vision_config"]["out_hidden_size"] = tc["hidden_size"]
+    if preset == "tiny":
+        config["vision_config"].update(TINY_VISION_OVERRIDES, out_hidden_size=tc["hidden_size"])
     for name in ("tokenizer.json", "tokenizer_config.json"):
         tmp = out / (name + ".tmp")
         shutil.copyfile(tok_dir / name, tmp)
         os.replace(tmp, out / name)
     write_json_atomic(out / "generation_config.json", GENERATION_CONFIG)
     plans = qwen3_vl_plans(tc)
+    if vision:
+        vargs = VisionArgs.from_config(config)
+        assert vargs is not None
+        plans += [TensorPlan(n, "BF16", shape) for n, shape in vision_tensors(vargs).items()]
+        write_json_atomic(out / "preprocessor_config.json", QWEN3_VL_PREPROCESSOR)
+    else:
+        (out / "preprocessor_config.json").unlink(missing_ok=True)
     names = write_checkpoint(out, plans, lambda p: synth_tensor_bf16_blocks(p.name, p.shape, seed),
                              max_shard_bytes=max_shard_bytes, progress=progress, durable=durable)
     write_json_atomic(out / "config.json", config)  # last: a directory with config.json is complete

@@ -17,9 +17,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from edge_llm import __version__
-from edge_llm.engine import GenerationRequest
-from edge_llm.errors import EdgeLLMError
+from edge_llm.engine import Engine, GenerationRequest
+from edge_llm.errors import EdgeLLMError, ImageError
 from edge_llm.sampling import SamplingParams
+from edge_llm.sdnotify import Notifier
 from edge_llm.server import schemas as S
 from edge_llm.server.errors import (
     APIError,
@@ -29,6 +30,7 @@ from edge_llm.server.errors import (
     queue_full,
     unavailable,
 )
+from edge_llm.server.images import chat_prompt
 from edge_llm.server.metrics import StatusCountMiddleware
 from edge_llm.server.state import AppState
 from edge_llm.server.streaming import collect, sse_chat, sse_completion
@@ -45,7 +47,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-def create_app(settings: Settings, notifier: Any = None, loader: Callable[[], Any] | None = None,
+def create_app(settings: Settings, notifier: Notifier | None = None, loader: Callable[[], Engine] | None = None,
                on_fatal: Callable[[str], None] | None = None) -> FastAPI:
     """Build the app. The model loads in the background when the app starts (lifespan)."""
     state = AppState(settings, notifier=notifier, loader=loader, on_fatal=on_fatal)
@@ -93,7 +95,9 @@ def create_app(settings: Settings, notifier: Any = None, loader: Callable[[], An
 
     @app.get("/v1/models", response_model=S.ModelList, responses=ERRORS, dependencies=[Depends(auth)])
     def models() -> S.ModelList:
-        return S.ModelList(data=[S.ModelCard(id=state.model_id, created=state.created)])
+        defaults = state.engine.sampling_defaults.to_dict() if state.engine is not None else None
+        return S.ModelList(data=[S.ModelCard(id=state.model_id, created=state.created,
+                                             sampling_defaults=defaults)])
 
     # ---- generation ---------------------------------------------------------------------------
     def sampling(body: S._Sampling) -> tuple[SamplingParams, list[str]]:
@@ -107,9 +111,8 @@ def create_app(settings: Settings, notifier: Any = None, loader: Callable[[], An
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > 4:
             raise bad_request(f"at most 4 stop sequences are allowed, got {len(stop)}", "stop")
-        temperature = 1.0 if body.temperature is None else body.temperature  # OpenAI default
-        params = SamplingParams(temperature=temperature, top_k=body.top_k or 0,
-                                top_p=1.0 if body.top_p is None else body.top_p, seed=body.seed)
+        # omitted fields: the model's recommended values (generation_config.json), else OpenAI's
+        params = state.engine.sampling_defaults.params(body.temperature, body.top_p, body.top_k, body.seed)
         return params, [s for s in stop if s]
 
     def check_length(n_prompt: int, max_tokens: int, param: str) -> None:
@@ -164,6 +167,10 @@ def create_app(settings: Settings, notifier: Any = None, loader: Callable[[], An
             if bad is not None:
                 raise bad_request(f"token id {bad} is out of range (vocabulary size {vocab})", "prompt")
             tokens = list(body.prompt)
+        try:  # image placeholder tokens without images (they need the chat endpoint)
+            engine.plan(tokens, [])
+        except ImageError as e:
+            raise bad_request(f"{e}; send images through /v1/chat/completions", "prompt", e.reason) from None
         max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
         check_length(len(tokens), max_tokens, "max_tokens")
         return await respond(request, body, GenerationRequest(tokens, max_tokens, params, stop), chat=False)
@@ -177,12 +184,9 @@ def create_app(settings: Settings, notifier: Any = None, loader: Callable[[], An
         if body.tools:
             raise bad_request("tools are not supported", "tools")
         params, stop = sampling(body)
-        engine = state.engine
-        # OpenAI's newer "developer" role is what chat templates call "system"
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-                     **({"name": m.name} if m.name else {})} for m in body.messages]
         try:
-            tokens = await run_in_threadpool(engine.tokenizer.apply_chat_template_ids, messages, True)
+            tokens, images = await run_in_threadpool(chat_prompt, state.engine, body.messages,
+                                                     settings.image_dir, settings.max_image_bytes)
         except EdgeLLMError as e:  # e.g. the template raises on a role order it does not accept
             raise bad_request(f"messages: {e}", "messages") from None
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -190,7 +194,8 @@ def create_app(settings: Settings, notifier: Any = None, loader: Callable[[], An
         if max_tokens is None:  # OpenAI chat default: whatever the context leaves
             max_tokens = max(1, settings.max_seq - len(tokens))
         check_length(len(tokens), max_tokens, param)
-        return await respond(request, body, GenerationRequest(tokens, max_tokens, params, stop), chat=True)
+        return await respond(request, body, GenerationRequest(tokens, max_tokens, params, stop, images=images),
+                             chat=True)
 
     return app
 

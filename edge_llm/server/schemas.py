@@ -1,4 +1,4 @@
-"""OpenAI-compatible request and response models (pydantic), plus `timings` (SPEC section 6).
+"""OpenAI-compatible request and response models (pydantic), plus `timings` (docs/api.md).
 
 Requests ignore unknown fields (clients send many optional ones) but reject values we cannot
 honour (n > 1, echo, logprobs, penalties, non-text content) with a 400 instead of silently
@@ -49,9 +49,22 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
 
-class ContentPart(_Request):
+class TextPart(_Request):
     type: Literal["text"]
     text: str
+
+
+class ImageURL(_Request):
+    url: str = Field(description="data:image/...;base64,... or a file under the server's --image-dir.")
+    detail: str | None = Field(default=None, description="Accepted and ignored.")
+
+
+class ImagePart(_Request):
+    type: Literal["image_url"]
+    image_url: ImageURL | str
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 
 class ChatMessage(_Request):
@@ -59,12 +72,19 @@ class ChatMessage(_Request):
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
-    def text(self) -> str:
+    def image_urls(self) -> list[str]:
+        if not isinstance(self.content, list):
+            return []
+        return [p.image_url if isinstance(p.image_url, str) else p.image_url.url
+                for p in self.content if isinstance(p, ImagePart)]
+
+    def text(self, image_placeholder: str = "") -> str:
+        """The content as one string; each image part becomes `image_placeholder`."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text if isinstance(p, TextPart) else image_placeholder for p in self.content)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -90,6 +110,11 @@ class Timings(BaseModel):
     restore_ms: float
     restore_bytes: int
     save_wait_ms: float = 0.0
+    images: int = Field(default=0, description="Images in the prompt.")
+    image_tokens: int = Field(default=0, description="Prompt tokens that are image tokens.")
+    images_encoded: int = Field(default=0, description="Images run through the vision encoder "
+                                                       "(the others' rows were reused).")
+    vision_ms: float = Field(default=0.0, description="Vision encoder time.")
 
 
 class PromptTokensDetails(BaseModel):
@@ -172,11 +197,21 @@ class ChatCompletionChunk(BaseModel):
     timings: Timings | None = None
 
 
+class SamplingDefaultsInfo(BaseModel):
+    """What a request gets for omitted temperature / top_p / top_k (top_k 0 = off)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    source: str = Field(description="generation_config.json of the model, or openai (fallback).")
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "edge-llm"
+    sampling_defaults: SamplingDefaultsInfo | None = None
 
 
 class ModelList(BaseModel):
@@ -202,9 +237,10 @@ class Health(BaseModel):
     queue_depth: int
     queue_size: int
     busy: bool
-    degraded: list[str] = Field(default_factory=list, description="e.g. 'snapshot-disk-full'.")
+    degraded: list[str] = Field(default_factory=list, description="e.g. 'snapshot disk full'.")
     error: str | None = None
     uptime_s: float
+    sampling_defaults: SamplingDefaultsInfo | None = None
 
 
 class ErrorDetail(BaseModel):

@@ -2,8 +2,13 @@
 
 The event loop only enqueues jobs and awaits their events; every model computation and snapshot
 I/O happens on this thread. Events cross back to the loop with `call_soon_threadsafe`, so the
-loop never blocks. A job's `cancel` event (client gone, shutdown) stops generation at the next
-token; a job cancelled while still queued is skipped without computing.
+loop never blocks. A job's `cancel` event (client gone, shutdown) stops it at the next step (a
+prefill chunk, a restored layer, a decode step); a job cancelled while still queued is skipped
+without computing.
+
+Watchdog: while idle the worker pings on every turn of its loop; while a job runs it pings only
+when the engine reports progress, so a request that truly hangs stops the pings and systemd
+restarts the service. Progress also becomes the `STATUS=` line ("prefill 3072/8192").
 """
 
 from __future__ import annotations
@@ -14,17 +19,27 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge_llm.engine import GenerationEvent, GenerationRequest
+from edge_llm.engine import Engine, GenerationEvent, GenerationRequest
+from edge_llm.progress import DECODE
+from edge_llm.sdnotify import Notifier
 from edge_llm.settings import DEFAULTS
 
 log = logging.getLogger(__name__)
 
 _DONE = object()
 _ids = itertools.count(1)
+STATUS_EVERY = 1.0  # seconds between STATUS= lines of decode steps
+_STAGES = {"prefill": "prefill {done}/{total}", "restore": "restoring layer {done}/{total}",
+           "save-wait": "waiting for the previous snapshot save (layer {done}/{total} written)",
+           "decode": "decode {done}/{total}"}
+
+
+def status_text(stage: str, done: int, total: int) -> str:
+    return _STAGES.get(stage, stage + " {done}/{total}").format(done=done, total=total)
 
 
 class QueueFull(Exception):
@@ -67,7 +82,8 @@ class Job:
 class Worker:
     """One thread runs `engine.generate` for one job at a time, in FIFO order."""
 
-    def __init__(self, engine: Any, queue_size: int = DEFAULTS.queue_size, notifier: Any = None, on_finish=None):
+    def __init__(self, engine: Engine, queue_size: int = DEFAULTS.queue_size, notifier: Notifier | None = None,
+                 on_finish: Callable[[Job, GenerationEvent], None] | None = None):
         self.engine = engine
         self.queue_size = queue_size
         self.notifier = notifier
@@ -76,6 +92,7 @@ class Worker:
         self._q: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._accepting = True
+        self._last_status = 0.0
         self.current: Job | None = None
         self._thread = threading.Thread(target=self._run, name="edge-llm-worker", daemon=True)
 
@@ -122,17 +139,24 @@ class Worker:
             log.info("shutdown: refused %d queued request(s)", len(dropped))
         return len(dropped)
 
+    def cancel_running(self, reason: str) -> None:
+        """Cancel the job being computed, if any (it stops at its next step)."""
+        job = self.current
+        if job is not None and not job.done:
+            log.warning("shutdown: cancelling job %d (%s)", job.id, reason)
+            job.cancel_with(reason)
+
     def stop(self, grace: float) -> bool:
-        """Let the running job finish for up to `grace` seconds, then cancel it; join the thread."""
+        """Let the running job finish for up to `grace` seconds, then cancel it; join the thread.
+
+        A cancelled prefill keeps its complete chunks and queues them as a snapshot, which the
+        caller flushes (the stop budget in docs/board.md)."""
         self.begin_shutdown()
         self._q.put(None)
         self._thread.join(grace)
         if self._thread.is_alive():
-            job = self.current
-            if job is not None:
-                log.warning("shutdown: cancelling job %d after the %.0fs grace period", job.id, grace)
-                job.cancel_with("shutdown grace period over")
-            # the engine checks `cancel` between tokens; a prefill chunk is the longest wait
+            self.cancel_running("shutdown grace period over")
+            # the engine checks `cancel` between steps: one prefill chunk is the longest wait
             self._thread.join()
         return True
 
@@ -146,6 +170,18 @@ class Worker:
     def _ping(self) -> None:
         if self.notifier is not None:
             self.notifier.watchdog()
+
+    def _progress(self, stage: str, done: int, total: int) -> None:
+        """Engine progress (worker thread): ping the watchdog, say what is happening."""
+        if self.notifier is None:
+            return
+        self.notifier.watchdog()
+        now = time.monotonic()
+        # prefill chunks, restored layers and save waits are slow steps: each gets its line;
+        # decode steps can be hundreds a second, so those lines are thinned out
+        if stage != DECODE or now - self._last_status >= STATUS_EVERY or done == total:
+            self._last_status = now
+            self.notifier.status(status_text(stage, done, total))
 
     def _run(self) -> None:
         wd = self.notifier.watchdog_interval if self.notifier is not None else None
@@ -172,11 +208,10 @@ class Worker:
         last: GenerationEvent | None = None
         n = 0
         try:
-            for ev in self.engine.generate(job.request, cancel=job.cancel):
+            for ev in self.engine.generate(job.request, cancel=job.cancel, progress=self._progress):
                 last = ev
                 n += 1
                 self._deliver(job, ev)
-                self._ping()
         except Exception as e:  # reported to the client; the worker keeps serving
             log.exception("job %d failed: %s", job.id, e)
             self._deliver(job, e)

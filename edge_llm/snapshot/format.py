@@ -1,6 +1,8 @@
-"""VLKV version 1: one KV snapshot file (SPEC section 3). Knows nothing of directories.
+"""VLKV version 1: one KV snapshot file (docs/snapshot-format.md). Knows nothing of directories.
 
-Layout: 64-byte header | n_tokens u32 token ids | payload | trailer. Payload: for each layer, for
+Layout: 64-byte header | n_tokens u32 token ids | [extension section] | payload | trailer. The
+optional extension section (flags bit 1; its byte length in the header's `reserved` field) holds
+typed records, e.g. the image runs of a Qwen3-VL conversation; files without it are plain v1. Payload: for each layer, for
 each block of `kv_bs` rows, the K rows then the V rows (F32, tail block holds only valid rows).
 Trailer: CRC32C of every K block then V block, same order. See docs/snapshot-format.md.
 """
@@ -34,14 +36,16 @@ from edge_llm.errors import (
     SnapshotTooShort,
     SnapshotTrailerCRC,
 )
+from edge_llm.kvcache import ImageSpan
 from edge_llm.settings import DEFAULTS
+from edge_llm.snapshot.extension import EXT_MAX, EXT_RECORD, FLAG_EXTENSION, decode_extension, encode_extension
 
 log = logging.getLogger(__name__)
 
 # magic, version, n_layers, n_kv_heads, head_dim, kv_bs, n_tokens, kv_dim, tokens_fnv (C engine, 0-39)
 # model_id, flags, reserved, trailer_crc, header_crc (this product, 40-63)
 HEADER = struct.Struct("<8IQQ4I")
-HEADER_FIELDS = (  # (name, offset, size): the table of SPEC section 3, used by inspect.describe()
+HEADER_FIELDS = (  # (name, offset, size): the header table of docs/snapshot-format.md, used by inspect.describe()
     ("magic", 0, 4), ("version", 4, 4), ("n_layers", 8, 4), ("n_kv_heads", 12, 4),
     ("head_dim", 16, 4), ("kv_bs", 20, 4), ("n_tokens", 24, 4), ("kv_dim", 28, 4),
     ("tokens_fnv", 32, 8), ("model_id", 40, 8), ("flags", 48, 4), ("reserved", 52, 4),
@@ -50,6 +54,7 @@ HEADER_FIELDS = (  # (name, offset, size): the table of SPEC section 3, used by 
 MAGIC = 0x564C4B56
 VERSION = 1
 FLAG_TRAILER = 1
+KNOWN_FLAGS = FLAG_TRAILER | FLAG_EXTENSION
 F32 = 4
 FNV_OFFSET, FNV_PRIME, U64 = 0xCBF29CE484222325, 0x100000001B3, (1 << 64) - 1
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX")) if hasattr(os, "sysconf") else 1024
@@ -68,9 +73,9 @@ def n_blocks(n_tokens: int, kv_bs: int) -> int:
     return -(-n_tokens // kv_bs)
 
 
-def snapshot_size(n_layers: int, n_tokens: int, kv_dim: int, kv_bs: int) -> int:
-    """Exact file size: 64 + 4n + 2*L*n*kv_dim*4 + 8*L*B (B = ceil(n / kv_bs))."""
-    return (HEADER.size + 4 * n_tokens + 2 * n_layers * n_tokens * kv_dim * F32
+def snapshot_size(n_layers: int, n_tokens: int, kv_dim: int, kv_bs: int, ext_size: int = 0) -> int:
+    """Exact file size: 64 + 4n + E + 2*L*n*kv_dim*4 + 8*L*B (B = ceil(n / kv_bs), E = extension)."""
+    return (HEADER.size + 4 * n_tokens + ext_size + 2 * n_layers * n_tokens * kv_dim * F32
             + 8 * n_layers * n_blocks(n_tokens, kv_bs))
 
 
@@ -91,6 +96,8 @@ class SnapshotHeader:
     flags: int = FLAG_TRAILER
     trailer_crc: int = 0
     header_crc: int = 0
+    ext_size: int = 0  # bytes of the extension section (the header's `reserved` field)
+    spans: tuple[ImageSpan, ...] = ()  # image runs (from the extension section)
     # the CRC-checked trailer bytes (set by read_header), so a restore needs no second trailer read
     trailer: bytes = field(default=b"", repr=False, compare=False)
 
@@ -100,7 +107,7 @@ class SnapshotHeader:
 
     @property
     def file_size(self) -> int:
-        return snapshot_size(self.n_layers, self.n_tokens, self.kv_dim, self.kv_bs)
+        return snapshot_size(self.n_layers, self.n_tokens, self.kv_dim, self.kv_bs, self.ext_size)
 
     @property
     def geometry(self) -> Geometry:
@@ -111,8 +118,12 @@ class SnapshotHeader:
         return HEADER.size
 
     @property
-    def payload_offset(self) -> int:
+    def ext_offset(self) -> int:
         return HEADER.size + 4 * self.n_tokens
+
+    @property
+    def payload_offset(self) -> int:
+        return HEADER.size + 4 * self.n_tokens + self.ext_size
 
     @property
     def layer_bytes(self) -> int:
@@ -144,7 +155,7 @@ class SnapshotHeader:
     def pack(self) -> bytes:
         """The 64 header bytes, header_crc computed over bytes 0..59 (self.header_crc ignored)."""
         head = HEADER.pack(MAGIC, VERSION, self.n_layers, self.n_kv_heads, self.head_dim, self.kv_bs,
-                           self.n_tokens, self.kv_dim, self.tokens_fnv, self.model_id, self.flags, 0,
+                           self.n_tokens, self.kv_dim, self.tokens_fnv, self.model_id, self.flags, self.ext_size,
                            self.trailer_crc, 0)
         return head[:60] + struct.pack("<I", crc32c.crc32c(head[:60]))
 
@@ -219,7 +230,8 @@ class SnapshotWriter:
     """
 
     def __init__(self, f: BinaryIO, tokens: Sequence[int] | np.ndarray, model_id: int,
-                 geometry: Geometry, kv_bs: int, tokens_fnv: int | None = None):
+                 geometry: Geometry, kv_bs: int, tokens_fnv: int | None = None,
+                 spans: Sequence[ImageSpan] = ()):
         ids = np.asarray(tokens, dtype=np.int64).ravel()
         if ids.size == 0:
             raise ValueError("a snapshot needs at least one token")
@@ -231,9 +243,14 @@ class SnapshotWriter:
             raise ValueError("model_id must fit in u64")
         self.f = f
         self.token_bytes = ids.astype("<u4").tobytes()
+        if any(s.start >= ids.size for s in spans):
+            raise ValueError("an image run starts beyond the snapshot's rows")
+        self.ext = encode_extension(spans)
         self.hdr = SnapshotHeader(geometry.n_layers, geometry.n_kv_heads, geometry.head_dim, kv_bs,
                                   int(ids.size), geometry.kv_dim,
-                                  fnv1a64(self.token_bytes) if tokens_fnv is None else tokens_fnv, model_id)
+                                  fnv1a64(self.token_bytes) if tokens_fnv is None else tokens_fnv, model_id,
+                                  FLAG_TRAILER | (FLAG_EXTENSION if self.ext else 0),
+                                  ext_size=len(self.ext), spans=tuple(spans))
         self.crcs = np.zeros((geometry.n_layers, self.hdr.n_blocks, 2), dtype="<u4")
         self.next_layer = -1
         self.written = 0
@@ -243,7 +260,9 @@ class SnapshotWriter:
         self.f.seek(0)
         _write_all(self.f, memoryview(bytes(HEADER.size)))
         _write_all(self.f, memoryview(self.token_bytes))
-        self.written = HEADER.size + len(self.token_bytes)
+        if self.ext:
+            _write_all(self.f, memoryview(self.ext))
+        self.written = HEADER.size + len(self.token_bytes) + len(self.ext)
         self.next_layer = 0
 
     def write_layer(self, layer: int, k_rows: np.ndarray, v_rows: np.ndarray) -> int:
@@ -283,11 +302,13 @@ class SnapshotWriter:
 
 
 def write_snapshot(f: BinaryIO, tokens: Sequence[int] | np.ndarray, model_id: int, geometry: Geometry,
-                   kv_bs: int, rows: Callable[[int, int], np.ndarray], tokens_fnv: int | None = None) -> int:
+                   kv_bs: int, rows: Callable[[int, int], np.ndarray], tokens_fnv: int | None = None,
+                   spans: Sequence[ImageSpan] = ()) -> int:
     """Write a whole snapshot; rows(layer, kv) -> (>= n_tokens, kv_dim) f32 array. Returns bytes.
 
-    `tokens_fnv`: the ids' FNV-1a if the caller already has it (it named the file with it)."""
-    w = SnapshotWriter(f, tokens, model_id, geometry, kv_bs, tokens_fnv)
+    `tokens_fnv`: the ids' FNV-1a if the caller already has it (it named the file with it).
+    `spans`: image runs among the rows (written to the extension section; none = plain v1)."""
+    w = SnapshotWriter(f, tokens, model_id, geometry, kv_bs, tokens_fnv, spans)
     w.begin()
     for layer in range(geometry.n_layers):
         w.write_layer(layer, rows(layer, 0), rows(layer, 1))
@@ -305,7 +326,7 @@ def _file_size(f: Any) -> int:
 def read_header(f: BinaryIO, geometry: Geometry | None, model_id: int | None,
                 max_tokens: int | None = DEFAULTS.disk_kv_max_tokens,
                 file_size: int | None = None) -> tuple[SnapshotHeader, np.ndarray]:
-    """Validate everything but the payload, in SPEC order; return (header, token ids as uint32).
+    """Validate everything but the payload, in the documented order (docs/snapshot-format.md); return (header, token ids as uint32).
 
     geometry / model_id / max_tokens None = don't check (inspecting foreign files). Each failure
     raises its own SnapshotError subclass; no buffer is sized from a field before the exact file
@@ -323,8 +344,14 @@ def read_header(f: BinaryIO, geometry: Geometry | None, model_id: int | None,
         raise SnapshotBadVersion(f"version {version} is not supported (this runtime reads {VERSION})")
     if crc32c.crc32c(raw[:60]) != header_crc:
         raise SnapshotHeaderCRC(f"header CRC32C {crc32c.crc32c(raw[:60]):08x} != stored {header_crc:08x}")
-    if flags != FLAG_TRAILER or reserved != 0:
-        raise SnapshotFlags(f"flags {flags:#x} / reserved {reserved:#x}: expected {FLAG_TRAILER:#x} / 0")
+    if not flags & FLAG_TRAILER or flags & ~KNOWN_FLAGS:
+        raise SnapshotFlags(f"flags {flags:#x}: expected {FLAG_TRAILER:#x}, optionally | {FLAG_EXTENSION:#x}")
+    if flags & FLAG_EXTENSION:
+        if not (EXT_RECORD.size + 4 < reserved <= EXT_MAX and reserved % 4 == 0):
+            raise SnapshotFlags(f"extension size {reserved} outside ({EXT_RECORD.size + 4}, {EXT_MAX}] "
+                                "or not a multiple of 4")
+    elif reserved != 0:
+        raise SnapshotFlags(f"reserved {reserved:#x} must be 0 without the extension flag")
     got = (n_layers, n_kv_heads, head_dim)
     if geometry is not None and got != (geometry.n_layers, geometry.n_kv_heads, geometry.head_dim):
         raise SnapshotGeometry(f"snapshot geometry (layers, kv heads, head_dim) {got} != model "
@@ -336,7 +363,7 @@ def read_header(f: BinaryIO, geometry: Geometry | None, model_id: int | None,
     if n_tokens < 1 or (max_tokens is not None and n_tokens > max_tokens):
         raise SnapshotTokenCount(f"n_tokens {n_tokens} outside 1..{max_tokens}")
     hdr = SnapshotHeader(n_layers, n_kv_heads, head_dim, kv_bs, n_tokens, kv_dim, tokens_fnv, mid, flags,
-                         trailer_crc, header_crc)
+                         trailer_crc, header_crc, ext_size=reserved)
     if size != hdr.file_size:
         raise SnapshotSize(f"file is {size} bytes, header implies {hdr.file_size}")
     if model_id is not None and mid != model_id:
@@ -344,11 +371,14 @@ def read_header(f: BinaryIO, geometry: Geometry | None, model_id: int | None,
     token_bytes = _read_exact(f, HEADER.size, 4 * n_tokens)
     if (actual := fnv1a64(token_bytes)) != tokens_fnv:
         raise SnapshotTokenHash(f"token ids hash to {actual:016x}, header says {tokens_fnv:016x}")
+    spans: tuple[ImageSpan, ...] = ()
+    if hdr.ext_size:
+        spans = decode_extension(bytes(_read_exact(f, hdr.ext_offset, hdr.ext_size)), n_tokens)
     trailer = bytes(_read_exact(f, hdr.trailer_offset, hdr.trailer_size))
     if crc32c.crc32c(trailer) != trailer_crc:
         raise SnapshotTrailerCRC(f"trailer CRC32C {crc32c.crc32c(trailer):08x} != stored {trailer_crc:08x}")
     tokens = np.frombuffer(token_bytes, dtype="<u4").astype(np.uint32)
-    return SnapshotHeader(**{**hdr.__dict__, "trailer": trailer}), tokens
+    return SnapshotHeader(**{**hdr.__dict__, "trailer": trailer, "spans": spans}), tokens
 
 
 def rows_needed(hdr: SnapshotHeader, m: int) -> int:
@@ -357,13 +387,15 @@ def rows_needed(hdr: SnapshotHeader, m: int) -> int:
 
 
 def read_rows_into(f: BinaryIO, hdr: SnapshotHeader, m: int,
-                   dest: Callable[[int, int], np.ndarray]) -> int:
+                   dest: Callable[[int, int], np.ndarray],
+                   on_layer: Callable[[int], None] | None = None) -> int:
     """Read rows [0, m) of every layer into dest(layer, kv) and CRC-check exactly those blocks.
 
     Whole blocks are read, so rows [m, rows_needed(hdr, m)) of the destination are overwritten
     too; only [0, m) is meaningful to the caller. One preadv per layer reads the needed K/V blocks
     straight into the destination arrays. On SnapshotBlockCRC / SnapshotSize the destination
-    holds garbage and must be discarded. Returns payload bytes read.
+    holds garbage and must be discarded. `on_layer(l)` runs after layer l is read and checked.
+    Returns payload bytes read.
     """
     if not 1 <= m <= hdr.n_tokens:
         raise ValueError(f"m={m} outside 1..{hdr.n_tokens}")
@@ -383,6 +415,8 @@ def read_rows_into(f: BinaryIO, hdr: SnapshotHeader, m: int,
             if crc32c.crc32c(view) != hdr.block_crc(layer, b, kv):
                 raise SnapshotBlockCRC(f"layer {layer} block {b} ({KV_NAMES[kv]}, rows "
                                        f"{hdr.block_rows(b)}) fails its CRC32C")
+        if on_layer is not None:
+            on_layer(layer)
     log.debug("read rows [0, %d) of a %d-token snapshot: %d payload bytes", m, hdr.n_tokens, total)
     return total
 

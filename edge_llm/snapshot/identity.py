@@ -1,4 +1,4 @@
-"""Model identity (SPEC section 4): the 64-bit `model_id` stamped into every snapshot, and the
+"""Model identity (docs/identity.md): the 64-bit `model_id` stamped into every snapshot, and the
 per-identity namespace directory `<kv-dir>/<model_id as 16 hex>/` with its `identity.json`.
 
 Everything that determines the KV values of a token sequence goes into the digest: the text-model
@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,14 +96,15 @@ class Identity:
         )
 
     @classmethod
-    def for_model(cls, model_dir: str | Path, args: ModelArgs, backend_numerics: str = "cpu-f32"
-                  ) -> "Identity":
-        """Identity of a loaded HF model directory (weight digest is cached by edge_llm.weights)."""
+    def for_model(cls, model_dir: str | Path, args: ModelArgs, backend_numerics: str = "cpu-f32",
+                  progress: Callable[[str], None] | None = None) -> "Identity":
+        """Identity of a loaded HF model directory (weight digest is cached by edge_llm.weights;
+        `progress(text)` while a first start hashes the weights)."""
         model_dir = Path(model_dir)
         tok = model_dir / "tokenizer.json"
         return cls(
             config=args.identity_fields(),
-            weights_digest=weight_digest(model_dir),
+            weights_digest=weight_digest(model_dir, progress),
             tokenizer_digest=sha256_file(tok) if tok.is_file() else NO_TOKENIZER,
             backend_numerics=backend_numerics,
             model_dir=str(model_dir.resolve()),

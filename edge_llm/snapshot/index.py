@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_llm.kvcache import ImageSpan
 from edge_llm.snapshot.writer import fsync_dir
 
 log = logging.getLogger("edge_llm.kvdisk")
@@ -31,6 +32,7 @@ class Entry:
     tokens: np.ndarray  # (n,) uint32
     size: int
     last_use: float  # wall-clock seconds; mirrored in the file's mtime so LRU survives restarts
+    spans: tuple[ImageSpan, ...] = ()  # image runs among the rows (the file's extension section)
 
     @property
     def n_tokens(self) -> int:

@@ -7,9 +7,10 @@ from typing import Any
 
 import crc32c
 
-from edge_llm.errors import SnapshotError, SnapshotTokenHash, SnapshotTrailerCRC
+from edge_llm.errors import SnapshotError, SnapshotExtension, SnapshotTokenHash, SnapshotTrailerCRC
 from edge_llm.snapshot.format import (
     F32,
+    FLAG_EXTENSION,
     HEADER,
     HEADER_FIELDS,
     KV_NAMES,
@@ -39,25 +40,32 @@ def describe(path: str | os.PathLike, max_blocks: int | None = 64) -> dict[str, 
                               "value": values[name]} for name, off, sz in HEADER_FIELDS]
             out["header_crc_actual"] = crc32c.crc32c(raw[:60])
             L, n, kv_dim, kv_bs = (values[k] for k in ("n_layers", "n_tokens", "kv_dim", "kv_bs"))
+            E = values["reserved"] if values["flags"] & FLAG_EXTENSION else 0
             if kv_bs > 0:
                 B = n_blocks(n, kv_bs)
+                ext = ([E], " + E") if E else ([], "")  # E: the extension section, if any
                 out["size_formula"] = {
-                    "formula": "64 + 4*n + 2*L*n*kv_dim*4 + 8*L*B", "n": n, "L": L, "kv_dim": kv_dim,
-                    "kv_bs": kv_bs, "B": B, "terms": [HEADER.size, 4 * n, 2 * L * n * kv_dim * F32, 8 * L * B],
-                    "expected": snapshot_size(L, n, kv_dim, kv_bs), "actual": size}
+                    "formula": f"64 + 4*n{ext[1]} + 2*L*n*kv_dim*4 + 8*L*B", "n": n, "L": L, "kv_dim": kv_dim,
+                    "kv_bs": kv_bs, "B": B, "E": E,
+                    "terms": [HEADER.size, 4 * n, *ext[0], 2 * L * n * kv_dim * F32, 8 * L * B],
+                    "expected": snapshot_size(L, n, kv_dim, kv_bs, E), "actual": size}
         try:
             h, tokens = read_header(f, None, None, None, size)
             out["valid"], out["tokens"] = True, tokens.tolist()
-        except (SnapshotTokenHash, SnapshotTrailerCRC) as e:  # raised after the size check passed
+            out["images"] = [{"rows": (s.start, s.end), "grid": s.grid, "pos0": s.pos0,
+                              "next_pos": s.next_pos, "digest": s.digest.hex()} for s in h.spans]
+        except (SnapshotTokenHash, SnapshotExtension, SnapshotTrailerCRC) as e:  # after the size check
             out["error"] = {"reason": e.reason, "message": str(e)}
             h = SnapshotHeader(*(values[k] for k in ("n_layers", "n_kv_heads", "head_dim", "kv_bs",
-                                                     "n_tokens", "kv_dim", "tokens_fnv", "model_id")))
+                                                     "n_tokens", "kv_dim", "tokens_fnv", "model_id")),
+                               ext_size=E)
         except SnapshotError as e:
             out["error"] = {"reason": e.reason, "message": str(e)}
             return out
     out["sections"] = [
         {"name": "header", "offset": 0, "size": HEADER.size},
         {"name": "token ids", "offset": h.tokens_offset, "size": 4 * h.n_tokens},
+        *([{"name": "extension", "offset": h.ext_offset, "size": h.ext_size}] if h.ext_size else []),
         {"name": "payload", "offset": h.payload_offset, "size": h.n_layers * h.layer_bytes},
         {"name": "trailer", "offset": h.trailer_offset, "size": h.trailer_size}]
     out["n_blocks_total"] = total = 2 * h.n_layers * h.n_blocks

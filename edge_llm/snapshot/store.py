@@ -1,4 +1,4 @@
-"""The snapshot store of one identity namespace (SPEC section 5).
+"""The snapshot store of one identity namespace (docs/store.md).
 
 `<kv-dir>/<model_id hex>/kv_<tokens_fnv hex>.kv` files, indexed at start-up from their headers and
 token ids only; LCP lookup; restore straight into the KV cache arrays; background saves with
@@ -22,6 +22,7 @@ import numpy as np
 from edge_llm.config import Geometry
 from edge_llm.errors import SnapshotError
 from edge_llm.kvcache import KVCache
+from edge_llm.progress import NO_WORK, RESTORE, Cancelled, Work
 from edge_llm.settings import DEFAULTS
 from edge_llm.snapshot import format as fmt
 from edge_llm.snapshot.identity import Identity, ensure_namespace
@@ -40,6 +41,7 @@ from edge_llm.snapshot.writer import (
     BackgroundWriter,
     SaveJob,
     fsync_dir,
+    orphaned_temp,
     publish_file,
 )
 
@@ -69,14 +71,15 @@ class SnapshotStore:
         self._counters = dict(saves=0, save_failures=0, saves_skipped=0, saves_superseded=0, loads=0,
                               load_failures=0, rejections=0, evictions=0, bytes_written=0, bytes_read=0)
         self._degraded: dict[str, str] = {}  # kind -> message; cleared by the next successful save
+        self.write_bps: float | None = None  # measured: moving average over saves (bytes / second)
         self._writer = BackgroundWriter(self._save)
 
     # ---- index ------------------------------------------------------------------------------
     def scan(self) -> int:
         """Index the namespace from headers + token ids (no payload); quarantine bad files."""
         t0 = time.monotonic()
-        if not self._writer.busy:  # a temp file of our own running save is not debris
-            for tmp in self.ns.glob("*" + TMP_SUFFIX):
+        for tmp in self.ns.glob("*" + TMP_SUFFIX):  # debris of killed writers, not a live one's file
+            if orphaned_temp(tmp, self._writer.busy):
                 self._unlink(tmp, "leftover temp file")
         entries, rejected = {}, 0
         for path in sorted(self.ns.glob("kv_*.kv")):
@@ -106,7 +109,7 @@ class SnapshotStore:
             hdr, tokens = fmt.read_header(f, self.geometry, self.model_id, READ_MAX_TOKENS, st.st_size)
         if fmt.snapshot_name(hdr.tokens_fnv) != path.name:
             raise SnapshotError(f"file name does not match its tokens hash {hdr.tokens_fnv:016x}")
-        return Entry(path.name, path, tokens, st.st_size, st.st_mtime)
+        return Entry(path.name, path, tokens, st.st_size, st.st_mtime, hdr.spans)
 
     def entries(self) -> list[Entry]:
         """Indexed snapshots, most recently used first."""
@@ -130,18 +133,21 @@ class SnapshotStore:
                     best = Hit(e, m)
         return best
 
-    def restore(self, hit: Hit, cache: KVCache) -> RestoreResult:
+    def restore(self, hit: Hit, cache: KVCache, work: Work = NO_WORK) -> RestoreResult:
         """Read rows [0, hit.m) of the hit's file straight into `cache` and set its tokens.
 
-        Raises SnapshotError (the subclass names the reason) if the file is bad or unreadable:
-        the cache is then reset (its rows are garbage), the file quarantined (unless it vanished),
-        and the caller recomputes from scratch.
+        Each layer read is reported to `work` (stage restore) and a cancel is honoured between
+        layers (`Cancelled` propagates; the cache is then reset). Raises SnapshotError (the
+        subclass names the reason) if the file is bad or unreadable: the cache is then reset (its
+        rows are garbage), the file quarantined (unless it vanished), and the caller recomputes.
         """
         if cache.geometry != self.geometry:
             raise ValueError(f"cache geometry {cache.geometry} != store geometry {self.geometry}")
-        waited = self.wait_rows(0)  # a restore rewrites rows from 0 of every layer
         e, m = hit.entry, hit.m
+        w0 = cache.write_wait_s
+        cache.reset()  # from here on the rows are being rewritten from 0
         t0 = time.monotonic()
+        n_layers = self.geometry.n_layers
         try:
             with open(e.path, "rb", buffering=0) as f:
                 hdr, tokens = fmt.read_header(f, self.geometry, self.model_id, READ_MAX_TOKENS)
@@ -155,7 +161,11 @@ class SnapshotStore:
                     raise SnapshotError(f"cache of {cache.max_seq} rows cannot hold one block of {hdr.kv_bs}")
                 if hasattr(os, "posix_fadvise"):
                     os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                nbytes = fmt.read_rows_into(f, hdr, m, lambda layer, kv: cache.data[layer, kv])
+                nbytes = fmt.read_rows_into(f, hdr, m, lambda layer, kv: cache.restore_rows(layer, kv, work),
+                                            on_layer=lambda layer: work.report(RESTORE, layer + 1, n_layers))
+        except Cancelled:
+            cache.reset()
+            raise
         except (SnapshotError, OSError) as err:
             cache.reset()
             with self._lock:
@@ -168,8 +178,9 @@ class SnapshotStore:
             if isinstance(err, SnapshotError):
                 raise
             raise SnapshotError(f"{e.name}: read failed: {err}") from err
-        cache.set_tokens(e.tokens[:m].tolist())
-        secs = time.monotonic() - t0
+        cache.set_tokens(e.tokens[:m].tolist(), hdr.spans)
+        waited = cache.write_wait_s - w0  # for a pending save of the same rows, per layer
+        secs = time.monotonic() - t0 - waited
         res = RestoreResult(m, nbytes, secs * 1e3, mbps(nbytes, secs), e.name, waited * 1e3)
         self._touch(e)
         with self._lock:
@@ -183,14 +194,15 @@ class SnapshotStore:
     def save_async(self, cache: KVCache) -> None:
         """Queue a snapshot of the cache's valid rows (capped at max_tokens); never raises I/O errors.
 
-        Only the token ids are copied; the writer streams rows from the cache, so the caller must
-        call wait_rows(m) before overwriting rows >= m.
+        Only the token ids are copied; the writer streams rows from the cache under a `RowLease`
+        (taken here), so later writers wait for rows the save still needs (edge_llm/kvcache.py).
         """
         n = min(cache.length, self.max_tokens)
         if n < self.min_lcp:  # could never be used: a hit needs >= min_lcp rows
             log.debug("[KV-DISK] not saving %d-token KV (below min_lcp %d)", n, self.min_lcp)
             return
-        job = SaveJob(cache, np.asarray(cache.tokens[:n], dtype=np.uint32))
+        job = SaveJob(cache.lease(n), np.asarray(cache.tokens[:n], dtype=np.uint32),
+                      tuple(s for s in cache.spans if s.start < n))
         try:
             superseded = self._writer.submit(job)
         except RuntimeError as e:  # closed (shutting down): a lost save is fine, an exception is not
@@ -200,18 +212,37 @@ class SnapshotStore:
             with self._lock:
                 self._counters["saves_superseded"] += 1
 
-    def wait_rows(self, m: int) -> float:
-        """Block while a pending/running save still needs cache rows >= m; return seconds waited."""
-        return self._writer.wait_rows(m)
-
-    def wait_write(self, layer: int, m: int, timeout: float | None = None) -> float:
-        """Block while a pending/running save still has to write rows >= m of `layer` (the KV
-        cache's write guard: called by the model before it overwrites rows); seconds waited."""
-        return self._writer.wait_write(layer, m, timeout)
-
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for the pending save (e.g. at SIGTERM); False on timeout."""
         return self._writer.flush(timeout)
+
+    def flush_with_progress(self, on_step, stall_s: float) -> bool:
+        """At shutdown: wait for the pending save as long as it makes progress (a layer written
+        within `stall_s` seconds), calling `on_step(text)` on each; False if it stalled."""
+        last, last_t = None, time.monotonic()
+        while not self._writer.flush(timeout=0.5):
+            now, state = time.monotonic(), self._writer.progress_of_pending()
+            if state != last:
+                last, last_t = state, now
+                if state is not None:
+                    on_step(f"flushing a {state[0]}-token snapshot: layer {state[1]}/{self.geometry.n_layers} written")
+            elif now - last_t > stall_s:
+                log.error("[KV-DISK] the pending save made no progress for %.0f s: giving up", stall_s)
+                return False
+        return True
+
+    def pending_tokens(self) -> int:
+        """Rows of the running or queued save (0 if none)."""
+        state = self._writer.progress_of_pending()
+        return 0 if state is None else state[0]
+
+    def predicted_save_s(self, n_tokens: int) -> float | None:
+        """Seconds to write an n-token snapshot at this disk's measured write speed (None before
+        the first save)."""
+        rate = self.write_bps
+        if not rate:
+            return None
+        return fmt.snapshot_size(self.geometry.n_layers, n_tokens, self.geometry.kv_dim, self.kv_bs) / rate
 
     def close(self, timeout: float | None = None) -> bool:
         """Finish the pending save and stop the writer thread."""
@@ -232,7 +263,8 @@ class SnapshotStore:
             return
         fnv = fmt.fnv1a64(tokens.astype("<u4").tobytes())
         name = fmt.snapshot_name(fnv)
-        size = fmt.snapshot_size(self.geometry.n_layers, n, self.geometry.kv_dim, self.kv_bs)
+        size = fmt.snapshot_size(self.geometry.n_layers, n, self.geometry.kv_dim, self.kv_bs,
+                                 len(fmt.encode_extension(job.spans)))
         if self.max_bytes is not None and size > self.max_bytes:
             log.info("[KV-DISK] skipped %d-token KV -> %s (%d bytes exceed max_bytes %d)",
                      n, name, size, self.max_bytes)
@@ -240,16 +272,17 @@ class SnapshotStore:
                 self._counters["saves_skipped"] += 1
             return
         self._make_room(size)
-        data, n_layers = job.cache.data, self.geometry.n_layers
+        lease, n_layers = job.lease, self.geometry.n_layers
 
         def rows(layer: int, kv: int):
             if kv == 0:  # asked for layer l's rows: layers < l are written, their rows are free
-                self._writer.progress(job, layer)
-            return data[layer, kv]
+                lease.layer_done(layer)
+            return lease.rows(layer, kv)
 
         def write(f) -> int:
-            nbytes = fmt.write_snapshot(f, tokens, self.model_id, self.geometry, self.kv_bs, rows, fnv)
-            self._writer.progress(job, n_layers)  # before the fsync: the rows are in the file now
+            nbytes = fmt.write_snapshot(f, tokens, self.model_id, self.geometry, self.kv_bs, rows, fnv,
+                                        job.spans)
+            lease.layer_done(n_layers)  # before the fsync: the rows are in the file now
             return nbytes
 
         t0 = time.monotonic()
@@ -260,7 +293,7 @@ class SnapshotStore:
             return
         secs = time.monotonic() - t0
         now = time.time()
-        entry = Entry(name, self.ns / name, tokens, written, now)
+        entry = Entry(name, self.ns / name, tokens, written, now, job.spans)
         with self._lock:
             replaced = [e for e in self._index.values() if e.name != name and is_prefix(e.tokens, tokens)]
             for e in replaced:
@@ -269,6 +302,8 @@ class SnapshotStore:
             self._counters["saves"] += 1
             self._counters["bytes_written"] += written
             self._degraded.clear()
+            rate = written / max(secs, 1e-6)
+            self.write_bps = rate if self.write_bps is None else 0.7 * self.write_bps + 0.3 * rate
         log.info("[KV-DISK] saved %d-token KV -> %s (%d bytes, %.1f ms, %.1f MB/s)",
                  n, name, written, secs * 1e3, mbps(written, secs))
         for e in replaced:

@@ -1,11 +1,10 @@
 """Background snapshot writer: one thread, at most one queued save, atomic publish of a file.
 
 The request path only enqueues (`submit`): the KV payload is never copied, the writer streams
-it from the cache's row views, layer by layer, and reports each finished layer (`progress`).
-Before the model overwrites rows >= m of layer l it calls `wait_write(l, m)`, which blocks only
-while a queued or running save still has to write those rows: a following request's prefill runs
-right behind the writer instead of waiting for the whole file. A restore (every layer from row
-0) uses `wait_rows(0)`.
+it from the cache's rows through the job's `RowLease`, layer by layer, and reports each finished
+layer on the lease. The lease (taken when the job is queued, released when it ends or is
+superseded) is what makes a following request wait before overwriting rows the save still needs:
+the rules live in `edge_llm/kvcache.py`.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import secrets
 import threading
 import time
@@ -23,21 +23,22 @@ from typing import BinaryIO
 
 import numpy as np
 
-from edge_llm.kvcache import KVCache
+from edge_llm.kvcache import ImageSpan, RowLease
 
 log = logging.getLogger(__name__)
 
 TMP_SUFFIX = ".tmp"
+_TMP_RE = re.compile(r"\.(\d+)-[0-9a-f]+\.tmp$")
 
 
 @dataclass
 class SaveJob:
-    """One requested save: rows [0, n) of `cache` for `tokens` (a private copy of the ids)."""
+    """One requested save: rows [0, n) under `lease` for `tokens` (a private copy of the ids)."""
 
-    cache: KVCache
+    lease: RowLease
     tokens: np.ndarray  # (n,) uint32
+    spans: tuple[ImageSpan, ...] = ()  # image runs among rows [0, n)
     requested: float = field(default_factory=time.monotonic)
-    layers_done: int = 0  # layers whose rows are written out (the rows may be overwritten)
 
     @property
     def n(self) -> int:
@@ -54,8 +55,28 @@ def fsync_dir(path: str | Path) -> None:
 
 
 def temp_name(final_name: str) -> str:
-    """`kv_<hash>.kv.<random>.tmp`: unique per attempt, removed by the next scan if orphaned."""
-    return f"{final_name}.{secrets.token_hex(6)}{TMP_SUFFIX}"
+    """`kv_<hash>.kv.<pid>-<random>.tmp`: unique per attempt; the pid says whose it is, so a scan
+    removes only temp files of processes that are gone (a server and a `generate` may share a
+    namespace)."""
+    return f"{final_name}.{os.getpid()}-{secrets.token_hex(6)}{TMP_SUFFIX}"
+
+
+def orphaned_temp(path: Path, own_writer_busy: bool) -> bool:
+    """True for a temp file whose writer is gone: another process that no longer runs, this
+    process when its writer is idle, or no pid in the name."""
+    m = _TMP_RE.search(path.name)
+    if m is None:
+        return True
+    pid = int(m.group(1))
+    if pid == os.getpid():
+        return not own_writer_busy
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
 
 
 def publish_file(directory: Path, final_name: str, size: int, write: Callable[[BinaryIO], int]) -> int:
@@ -106,37 +127,24 @@ class BackgroundWriter:
         """Queue `job`; a queued job not yet started is superseded (returned) — only the latest matters."""
         with self._cond:
             if self._closing:
+                job.lease.release()
                 raise RuntimeError("snapshot writer is closed")
             old, self._pending = self._pending, job
             self._cond.notify_all()
+        if old is not None:
+            old.lease.release()
         return old
-
-    def _needs(self, layer: int, m: int) -> bool:
-        return any(j is not None and j.n > m and j.layers_done <= layer for j in (self._pending, self._active))
-
-    def wait_write(self, layer: int, m: int, timeout: float | None = None) -> float:
-        """Block while a queued/running save still has to write rows >= m of `layer`; seconds waited."""
-        t0 = time.monotonic()
-        with self._cond:
-            if not self._needs(layer, m):
-                return 0.0
-            self._cond.wait_for(lambda: not self._needs(layer, m), timeout)
-        return time.monotonic() - t0
-
-    def wait_rows(self, m: int, timeout: float | None = None) -> float:
-        """Block while a queued/running save still needs cache rows >= m of any layer."""
-        return self.wait_write(1 << 30, m, timeout)
-
-    def progress(self, job: SaveJob, layers_done: int) -> None:
-        """Writer thread: layers [0, layers_done) of `job` are written; wake waiting requests."""
-        with self._cond:
-            job.layers_done = layers_done
-            self._cond.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until nothing is queued or running; False on timeout."""
         with self._cond:
             return self._cond.wait_for(lambda: self._pending is None and self._active is None, timeout)
+
+    def progress_of_pending(self) -> tuple[int, int] | None:
+        """(rows, layers written) of the running save, (rows, 0) of a queued one, or None."""
+        with self._cond:
+            job = self._active or self._pending
+            return None if job is None else (job.n, job.lease.layers_done)
 
     @property
     def busy(self) -> bool:
@@ -164,6 +172,7 @@ class BackgroundWriter:
             except BaseException:  # the writer must survive anything; the store counts failures
                 log.exception("[KV-DISK] save failed: unexpected error in the writer thread")
             finally:
+                job.lease.release()
                 with self._cond:
                     self._active = None
                     self._cond.notify_all()

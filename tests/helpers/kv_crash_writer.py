@@ -64,8 +64,9 @@ def main() -> None:
         branch, n = schedule(step)
         if branch not in rows:  # rows_for(n) == rows_for(MAX_SEQ)[:, :, :n]: hash per index
             rows = {branch: rows_for(seed, branch, MAX_SEQ)}
-        store.wait_rows(0)  # it rewrites rows itself: wait as the write guard would
-        cache.data[:, :, :n] = rows[branch][:, :, :n]
+        cache.reset()
+        for layer in range(GEOMETRY.n_layers):  # through the cache, which waits for the pending save
+            cache.write(layer, 0, rows[branch][layer, 0, :n], rows[branch][layer, 1, :n])
         cache.set_tokens(tokens_for(seed, branch, n))
         store.save_async(cache)
         if step == 0:

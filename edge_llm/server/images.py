@@ -1,0 +1,108 @@
+"""Image parts of chat messages -> image bytes: `data:` URLs, or files under the operator's
+--image-dir. Nothing is ever fetched over the network. Every refusal is an APIError 400 that
+names the problem (the decoder's own refusals come from `edge_llm.vision.preprocess`)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from edge_llm.engine import Engine
+from edge_llm.errors import ImageError
+from edge_llm.server.errors import APIError, bad_request
+from edge_llm.server.schemas import ChatMessage
+from edge_llm.vision.preprocess import PreparedImage
+
+PARAM = "messages"
+
+
+def _image_error(message: str, code: str) -> APIError:
+    return bad_request(message, PARAM, code)
+
+
+def read_image_url(url: str, image_dir: str | None, max_bytes: int) -> bytes:
+    """The bytes an image_url names (see module docstring)."""
+    if url.startswith("data:"):
+        return _data_url(url, max_bytes)
+    scheme = urlparse(url).scheme.lower()
+    if scheme in ("http", "https", "ftp"):
+        raise _image_error("remote image URLs are not fetched: send the image as a data: URL "
+                           "(or a file under the server's --image-dir)", "image_url_remote")
+    if scheme not in ("", "file"):
+        raise _image_error(f"unsupported image URL scheme {scheme!r} (use data: or a local file)",
+                           "image_url_scheme")
+    return _local_file(unquote(urlparse(url).path) if scheme == "file" else url, image_dir, max_bytes)
+
+
+def _data_url(url: str, max_bytes: int) -> bytes:
+    head, sep, payload = url[5:].partition(",")
+    if not sep:
+        raise _image_error("malformed data: URL (no ',')", "image_data_url")
+    parts = head.split(";")
+    media = parts[0].strip().lower()
+    if "base64" not in parts[1:]:
+        raise _image_error("data: URL images must be base64 encoded (data:image/png;base64,...)",
+                           "image_data_url")
+    if media and not media.startswith("image/"):
+        raise _image_error(f"data: URL media type {media!r} is not an image", "not-an-image")
+    if len(payload) * 3 // 4 > max_bytes + 3:  # refuse before decoding
+        raise _image_error(f"image is larger than the limit of {max_bytes} bytes", "too-large")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise _image_error(f"data: URL is not valid base64 ({e})", "image_data_url") from None
+
+
+def _local_file(path: str, image_dir: str | None, max_bytes: int) -> bytes:
+    if not image_dir:
+        raise _image_error("local image files are disabled on this server (the operator can allow a "
+                           "directory with --image-dir); send a data: URL", "image_dir_disabled")
+    root = Path(os.path.realpath(image_dir))
+    target = Path(os.path.realpath(root / path))  # an absolute path replaces root: checked below
+    if target != root and root not in target.parents:
+        raise _image_error("image path is outside the server's image directory", "image_path")
+    try:
+        with open(target, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > max_bytes:
+                raise _image_error(f"image file is {size} bytes, more than the limit of {max_bytes}",
+                                   "too-large")
+            return f.read(max_bytes + 1)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise _image_error("image file not found in the server's image directory", "image_path") from None
+    except PermissionError:
+        raise _image_error("image file is not readable by the server", "image_path") from None
+
+
+def chat_prompt(engine: Engine, messages: list[ChatMessage], image_dir: str | None, max_image_bytes: int
+                ) -> tuple[list[int], list[PreparedImage]]:
+    """Chat messages (pydantic) -> (prompt ids with each image's pad run, PreparedImages).
+
+    Runs in the thread pool: decoding and preprocessing images is CPU work. Image problems are
+    400s naming the problem; template problems raise the tokenizer's EdgeLLMError."""
+    urls = [u for m in messages for u in m.image_urls()]
+    vision = engine.vision
+    if urls and vision is None:
+        raise bad_request("this model has no vision encoder: it cannot take images", PARAM, "no-vision")
+    placeholder = vision.placeholder(engine.tokenizer.id_to_token) if urls else ""
+    images: list[PreparedImage] = []
+    for i, url in enumerate(urls):
+        data = read_image_url(url, image_dir, max_image_bytes)
+        try:
+            images.append(vision.prepare(data))
+        except ImageError as e:
+            raise bad_request(f"image {i + 1}: {e}", PARAM, e.reason) from None
+    # OpenAI's newer "developer" role is what chat templates call "system"
+    rendered = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(placeholder),
+                 **({"name": m.name} if m.name else {})} for m in messages]
+    tokens = engine.tokenizer.apply_chat_template_ids(rendered, True)
+    try:
+        if images:
+            tokens = vision.expand(tokens, images)
+        engine.plan(tokens, images)  # the same check the engine does, before the request queues
+    except ImageError as e:
+        raise bad_request(str(e), PARAM, e.reason) from None
+    return tokens, images

@@ -1,0 +1,200 @@
+"""Long work on a real server: progress-driven watchdog pings and STATUS= lines, a prefill that a
+client hang-up or SIGTERM cancels between chunks, and a restart that resumes the interrupted
+prefill from the rows it had completed (docs/board.md, "Long requests and the stop budget")."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from serverutil import ServerProc, wait_for
+
+pytestmark = pytest.mark.slow
+
+HELPERS = Path(__file__).parent / "helpers"
+WATCHDOG_S = 3.0
+LONG = 16000  # tokens: the tiny model prefills this in several watchdog intervals
+CHUNK = 128
+
+
+class NotifyListener:
+    """A unix datagram socket standing in for systemd's NOTIFY_SOCKET; records (time, message)."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.settimeout(0.2)
+        self.got: list[tuple[float, str]] = []
+        self._done = threading.Event()
+        self._t = threading.Thread(target=self._listen, daemon=True)
+        self._t.start()
+
+    def _listen(self) -> None:
+        while not self._done.is_set():
+            try:
+                self.got.append((time.monotonic(), self.sock.recv(4096).decode()))
+            except socket.timeout:
+                continue
+
+    def times(self, message: str) -> list[float]:
+        return [t for t, m in list(self.got) if message in m.splitlines()]
+
+    def status(self, prefix: str) -> list[tuple[float, str]]:
+        return [(t, line[7:]) for t, m in list(self.got) for line in m.splitlines()
+                if line.startswith("STATUS=" + prefix)]
+
+    def close(self) -> None:
+        self._done.set()
+        self._t.join()
+        self.sock.close()
+
+
+def long_prompt(n: int = LONG, seed: int = 0) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(1000, 100000, n)]
+
+
+def server(tmp_path: Path, model: Path, listener: NotifyListener | None, *args: str, name: str = "s",
+           **kw) -> ServerProc:
+    env = {"WATCHDOG_USEC": str(int(WATCHDOG_S * 1e6))}
+    if listener is not None:
+        env["NOTIFY_SOCKET"] = listener.path
+    env.update(kw.pop("env", {}))
+    return ServerProc(tmp_path / "home", tmp_path / name, "--model", str(model), "--max-seq", str(LONG + 64),
+                      "--prefill-chunk", str(CHUNK), *args, env=env, **kw)
+
+
+def complete(srv: ServerProc, prompt: list[int], max_tokens: int = 6, timeout: float = 600) -> dict:
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
+                                                      "temperature": 0}, timeout=timeout)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def post_in_background(srv: ServerProc, prompt: list[int]) -> None:
+    """A client whose request the server will abandon (stuck engine, SIGTERM): errors are expected."""
+    def run() -> None:
+        try:
+            httpx.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 6,
+                                                          "temperature": 0}, timeout=600)
+        except httpx.HTTPError:
+            pass
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def prefill_rows(listener: NotifyListener) -> int:
+    rows = [int(m.group(1)) for _, s in listener.status("prefill ") if (m := re.match(r"prefill (\d+)/", s))]
+    return max(rows, default=0)
+
+
+def test_watchdog_pings_follow_prefill_progress_and_stop_when_stuck(tiny_synth_dir, tmp_path):
+    listener = NotifyListener(tmp_path / "n.sock")
+    try:
+        with server(tmp_path, tiny_synth_dir, listener, "--no-disk-kv") as srv:
+            srv.start()
+            t0 = time.monotonic()
+            body = complete(srv, long_prompt(), max_tokens=2)
+            t1 = time.monotonic()
+        prefill_s = body["timings"]["prefill_ms"] / 1e3
+        assert prefill_s > 2 * WATCHDOG_S, "the prefill must outlast the watchdog for this test to mean anything"
+        pings = [t for t in listener.times("WATCHDOG=1") if t0 <= t <= t1]
+        gaps = np.diff([t0, *pings, t1])
+        print(f"prefill {prefill_s:.1f} s, {len(pings)} pings, largest gap {gaps.max():.3f} s "
+              f"(watchdog {WATCHDOG_S} s)")
+        assert gaps.max() < WATCHDOG_S / 2
+        statuses = [s for _, s in listener.status("prefill ")]
+        assert f"prefill {CHUNK}/{LONG - 1}" in statuses and f"prefill {LONG}/{LONG}" in statuses
+    finally:
+        listener.close()
+
+    # the same server with an engine that hangs after 1024 rows (test hook): pings stop
+    listener = NotifyListener(tmp_path / "n2.sock")
+    stuck = server(tmp_path, tiny_synth_dir, listener, "--no-disk-kv", "--grace-seconds", "0", name="stuck",
+                   entry=[__import__("sys").executable, str(HELPERS / "stuck_serve.py")],
+                   env={"STALL_AFTER_ROWS": "1024"})
+    try:
+        stuck.start()
+        post_in_background(stuck, long_prompt())
+        wait_for(lambda: "engine stalled" in stuck.stderr(), timeout=300, what="the stall")
+        stalled_at = time.monotonic()
+        time.sleep(3 * WATCHDOG_S)
+        after = [t for t in listener.times("WATCHDOG=1") if t > stalled_at + WATCHDOG_S / 4]
+        assert after == [], f"{len(after)} pings while the engine was stuck"
+        assert stuck.health().json()["busy"]  # the HTTP side still answers; only progress stopped
+    finally:
+        stuck.kill()
+        listener.close()
+
+
+def test_client_hangup_during_prefill_frees_the_worker_within_a_chunk(tiny_synth_dir, tmp_path):
+    listener = NotifyListener(tmp_path / "n.sock")
+    try:
+        with server(tmp_path, tiny_synth_dir, listener) as srv:
+            srv.start()
+            prompt = long_prompt()
+            client = httpx.Client(timeout=600)
+            req = client.build_request("POST", srv.url + "/v1/completions",
+                                       json={"prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True})
+            resp = client.send(req, stream=True)
+            wait_for(lambda: prefill_rows(listener) >= 2048, timeout=300, what="prefill progress")
+            seen = prefill_rows(listener)
+            resp.close()
+            client.close()
+            # the worker is free again: a short request is answered
+            wait_for(lambda: "cancelled during prefill" in srv.log(), timeout=120, what="the cancel")
+            short = complete(srv, long_prompt(40, seed=1), max_tokens=3)
+            assert short["usage"]["completion_tokens"] == 3
+            m = re.search(r"cancelled during prefill at (\d+)/\d+: (\d+) prompt row", srv.log())
+            done = int(m.group(2))
+            print(f"hang-up seen at {seen} rows; the prefill stopped at {done} rows (chunk {CHUNK})")
+            assert seen <= done <= seen + 2 * CHUNK  # the chunk in flight (+ one status in flight)
+            assert done % CHUNK == 0
+            wait_for(lambda: f"saved {done}-token KV" in srv.log(), timeout=120, what="the partial save")
+    finally:
+        listener.close()
+
+
+def test_sigterm_during_prefill_saves_completed_rows_and_a_restart_resumes(tiny_synth_dir, tmp_path):
+    prompt = long_prompt(6000, seed=2)
+    with server(tmp_path, tiny_synth_dir, None, "--no-disk-kv", name="reference") as ref:
+        ref.start()
+        want = complete(ref, prompt)
+    kv = tmp_path / "kv"
+    listener = NotifyListener(tmp_path / "n.sock")
+    try:
+        a = server(tmp_path, tiny_synth_dir, listener, "--grace-seconds", "0", name="a", kv_dir=kv)
+        a.start()
+        post_in_background(a, prompt)
+        wait_for(lambda: prefill_rows(listener) >= 1024, timeout=300, what="prefill progress")
+        at_sigterm = prefill_rows(listener)
+        assert a.stop(signal.SIGTERM) == 0
+        log = a.log()
+        m = re.search(r"cancelled during prefill at \d+/\d+: (\d+) prompt row", log)
+        assert m, log[-3000:]
+        done = int(m.group(1))
+        # the stop budget's middle term: with grace 0, at most the chunk in flight (+ a status in flight)
+        assert at_sigterm <= done <= at_sigterm + 2 * CHUNK and done % CHUNK == 0 and done < len(prompt) - 1
+        # a tiny model's save may be done before the stop path looks; when it is not, the stop
+        # path says what it flushes
+        assert f"stop: flushing a {done}-token snapshot" in log or "stop: flushing" not in log
+        saved = log.index(f"[KV-DISK] saved {done}-token KV")
+        assert saved < log.index("=== edge-llm exit", saved)  # on disk before the process ended
+    finally:
+        listener.close()
+    with server(tmp_path, tiny_synth_dir, None, name="b", kv_dir=kv) as b:
+        b.start()
+        mark = b.log_size()
+        got = complete(b, prompt)
+        log = b.log(mark)
+    assert f"[KV-DISK] loaded {done}-token KV prefix from disk" in log
+    assert f"[PREFILL-TIMING] n={len(prompt) - done} " in log
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == done
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
