@@ -27,11 +27,13 @@ from edge_llm.bench.client import LOADED_RE, SAVED_RE, http_json, log_offset, re
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
+import board_container  # noqa: E402
 import board_emu  # noqa: E402
+import board_image  # noqa: E402
 
 from serverutil import free_port  # noqa: E402
 
-REASON = board_emu.unavailable_reason()
+REASON = board_image.unavailable_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=f"emulated board: {REASON}")]
 
 LOG = "/var/log/edge-llm/edge-llm.log"
@@ -53,11 +55,11 @@ REFERENCE: dict[str, str] = {}  # the texts before any restart (set by the lifec
 @pytest.fixture(scope="module")
 def board(tmp_path_factory):
     t0 = time.monotonic()
-    tarball = board_emu.rootfs_tarball()  # built once (minutes), then cached
+    tarball = board_image.rootfs_tarball()  # built once (minutes), then cached
     rootfs_s = time.monotonic() - t0
     model = board_emu.make_tiny_model(tmp_path_factory.mktemp("board-model") / MODEL_NAME,
                                       str(Path(sys.executable).parent / "edge-llm"))
-    with board_emu.Board(tarball) as b:
+    with board_container.Board(tarball) as b:
         b.port = free_port()
         b.url = f"http://127.0.0.1:{b.port}"
         t1 = time.monotonic()
@@ -125,7 +127,7 @@ def test_installed_as_documented(board):
     # every emulated process runs with the RK3588 big-core CPU model (system.conf.d drop-in)
     pid = prop(b, "MainPID")
     env = b.run(["cat", f"/proc/{pid}/environ"]).stdout.split("\0")
-    assert f"QEMU_CPU={board_emu.QEMU_CPU}" in env and "WATCHDOG_USEC=60000000" in env
+    assert f"QEMU_CPU={board_image.QEMU_CPU}" in env and "WATCHDOG_USEC=60000000" in env
     assert b.run([f"{VENV}/python", "-c", "import platform; print(platform.machine())"]).stdout.strip() == "aarch64"
     status, health = http_json("GET", b.url + "/health", timeout=30)
     assert status == 200 and health["model"] == MODEL_NAME, health
@@ -187,7 +189,7 @@ def test_restarts_restore_snapshots_and_keep_logs(board):
     assert [int(p) for p in START_RE.findall(jtext)][-3:] == pids
     assert len(SAVED_RE.findall(jtext)) >= 2 and len(LOADED_RE.findall(jtext)) >= 2
     full = b.run(["journalctl", "-u", "edge-llm", "--no-pager"]).stdout
-    assert f"Main process exited, code=killed, status=9/KILL" in full
+    assert "Main process exited, code=killed, status=9/KILL" in full
     assert "atchdog" not in full.replace("WATCHDOG", ""), [l for l in full.splitlines() if "atchdog" in l]
 
 
@@ -354,11 +356,11 @@ def test_lab_board_blocks_run_on_the_board(board):
 def test_teardown_leaves_nothing_behind(board):
     """A second board, failing on purpose inside its `with`: no process, mount or directory stays."""
     with pytest.raises(RuntimeError, match="on purpose"):
-        with board_emu.Board(board.tarball) as other:
+        with board_container.Board(board.tarball) as other:
             nspawn, where = other.proc.pid, other.dir
             other.run("sleep 600 >/dev/null 2>&1 &")
             raise RuntimeError("on purpose")
     assert not where.exists()
-    assert not board_emu._mounts_under(where)
+    assert not board_container.mounts_under(where)
     assert not Path(f"/proc/{nspawn}").exists()
-    assert not [c for c in board_emu._cmdlines() if str(where) in c]
+    assert not [c for c in board_container.cmdlines() if str(where) in c]
