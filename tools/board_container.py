@@ -294,7 +294,8 @@ class Board:
         late writer (journald's final flush) recreates files while the tree is removed."""
         if not self.pidns:
             return
-        deadline = time.monotonic() + timeout_s
+        t0 = deadline = time.monotonic()
+        deadline += timeout_s
         while (left := self._members()):
             if time.monotonic() > deadline:
                 for pid in left:
@@ -302,6 +303,8 @@ class Board:
                         os.kill(pid, signal.SIGKILL)
                 deadline = time.monotonic() + 10
             time.sleep(0.2)
+        if time.monotonic() - t0 > 1:
+            log(f"the board's last processes ended {time.monotonic() - t0:.1f} s after nspawn")
         self.pidns = ""
 
     def destroy(self) -> None:
@@ -309,6 +312,7 @@ class Board:
             self.shutdown()
         finally:
             if self.dir is not None:
+                t0 = time.monotonic()
                 for _ in range(3):
                     _remove_tree(self.dir)
                     if not self.dir.exists():
@@ -316,6 +320,7 @@ class Board:
                     time.sleep(1)
                 else:
                     log(f"could not remove {self.dir}")
+                log(f"removed the board's tree in {time.monotonic() - t0:.1f} s")
                 self.dir = None
 
     # ---- commands inside ------------------------------------------------------------------
