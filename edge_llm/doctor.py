@@ -16,6 +16,7 @@ import logging
 import math
 import platform
 import re
+import resource
 import shutil
 import stat
 import subprocess
@@ -36,6 +37,7 @@ SERVICE_USER = "edge-llm"
 UNIT_PATH = "etc/systemd/system/edge-llm.service"
 LIB_DIRS = ("usr/lib", "usr/lib64", "usr/lib/aarch64-linux-gnu", "usr/local/lib", "lib")
 GOOD_FS = ("ext4", "f2fs", "xfs", "btrfs")
+NOFILE_NPU = 4096
 # JEDEC eMMC 5.0 EXT_CSD DEVICE_LIFE_TIME_EST_TYP_A/B and PRE_EOL_INFO encodings
 _LIFE = {i: f"{(i - 1) * 10}-{i * 10}% of rated erase cycles used" for i in range(1, 11)}
 _LIFE[0x0B] = "rated erase cycles exceeded"
@@ -90,6 +92,7 @@ class Doctor:
             ("cpu-governor", self.cpu_governor, False),
             ("npu-governor", lambda: self.devfreq("npu-governor", "*npu*"), True),
             ("ddr-governor", lambda: self.devfreq("ddr-governor", "*dmc*"), True),
+            ("open-files", self.open_files, False), ("rknn-dir", self.rknn_dir, False),
             ("model", self.model, False), ("memory", self.memory, False),
             ("kv-filesystem", self.kv_filesystem, False), ("kv-space", self.kv_space, False),
             ("emmc-life", self.emmc_life, False), ("clock", self.clock, False)]
@@ -226,6 +229,35 @@ class Doctor:
             return Check("npu-device", FAIL, detail + "; " + "; ".join(problems),
                          f"usermod -aG render {SERVICE_USER}; `systemctl edit edge-llm`: DeviceAllow=<node> rw")
         return Check("npu-device", PASS, detail)
+
+    def open_files(self) -> Check:
+        """`ulimit -n`: the NPU backend keeps one RKNN context per graph, each with DMA-buffer fds."""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        unit = self._read(UNIT_PATH)
+        m = re.search(r"^LimitNOFILE=(\S+)", unit, re.M)
+        detail = f"ulimit -n {soft} (hard {hard})" + (f"; unit LimitNOFILE={m.group(1)}" if m else "")
+        if self.o.backend in ("rknn", "auto") and soft < NOFILE_NPU and not m:
+            return Check("open-files", WARN, detail + f": below {NOFILE_NPU} for the NPU backend",
+                         "LimitNOFILE=65536 in the unit (shipped), or `ulimit -n 65536` in the shell")
+        return Check("open-files", PASS, detail)
+
+    def rknn_dir(self) -> Check:
+        if self.o.backend not in ("rknn", "auto"):
+            return Check("rknn-dir", NA, f"backend {self.o.backend}")
+        if not self.o.rknn_dir:
+            return Check("rknn-dir", FAIL if self.o.backend == "rknn" else WARN, "no rknn_dir configured",
+                         "edge-llm convert rknn MODEL_DIR OUT_DIR on a host, copy OUT_DIR here, set rknn_dir")
+        from edge_llm.backends.manifest import Manifest  # lazy: only for NPU setups
+        from edge_llm.errors import EdgeLLMError
+
+        try:
+            m = Manifest.read(self.o.rknn_dir)
+            m.rknn_files(Path(self.o.rknn_dir))
+        except EdgeLLMError as e:
+            return Check("rknn-dir", FAIL, str(e), "re-run `edge-llm convert rknn` and copy its output")
+        size = sum(g.rknn_bytes or 0 for g in m.graphs)
+        return Check("rknn-dir", PASS, f"{self.o.rknn_dir}: {len(m.graphs)} graphs ({size / 2**30:.2f} GiB), "
+                     f"rknn-toolkit2 {m.toolkit}, chunks {m.chunks}, from {m.model.get('name')}")
 
     def cpu_governor(self) -> Check:
         govs = {p.name: self._read(p / "scaling_governor")
