@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -258,6 +259,34 @@ def test_rknnlite_imports_and_fails_clearly_without_npu(board):
     assert res.returncode == 0, out
     assert re.search(r"^version 2\.\d", res.stdout, re.M) and "init -1" in res.stdout, out
     assert "Please specify the target" in out or "Can not find dynamic library" in out, out
+
+
+def test_npu_backend_without_npu(board, tmp_path):
+    """`--backend rknn` on a board without an NPU refuses to start and says why; `--backend auto`
+    falls back to cpu and logs the reason. The graph set is a real export of the installed model
+    (ONNX + manifest, made on this host); the NPU is what cannot exist here."""
+    from edge_llm.backends.onnx_export import export_graph_set
+
+    b = board
+    export_graph_set(b.path(MODEL), tmp_path / "graphs", samples=False)
+    b.copy_in(tmp_path / "graphs", "/opt/edge-llm/models/tiny-rknn")
+    port = free_port()
+    serve = [f"{VENV}/edge-llm", "serve", "--model", MODEL, "--rknn-dir", "/opt/edge-llm/models/tiny-rknn",
+             "--port", str(port), "--disk-kv", "off", "--log-file", "off"]
+    res = b.run(["timeout", "600", *serve, "--backend", "rknn"], check=False, timeout=700)
+    out = res.stdout + res.stderr
+    assert res.returncode not in (0, 124), out  # exited by itself, with an error
+    assert "no RKNPU device on this machine" in out and "Traceback" not in out, out[-3000:]
+
+    auto = b.run(f"({shlex.join([*serve, '--backend', 'auto'])}) > /root/auto.log 2>&1 & echo $!").stdout.strip()
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", timeout=300)
+        status, health = http_json("GET", f"http://127.0.0.1:{port}/health", timeout=30)
+        assert status == 200 and health["backend"] == "cpu", health
+    finally:
+        b.run(["kill", auto], check=False)
+    logged = b.path("/root/auto.log").read_text()
+    assert "backend auto -> cpu (no RKNPU device node)" in logged, logged[-3000:]
 
 
 @pytest.mark.parametrize("x", ["ext", "partial"])
