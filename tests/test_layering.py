@@ -2,6 +2,7 @@
 
 import ast
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -191,3 +192,13 @@ def test_comments_point_to_the_repos_own_docs():
         cited.update(re.findall(r"docs/([\w/-]+\.md)", text))
     missing = sorted(c for c in cited if not (root / "docs" / c).is_file())
     assert not missing, f"cited docs pages that do not exist: {missing}"
+
+
+def test_no_merge_conflict_markers():
+    """A merge that left `<<<<<<<` / `>>>>>>>` lines behind must not pass."""
+    root = PKG.parent
+    files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True).stdout.split()
+    marker = re.compile(r"^(<{7}|>{7})( |$)", re.M)
+    bad = [f for f in files if (root / f).is_file() and (root / f).suffix in (".py", ".md", ".sh", ".toml", "")
+           and marker.search((root / f).read_text(errors="replace"))]
+    assert not bad, f"conflict markers in {bad}"
