@@ -14,7 +14,7 @@ BENCH_ARGS ?=
 # the emulated arm64 board of tests/test_board_emulated.py (tools/board_emu.py)
 BOARD_DEBS := qemu-user-static binfmt-support mmdebstrap systemd-container zstd
 
-.PHONY: venv test-deps converter board-deps board-test serve test bench clean
+.PHONY: venv test-deps converter board-deps board-test serve test bench bench-peer clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,7 +25,7 @@ $(VENV)/.runtime-stamp: $(BIN)/python pyproject.toml Makefile
 	touch $@
 
 $(VENV)/.test-stamp: $(VENV)/.runtime-stamp pyproject.toml Makefile
-	$(PIP) install -q -e '.[test,bench,convert]'
+	$(PIP) install -q -e '.[test,bench,convert,quant]'
 	touch $@
 
 # Rockchip's rknn-toolkit2 in its own venv (pinned, --no-deps; docs/npu.md). The script keeps a
@@ -63,8 +63,15 @@ serve: venv
 test: test-deps board-deps
 	$(BIN)/python -m pytest -q -ra tests
 
-bench: test-deps
-	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(BIN)/edge-llm bench all $(BENCH_ARGS)
+# llama.cpp (llama-cpp-python, compiled: several minutes the first time) in its own venv, the
+# peer of `edge-llm bench quant`; never in the runtime venv
+LLAMACPP_VENV ?= .venv-llamacpp
+bench-peer:
+	tools/setup-bench-llamacpp.sh $(LLAMACPP_VENV)
+
+bench: test-deps bench-peer
+	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE EDGE_LLM_LLAMACPP_PYTHON=$(LLAMACPP_VENV)/bin/python \
+		$(BIN)/edge-llm bench all $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(CONVERTER_VENV) build *.egg-info
+	rm -rf $(VENV) $(CONVERTER_VENV) $(LLAMACPP_VENV) build *.egg-info

@@ -38,6 +38,7 @@ UNIT_PATH = "etc/systemd/system/edge-llm.service"
 LIB_DIRS = ("usr/lib", "usr/lib64", "usr/lib/aarch64-linux-gnu", "usr/local/lib", "lib")
 GOOD_FS = ("ext4", "f2fs", "xfs", "btrfs")
 NOFILE_NPU = 4096
+Q4_BYTES_PER_F32_BYTE = 0.75 / 4  # backend cpu-q: 4-bit + F32 scale + zp (+ Q4_1 remainder) per 32
 # JEDEC eMMC 5.0 EXT_CSD DEVICE_LIFE_TIME_EST_TYP_A/B and PRE_EOL_INFO encodings
 _LIFE = {i: f"{(i - 1) * 10}-{i * 10}% of rated erase cycles used" for i in range(1, 11)}
 _LIFE[0x0B] = "rated erase cycles exceeded"
@@ -331,9 +332,12 @@ class Doctor:
             return Check("memory", NA, f"model not usable; {vm.available / 2**30:.2f} GiB available "
                          f"of {vm.total / 2**30:.2f} GiB")
         label, weights, bpt = self._model
+        what = "weights"
+        if self.o.backend == "cpu-q":  # 4-bit blocks: ~0.7 byte per weight (docs/quantization.md)
+            weights, what = int(weights * Q4_BYTES_PER_F32_BYTE), "q4 weights"
         kv = self.o.max_seq * bpt
         need = weights + kv
-        detail = (f"{label}: weights {weights / 2**30:.2f} GiB + KV {kv / 2**30:.2f} GiB (max_seq "
+        detail = (f"{label}: {what} {weights / 2**30:.2f} GiB + KV {kv / 2**30:.2f} GiB (max_seq "
                   f"{self.o.max_seq}) = {need / 2**30:.2f} GiB; available {vm.available / 2**30:.2f} "
                   f"of {vm.total / 2**30:.2f} GiB")
         fix = "lower max_seq or use a smaller model; stop other services"

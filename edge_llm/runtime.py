@@ -29,6 +29,10 @@ def make_backend(s: Settings, model_dir: Path, say: Callable[[str], None] = lamb
 
         name, why = resolve_auto(s.rknn_dir, model_dir)
         log.info("backend auto -> %s (%s)", name, why)
+    if name == "cpu-q":
+        from edge_llm.backends.cpuq import open_cpu_q
+
+        return open_cpu_q(model_dir, s.quant, s.threads, progress=say)
     if name != "rknn":
         return get_backend(name)
     if not s.rknn_dir:

@@ -31,7 +31,8 @@ ENV_PREFIX = "EDGE_LLM_"
 HOME_ENV = "EDGE_LLM_HOME"
 CONFIG_ENV = "EDGE_LLM_CONFIG"
 AUTO = "auto"  # disk_kv / log_file: the default location (resolved by `resolve`)
-BACKEND_NAMES = ("cpu", "rknn", "auto")  # edge_llm/runtime.make_backend maps these to backends
+BACKEND_NAMES = ("cpu", "cpu-q", "rknn", "auto")  # edge_llm/runtime.make_backend maps these to backends
+QUANT_MODES = ("q4",)  # backend cpu-q; edge_llm/backends/cpuq.MODES defines them
 RKNN_RUNNERS = ("auto", "rknnlite", "sim", "onnxruntime")  # docs/npu.md
 _OFF = {"", "0", "false", "no", "off", "none"}
 _ON = {"1", "true", "yes", "on", AUTO}
@@ -55,9 +56,17 @@ class Settings:
     # ---- model and compute ----------------------------------------------------------------------
     model: str = _opt("default", "HF model directory, or 'default' for the embedded SmolLM2-135M.", str,
                       metavar="DIR")
-    backend: str = _opt("cpu", "Compute backend: cpu (numpy F32), rknn (the RK3588 NPU, graphs from "
+    backend: str = _opt("cpu", "Compute backend: cpu (numpy F32, the exact reference), cpu-q (weight-only "
+                        "quantized matmuls on onnxruntime, see `quant`), rknn (the RK3588 NPU, graphs from "
                         "`edge-llm convert rknn`), auto (rknn when an NPU and a matching rknn_dir exist, "
                         "else cpu).", str, choices=BACKEND_NAMES)
+    quant: str = _opt("q4", "Weight format of backend cpu-q: q4 (4-bit blocks of 32 with int8 activations; "
+                      "GGUF Q4_0/Q4_1/Q8_0 blocks kept exactly); built on first use under "
+                      "$EDGE_LLM_HOME/quant.", str, choices=QUANT_MODES)
+    threads: int | None = _opt(None, "Compute threads of backend cpu-q (onnxruntime); auto: one per core, "
+                               "on a big.LITTLE CPU one per big core with the process pinned to them "
+                               "(RK3588: the four Cortex-A76).", minimum=1, nullable=True,
+                               shown_default="auto")
     rknn_dir: str | None = _opt(None, "Directory made by `edge-llm convert rknn` (backend rknn/auto).",
                                 "path", nullable=True, metavar="DIR", shown_default="none")
     rknn_runner: str = _opt("auto", "What runs the rknn graphs: auto (the NPU), rknnlite, sim (the "

@@ -198,6 +198,30 @@ def read_tensor(info: TensorInfo) -> np.ndarray:
     return out.reshape(info.shape)
 
 
+class MappedRows:
+    """Rows of a 2-D tensor read from its file when asked (mmap), widened to float32 exactly.
+
+    For an embedding table that is only ever gathered from: no F32 copy of the whole table is
+    held (1.2 GB for Qwen3-VL-2B), only the file pages of rows looked up, which the kernel can
+    drop under memory pressure."""
+
+    def __init__(self, info: TensorInfo):
+        if info.dtype not in _NP_DTYPES or len(info.shape) != 2:
+            raise WeightsError(f"{info.file.name}: cannot map rows of a {info.dtype} {list(info.shape)} tensor")
+        self.dtype, self.shape = info.dtype, info.shape
+        with open(info.file, "rb") as f:
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        count = info.shape[0] * info.shape[1]
+        self._raw = np.frombuffer(self._mm, dtype=_NP_DTYPES[info.dtype], count=count,
+                                  offset=info.offset).reshape(info.shape)
+
+    def __getitem__(self, idx) -> np.ndarray:
+        raw = self._raw[idx]
+        if self.dtype == "BF16":
+            return (raw.astype(np.uint32) << 16).view(np.float32)
+        return raw.astype(np.float32)
+
+
 class Weights(Mapping[str, np.ndarray]):
     """Validated checkpoint: every expected tensor exists with the right shape and a supported dtype.
 
@@ -230,6 +254,16 @@ class Weights(Mapping[str, np.ndarray]):
         if self.progress is not None:
             self.progress(self._total - len(self._infos), self._total)
         return arr
+
+    def pop_rows(self, name: str) -> MappedRows:
+        """Like `pop`, but the tensor stays in its file: rows are read when indexed."""
+        try:
+            rows = MappedRows(self._infos.pop(name))
+        except KeyError:
+            raise WeightsError(f"tensor {name!r} missing from the checkpoint") from None
+        if self.progress is not None:
+            self.progress(self._total - len(self._infos), self._total)
+        return rows
 
     def __contains__(self, name: object) -> bool:
         return name in self._infos  # without reading the tensor

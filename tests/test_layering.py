@@ -82,6 +82,20 @@ def test_toolkit_is_imported_only_by_the_worker():
                     assert not n.startswith("edge_llm"), n
 
 
+def test_llama_cpp_is_imported_only_by_the_bench_peer():
+    """llama-cpp-python lives in the benchmark's own venv (tools/setup-bench-llamacpp.sh): only
+    bench/llamacpp_peer.py (run there) imports it, and that file imports nothing of edge_llm."""
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            for n in names:
+                if n.split(".")[0] == "llama_cpp":
+                    assert path.name == "llamacpp_peer.py", path
+                if path.name == "llamacpp_peer.py":
+                    assert not n.startswith("edge_llm"), n
+
+
 def test_runtime_never_imports_torch():
     for path in PKG.rglob("*.py"):
         tree = ast.parse(path.read_text())

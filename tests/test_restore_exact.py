@@ -14,10 +14,12 @@ import pytest
 HELPER = Path(__file__).parent / "helpers" / "engine_session.py"
 
 
-def run(model, kv, mode, x, state, out):
+def run(model, kv, mode, x, state, out, backend="cpu", home=None):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    if home is not None:  # cpu-q keeps its quantized graphs under EDGE_LLM_HOME
+        env["EDGE_LLM_HOME"] = str(home)
     subprocess.run([sys.executable, str(HELPER), "--model", str(model), "--kv-dir", str(kv),
-                    "--mode", mode, "--x", x, "--state", str(state), "--out", str(out)],
+                    "--mode", mode, "--x", x, "--state", str(state), "--out", str(out), "--backend", backend],
                    check=True, env=env, timeout=600)
     return dict(np.load(out))
 
@@ -44,18 +46,25 @@ def prompt_ids(model_dir, n_words):
     return tok.encode(text)[:200]
 
 
-@pytest.mark.parametrize("which", ["tiny_qwen3", "default_model"])
+@pytest.mark.parametrize("which,backend", [("tiny_qwen3", "cpu"), ("default_model", "cpu"),
+                                           ("default_model", "cpu-q")])
 @pytest.mark.parametrize("x", ["ext", "partial"])
-def test_restore_is_bitwise_ram_continuation(which, x, request, tmp_path):
+def test_restore_is_bitwise_ram_continuation(which, backend, x, request, tmp_path, edge_home):
     model = request.getfixturevalue(which)
     kv = tmp_path / "kv"
     state = tmp_path / "state.json"
     state.write_text(json.dumps({"prompt": prompt_ids(model, 40)}))
-    warm = run(model, kv, "warm", x, state, tmp_path / "warm.npz")
+
+    def go(mode):
+        return run(model, kv, mode, x, state, tmp_path / f"{mode}.npz", backend, edge_home)
+
+    warm = go("warm")
     snaps = list(kv.rglob("kv_*.kv"))
     assert len(snaps) == 1, snaps
-    restored = run(model, kv, "restored", x, state, tmp_path / "restored.npz")
-    oneshot = run(model, kv, "oneshot", x, state, tmp_path / "oneshot.npz")
+    ident = json.loads((snaps[0].parent / "identity.json").read_text())
+    assert ident["backend_numerics"].startswith("cpu-q:" if backend == "cpu-q" else "cpu-f32")
+    restored = go("restored")
+    oneshot = go("oneshot")
 
     assert str(warm["source"]) == "ram" and str(restored["source"]) == "disk"
     m = int(restored["cached"])
@@ -68,8 +77,9 @@ def test_restore_is_bitwise_ram_continuation(which, x, request, tmp_path):
     assert np.array_equal(restored["last_logits"].view(np.uint32), warm["last_logits"].view(np.uint32))
     assert restored["tokens"].tolist() == warm["tokens"].tolist()
     # against a one-shot recompute, rows produced by decode steps and by batched prefill may
-    # round differently: report the difference, bound it loosely
+    # round differently: report the difference, bound it loosely (cpu-q: those tiny differences
+    # reach the int8 rounding of the activations, so its bound is its per-layer tolerance)
     scale = float(np.abs(oneshot["logits"]).max())
     diff = float(np.abs(oneshot["logits"] - restored["logits"]).max())
-    print(f"\n[{which}/{x}] restored vs one-shot recompute: max |dlogit| = {diff:.3g} (scale {scale:.3g})")
-    assert diff <= 1e-3 * max(scale, 1.0)
+    print(f"\n[{which}/{backend}/{x}] restored vs one-shot recompute: max |dlogit| = {diff:.3g} (scale {scale:.3g})")
+    assert diff <= (0.04 if backend == "cpu-q" else 1e-3) * max(scale, 1.0)

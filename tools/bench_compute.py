@@ -26,18 +26,8 @@ from rich.console import Console
 from rich.table import Table
 from threadpoolctl import threadpool_info
 
+from edge_llm.bench.quant import best_of
 from edge_llm.models.qwen3 import Model
-
-
-def best_of(fn, reps: int = 5) -> float:
-    """Fastest wall time of `reps` runs after one warm-up (the machine is shared: take the best)."""
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def read_bandwidth(nbytes: int = 1 << 30) -> dict[str, float]:

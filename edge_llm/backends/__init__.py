@@ -59,7 +59,8 @@ def pick_chunk(backend: Backend, requested: int) -> int:
 
 
 def get_backend(name: str) -> Backend:
-    """Instantiate a backend by name ("cpu"); `rknn` needs a directory: `rknn.open_rknn`."""
+    """Instantiate a backend by name ("cpu"); `cpu-q` and `rknn` need a model or graph directory:
+    `cpuq.open_cpu_q`, `rknn.open_rknn` (both built by `runtime.make_backend`)."""
     if name == "cpu":
         from edge_llm.backends.cpu import CPUBackend
 

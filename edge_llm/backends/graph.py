@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from edge_llm.backends.graphs import HEAD, POST, QKV, GraphSpec, row_plan
+from edge_llm.backends.graphs import HEAD, POST, QKV, STEP, GraphSpec, row_plan
 from edge_llm.backends.runners import GraphRunner
 from edge_llm.config import ModelArgs
 from edge_llm.errors import ConfigError
@@ -27,30 +27,43 @@ log = logging.getLogger(__name__)
 class GraphBackend:
     """A `Backend` (see `edge_llm.backends`) over graphs; `numerics` names graphs + runner."""
 
-    def __init__(self, name: str, specs: Sequence[GraphSpec], runner: GraphRunner, numerics: str):
+    def __init__(self, name: str, specs: Sequence[GraphSpec], runner: GraphRunner, numerics: str,
+                 mapped_embedding: bool = False):
+        """`mapped_embedding`: gather embedding rows from the checkpoint file (mmap, exact F32)
+        instead of holding the table in RAM."""
         self.name = name
+        self.mapped_embedding = mapped_embedding
         self.runner = runner
         self.numerics = numerics
         self.specs = list(specs)
         self.qkv_g = {s.index: s for s in specs if s.kind == QKV}
-        self.post_g = {s.index: s for s in specs if s.kind == POST}
+        self.post_g = {s.index: s for s in specs if s.kind in (POST, STEP)}
+        # fused partition (graphs.py): step l also computed layer l+1's qkv of its output h
+        self.fused = any(s.kind == STEP for s in specs)
+        self._next: tuple[int, np.ndarray, np.ndarray] | None = None  # (layer, h, qkv)
         self.head_g = sorted((s for s in specs if s.kind == HEAD), key=lambda s: s.vocab)
         self.chunk_sizes: tuple[int, ...] = self.qkv_g[0].rows if self.qkv_g else ()
         self.calls: dict[tuple[str, int], int] = {}  # (graph, rows) -> count, for benchmarks
 
     def load(self, args: ModelArgs, weights: Weights) -> None:
         n = args.num_hidden_layers
-        if sorted(self.qkv_g) != list(range(n)) or sorted(self.post_g) != list(range(n)):
+        # layer l's qkv comes from its own graph or from a step l-1 that also outputs it
+        fed = {s.index + 1 for s in self.post_g.values() if s.kind == STEP and len(s.outputs) > 1}
+        if sorted(set(self.qkv_g) | fed) != list(range(n)) or sorted(self.post_g) != list(range(n)):
             raise ConfigError(f"graphs cover layers {sorted(self.qkv_g)}, the model has {n} "
                               "(converted with --layers? convert all layers to serve)")
         if not self.head_g or self.head_g[-1].vocab[1] != args.vocab_size:
             raise ConfigError(f"head graphs cover vocab {self.head_g[-1].vocab if self.head_g else None}, "
                               f"the model has {args.vocab_size}")
         self.q_dim, self.kv_dim = args.q_dim, args.kv_dim
-        table = weights.pop(f"{args.weight_prefix}embed_tokens.weight")
-        # an fp16 NPU sees fp16 activations anyway; half the table's RAM (0.6 GB for 2B)
-        self.table = table if self.runner.act_dtype == np.float32 else table.astype(self.runner.act_dtype)
-        del table
+        name = f"{args.weight_prefix}embed_tokens.weight"
+        if self.mapped_embedding:
+            self.table = weights.pop_rows(name)
+        else:
+            table = weights.pop(name)
+            # an fp16 NPU sees fp16 activations anyway; half the table's RAM (0.6 GB for 2B)
+            self.table = table if self.runner.act_dtype == np.float32 else table.astype(self.runner.act_dtype)
+            del table
         log.info("graph backend %s: %d graphs, runner %s, chunks %s", self.name, len(self.specs),
                  self.runner.name, list(self.chunk_sizes))
 
@@ -62,12 +75,23 @@ class GraphBackend:
         return self.table[tokens].astype(np.float32)
 
     def qkv(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        (y,) = self._call(self.qkv_g[layer], [x])
+        if layer in self.qkv_g:
+            (y,) = self._call(self.qkv_g[layer], [x])
+        else:  # fused: the previous step computed it from this very array
+            if self._next is None or self._next[0] != layer or self._next[1] is not x:
+                raise RuntimeError(f"fused graphs: qkv({layer}) must follow post({layer - 1}) on its output")
+            y = self._next[2]
+            self._next = None
         q, kv = self.q_dim, self.kv_dim
         return y[:, :q], y[:, q:q + kv], y[:, q + kv:]
 
     def post(self, layer: int, attn: np.ndarray, x: np.ndarray) -> np.ndarray:
-        o, m = self._call(self.post_g[layer], [attn, x])
+        spec = self.post_g[layer]
+        if spec.kind == STEP:  # h = x + attn_out + mlp_out in the graph (float32 there too)
+            outs = self._call(spec, [attn, x])
+            self._next = (layer + 1, outs[0], outs[1]) if len(outs) > 1 else None
+            return outs[0]
+        o, m = self._call(spec, [attn, x])
         out = x + o  # the residual stream stays float32: (x + o) + m, as the CPU backend adds
         out += m
         return out

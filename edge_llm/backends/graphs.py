@@ -8,6 +8,11 @@ One place for every name: the ONNX exporter writes these graph/tensor names, eve
                   input RMSNorm + fused q/k/v projections (+ bias)
 - `layerLL.post`: attn (T, q_dim), x (T, hidden) -> attn_out (T, hidden), mlp_out (T, hidden)
                   attn_out = attn @ Wo; h = x + attn_out; mlp_out = SwiGLU(RMSNorm(h))
+or, fused (the quantized CPU backend, docs/quantization.md: half the runtime calls per token),
+`layer00.qkv` and then per layer
+- `layerLL.step`: attn (T, q_dim), x (T, hidden) -> h (T, hidden), qkv (T, q_dim + 2 kv_dim)
+                  h = x + attn_out + mlp_out (in that order, float32); qkv = layer LL+1's qkv of h
+                  (the last layer's step has no qkv output)
 and one head (or `--head-split N` parts over vocab ranges):
 - `head` / `head.P`: x (T, hidden) -> logits (T, vocab part), final RMSNorm + lm_head
 
@@ -15,8 +20,9 @@ The graphs return deltas, not the new residual stream: the caller adds them in f
 (`x + attn_out + mlp_out`, in that order, as the CPU backend does), so on an fp16 NPU the
 stream is not rounded to fp16 at every layer.
 
-Graphs are static-shape: layer graphs are built for the row counts `chunks` (default 1, 32,
+NPU graphs are static-shape: layer graphs are built for the row counts `chunks` (default 1, 32,
 128), the head for 1 row. `row_plan` is the one place that maps T rows onto those shapes.
+Graphs for onnxruntime alone may be dynamic (`rows == ()`: any row count, no padding).
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ from dataclasses import dataclass
 from edge_llm.config import ModelArgs
 from edge_llm.errors import ConfigError
 
-QKV, POST, HEAD = "qkv", "post", "head"
-INPUTS: dict[str, tuple[str, ...]] = {QKV: ("x",), POST: ("attn", "x"), HEAD: ("x",)}
-OUTPUTS: dict[str, tuple[str, ...]] = {QKV: ("qkv",), POST: ("attn_out", "mlp_out"), HEAD: ("logits",)}
+QKV, POST, HEAD, STEP = "qkv", "post", "head", "step"
+INPUTS: dict[str, tuple[str, ...]] = {QKV: ("x",), POST: ("attn", "x"), HEAD: ("x",), STEP: ("attn", "x")}
+OUTPUTS: dict[str, tuple[str, ...]] = {QKV: ("qkv",), POST: ("attn_out", "mlp_out"), HEAD: ("logits",),
+                                       STEP: ("h", "qkv")}
 DEFAULT_CHUNKS: tuple[int, ...] = (1, 32, 128)
 HEAD_ROWS: tuple[int, ...] = (1,)
 OPSET = 13
@@ -41,7 +48,7 @@ class GraphSpec:
     name: str
     kind: str  # QKV | POST | HEAD
     index: int  # layer number, or head part number
-    rows: tuple[int, ...]  # static T shapes it is built for
+    rows: tuple[int, ...]  # static T shapes it is built for; () = any T (dynamic)
     inputs: tuple[tuple[str, int], ...]  # (tensor name, width) in call order
     outputs: tuple[tuple[str, int], ...]
     vocab: tuple[int, int] = (0, 0)  # head part: logits columns [lo, hi)
@@ -81,22 +88,34 @@ def check_chunks(chunks: tuple[int, ...] | list[int]) -> tuple[int, ...]:
     return out
 
 
-def graph_specs(args: ModelArgs, chunks: tuple[int, ...] = DEFAULT_CHUNKS, layers: int | None = None,
-                head_split: int = 1) -> list[GraphSpec]:
-    """Every graph of a model in execution order: qkv/post per layer, then the head part(s)."""
-    chunks = check_chunks(chunks)
+def graph_specs(args: ModelArgs, chunks: tuple[int, ...] | None = DEFAULT_CHUNKS, layers: int | None = None,
+                head_split: int = 1, fused: bool = False, unfused: int = 0) -> list[GraphSpec]:
+    """Every graph of a model in execution order: qkv/post per layer (or qkv + fused steps),
+    then the head part(s). `chunks=None`: dynamic row counts. `unfused`: the first N layers'
+    steps leave the next qkv to a graph of its own, because the decoder changes h after them
+    (Qwen3-VL adds DeepStack image rows after layers 0..N-1)."""
+    chunks = () if chunks is None else check_chunks(chunks)
+    head_rows = HEAD_ROWS if chunks else ()
     n = args.num_hidden_layers if layers is None else layers
     if not 1 <= n <= args.num_hidden_layers:
         raise ConfigError(f"--layers {n} must be in [1, {args.num_hidden_layers}]")
     h, qkv = args.hidden_size, args.q_dim + 2 * args.kv_dim
     out: list[GraphSpec] = []
-    for i in range(n):
+    if fused:
+        out.append(GraphSpec(layer_name(0, QKV), QKV, 0, chunks, (("x", h),), (("qkv", qkv),)))
+        for i in range(n):
+            fuse_next = i + 1 < n and i >= unfused
+            outs = (("h", h), ("qkv", qkv)) if fuse_next else (("h", h),)
+            out.append(GraphSpec(layer_name(i, STEP), STEP, i, chunks, (("attn", args.q_dim), ("x", h)), outs))
+            if i + 1 < n and not fuse_next:
+                out.append(GraphSpec(layer_name(i + 1, QKV), QKV, i + 1, chunks, (("x", h),), (("qkv", qkv),)))
+    for i in range(n if not fused else 0):
         out.append(GraphSpec(layer_name(i, QKV), QKV, i, chunks, (("x", h),), (("qkv", qkv),)))
         out.append(GraphSpec(layer_name(i, POST), POST, i, chunks, (("attn", args.q_dim), ("x", h)),
                              (("attn_out", h), ("mlp_out", h))))
     ranges = head_ranges(args.vocab_size, head_split)
     for p, (lo, hi) in enumerate(ranges):
-        out.append(GraphSpec(head_name(p, len(ranges)), HEAD, p, HEAD_ROWS, (("x", h),),
+        out.append(GraphSpec(head_name(p, len(ranges)), HEAD, p, head_rows, (("x", h),),
                              (("logits", hi - lo),), vocab=(lo, hi)))
     return out
 
@@ -109,6 +128,8 @@ def row_plan(T: int, rows: tuple[int, ...]) -> list[tuple[int, int, int]]:
     """
     if T < 1:
         raise ValueError("need at least one row")
+    if not rows:  # dynamic graph: one call, no padding
+        return [(0, T, T)]
     big = max(rows)
     plan = [(a, a + big, big) for a in range(0, T - T % big, big)]
     rest = T % big

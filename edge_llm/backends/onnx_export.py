@@ -31,7 +31,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edge_llm.backends.cpu import CPUBackend, DenseLayer, load_layer, rms_norm
 from edge_llm.backends.graphs import (
-    DEFAULT_CHUNKS, HEAD, INPUTS, OPSET, OUTPUTS, POST, QKV, GraphSpec, graph_specs,
+    DEFAULT_CHUNKS, HEAD, INPUTS, OPSET, OUTPUTS, POST, QKV, STEP, GraphSpec, graph_specs,
 )
 from edge_llm.backends.manifest import GraphEntry, Manifest
 from edge_llm.config import ModelArgs
@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 EXTERNAL_MIN_BYTES = 1024  # smaller constants stay inside the .onnx file
 _ALIGN = 4096  # external tensors start page-aligned (lets a runtime mmap them)
 SAMPLE_SEED = 1234
+MS_DOMAIN = "com.microsoft"
 
 
 class GraphBuilder:
@@ -60,7 +61,7 @@ class GraphBuilder:
         return f"{hint}_{self._n}"
 
     def const(self, hint: str, arr: np.ndarray) -> str:
-        """Add a constant (float32 or int64) and return its name."""
+        """Add a constant (float32, int64 or uint8) and return its name."""
         arr = np.ascontiguousarray(arr)
         name = self.fresh(hint)
         if arr.nbytes < EXTERNAL_MIN_BYTES:
@@ -91,19 +92,31 @@ class GraphBuilder:
         ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["T", w]) for n, w in spec.inputs]
         outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["T", w]) for n, w in spec.outputs]
         graph = helper.make_graph(self.nodes, spec.name, ins, outs, self.inits)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
-                                  producer_name="edge-llm")
+        opsets = [helper.make_opsetid("", OPSET)]
+        if any(n.domain == MS_DOMAIN for n in self.nodes):  # MatMulNBits (quantized CPU backend)
+            opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
+        model = helper.make_model(graph, opset_imports=opsets, producer_name="edge-llm")
         model.ir_version = 8  # readable by onnx 1.12+ / onnxruntime 1.14+ / rknn-toolkit2
         path.write_bytes(model.SerializeToString())
         onnx.checker.check_model(str(path))  # by path: it checks the external data file too
 
 
-# linear(g, x, w (in, out) F32, bias or None, out name or None) -> output name
-Linear = Callable[[GraphBuilder, str, np.ndarray, "np.ndarray | None", "str | None"], str]
+# Which weight a linear call writes: (kind, index), kind in qkv/o/gate/up/down (index = layer)
+# or head (index = part, the part's vocab range in `vocab`); lets a quantized `linear` find the
+# weight's original blocks (GGUF) instead of re-quantizing the F32 values.
+@dataclass(frozen=True)
+class WeightKey:
+    kind: str
+    index: int
+    vocab: tuple[int, int] = (0, 0)
+
+
+# linear(g, x, w (in, out) F32, bias or None, out name or None, key) -> output name
+Linear = Callable[[GraphBuilder, str, np.ndarray, "np.ndarray | None", "str | None", WeightKey], str]
 
 
 def f32_linear(g: GraphBuilder, x: str, w: np.ndarray, bias: np.ndarray | None = None,
-               out: str | None = None) -> str:
+               out: str | None = None, key: WeightKey | None = None) -> str:
     """x @ w (+ bias) as F32 MatMul."""
     y = g.op("MatMul", [x, g.const("w", w)], out=None if bias is not None else out)
     return g.op("Add", [y, g.const("b", bias)], out=out) if bias is not None else y
@@ -119,24 +132,49 @@ def rms_norm_op(g: GraphBuilder, x: str, weight: np.ndarray, eps: float) -> str:
     return g.op("Mul", [g.op("Div", [x, denom]), g.const("norm", weight)])
 
 
-def build_qkv(g: GraphBuilder, L: DenseLayer, eps: float, linear: Linear) -> None:
-    linear(g, rms_norm_op(g, "x", L.in_norm, eps), L.w_qkv, L.b_qkv, OUTPUTS[QKV][0])
+def build_qkv(g: GraphBuilder, L: DenseLayer, eps: float, linear: Linear, layer: int = 0,
+              x: str = "x") -> None:
+    linear(g, rms_norm_op(g, x, L.in_norm, eps), L.w_qkv, L.b_qkv, OUTPUTS[QKV][0], WeightKey("qkv", layer))
 
 
-def build_post(g: GraphBuilder, L: DenseLayer, eps: float, linear: Linear) -> None:
-    attn_out, mlp_out = OUTPUTS[POST]
-    o = linear(g, "attn", L.w_o, None, attn_out)
+def _post_deltas(g: GraphBuilder, L: DenseLayer, eps: float, linear: Linear, layer: int,
+                 outs: tuple[str | None, str | None], fuse_gate_up: bool = False) -> tuple[str, str]:
+    """attn_out = attn @ Wo; mlp_out = SwiGLU(RMSNorm(x + attn_out)); returns both names.
+    `fuse_gate_up`: one (hidden, 2 inter) linear + Split instead of two (fewer kernel launches)."""
+    o = linear(g, "attn", L.w_o, None, outs[0], WeightKey("o", layer))
     hn = rms_norm_op(g, g.op("Add", ["x", o]), L.post_norm, eps)
     inter = L.w_down.shape[0]
-    gate = linear(g, hn, L.w_gu[:, :inter], None, None)
-    up = linear(g, hn, L.w_gu[:, inter:], None, None)
+    if fuse_gate_up:
+        gu = linear(g, hn, L.w_gu, None, None, WeightKey("gate_up", layer))
+        gate, up = g.fresh("gate"), g.fresh("up")
+        g.nodes.append(helper.make_node("Split", [gu, g.const("split", np.array([inter, inter], np.int64))],
+                                        [gate, up], axis=1))
+    else:
+        gate = linear(g, hn, L.w_gu[:, :inter], None, None, WeightKey("gate", layer))
+        up = linear(g, hn, L.w_gu[:, inter:], None, None, WeightKey("up", layer))
     act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])  # SwiGLU
-    linear(g, act, L.w_down, None, mlp_out)
+    return o, linear(g, act, L.w_down, None, outs[1], WeightKey("down", layer))
 
 
-def build_head(g: GraphBuilder, norm: np.ndarray, lm_rows: np.ndarray, eps: float, linear: Linear) -> None:
+def build_post(g: GraphBuilder, L: DenseLayer, eps: float, linear: Linear, layer: int = 0) -> None:
+    _post_deltas(g, L, eps, linear, layer, OUTPUTS[POST])
+
+
+def build_step(g: GraphBuilder, L: DenseLayer, nxt: DenseLayer | None, eps: float, linear: Linear,
+               layer: int) -> None:
+    """Fused step (graphs.py): h = (x + attn_out) + mlp_out in float32, then the next layer's qkv."""
+    o, m = _post_deltas(g, L, eps, linear, layer, (None, None), fuse_gate_up=True)
+    h_name, qkv_name = OUTPUTS[STEP]
+    g.op("Add", [g.op("Add", ["x", o]), m], out=h_name)
+    if nxt is not None:
+        linear(g, rms_norm_op(g, h_name, nxt.in_norm, eps), nxt.w_qkv, nxt.b_qkv, qkv_name,
+               WeightKey("qkv", layer + 1))
+
+
+def build_head(g: GraphBuilder, norm: np.ndarray, lm_rows: np.ndarray, eps: float, linear: Linear,
+               part: int = 0, vocab: tuple[int, int] = (0, 0)) -> None:
     """lm_rows: (vocab part, hidden) rows of lm_head."""
-    linear(g, rms_norm_op(g, "x", norm, eps), lm_rows.T, None, OUTPUTS[HEAD][0])
+    linear(g, rms_norm_op(g, "x", norm, eps), lm_rows.T, None, OUTPUTS[HEAD][0], WeightKey(HEAD, part, vocab))
 
 
 @dataclass(frozen=True)
@@ -177,46 +215,59 @@ def sample_inputs(spec: GraphSpec, rows: int, seed: int = SAMPLE_SEED) -> list[n
     return [rng.standard_normal((rows, w), dtype=np.float32) for _, w in spec.inputs]
 
 
-def export_model(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, ...] = DEFAULT_CHUNKS,
+def export_model(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, ...] | None = DEFAULT_CHUNKS,
                  layers: int | None = None, head_split: int = 1, linear: Linear = f32_linear,
-                 samples: bool = False, progress: Callable[[GraphSpec], None] | None = None
-                 ) -> list[Exported]:
+                 samples: bool = False, progress: Callable[[GraphSpec], None] | None = None,
+                 fused: bool = False, unfused: int = 0) -> list[Exported]:
     """Write every graph of `graph_specs(...)` to `out_dir` as `<name>.onnx` + `.onnx.data`.
 
     With `samples`, also writes `<name>.samples.npz`: inputs of max(rows) rows and the CPU
     backend's F32 outputs for them (the reference the converter's accuracy report uses).
+    `fused`: the qkv + step partition (graphs.py); `chunks=None`: dynamic row counts.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     args = ModelArgs.from_dir(model_dir)
     weights = load_weights(model_dir, args)
-    specs = graph_specs(args, chunks, layers, head_split)
+    specs = graph_specs(args, chunks, layers, head_split, fused=fused, unfused=unfused)
     ref = CPUBackend()
     ref.setup(args)
     eps = float(args.rms_norm_eps)
     head: tuple[np.ndarray, np.ndarray] | None = None
+    held: dict[int, DenseLayer] = {}  # layers read so far that a later graph still needs
+
+    def layer(i: int) -> DenseLayer:
+        if i not in held:
+            held[i] = load_layer(args, weights, i)
+        return held[i]
+
     done: list[Exported] = []
     for spec in specs:
         if progress:
             progress(spec)
+        i = spec.index
         if spec.kind == QKV:
-            ref.layers = [load_layer(args, weights, spec.index)]
-            L = ref.layers[0]
-            done.append(_export_one(spec, out, lambda g: build_qkv(g, L, eps, linear)))
+            L = layer(i)
+            done.append(_export_one(spec, out, lambda g: build_qkv(g, L, eps, linear, i)))
             if samples:
+                ref.layers = [L]
                 _write_samples(out, spec, lambda x: [ref.qkv_fused(0, x)])
         elif spec.kind == POST:
-            L = ref.layers[0]
-            done.append(_export_one(spec, out, lambda g: build_post(g, L, eps, linear)))
+            L = held.pop(i)
+            done.append(_export_one(spec, out, lambda g: build_post(g, L, eps, linear, i)))
             if samples:
+                ref.layers = [L]
                 _write_samples(out, spec, lambda a, x: list(ref.post_deltas(0, a, x)))
+        elif spec.kind == STEP:
+            L, nxt = held.pop(i), (layer(i + 1) if len(spec.outputs) > 1 else None)
+            done.append(_export_one(spec, out, lambda g: build_step(g, L, nxt, eps, linear, i)))
         else:
             ref.layers = []
             if head is None:
                 head = _head_tensors(args, weights)
             norm, lm = head
             lo, hi = spec.vocab
-            done.append(_export_one(spec, out, lambda g: build_head(g, norm, lm[lo:hi], eps, linear)))
+            done.append(_export_one(spec, out, lambda g: build_head(g, norm, lm[lo:hi], eps, linear, i, (lo, hi))))
             if samples:
                 _write_samples(out, spec, lambda x: [rms_norm(x, norm, np.float32(eps)) @ lm[lo:hi].T])
         log.debug("exported %s (%.1f MB)", spec.name, done[-1].nbytes / 1e6)
@@ -238,20 +289,21 @@ def _write_samples(out: Path, spec: GraphSpec, fn) -> None:
     np.savez(out / f"{spec.name}.samples.npz", **arrays)
 
 
-def export_graph_set(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, ...] = DEFAULT_CHUNKS,
+def export_graph_set(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, ...] | None = DEFAULT_CHUNKS,
                      layers: int | None = None, head_split: int = 1, samples: bool = True,
-                     progress: Callable[[GraphSpec], None] | None = None, linear: Linear = f32_linear
-                     ) -> Manifest:
+                     progress: Callable[[GraphSpec], None] | None = None, linear: Linear = f32_linear,
+                     fused: bool = False, unfused: int = 0, **manifest_fields) -> Manifest:
     """Export all graphs to `out_dir/onnx/` and write `out_dir/manifest.json` (ONNX part).
 
     The manifest identity hashes each graph's ONNX bytes, so another `linear` (e.g. quantized
-    weights) gives another identity, and so another snapshot namespace."""
+    weights) gives another identity, and so another snapshot namespace. `manifest_fields`
+    (target, dtype, build) describe graphs made for another runtime than the NPU."""
     from edge_llm.weights import weight_digest
 
     root = Path(out_dir)
     args = ModelArgs.from_dir(model_dir)
     exported = export_model(model_dir, root / "onnx", chunks, layers, head_split, linear=linear,
-                            samples=samples, progress=progress)
+                            samples=samples, progress=progress, fused=fused, unfused=unfused)
     entries = [GraphEntry(name=e.spec.name, kind=e.spec.kind, index=e.spec.index, rows=list(e.spec.rows),
                           inputs=[list(i) for i in e.spec.inputs], outputs=[list(o) for o in e.spec.outputs],
                           vocab=list(e.spec.vocab), onnx=str(e.onnx.relative_to(root)),
@@ -260,6 +312,6 @@ def export_graph_set(model_dir: str | Path, out_dir: str | Path, chunks: tuple[i
                         "weights_sha256": weight_digest(model_dir),
                         "config": json.loads(json.dumps(args.identity_fields()))},
                  chunks=list(exported[0].spec.rows), layers=layers or args.num_hidden_layers,
-                 head_split=head_split, graphs=entries)
+                 head_split=head_split, graphs=entries, **manifest_fields)
     m.write(root)
     return m

@@ -1,4 +1,5 @@
-"""`edge-llm bench restore|recovery|vision|compute|all`: measured against this machine's own limits.
+"""`edge-llm bench restore|recovery|vision|compute|quant|quant-memory|all`: measured against this
+machine's own limits or a peer measured in the same run.
 
 Results go to a new dated folder `<out>/<UTC>-<kind>/` (JSON + Markdown, + PNG for recovery).
 `compute` runs tools/bench_compute.py from a source checkout as a separate process (the package
@@ -20,6 +21,7 @@ from edge_llm.settings import DEFAULTS
 
 console = Console()
 OUT_HELP = "Parent folder of the dated results folder."
+_QUANT_LENGTHS = (512, 2048, 4000)
 
 
 def _ints(value: str) -> list[int]:
@@ -40,6 +42,13 @@ def _progress() -> Progress:
 def _show(res_dir: Path, md: str) -> None:
     click.echo(md)  # the Markdown source: its tables stay readable in any terminal width
     click.echo(f"results: {res_dir}")
+
+
+def _save(res_dir: Path, stem: str, res: dict, md: str) -> None:
+    """`<stem>.json` + `<stem>.md` in the results folder, then the Markdown on stdout."""
+    (res_dir / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")
+    (res_dir / f"{stem}.md").write_text(md)
+    _show(res_dir, md)
 
 
 @click.group("bench")
@@ -90,9 +99,7 @@ def run_restore(data_dir, contexts, preset="qwen3-vl-2b", layers=None, kv_bs=DEF
     res["preset"], res["layers_reduced"] = preset, bool(layers)
     res["command"] = " ".join(sys.argv)
     md = B.markdown(res)
-    (res_dir / "restore.json").write_text(json.dumps(res, indent=2) + "\n")
-    (res_dir / "restore.md").write_text(md)
-    _show(res_dir, md)
+    _save(res_dir, "restore", res, md)
     return res_dir
 
 
@@ -249,6 +256,78 @@ def all_cmd(synth_layers, contexts, out) -> None:
         run_compute(["--layers", str(synth_layers or 4)])
     else:
         console.print("bench compute skipped: tools/bench_compute.py needs a source checkout")
+    from edge_llm.bench.quant import peer_python
+
+    if peer_python() is not None:
+        run_quant(list(_QUANT_LENGTHS), out=out)
+        run_quant_memory(out=out)
+    else:
+        console.print("bench quant skipped: no llama.cpp venv (tools/setup-bench-llamacpp.sh; `make bench` runs it)")
+
+
+@bench.command("quant")
+@click.option("--lengths", default="512,2048,4000", show_default=True, help="Context lengths in tokens.")
+@click.option("--threads", type=click.IntRange(1), default=2, show_default=True,
+              help="Threads of cpu-q and of llama.cpp (the F32 backend uses the BLAS default).")
+@click.option("--repeats", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--decode", type=click.IntRange(1), default=32, show_default=True, help="Decode steps per context.")
+@click.option("--tail", type=click.IntRange(1), default=32, show_default=True, help="Tokens after a restore.")
+@click.option("--no-f32", is_flag=True, help="Leave the F32 backend out of the speed table (faster).")
+@click.option("--llamacpp-python", default=None, metavar="PATH",
+              help="Python of the llama.cpp venv.  [default: $EDGE_LLM_LLAMACPP_PYTHON, else .venv-llamacpp]")
+@click.option("--out", default="benchmarks/results", show_default=True, help=OUT_HELP)
+def quant_cmd(lengths, threads, repeats, decode, tail, no_f32, llamacpp_python, out) -> None:
+    """cpu-q vs the F32 backend and llama.cpp on the default model's GGUF, in one run: prefill,
+    decode, restore+tail, decode vs the bandwidth roofline, perplexity / KL / greedy agreement."""
+    run_quant(_ints(lengths), threads, repeats, decode, tail, not no_f32, llamacpp_python, out)
+
+
+def run_quant(lengths, threads=2, repeats=2, decode=32, tail=32, f32=True, llamacpp_python=None,
+              out="benchmarks/results") -> Path:
+    import os
+
+    from edge_llm.bench import quant as B
+    from edge_llm.bench.disk import new_results_dir
+
+    res_dir = new_results_dir(out, "bench-quant")
+    with _progress() as prog:
+        task = prog.add_task("quant bench", total=None)
+        try:
+            res = B.run(lengths, threads, repeats, decode, tail, f32, llamacpp_python,
+                        step=lambda msg: prog.update(task, description=msg))
+        except RuntimeError as e:
+            raise click.ClickException(str(e)) from None
+    res["command"] = " ".join(sys.argv)
+    res["env"] = {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
+    md = B.markdown(res)
+    _save(res_dir, "quant", res, md)
+    return res_dir
+
+
+@bench.command("quant-memory")
+@click.option("--model", "model_dir", default=None, metavar="DIR",
+              help="Model directory.  [default: a synthetic qwen3-vl-2b checkpoint with --layers layers]")
+@click.option("--layers", type=click.IntRange(1), default=28, show_default=True)
+@click.option("--max-seq", type=click.IntRange(1), default=8192, show_default=True)
+@click.option("--out", default="benchmarks/results", show_default=True, help=OUT_HELP)
+def quant_memory_cmd(model_dir, layers, max_seq, out) -> None:
+    """Peak RSS of backend cpu-q serving the Qwen3-VL-2B geometry with an 8K cache vs an 8 GB board."""
+    run_quant_memory(model_dir, layers, max_seq, out)
+
+
+def run_quant_memory(model_dir=None, layers=28, max_seq=8192, out="benchmarks/results") -> Path:
+    from edge_llm.bench import quant_memory as B
+    from edge_llm.bench.disk import new_results_dir
+
+    res_dir = new_results_dir(out, "bench-quant-memory")
+    with _progress() as prog:
+        task = prog.add_task("quant memory", total=None)
+        res = B.run(Path(model_dir) if model_dir else None, layers, max_seq,
+                    step=lambda msg: prog.update(task, description=msg))
+    res["command"] = " ".join(sys.argv)
+    md = B.markdown(res)
+    _save(res_dir, "quant-memory", res, md)
+    return res_dir
 
 
 @bench.command("npu")
@@ -282,6 +361,4 @@ def npu_cmd(model, rknn_dir, runner, repeats, prefill_tokens, decode_steps, out)
             raise click.ClickException(str(e)) from None
     res["command"] = " ".join(sys.argv)
     md = B.markdown(res)
-    (res_dir / "npu.json").write_text(json.dumps(res, indent=2) + "\n")
-    (res_dir / "npu.md").write_text(md)
-    _show(res_dir, md)
+    _save(res_dir, "npu", res, md)

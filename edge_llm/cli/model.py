@@ -87,8 +87,11 @@ def _param_counts(model_dir, prefix: str, vision_prefix: str = "model.visual."
 @click.argument("model_dir", default="default")
 @click.option("--max-seq", type=click.IntRange(1), default=DEFAULTS.max_seq, show_default=True,
               help="Context length for the KV size line.")
-def info_cmd(model_dir: str, max_seq: int) -> None:
-    """Geometry, KV bytes per token and parameter count of MODEL_DIR (or 'default')."""
+@click.option("--quant", type=click.Choice(["q4"]), default=None,
+              help="Also build (or find) backend cpu-q's quantized weights and list which are exact.")
+def info_cmd(model_dir: str, max_seq: int, quant: str | None) -> None:
+    """Geometry, KV bytes per token and parameter count of MODEL_DIR (or 'default'), and its
+    quantized weights for backend cpu-q (which GGUF blocks are kept exactly, which re-quantized)."""
     from edge_llm.config import ModelArgs, vision_args_from_dir
     from edge_llm.errors import EdgeLLMError
 
@@ -125,9 +128,41 @@ def info_cmd(model_dir: str, max_seq: int) -> None:
         ("parameters (all tensors)", f"{total:,}"),
         ("weights on disk", f"{size:,} bytes ({', '.join(f'{k}: {v:,}' for k, v in sorted(dtypes.items()))})"),
     ]
+    try:
+        rows += _quant_rows(d, quant)
+    except EdgeLLMError as e:
+        _fail(e)
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         click.echo(f"{k:<{width}}  {v}")
+
+
+def _quant_rows(model_dir, build: str | None) -> list[tuple[str, str]]:
+    """One row per cpu-q weight set of this model (built first for `build`)."""
+    from collections import Counter
+
+    from edge_llm.backends import cpuq
+    from edge_llm.backends.manifest import Manifest
+
+    if build:
+        with progress_bar(f"quantizing ({build})") as cb:
+            cpuq.ensure_quantized(model_dir, cpuq.mode(build), progress=lambda msg: cb(0, 0, msg))
+    out = []
+    for name, qm in cpuq.MODES.items():
+        root = cpuq.quant_dir(model_dir, qm)
+        if not (root / "manifest.json").is_file():
+            continue
+        weights = Manifest.read(root).build.get("weights", [])
+        exact = Counter(w["origin"] for w in weights if w["exact"])
+        req = Counter(f"{w['origin']} -> {w['bits']}-bit" for w in weights if not w["exact"])
+        nbytes = sum(w["bytes"] for w in weights)
+        desc = [f"{sum(exact.values())} exact ({', '.join(f'{k}: {v}' for k, v in sorted(exact.items()))})" if exact else "0 exact",
+                f"{sum(req.values())} re-quantized" + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(req.items()))})"
+                                                       if req else "")]
+        out.append((f"cpu-q {name} weights ({qm.label})", f"{'; '.join(desc)}; {nbytes / 1e6:.1f} MB in {root}"))
+    if not out:
+        out.append(("cpu-q weights", "not built yet (`edge-llm model info --quant q4`, or first use of --backend cpu-q)"))
+    return out
 
 
 @model.command("digest")

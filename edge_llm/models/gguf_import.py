@@ -293,7 +293,9 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress |
         cfg["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
     write_checkpoint(out, plans, produce, max_shard_bytes=4 << 30, progress=progress)
     write_json_atomic(out / "config.json", cfg)  # last: a directory with config.json is complete
-    src = {"source": path.name, "architecture": arch, "tensors": len(plans),
+    # source_path lets the quantized CPU backend take the GGUF's blocks as they are (it checks
+    # them bitwise against these F32 tensors first, so a moved or changed file is only slower)
+    src = {"source": path.name, "source_path": str(path.resolve()), "architecture": arch, "tensors": len(plans),
            "file_types": sorted({t.tensor_type.name for t in reader.tensors})}
     write_json_atomic(out / "edge_llm_import.json", src)
     log.info("imported %s (%s, %d tensors) -> %s", path.name, arch, len(plans), out)

@@ -1,0 +1,208 @@
+"""Backend `cpu-q`: the decoder's dense layers as weight-only quantized matmuls on onnxruntime.
+
+The graph path of the NPU backend (graphs.py, onnx_export.py, runners.OrtRunner, GraphBackend)
+with two changes: every linear is a `MatMulNBits` (quant_export.py: GGUF blocks kept exactly
+where the kernel holds them, else blocked re-quantization), and the partition is the fused one
+(`layer00.qkv`, then one `step` graph per layer: 31 runtime calls per token for a 30-layer model
+plus the head, instead of 61). Shapes are dynamic (no padding). Embedding rows are gathered from
+the checkpoint file (mmap), attention/RoPE/the F32 KV rows stay in numpy (models/qwen3.py).
+
+Quantized graphs are built on first use into `$EDGE_LLM_HOME/quant/<model>-<weights
+digest>-<mode>/` (a temp directory renamed into place under a lock) and reused while the
+model's weight digest is unchanged. `numerics` = `cpu-q:<mode>:<manifest identity>:<runner>`:
+the manifest identity hashes the ONNX bytes (bits, block size, accuracy level, which weights
+are exact), the last part names onnxruntime's version, the kernel and the CPU features that pick
+its code path (not the thread count: the bits do not depend on it). See docs/quantization.md.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import platform
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from edge_llm.backends.graph import GraphBackend
+from edge_llm.backends.manifest import MANIFEST, Manifest
+from edge_llm.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+BLOCK = 32
+
+
+@dataclass(frozen=True)
+class QuantMode:
+    name: str
+    bits: int
+    block: int
+    accuracy_level: int  # MatMulNBits: 4 = int8 activations per block (CompInt8), 0 = float
+
+    @property
+    def label(self) -> str:
+        return f"q{self.bits}-b{self.block}-acc{self.accuracy_level}"
+
+
+# one mode: 8-bit weights were measured (docs/quantization.md) and not added: the only 8-bit
+# kernel faster than numpy F32 also quantizes activations, and on the default model it is no
+# closer to F32 than q4 with the GGUF's exact blocks
+MODES = {"q4": QuantMode("q4", 4, BLOCK, 4)}
+TARGET = "onnxruntime-cpu"
+# onnxruntime's pool threads spin between runs by default; here numpy (attention) runs between
+# every two graph calls and would share its cores with spinning threads
+SESSION_CONFIG = {"session.intra_op.allow_spinning": "0"}
+
+
+def mode(name: str) -> QuantMode:
+    try:
+        return MODES[name]
+    except KeyError:
+        raise ConfigError(f"quant {name!r} is not available (available: {', '.join(MODES)})") from None
+
+
+# ---- threads and cores ------------------------------------------------------------------------
+def big_cores(sysroot: str | Path = "/") -> list[int]:
+    """The CPUs with the highest `cpu_capacity` when they differ (RK3588: the four Cortex-A76,
+    cpus 4-7, capacity 1024 vs 414 of the A55s), else [] (all cores alike)."""
+    caps = {}
+    for d in (Path(sysroot) / "sys/devices/system/cpu").glob("cpu[0-9]*"):
+        try:
+            caps[int(d.name[3:])] = int((d / "cpu_capacity").read_text())
+        except (OSError, ValueError):
+            continue
+    if len(set(caps.values())) < 2:
+        return []
+    top = max(caps.values())
+    return sorted(c for c, v in caps.items() if v == top)
+
+
+def plan_threads(threads: int | None, sysroot: str | Path = "/") -> tuple[int, list[int]]:
+    """(threads, cores to pin the process to or []): on a big.LITTLE CPU the big cores, one thread
+    each; else the cores this process may use. An explicit `threads` wins (no pinning)."""
+    if threads:
+        return threads, []
+    big = big_cores(sysroot)
+    if big:
+        return len(big), big
+    return max(1, len(os.sched_getaffinity(0))), []
+
+
+def kernel_isa() -> str:
+    """The CPU features that choose onnxruntime's int8/4-bit kernels (their bits differ)."""
+    machine = platform.machine()
+    want = {"x86_64": ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8"),
+            "aarch64": ("asimddp", "i8mm", "sve")}.get(machine, ())
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("flags", "features")):
+                flags |= set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return "-".join([machine, *[f for f in want if f in flags]])
+
+
+# ---- the quantized graph directory ------------------------------------------------------------
+def quant_root() -> Path:
+    from edge_llm.settings import home_dir
+
+    return home_dir() / "quant"
+
+
+def quant_dir(model_dir: str | Path, qm: QuantMode) -> Path:
+    from edge_llm.weights import weight_digest
+
+    return quant_root() / f"{Path(model_dir).resolve().name}-{weight_digest(model_dir)[:12]}-{qm.name}"
+
+
+def _usable(root: Path, model_dir: Path, qm: QuantMode) -> Manifest | None:
+    if not (root / MANIFEST).is_file():
+        return None
+    try:
+        from edge_llm.config import ModelArgs
+        from edge_llm.weights import weight_digest
+
+        m = Manifest.read(root)
+        m.check_model(ModelArgs.from_dir(model_dir), weight_digest(model_dir))
+        if (m.target, m.dtype) != (TARGET, qm.label):
+            raise ConfigError(f"made as {m.target} {m.dtype}, wanted {TARGET} {qm.label}")
+        return m
+    except ConfigError as e:
+        log.warning("%s is stale (%s): rebuilding", root, e)
+        return None
+
+
+def ensure_quantized(model_dir: str | Path, qm: QuantMode,
+                     progress: Callable[[str], None] | None = None) -> tuple[Path, Manifest]:
+    """The quantized graph directory of this model and mode, built first if needed."""
+    model_dir = Path(model_dir)
+    root = quant_dir(model_dir, qm)
+    if (m := _usable(root, model_dir, qm)) is not None:
+        return root, m
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f".{root.name}.lock", "a+") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
+        if (m := _usable(root, model_dir, qm)) is not None:  # another process built it meanwhile
+            return root, m
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{root.name}-", dir=root.parent))
+        try:
+            os.chmod(tmp, 0o755)  # mkdtemp makes it private; the service user may differ from ours
+            m = build(model_dir, tmp, qm, progress)
+            if root.exists():
+                shutil.rmtree(root)
+            os.replace(tmp, root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return root, m
+
+
+def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], None] | None = None) -> Manifest:
+    """Export the fused, dynamic-shape graphs with quantized linears into `out`."""
+    try:
+        from edge_llm.backends.onnx_export import export_graph_set
+        from edge_llm.backends.quant_export import QuantLinear, summarize
+    except ImportError as e:
+        raise ConfigError(f"backend cpu-q needs onnx and onnxruntime ({e}): pip install 'edge-llm[quant]'") from None
+    from edge_llm.config import ModelArgs
+
+    from edge_llm.config import vision_args_from_dir
+
+    args = ModelArgs.from_dir(model_dir)
+    vision = vision_args_from_dir(model_dir)
+    deepstack = len(vision.deepstack_visual_indexes) if vision is not None else 0
+    linear = QuantLinear(args, model_dir, qm.bits, qm.block, qm.accuracy_level)
+    log.info("quantizing %s (%s%s) into %s", model_dir.name, qm.label,
+             f", GGUF blocks from {linear.source.name}" if linear.source else "", out)
+    m = export_graph_set(model_dir, out, chunks=None, samples=False, linear=linear, fused=True, unfused=deepstack,
+                         progress=(lambda s: progress(f"quantizing {s.name}")) if progress else None,
+                         target=TARGET, dtype=qm.label)
+    s = summarize(linear.report)
+    m.build = {"quant": qm.name, "summary": s, "weights": linear.report}  # informational, not hashed
+    m.write(out)
+    log.info("quantized %s: %d weights exact from GGUF blocks, %d re-quantized (%.1f MB)",
+             model_dir.name, s["exact"], s["requantized"], s["bytes"] / 1e6)
+    return m
+
+
+def open_cpu_q(model_dir: str | Path, quant: str = "q4", threads: int | None = None,
+               progress: Callable[[str], None] | None = None) -> GraphBackend:
+    """Build or find the quantized graphs, start onnxruntime on them: a Backend to load."""
+    from edge_llm.backends.runners import OrtRunner
+
+    qm = mode(quant)
+    root, m = ensure_quantized(model_dir, qm, progress)
+    n, cores = plan_threads(threads)
+    if cores:
+        os.sched_setaffinity(0, cores)
+        log.info("cpu-q: pinned to the big cores %s (%d threads)", cores, n)
+    r = OrtRunner(m.onnx_files(root), threads=n, kind=qm.label, config=SESSION_CONFIG, shared_arena=True)
+    # no thread count: these kernels give the same bits on 1, 2 or 3 threads (tests/test_cpu_q.py),
+    # so changing `threads` keeps the snapshots; the CPU's kernel ISA does change them
+    numerics = f"cpu-q:{qm.name}:{m.identity()}:onnxruntime-{r.version}-{qm.label}-{kernel_isa()}"
+    return GraphBackend("cpu-q", m.specs(), r, numerics, mapped_embedding=True)

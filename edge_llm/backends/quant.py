@@ -1,0 +1,185 @@
+"""Weight-only blocked quantization in the layout of onnxruntime's `MatMulNBits`, and the GGUF
+blocks that layout holds exactly.
+
+`MatMulNBits` (com.microsoft) computes Y = A @ W with W (K, N) stored per output column n in
+blocks of `block` consecutive k: `W[k, n] = scale[n, b] * (q[n, k] - zp[n, b])`, q and zp
+unsigned `bits`-bit integers. A `QuantWeight` adds one optional term, `mins[b, n]`, a float added
+to every weight of block b (GGUF Q4_1 stores `d * q + m`: a float minimum that an integer zero
+point cannot hold); the graph adds it as `blocksum(A) @ mins`, exactly that sum over the block.
+
+Quantization from float (`quantize`) is per block asymmetric min/max with the range widened to
+include 0, round half to even, as onnxruntime's own quantizer does (written here in numpy
+because the same layout also receives GGUF blocks, and onnxruntime's public quantizer rewrites
+whole ONNX files instead of producing arrays). GGUF blocks (`from_gguf`) are copied bit for bit:
+
+| GGUF | here | exact |
+|---|---|---|
+| Q4_0: d * (q - 8) | 4-bit, scale d, zp 8 | yes |
+| Q4_1: d * q + m | 4-bit, scale d, zp 0, mins m | yes |
+| Q8_0: d * q (signed) | 8-bit, scale d, q + 128, zp 128 | yes |
+| anything else | quantized from the F32 values | no |
+
+`dequantize` computes the weights in the same float order as gguf-py's dequantizer, so a
+GGUF-imported model's F32 tensor compares bitwise with the blocks it came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+GGUF_EXACT = ("Q4_0", "Q4_1", "Q8_0")
+DEFAULT_ZP = {4: 8, 8: 128}  # MatMulNBits' zero point when the input is absent
+_CHUNK_COLS = 4096  # columns quantized at a time (the 2B lm_head is 151936 columns)
+
+
+@dataclass
+class QuantWeight:
+    """W (K, N) as blocks along K; see the module docstring for the formula."""
+
+    bits: int
+    block: int
+    K: int
+    N: int
+    q: np.ndarray  # (N, n_blocks, block) uint8 levels in [0, 2**bits)
+    scales: np.ndarray  # (N, n_blocks) float32
+    zp: np.ndarray  # (N, n_blocks) uint8
+    mins: np.ndarray | None  # (n_blocks, N) float32 additive term, or None
+    origin: str  # "Q4_1" etc. for GGUF blocks, "F32"/"BF16"/... when quantized here
+    exact: bool  # True when the blocks hold the source weights bit for bit
+
+    @property
+    def n_blocks(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed form (what a matmul streams per token)."""
+        n = self.N * self.n_blocks
+        zp = 0 if self.default_zp else n * self.bits // 8
+        return self.q.size * self.bits // 8 + n * 4 + zp + (0 if self.mins is None else self.mins.nbytes)
+
+    @property
+    def default_zp(self) -> bool:
+        return bool(np.all(self.zp == DEFAULT_ZP[self.bits]))
+
+    def packed(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(B (N, n_blocks, block*bits/8) uint8, scales (N*n_blocks,) f32, packed zp or None)."""
+        if self.bits == 8:
+            return self.q, self.scales.reshape(-1), None if self.default_zp else self.zp.reshape(-1)
+        b = (self.q[..., 0::2] | (self.q[..., 1::2] << 4)).astype(np.uint8)
+        zp = None
+        if not self.default_zp:
+            z = self.zp if self.n_blocks % 2 == 0 else np.pad(self.zp, ((0, 0), (0, 1)))
+            zp = (z[:, 0::2] | (z[:, 1::2] << 4)).astype(np.uint8).reshape(-1)
+        return b, self.scales.reshape(-1), zp
+
+
+def quantize(w: np.ndarray, bits: int, block: int, origin: str = "F32") -> QuantWeight:
+    """Blocked asymmetric quantization of W (K, N) float32 (range includes 0, ties to even)."""
+    K, N = w.shape
+    nb = -(-K // block)
+    levels = (1 << bits) - 1
+    q = np.empty((N, nb, block), np.uint8)
+    scales = np.empty((N, nb), np.float32)
+    zp = np.empty((N, nb), np.uint8)
+    for a in range(0, N, _CHUNK_COLS):
+        b = min(N, a + _CHUNK_COLS)
+        wt = np.zeros((b - a, nb * block), np.float32)
+        wt[:, :K] = w[:, a:b].T
+        wt = wt.reshape(b - a, nb, block)
+        lo = np.minimum(wt.min(axis=-1), 0)
+        hi = np.maximum(wt.max(axis=-1), 0)
+        s = (hi - lo) / np.float32(levels)
+        s[s == 0] = 1
+        z = np.clip(np.rint(-lo / s), 0, levels)
+        q[a:b] = np.clip(np.rint(wt / s[..., None]) + z[..., None], 0, levels)
+        scales[a:b], zp[a:b] = s, z
+    return QuantWeight(bits, block, K, N, q, scales, zp, None, origin, exact=False)
+
+
+def dequantize(qw: QuantWeight) -> np.ndarray:
+    """W (K, N) float32, in gguf-py's float order (d * q + m; d * (q - zp))."""
+    lv = qw.q.astype(np.float32) - qw.zp[..., None].astype(np.float32)  # exact small integers
+    w = qw.scales[..., None] * lv
+    if qw.mins is not None:
+        w += qw.mins.T[..., None]
+    return np.ascontiguousarray(w.reshape(qw.N, -1)[:, :qw.K].T)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """GGUF 4-bit blocks: byte j holds element j (low nibble) and j + 16 (high nibble)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.uint8)
+
+
+def from_gguf(type_name: str, raw: np.ndarray, K: int, N: int) -> QuantWeight | None:
+    """GGUF rows (N, bytes per row) uint8 of a (N out, K in) tensor -> QuantWeight, exactly;
+    None when this type has no exact form here."""
+    if type_name not in GGUF_EXACT or K % 32:
+        return None
+    nb = K // 32
+    blocks = np.ascontiguousarray(raw).reshape(N, nb, -1)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    mins = None
+    if type_name == "Q8_0":
+        q = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return QuantWeight(8, 32, K, N, q, d, np.full((N, nb), 128, np.uint8), None, type_name, True)
+    if type_name == "Q4_0":
+        q, zp = _nibbles(blocks[..., 2:]), np.full((N, nb), 8, np.uint8)
+    else:  # Q4_1
+        mins = np.ascontiguousarray(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32).T)
+        q, zp = _nibbles(blocks[..., 4:]), np.zeros((N, nb), np.uint8)
+    return QuantWeight(4, 32, K, N, q, d, zp, mins, type_name, True)
+
+
+def center(qw: QuantWeight) -> QuantWeight:
+    """The same weights with the block minimum moved into an integer zero point where exact.
+
+    Q4_1's form `d * q + m` (zp 0) works, but the kernel multiplies `d * q`, all of one sign
+    and up to 15 d, by int8-quantized activations, and their rounding error grows with it. With
+    z = round(-m / d), `d * (q - z) + (m + z d)` is the same weight (checked exactly in float64
+    per block; a block where `m + z d` would round keeps z = 0): the kernel's part is centred on
+    zero like any quantized weight and the remainder |m + z d| <= d / 2 stays in the float term.
+    On SmolLM2 (Q4_1) it cut the mean logit KL against F32 from 0.015 to 0.0035
+    (docs/quantization.md)."""
+    if qw.mins is None:
+        return qw
+    levels = (1 << qw.bits) - 1
+    d, m = qw.scales, qw.mins.T  # (N, n_blocks)
+    z = np.clip(np.rint(-m / d), 0, levels).astype(np.uint8)
+    r = (m + z.astype(np.float32) * d).astype(np.float32)
+    ok = r.astype(np.float64) == m.astype(np.float64) + z.astype(np.float64) * d.astype(np.float64)
+    z[~ok], r[~ok] = qw.zp[~ok], m[~ok]
+    return QuantWeight(qw.bits, qw.block, qw.K, qw.N, qw.q, qw.scales, z, np.ascontiguousarray(r.T),
+                       qw.origin, qw.exact)
+
+
+def concat(parts: list[QuantWeight]) -> QuantWeight:
+    """Parts along N (fused q/k/v): same bits, block and K; a missing `mins` becomes zeros."""
+    p0 = parts[0]
+    if len(parts) == 1:
+        return p0
+    if any((p.bits, p.block, p.K) != (p0.bits, p0.block, p0.K) for p in parts):
+        raise ValueError("concat needs parts of one bit width, block size and K")
+    mins = None
+    if any(p.mins is not None for p in parts):
+        mins = np.concatenate([p.mins if p.mins is not None else np.zeros((p.n_blocks, p.N), np.float32)
+                               for p in parts], axis=1)
+    origins = sorted({p.origin for p in parts})
+    return QuantWeight(p0.bits, p0.block, p0.K, sum(p.N for p in parts),
+                       np.concatenate([p.q for p in parts]), np.concatenate([p.scales for p in parts]),
+                       np.concatenate([p.zp for p in parts]), mins, "+".join(origins),
+                       all(p.exact for p in parts))
+
+
+def rows(qw: QuantWeight, lo: int, hi: int) -> QuantWeight:
+    """Output columns [lo, hi) (a head split part)."""
+    return QuantWeight(qw.bits, qw.block, qw.K, hi - lo, qw.q[lo:hi], qw.scales[lo:hi], qw.zp[lo:hi],
+                       None if qw.mins is None else qw.mins[:, lo:hi], qw.origin, qw.exact)
+
+
+def permute_rows(qw: QuantWeight, order: np.ndarray) -> QuantWeight:
+    """Output columns reordered (undoing llama.cpp's Q/K row permutation)."""
+    return QuantWeight(qw.bits, qw.block, qw.K, qw.N, qw.q[order], qw.scales[order], qw.zp[order],
+                       None if qw.mins is None else qw.mins[:, order], qw.origin, qw.exact)

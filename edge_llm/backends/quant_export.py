@@ -1,0 +1,150 @@
+"""The quantized `linear` of the ONNX exporter: `MatMulNBits` nodes from GGUF blocks or F32.
+
+`QuantLinear` is passed to `onnx_export.export_graph_set(linear=...)`. For every weight the
+exporter writes (a `WeightKey`: a layer's fused qkv, o, gate, up (or fused gate_up), down, or a head part) it looks
+for the tensors' original blocks in the GGUF the model was imported from. When every part has a
+type `quant.from_gguf` holds exactly, and the blocks dequantize bitwise to the F32 tensor the
+model directory holds, the blocks are written as they are ("exact"); otherwise the F32 values
+are quantized to the mode's bit width ("re-quantized"). `report` lists the decision per weight.
+
+Graph form of one weight: `MatMulNBits(x, B, scales[, zero_points])`, plus
+`ReduceSum(Reshape(x, (T, K/block, block))) @ mins` when the blocks carry a float minimum (Q4_1).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge_llm.backends.onnx_export import MS_DOMAIN, GraphBuilder, WeightKey
+from edge_llm.backends.quant import QuantWeight, center, concat, dequantize, from_gguf, permute_rows, quantize, rows
+from edge_llm.config import ModelArgs
+
+log = logging.getLogger(__name__)
+
+IMPORT_RECORD = "edge_llm_import.json"  # written by models/gguf_import.py
+DEFAULT_MARKER = ".edge_llm_default.json"  # written by models/default.py
+_PARTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+          "gate": ("mlp.gate_proj",), "up": ("mlp.up_proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+          "down": ("mlp.down_proj",)}
+
+
+def gguf_source(model_dir: str | Path) -> Path | None:
+    """The GGUF file a model directory was imported from, if it is still there."""
+    d = Path(model_dir)
+    try:
+        rec = json.loads((d / IMPORT_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    cand = rec.get("source_path")
+    if cand and Path(cand).is_file():
+        return Path(cand)
+    if (d / DEFAULT_MARKER).is_file():  # the embedded default model (imported before source_path)
+        from edge_llm.models.packaged import default_gguf_path
+
+        try:
+            return default_gguf_path()
+        except Exception:  # package uninstalled: re-quantize instead
+            return None
+    return None
+
+
+class QuantLinear:
+    """`onnx_export.Linear` writing `MatMulNBits`; see the module docstring."""
+
+    def __init__(self, args: ModelArgs, model_dir: str | Path, bits: int, block: int, accuracy_level: int):
+        self.args, self.bits, self.block, self.accuracy_level = args, bits, block, accuracy_level
+        self.report: list[dict[str, Any]] = []
+        self.source = gguf_source(model_dir)
+        self._tensors: dict[str, Any] = {}
+        self._arch = None
+        if self.source is not None:
+            import gguf
+
+            from edge_llm.models.gguf_import import hf_name
+
+            reader = gguf.GGUFReader(self.source)
+            self._arch = reader.fields["general.architecture"].contents()
+            self._tensors = {hf_name(t.name): t for t in reader.tensors}
+
+    # ---- the Linear protocol ----------------------------------------------------------------
+    def __call__(self, g: GraphBuilder, x: str, w: np.ndarray, bias: np.ndarray | None, out: str | None,
+                 key: WeightKey) -> str:
+        qw = center(self.weight(w, key))
+        y = write_nbits(g, x, qw, self.accuracy_level, out if bias is None else None)
+        return y if bias is None else g.op("Add", [y, g.const("b", bias)], out=out)
+
+    # ---- choosing the blocks ----------------------------------------------------------------
+    def names(self, key: WeightKey) -> list[str]:
+        p = self.args.weight_prefix
+        if key.kind == "head":
+            return [f"{p}embed_tokens.weight" if self.args.tie_word_embeddings else self.args.lm_head_name]
+        return [f"{p}layers.{key.index}.{part}.weight" for part in _PARTS[key.kind]]
+
+    def weight(self, w: np.ndarray, key: WeightKey) -> QuantWeight:
+        """Exact GGUF blocks when they reproduce `w` (K, N) bitwise, else `w` quantized."""
+        names = self.names(key)
+        qw = self._from_gguf(names, key)
+        if qw is not None and not np.array_equal(dequantize(qw).view(np.uint32), w.view(np.uint32)):
+            log.warning("%s: GGUF blocks of %s differ from the model's F32 weights; re-quantizing",
+                        self.source, names[0])
+            qw = None
+        if qw is None:
+            src = sorted({self._tensors[n].tensor_type.name for n in names if n in self._tensors}) or ["F32"]
+            qw = quantize(w, self.bits, self.block, origin="+".join(src))
+        self.report.append({"weight": f"{key.kind}{'' if key.kind == 'head' else key.index}",
+                            "tensors": names, "bits": qw.bits, "origin": qw.origin, "exact": qw.exact,
+                            "bytes": qw.nbytes})
+        return qw
+
+    def _from_gguf(self, names: list[str], key: WeightKey) -> QuantWeight | None:
+        if not all(n in self._tensors for n in names):
+            return None
+        parts = []
+        for n in names:
+            t = self._tensors[n]
+            K, N = (int(d) for d in t.shape[:2])
+            qw = from_gguf(t.tensor_type.name, t.data, K, N)
+            if qw is None:
+                return None
+            if self._arch == "llama" and (".q_proj." in n or ".k_proj." in n):
+                from edge_llm.models.gguf_import import unpermute_qk
+
+                heads = self.args.num_attention_heads if ".q_proj." in n else self.args.num_key_value_heads
+                qw = permute_rows(qw, unpermute_qk(np.arange(N), heads))
+            parts.append(qw)
+        if len({(p.bits, p.block) for p in parts}) != 1:
+            return None  # e.g. q in Q4_1 and v in Q8_0: one MatMulNBits holds one bit width
+        qw = concat(parts)
+        return rows(qw, *key.vocab) if key.kind == "head" and key.vocab != (0, qw.N) else qw
+
+
+def write_nbits(g: GraphBuilder, x: str, qw: QuantWeight, accuracy_level: int, out: str | None) -> str:
+    """x (T, K) @ W as MatMulNBits (+ the block-sum term of a float minimum)."""
+    b, scales, zp = qw.packed()
+    ins = [x, g.const("B", b), g.const("scales", scales)]
+    if zp is not None:
+        ins.append(g.const("zp", zp))
+    y = g.op("MatMulNBits", ins, out=out if qw.mins is None else None, domain=MS_DOMAIN, K=qw.K, N=qw.N,
+             bits=qw.bits, block_size=qw.block, accuracy_level=accuracy_level)
+    if qw.mins is None:
+        return y
+    if qw.K != qw.n_blocks * qw.block:
+        raise ValueError("a float block minimum needs K to be a multiple of the block size")
+    xb = g.op("Reshape", [x, g.const("blocks", np.array([0, qw.n_blocks, qw.block], np.int64))])
+    sums = g.op("ReduceSum", [xb, g.const("axes", np.array([-1], np.int64))], keepdims=0)
+    return g.op("Add", [y, g.op("MatMul", [sums, g.const("mins", qw.mins)])], out=out)
+
+
+def summarize(report: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counts of exact / re-quantized weights and their bytes, for the manifest and `model info`."""
+    exact = [r for r in report if r["exact"]]
+    req = [r for r in report if not r["exact"]]
+    return {"exact": len(exact), "requantized": len(req),
+            "exact_origins": sorted({r["origin"] for r in exact}),
+            "requantized_origins": sorted({r["origin"] for r in req}),
+            "bytes": sum(r["bytes"] for r in report)}

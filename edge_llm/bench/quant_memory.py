@@ -1,0 +1,116 @@
+"""`edge-llm bench quant-memory`: peak RSS of the Qwen3-VL-2B geometry (synthetic weights, all 28
+layers) served by backend cpu-q with an 8K KV cache, against an 8 GB board.
+
+Each phase runs in a fresh child process so its peak (VmHWM) is its own: quantizing the BF16
+checkpoint into MatMulNBits graphs (done once per model, on a host or on the board), then the
+runtime as the server builds it (`load_runtime`: model, tokenizer, KV cache of `max_seq` rows),
+a prompt prefilled and a few tokens decoded.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+BOARD_BYTES = 8 * 1024**3
+
+
+def _status() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def _quantize(model_dir: str) -> dict:
+    from edge_llm.backends.cpuq import ensure_quantized, mode
+
+    t0 = time.perf_counter()
+    root, m = ensure_quantized(model_dir, mode("q4"))
+    return {"seconds": time.perf_counter() - t0, "dir": str(root),
+            "weight_bytes": sum(w["bytes"] for w in m.build["weights"]), **_status()}
+
+
+def _serve(model_dir: str, max_seq: int, prompt: int, decode: int) -> dict:
+    import numpy as np
+
+    from edge_llm.runtime import load_runtime
+    from edge_llm.settings import Settings
+
+    t0 = time.perf_counter()
+    eng = load_runtime(Settings(model=model_dir, backend="cpu-q", max_seq=max_seq, disk_kv=None))
+    load_s = time.perf_counter() - t0
+    after_load = _status()
+    m, cache = eng.model, eng.cache
+    ids = np.random.default_rng(0).integers(0, m.args.vocab_size, prompt)
+    t0 = time.perf_counter()
+    logits = m.prefill(ids, cache)
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(decode):
+        logits = m.forward([int(np.argmax(logits))], cache)
+    decode_s = time.perf_counter() - t0
+    return {"load_s": load_s, "after_load": after_load, "kv_bytes": cache.nbytes, "numerics": m.numerics,
+            "prefill_tps": prompt / prefill_s, "decode_tps": decode / decode_s, **_status()}
+
+
+def _synth(path: str, layers: int) -> None:
+    from edge_llm.models.synth import synth_checkpoint
+
+    synth_checkpoint(path, preset="qwen3-vl-2b", layers=layers)
+
+
+def _child(fn, *args):
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
+        return ex.submit(fn, *args).result()
+
+
+def run(model_dir: Path | None = None, layers: int = 28, max_seq: int = 8192, prompt: int = 256,
+        decode: int = 8, step: Callable[[str], None] = lambda _m: None) -> dict:
+    from edge_llm.config import ModelArgs
+    from edge_llm.settings import home_dir
+
+    if model_dir is None:
+        model_dir = home_dir() / "models" / f"synth-qwen3-vl-2b-{layers}l"
+        if not (model_dir / "config.json").is_file():
+            step(f"writing the synthetic checkpoint {model_dir.name} (BF16)")
+            _child(_synth, str(model_dir), layers)
+    args = ModelArgs.from_dir(model_dir)
+    step("quantizing (child process)")
+    q = _child(_quantize, str(model_dir))
+    step(f"serving with an {max_seq}-token cache (child process)")
+    s = _child(_serve, str(model_dir), max_seq, prompt, decode)
+    f32_weights = 4 * sum(n for n in _param_counts(args))
+    return {"model": model_dir.name, "layers": args.num_hidden_layers, "max_seq": max_seq, "quantize": q,
+            "serve": s, "f32_weight_bytes": f32_weights, "board_bytes": BOARD_BYTES, "prompt": prompt,
+            "decode": decode}
+
+
+def _param_counts(args) -> list[int]:
+    h, i, n = args.hidden_size, args.intermediate_size, args.num_hidden_layers
+    per_layer = h * (args.q_dim + 2 * args.kv_dim) + args.q_dim * h + 3 * h * i
+    return [n * per_layer, args.vocab_size * h * (1 if args.tie_word_embeddings else 2)]
+
+
+def markdown(res: dict) -> str:
+    s, q, gb = res["serve"], res["quantize"], 1024**3
+    rows = [
+        ("quantized weights (MatMulNBits graphs)", f"{q['weight_bytes'] / gb:.2f} GiB (F32: {res['f32_weight_bytes'] / gb:.2f} GiB)"),
+        (f"KV cache ({res['max_seq']} rows, F32)", f"{s['kv_bytes'] / gb:.2f} GiB"),
+        ("RSS after load (anon / file-backed)", f"{s['after_load']['VmRSS'] / gb:.2f} GiB "
+                                                f"({s['after_load']['RssAnon'] / gb:.2f} / {s['after_load']['RssFile'] / gb:.2f})"),
+        (f"**peak RSS serving** ({res['prompt']}-token prefill + {res['decode']} decode steps)",
+         f"**{s['VmHWM'] / gb:.2f} GiB = {s['VmHWM'] / res['board_bytes']:.0%} of an 8 GB board**"),
+        ("peak RSS of the one-time quantization", f"{q['VmHWM'] / gb:.2f} GiB ({q['seconds']:.0f} s)"),
+        ("prefill / decode on this machine", f"{s['prefill_tps']:.1f} / {s['decode_tps']:.2f} tok/s"),
+        ("load time", f"{s['load_s']:.1f} s"),
+    ]
+    return "\n".join([f"# cpu-q memory: {res['model']} ({res['layers']} layers), {res['max_seq']}-token KV cache", "",
+                      "| | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), "",
+                      f"numerics `{s['numerics']}`", ""])

@@ -1,0 +1,246 @@
+"""Backend cpu-q (docs/quantization.md): the MatMulNBits layout, GGUF blocks kept bit for bit,
+per-layer and end-to-end agreement with the F32 backend within the measured tolerance, bits that
+do not depend on threads or batch shape, the quantized-graph cache, and snapshot namespaces.
+The cross-process restore test is in test_restore_exact.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from edge_llm.backends import cpuq
+from edge_llm.backends import quant as Q
+from edge_llm.backends.graphs import GraphSpec
+from edge_llm.backends.onnx_export import GraphBuilder, WeightKey, sample_inputs
+from edge_llm.backends.quant_export import write_nbits
+
+# measured on the default model (SmolLM2-135M Q4_1, int8 activations), N(0,1) graph inputs:
+# worst max|diff|/max|ref| 0.021, worst cosine 0.99986 over all 32 graphs
+LAYER_REL, LAYER_COS = 0.04, 0.9995
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, np.float32).view(np.uint32)
+
+
+@pytest.fixture(scope="module")
+def default_dir(edge_home):
+    return next(edge_home.glob("models/*/config.json")).parent
+
+
+@pytest.fixture(scope="module")
+def home_env(edge_home):
+    """cpu-q builds its graphs under EDGE_LLM_HOME: the session's, not the user's."""
+    old = os.environ.get("EDGE_LLM_HOME")
+    os.environ["EDGE_LLM_HOME"] = str(edge_home)
+    yield edge_home
+    if old is None:
+        del os.environ["EDGE_LLM_HOME"]
+    else:
+        os.environ["EDGE_LLM_HOME"] = old
+
+
+@pytest.fixture(scope="module")
+def cpu_q(default_dir, home_env):
+    return cpuq.open_cpu_q(default_dir, "q4")
+
+
+# ---- layout ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_are_held_exactly(type_name):
+    import gguf
+
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((48, 96)) * 0.05 + 0.01).astype(np.float32)  # (N out, K in)
+    t = gguf.GGMLQuantizationType[type_name]
+    raw = gguf.quants.quantize(w, t)
+    want = gguf.quants.dequantize(raw, t).reshape(48, 96).T
+    qw = Q.from_gguf(type_name, raw, 96, 48)
+    assert qw is not None and qw.exact and qw.bits == (8 if type_name == "Q8_0" else 4)
+    assert np.array_equal(_bits(Q.dequantize(qw)), _bits(want))
+    # the centred form the graph gets holds the same real numbers (checked in float64)
+    c = Q.center(qw)
+    lv = c.q.astype(np.float64) - c.zp[..., None]
+    real = c.scales[..., None].astype(np.float64) * lv + (0 if c.mins is None else c.mins.T[..., None])
+    assert np.array_equal(real.reshape(48, -1).T, want.astype(np.float64))
+    if type_name == "Q4_1":
+        assert np.abs(c.mins).max() <= np.abs(qw.mins).max() and (c.zp > 0).mean() > 0.9
+
+
+def test_default_gguf_tensors_are_exact(default_dir):
+    import gguf
+
+    from edge_llm.backends.quant_export import gguf_source
+
+    reader = gguf.GGUFReader(gguf_source(default_dir))
+    for name in ("blk.0.attn_q.weight", "token_embd.weight"):
+        t = next(t for t in reader.tensors if t.name == name)
+        K, N = (int(d) for d in t.shape)
+        qw = Q.from_gguf(t.tensor_type.name, t.data, K, N)
+        want = gguf.quants.dequantize(t.data, t.tensor_type).reshape(N, K).T
+        assert np.array_equal(_bits(Q.dequantize(qw)), _bits(want)), name
+
+
+def _run_linear(tmp_path, qw: Q.QuantWeight, x: np.ndarray, accuracy_level: int) -> np.ndarray:
+    from edge_llm.backends.runners import OrtRunner
+
+    spec = GraphSpec("lin", "qkv", 0, (), (("x", qw.K),), (("qkv", qw.N),))
+    g = GraphBuilder("lin", tmp_path / "lin.onnx.data")
+    write_nbits(g, "x", qw, accuracy_level, "qkv")
+    g.finish(spec, tmp_path / "lin.onnx")
+    return OrtRunner({"lin": tmp_path / "lin.onnx"}, threads=1).run(spec, [x])[0]
+
+
+@pytest.mark.parametrize("case", ["q4-odd-blocks", "q8", "q4_1-centred"])
+def test_matmulnbits_layout(case, tmp_path):
+    """Packing (nibble order, zero-point packing with an odd block count, the float-minimum
+    term) is what onnxruntime reads: with float activations it computes x @ dequantize(W)."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((5, 96), dtype=np.float32)
+    w = rng.standard_normal((96, 40), dtype=np.float32) * 0.1  # 3 blocks of 32
+    if case == "q4_1-centred":
+        import gguf
+
+        raw = gguf.quants.quantize(np.ascontiguousarray(w.T), gguf.GGMLQuantizationType.Q4_1)
+        qw = Q.center(Q.from_gguf("Q4_1", raw, 96, 40))
+    else:
+        qw = Q.quantize(w, 8 if case == "q8" else 4, 32)
+    want = x.astype(np.float64) @ Q.dequantize(qw).astype(np.float64)
+    got = _run_linear(tmp_path, qw, x, accuracy_level=0)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    # int8 activations (what cpu-q runs): the error the tolerance above is about
+    got4 = _run_linear(tmp_path, qw, x, accuracy_level=4)
+    assert np.abs(got4 - want).max() <= 0.03 * np.abs(want).max()
+
+
+# ---- against the F32 backend -----------------------------------------------------------------
+def test_every_layer_within_tolerance(cpu_q, default_dir, record_property):
+    from edge_llm.backends.cpu import CPUBackend
+    from edge_llm.config import ModelArgs
+    from edge_llm.weights import load_weights
+
+    args = ModelArgs.from_dir(default_dir)
+    cpu = CPUBackend()
+    cpu.load(args, load_weights(default_dir, args))
+    worst_rel, worst_cos = 0.0, 1.0
+    for spec in cpu_q.specs:
+        xs = sample_inputs(spec, 16, seed=7)
+        got = cpu_q.runner.run(spec, xs)
+        if spec.kind == "qkv":
+            want = [cpu.qkv_fused(spec.index, xs[0])]
+        elif spec.kind == "step":
+            h = cpu.post(spec.index, *xs)
+            want = [h] + ([cpu.qkv_fused(spec.index + 1, h)] if len(got) > 1 else [])
+        else:
+            want = [cpu.logits(xs[0])]
+        for g, w in zip(got, want):
+            g64, w64 = g.astype(np.float64), w.astype(np.float64)
+            worst_rel = max(worst_rel, float(np.abs(g64 - w64).max() / np.abs(w64).max()))
+            worst_cos = min(worst_cos, float((g64 * w64).sum() / np.linalg.norm(g64) / np.linalg.norm(w64)))
+    record_property("worst_rel", worst_rel)
+    print(f"cpu-q vs cpu, {len(cpu_q.specs)} graphs: worst rel {worst_rel:.3g}, worst cosine {worst_cos:.6f}")
+    assert worst_rel <= LAYER_REL and worst_cos >= LAYER_COS
+
+
+def test_greedy_agreement_with_f32(cpu_q, default_dir, record_property):
+    """24 greedy steps of the F32 backend on a chat prompt; the quantized model, fed the same
+    tokens, picks the same argmax at (measured) every step here; its logits stay close."""
+    from edge_llm.models.qwen3 import Model
+    from edge_llm.tokenizer import Tokenizer
+
+    ids = Tokenizer.from_dir(default_dir).apply_chat_template_ids(
+        [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}])
+    f32 = Model.load(default_dir)
+    q = Model.load(default_dir, backend=cpu_q)
+    cf, cq = f32.new_cache(256, check_memory=False), q.new_cache(256, check_memory=False)
+    lf, lq = f32.prefill(ids, cf), q.prefill(ids, cq)
+    agree, kl = [], []
+    for _ in range(24):
+        t = int(np.argmax(lf))
+        agree.append(t == int(np.argmax(lq)))
+        pf = np.exp(lf - lf.max()); pf /= pf.sum()
+        pq = np.exp(lq - lq.max()); pq /= pq.sum()
+        kl.append(float((pf * (np.log(pf + 1e-30) - np.log(pq + 1e-30))).sum()))
+        lf, lq = f32.forward([t], cf), q.forward([t], cq)
+    rate = float(np.mean(agree))
+    record_property("greedy_agreement", rate)
+    print(f"teacher-forced greedy agreement {rate:.2f} over 24 steps, mean KL {np.mean(kl):.4f}")
+    assert rate >= 0.9 and float(np.mean(kl)) <= 0.02
+
+
+def test_bits_do_not_depend_on_threads_or_batch(cpu_q, default_dir):
+    """Why `numerics` leaves the thread count out, and why a row's result does not depend on
+    the rows computed with it."""
+    from edge_llm.backends.runners import OrtRunner
+
+    root, m = cpuq.ensure_quantized(default_dir, cpuq.mode("q4"))
+    one, two = (OrtRunner(m.onnx_files(root), threads=t, config=cpuq.SESSION_CONFIG) for t in (1, 2))
+    for spec in (cpu_q.specs[0], cpu_q.specs[1], cpu_q.specs[-1]):
+        xs = sample_inputs(spec, 9, seed=3)
+        a, b = one.run(spec, xs), two.run(spec, xs)
+        assert all(np.array_equal(_bits(p), _bits(r)) for p, r in zip(a, b)), spec.name
+        alone = two.run(spec, [x[4:5].copy() for x in xs])
+        assert all(np.array_equal(_bits(p), _bits(r[4:5])) for p, r in zip(alone, b)), spec.name
+    assert not cpu_q.numerics.endswith(f"-t{cpu_q.runner.threads}")
+
+
+def test_graph_cache_and_model_info(cpu_q, default_dir, home_env):
+    root = cpuq.quant_dir(default_dir, cpuq.mode("q4"))
+    m = json.loads((root / "manifest.json").read_text())
+    assert m["dtype"] == "q4-b32-acc4" and m["build"]["summary"]["requantized"] == 0
+    assert m["build"]["summary"]["exact"] == 30 * 4 + 1  # qkv, o, gate+up, down per layer + head
+    # a second open reuses the directory (same identity, nothing rebuilt)
+    mtime = (root / "manifest.json").stat().st_mtime_ns
+    again = cpuq.open_cpu_q(default_dir, "q4")
+    assert again.numerics == cpu_q.numerics and (root / "manifest.json").stat().st_mtime_ns == mtime
+    r = subprocess.run([sys.executable, "-m", "edge_llm", "model", "info", str(default_dir), "--quant", "q4"],
+                       capture_output=True, text=True, timeout=300, env={**os.environ})
+    assert r.returncode == 0, r.stderr
+    assert "121 exact (Q4_1: 120, Q8_0: 1); 0 re-quantized" in r.stdout
+
+
+def test_plan_threads_pins_big_cores(tmp_path):
+    for cpu, cap in enumerate([414, 414, 414, 414, 1024, 1024, 1024, 1024]):
+        d = tmp_path / f"sys/devices/system/cpu/cpu{cpu}"
+        d.mkdir(parents=True)
+        (d / "cpu_capacity").write_text(f"{cap}\n")
+    assert cpuq.plan_threads(None, tmp_path) == (4, [4, 5, 6, 7])
+    assert cpuq.plan_threads(3, tmp_path) == (3, [])
+    assert cpuq.plan_threads(None, tmp_path / "nowhere") == (len(os.sched_getaffinity(0)), [])
+
+
+def test_cpu_and_cpu_q_snapshots_never_mix(tiny_synth_dir, tmp_path, monkeypatch):
+    """A re-quantized (BF16, no GGUF) tiny model: served end to end by cpu-q, and its snapshots
+    live in another namespace than the cpu backend's, both ways."""
+    from edge_llm.engine import GenerationRequest
+    from edge_llm.runtime import load_runtime
+    from edge_llm.settings import Settings
+
+    monkeypatch.setenv("EDGE_LLM_HOME", str(tmp_path / "home"))
+    kv = tmp_path / "kv"
+    prompt, other = list(range(100, 140)), list(range(500, 540))
+
+    def engine(backend):
+        return load_runtime(Settings(model=str(tiny_synth_dir), backend=backend, disk_kv=str(kv),
+                                     max_seq=256, kv_bs=16))
+
+    q = engine("cpu-q")
+    assert q.model.numerics.startswith("cpu-q:q4:")
+    summary = json.loads(next((tmp_path / "home/quant").glob("*/manifest.json")).read_text())["build"]["summary"]
+    assert summary["exact"] == 0 and summary["requantized"] > 0
+    list(q.generate(GenerationRequest(prompt, max_tokens=2)))
+    q.store.flush()
+    cpu = engine("cpu")
+    assert cpu.store.ns != q.store.ns and cpu.store.lookup(prompt + [1]) is None
+    list(cpu.generate(GenerationRequest(other, max_tokens=2)))
+    cpu.store.flush()
+    again = engine("cpu-q")
+    assert again.store.ns == q.store.ns
+    assert again.store.lookup(prompt + [1]).m == 40 and again.store.lookup(other + [1]) is None
+    for e in (q, cpu, again):
+        e.store.close()
