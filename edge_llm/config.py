@@ -169,7 +169,7 @@ class ModelArgs:
         return dict(self.rope_params).get(key, default)
 
     def identity_fields(self) -> dict[str, Any]:
-        """Every config field that determines KV values (SPEC section 4)."""
+        """Every config field that determines KV values (docs/identity.md)."""
         d = asdict(self)
         d.pop("bos_token_id", None)
         d.pop("eos_token_id", None)

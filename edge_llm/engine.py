@@ -26,19 +26,31 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from edge_llm.errors import ContextOverflowError, ImageError, SnapshotError
 from edge_llm.kvcache import KVCache
 from edge_llm.progress import DECODE, NO_WORK, PREFILL, Cancelled, OnProgress, Work
-from edge_llm.sampling import OPENAI_DEFAULTS, Sampler, SamplingParams, model_sampling_defaults
+from edge_llm.sampling import (
+    OPENAI_DEFAULTS,
+    Sampler,
+    SamplingParams,
+    model_sampling_defaults,
+)
 from edge_llm.settings import DEFAULTS
 from edge_llm.snapshot.index import Hit
 from edge_llm.tokenizer import StopMatcher
 from edge_llm.vision.model import VisionModel
 from edge_llm.vision.positions import PromptPlan, plan_prompt
 from edge_llm.vision.preprocess import PreparedImage
+
+if TYPE_CHECKING:  # annotations only: the engine is handed these, it never builds them
+    from edge_llm.models.qwen3 import Model
+    from edge_llm.snapshot.store import SnapshotStore
+    from edge_llm.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 timing_log = logging.getLogger("edge_llm.prefill")
@@ -97,8 +109,8 @@ class GenerationEvent:
 class Engine:
     """Owns the model, tokenizer, the one KV cache and (optionally) the snapshot store."""
 
-    def __init__(self, model, tokenizer, cache: KVCache, store=None,
-                 prefill_chunk: int = DEFAULTS.prefill_chunk, model_dir=None,
+    def __init__(self, model: Model, tokenizer: Tokenizer, cache: KVCache, store: SnapshotStore | None = None,
+                 prefill_chunk: int = DEFAULTS.prefill_chunk, model_dir: Path | None = None,
                  vision: VisionModel | None = None):
         self.model = model
         self.model_dir = model_dir
@@ -117,7 +129,7 @@ class Engine:
         return self.cache.max_seq
 
     def check_fits(self, n_prompt: int, max_tokens: int) -> None:
-        """Raise ContextOverflowError unless prompt + max_tokens fits the cache (SPEC: 400)."""
+        """Raise ContextOverflowError unless prompt + max_tokens fits the cache (HTTP 400, docs/api.md)."""
         if n_prompt + max_tokens > self.max_seq:
             raise ContextOverflowError(n_prompt, max_tokens, self.max_seq)
 

@@ -126,11 +126,15 @@ READY_TIMEOUT = 600
 
 @pytest.fixture(scope="session")
 def edge_home(tmp_path_factory) -> Path:
-    """A session EDGE_LLM_HOME with the default model imported into it (in a subprocess)."""
+    """A session EDGE_LLM_HOME with the default model imported into it, by a first `generate` as a
+    user would run it: the first use shows a progress bar, not only a log line."""
     home = tmp_path_factory.mktemp("edge-home")
     env = {**os.environ, "EDGE_LLM_HOME": str(home)}
-    subprocess.run([sys.executable, "-c", "from edge_llm.models.default import resolve_model_dir;"
-                    "resolve_model_dir('default')"], env=env, check=True, timeout=READY_TIMEOUT)
+    r = subprocess.run([sys.executable, "-m", "edge_llm", "generate", "--model", "default", "--no-disk-kv",
+                        "--max-tokens", "1", "-p", "hi"], env=env, capture_output=True, text=True,
+                       timeout=READY_TIMEOUT)
+    assert r.returncode == 0, r.stderr
+    assert "importing the default model (first use)" in r.stderr and "538.1" in r.stderr, r.stderr
     return home
 
 

@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from edge_llm.bench import restore as B
-from edge_llm.cli.bench import bench
 from edge_llm.bench.disk import cold_read, measure_raw, new_results_dir, raw_write
+from edge_llm.cli.bench import bench
 from edge_llm.config import Geometry
 from edge_llm.kvcache import KVCache
 

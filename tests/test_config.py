@@ -30,7 +30,7 @@ def test_qwen3_vl_2b_published_config():
     assert a.tie_word_embeddings and a.qk_norm and not a.attention_bias
     assert a.mrope_section == (24, 20, 20) and a.mrope_interleaved and a.rope_theta == 5e6
     assert a.weight_prefix == "model.language_model."
-    assert a.geometry.kv_bytes_per_token == 229_376  # SPEC section 1
+    assert a.geometry.kv_bytes_per_token == 229_376  # Qwen3-VL-2B: 28 x 8 x 128 x 4 B x 2
     assert a.eos_token_id == (151645,)
 
 

@@ -19,8 +19,8 @@ import numpy as np
 import psutil
 import pytest
 
-from edge_llm.settings import Settings
 from edge_llm.doctor import FAIL, NA, PASS, WARN, run_checks
+from edge_llm.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
 NPU_ITEMS = ("board", "rknn-toolkit-lite2", "librknnrt", "npu-driver", "npu-device",

@@ -1,4 +1,4 @@
-"""Identity: model_id digest, namespaces and identity.json (SPEC section 4)."""
+"""Identity: model_id digest, namespaces and identity.json (docs/identity.md)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,14 @@ import numpy as np
 import pytest
 
 from edge_llm.config import ModelArgs
-from edge_llm.snapshot.identity import (IDENTITY_FILE, LAYOUT_VERSION, Identity, ensure_namespace,
-                                        namespace_dir, read_identity)
+from edge_llm.snapshot.identity import (
+    IDENTITY_FILE,
+    LAYOUT_VERSION,
+    Identity,
+    ensure_namespace,
+    namespace_dir,
+    read_identity,
+)
 
 QWEN3_CFG = dict(model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

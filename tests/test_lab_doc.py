@@ -75,3 +75,13 @@ def _kill_leftover(pid_file: Path) -> None:
         os.kill(pid, signal.SIGKILL)
     except (OSError, ValueError):
         pass
+
+
+def test_evidence_is_read_after_a_marker_and_names_its_file():
+    """On a board the log holds earlier runs and the kv dir older files: every block (x86 and
+    board) reads log lines only after a byte marker and never picks 'some' snapshot file."""
+    blocks = re.findall(r"^```bash (?:lab|board)\n(.*?)^```", DOC.read_text(), re.S | re.M)
+    for block in blocks:
+        for line in block.splitlines():
+            assert not re.search(r"grep[^|]*\"\$LOG\"", line), f"greps the whole log: {line}"
+            assert "| head -n 1\" " not in line and not re.search(r"ls [^|]*\*\.kv\"? *\| *head", line), line

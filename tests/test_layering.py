@@ -1,6 +1,7 @@
 """The module layering of docs/architecture.md: a module imports only from lower layers."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,18 @@ def test_cycle_detector():
     graph = import_graph()
     assert "models.packaged" in graph["models.synth"]  # real edges are seen (not an empty graph)
     assert "models.gguf_import" in graph["models.default"]  # a lazy, function-level import
+
+
+def test_comments_point_to_the_repos_own_docs():
+    """Code and docs cite docs/ pages that exist in the repo, never an outside spec."""
+    root = PKG.parent
+    cited = set()
+    for path in [*root.glob("edge_llm/**/*.py"), *root.glob("tools/*"), *root.glob("docs/**/*.md"),
+                 *root.glob("tests/*.py")]:
+        if not path.is_file():
+            continue
+        text = path.read_text(errors="replace")
+        assert not re.search(r"SPEC (section|order|formula)", text), f"{path} cites SPEC"
+        cited.update(re.findall(r"docs/([\w/-]+\.md)", text))
+    missing = sorted(c for c in cited if not (root / "docs" / c).is_file())
+    assert not missing, f"cited docs pages that do not exist: {missing}"

@@ -1,4 +1,4 @@
-"""tools/test-recovery.sh: the SPEC section 8 checks on crafted inputs (each can fail), and the
+"""tools/test-recovery.sh: the docs/evidence.md checks on crafted inputs (each can fail), and the
 whole protocol end to end on the default model with real processes, kills and restarts."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
 
 from edge_llm.bench.client import Completion, dir_bytes, log_offset, read_since
 

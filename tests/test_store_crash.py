@@ -1,4 +1,4 @@
-"""Crash safety: a real writer process killed with SIGKILL at random moments (SPEC section 5).
+"""Crash safety: a real writer process killed with SIGKILL at random moments (docs/store.md, Faults).
 
 After every kill a fresh store must find only complete files, each bitwise what the writer
 meant to save, and must remove the temp debris of the interrupted write.

@@ -1,4 +1,4 @@
-"""ENOSPC on a real, tiny filesystem mounted for the test (SPEC section 5: faults never stop the service)."""
+"""ENOSPC on a real, tiny filesystem mounted for the test (docs/store.md: faults never stop the service)."""
 
 from __future__ import annotations
 

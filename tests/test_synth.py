@@ -12,9 +12,18 @@ from hypothesis import strategies as st
 
 from edge_llm.config import ModelArgs, VisionArgs
 from edge_llm.errors import ModelImportError
-from edge_llm.models.safetensors_writer import bf16_bits_to_f32, f32_to_bf16_bits, read_safetensors_header
-from edge_llm.models.synth import (qwen3_vl_plans, synth_checkpoint, synth_tensor_bf16_blocks, synth_tensor_f32,
-                                   text_config)
+from edge_llm.models.safetensors_writer import (
+    bf16_bits_to_f32,
+    f32_to_bf16_bits,
+    read_safetensors_header,
+)
+from edge_llm.models.synth import (
+    qwen3_vl_plans,
+    synth_checkpoint,
+    synth_tensor_bf16_blocks,
+    synth_tensor_f32,
+    text_config,
+)
 from edge_llm.weights import expected_tensors, index_tensors, safetensors_files, vision_tensors
 
 torch = pytest.importorskip("torch")
@@ -112,7 +121,7 @@ def test_qwen3_vl_2b_one_layer_geometry_from_headers(tmp_path):
     assert tc["rope_scaling"] == {"mrope_section": [24, 20, 20], "mrope_interleaved": True, "rope_type": "default"}
     assert cfg["tie_word_embeddings"] is True
     args = ModelArgs.from_dir(d)
-    assert args.geometry.kv_bytes_per_token * 28 == 229_376  # one of 28 layers: SPEC's bytes/token
+    assert args.geometry.kv_bytes_per_token * 28 == 229_376  # one of 28 layers: Qwen3-VL-2B's bytes/token
     header = {}
     for f in safetensors_files(d):
         header |= {k: v for k, v in read_safetensors_header(f).items() if k != "__metadata__"}

@@ -17,7 +17,12 @@ from safetensors.torch import load_file
 from edge_llm.config import ModelArgs
 from edge_llm.errors import WeightsError
 from edge_llm.models.qwen3 import Model
-from edge_llm.weights import digest_cache_path, expected_tensors, load_weights, weight_digest
+from edge_llm.weights import (
+    digest_cache_path,
+    expected_tensors,
+    load_weights,
+    weight_digest,
+)
 
 
 def _copy(src, dst):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Restart-recovery evidence protocol (SPEC section 8), machine-judged. Exit 0 only if all pass.
+"""Restart-recovery evidence protocol (docs/evidence.md), machine-judged. Exit 0 only if all pass.
 
 Default (local) mode starts `python -m edge_llm serve` itself with a fresh kv dir and log file
 inside the results folder, and restarts it by killing its pid. Board mode:

@@ -1,4 +1,4 @@
-"""The SPEC section 8 checks as pure functions over log text, responses and kv dir sizes.
+"""The docs/evidence.md checks as pure functions over log text, responses and kv dir sizes.
 
 Each check returns a list of failure messages (empty = pass). Log text is always the part of
 the append-only log written after the phase's byte-offset marker, so older lines never count.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Restart-recovery evidence protocol (SPEC section 8). Exit 0 only if every check passes.
+# Restart-recovery evidence protocol (docs/evidence.md). Exit 0 only if every check passes.
 #
 #   tools/test-recovery.sh                                   # local: starts/kills edge-llm serve itself
 #   tools/test-recovery.sh --context-tokens 512 --repeats 3  # shorter history

@@ -1,6 +1,6 @@
 """Driving a real `edge-llm serve` from outside: process control, HTTP, log markers, kv dir size.
 
-Used by `edge-llm bench recovery` and by tools/recovery_check.py (the SPEC section 8 evidence
+Used by `edge-llm bench recovery` and by tools/recovery_check.py (the docs/evidence.md evidence
 script). Standard library only (urllib, subprocess), so it runs unchanged on a board that has
 nothing but the installed package.
 """
@@ -16,13 +16,14 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
-# SPEC section 7 log lines
+# the log lines of docs/logs.md
 SAVED_RE = re.compile(r"\[KV-DISK\] saved (\d+)-token KV -> (kv_[0-9a-f]{16}\.kv) \((\d+) bytes, ([\d.]+) ms, ([\d.]+) MB/s\)")
 LOADED_RE = re.compile(r"\[KV-DISK\] loaded (\d+)-token KV prefix from disk file (kv_[0-9a-f]{16}\.kv)"
                        r" \((\d+) bytes, ([\d.]+) ms, ([\d.]+) MB/s\)")
@@ -112,12 +113,19 @@ def http_json(method: str, url: str, body: dict | None = None, timeout: float = 
 
 
 def wait_ready(base_url: str, timeout: float, proc: subprocess.Popen | None = None,
-               api_key: str | None = None) -> float:
-    """Poll GET /health until 200; return seconds waited. Raises TimeoutError / RuntimeError."""
+               api_key: str | None = None, stderr_file: str | os.PathLike | None = None) -> float:
+    """Poll GET /health until 200; return seconds waited. Raises TimeoutError / RuntimeError
+    (with the end of the server's stderr, if it was written to `stderr_file`)."""
     t0 = time.monotonic()
     while True:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server process exited with code {proc.returncode} before it was ready")
+            tail = ""
+            if stderr_file is not None:
+                try:
+                    tail = ":\n" + Path(stderr_file).read_text(errors="replace")[-2000:]
+                except OSError:
+                    pass
+            raise RuntimeError(f"server process exited with code {proc.returncode} before it was ready{tail}")
         try:
             status, _ = http_json("GET", base_url.rstrip("/") + "/health", timeout=5, api_key=api_key)
             if status == 200:

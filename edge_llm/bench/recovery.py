@@ -24,7 +24,7 @@ HEADROOM = 64  # tokens left free below the context size for the question/follow
 
 
 def _snapshot_formula(geometry, n: int, kv_bs: int) -> int:
-    """SPEC section 3: 64 + 4n + 2*L*n*kv_dim*4 + 8*L*ceil(n/kv_bs)."""
+    """docs/snapshot-format.md: 64 + 4n + 2*L*n*kv_dim*4 + 8*L*ceil(n/kv_bs)."""
     return 64 + 4 * n + n * geometry.kv_bytes_per_token + 8 * geometry.n_layers * -(-n // kv_bs)
 
 
@@ -44,7 +44,7 @@ def run_context(model: str, geometry, ctx: int, work: Path, max_tokens: int, rea
     try:
         step(f"{ctx}: S1 start")
         srv.start()
-        row["s1_ready_s"] = S.wait_ready(srv.base_url, ready_timeout, srv.proc)
+        row["s1_ready_s"] = S.wait_ready(srv.base_url, ready_timeout, srv.proc, stderr_file=srv.stderr_file)
         step(f"{ctx}: S1 cold prefill")
         mark = S.log_offset(log_file)
         cold = S.complete(srv.base_url, prompt + QUESTION, max_tokens)
@@ -58,7 +58,7 @@ def run_context(model: str, geometry, ctx: int, work: Path, max_tokens: int, rea
             drop_file_cache(snap)
         mark = S.log_offset(log_file)
         srv.start()
-        row["s2_ready_s"] = S.wait_ready(srv.base_url, ready_timeout, srv.proc)
+        row["s2_ready_s"] = S.wait_ready(srv.base_url, ready_timeout, srv.proc, stderr_file=srv.stderr_file)
         step(f"{ctx}: S2 restore + tail")
         warm = S.complete(srv.base_url, prompt + FOLLOW_UP, max_tokens)
         text = S.read_since(log_file, mark)

@@ -97,7 +97,7 @@ def run_restore(data_dir, contexts, preset="qwen3-vl-2b", layers=None, kv_bs=DEF
 
 
 @bench.command("recovery")
-@click.option("--model", default="default", show_default=True, help="HF model dir or 'default'.")
+@click.option("--model", default=DEFAULTS.model, show_default=True, help="HF model dir or 'default'.")
 @click.option("--synth-layers", type=click.IntRange(1), default=None,
               help="Use a synthetic qwen3-vl-2b-geometry model with this many layers (made on first use).")
 @click.option("--contexts", default="512,2048", show_default=True, help="Context sizes in tokens.")

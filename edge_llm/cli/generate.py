@@ -8,6 +8,7 @@ import sys
 import click
 
 from edge_llm.cli.options import settings_options
+from edge_llm.cli.progress import resolve_model_with_bar
 from edge_llm.settings import Settings
 
 
@@ -43,6 +44,7 @@ def generate(settings: Settings, prompt, chat, system, max_tokens, temperature, 
     if prompt is None:
         prompt = sys.stdin.read()
     try:
+        resolve_model_with_bar(settings.model)  # a first-use import of the default model: a bar
         with err.status("loading model..."):
             engine = load_runtime(settings)
         prepared, shown = [], ""

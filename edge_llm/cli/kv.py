@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from edge_llm.errors import SnapshotError
+from edge_llm.settings import DEFAULTS
 from edge_llm.snapshot import format as fmt
 from edge_llm.snapshot.identity import read_identity
 from edge_llm.snapshot.index import QUARANTINE, Entry, lru_victims
@@ -305,7 +306,8 @@ def rm(kv_dir: Path, namespace: str | None, all_: bool, names: tuple[str, ...]) 
 @kv.command("gc")
 @kv_dir_option
 @click.option("--namespace", default=None, help="Only this namespace (16 hex digits).")
-@click.option("--max-files", default=8, show_default=True, type=click.IntRange(1), help="Files per namespace.")
+@click.option("--max-files", default=DEFAULTS.disk_kv_max_files, show_default=True, type=click.IntRange(1),
+              help="Files per namespace.")
 @click.option("--max-bytes", default=None, type=_Bytes(), help="Bytes per namespace (e.g. 4G).")
 @click.option("--dry-run", is_flag=True, help="Only show what would be removed.")
 def gc(kv_dir: Path, namespace: str | None, max_files: int, max_bytes: int | None, dry_run: bool) -> None:

@@ -2,42 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
-from collections.abc import Callable, Iterator
 
 import click
 
+from edge_llm.cli.progress import progress_bar, resolve_model_with_bar
 from edge_llm.settings import DEFAULTS
-
-
-@contextlib.contextmanager
-def progress_bar(label: str) -> Iterator[Callable[[int, int, str], None]]:
-    """A rich progress bar on stderr, driven by the library's `progress(done, total, what)` callback."""
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  TimeRemainingColumn(), transient=False, console=_err()) as bar:
-        task = bar.add_task(label, total=None)
-
-        def update(done: int, total: int, what: str) -> None:
-            bar.update(task, completed=done, total=total)
-
-        yield update
-
-
-def _err():
-    from rich.console import Console
-
-    return Console(stderr=True)
 
 
 def _fail(e: Exception) -> None:
@@ -122,7 +93,7 @@ def info_cmd(model_dir: str, max_seq: int) -> None:
     from edge_llm.errors import EdgeLLMError
 
     try:
-        d = _resolve(model_dir)
+        d = resolve_model_with_bar(model_dir)
         a = ModelArgs.from_dir(d)
         v = vision_args_from_dir(d)
         total, text, vis, dtypes, size = _param_counts(d, a.weight_prefix)
@@ -159,20 +130,6 @@ def info_cmd(model_dir: str, max_seq: int) -> None:
         click.echo(f"{k:<{width}}  {v}")
 
 
-@contextlib.contextmanager
-def _nullbar() -> Iterator[None]:
-    yield None
-
-
-def _resolve(spec: str):
-    """Model directory for DIR|default; draws a bar only when the default model gets imported."""
-    from edge_llm.models.default import default_model_ready, resolve_model_dir
-
-    importing = spec == "default" and not default_model_ready()
-    with progress_bar("importing default model") if importing else _nullbar() as cb:
-        return resolve_model_dir(spec, progress=cb)
-
-
 @model.command("digest")
 @click.argument("model_dir", default="default")
 def digest_cmd(model_dir: str) -> None:
@@ -182,7 +139,7 @@ def digest_cmd(model_dir: str) -> None:
     from edge_llm.snapshot.identity import Identity
 
     try:
-        d = _resolve(model_dir)
+        d = resolve_model_with_bar(model_dir)
         ident = Identity.for_model(d, ModelArgs.from_dir(d))
     except EdgeLLMError as e:
         _fail(e)

@@ -15,6 +15,7 @@ import threading
 import click
 
 from edge_llm.cli.options import settings_options
+from edge_llm.cli.progress import import_default_model_in_terminal
 
 log = logging.getLogger("edge_llm.lifecycle")
 
@@ -23,6 +24,12 @@ log = logging.getLogger("edge_llm.lifecycle")
 @settings_options("serve")
 def serve(settings) -> None:
     """Serve the OpenAI-compatible API (completions, chat, models, health, metrics)."""
+    from edge_llm.errors import EdgeLLMError
+
+    try:
+        import_default_model_in_terminal(settings.model)
+    except EdgeLLMError as e:
+        raise click.ClickException(str(e)) from None
     sys.exit(run_server(settings))
 
 

@@ -21,8 +21,8 @@ from edge_llm.backends.cpu import rms_norm
 from edge_llm.config import ModelArgs
 from edge_llm.errors import KVCacheError
 from edge_llm.kvcache import KVCache
-from edge_llm.progress import NO_WORK, PREFILL, Work
 from edge_llm.models.rope import Rope, apply_rope
+from edge_llm.progress import NO_WORK, PREFILL, Work
 from edge_llm.settings import DEFAULTS
 from edge_llm.weights import load_weights
 

@@ -17,9 +17,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from edge_llm import __version__
-from edge_llm.engine import GenerationRequest
+from edge_llm.engine import Engine, GenerationRequest
 from edge_llm.errors import EdgeLLMError, ImageError
 from edge_llm.sampling import SamplingParams
+from edge_llm.sdnotify import Notifier
 from edge_llm.server import schemas as S
 from edge_llm.server.errors import (
     APIError,
@@ -46,7 +47,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-def create_app(settings: Settings, notifier: Any = None, loader: Callable[[], Any] | None = None,
+def create_app(settings: Settings, notifier: Notifier | None = None, loader: Callable[[], Engine] | None = None,
                on_fatal: Callable[[str], None] | None = None) -> FastAPI:
     """Build the app. The model loads in the background when the app starts (lifespan)."""
     state = AppState(settings, notifier=notifier, loader=loader, on_fatal=on_fatal)

@@ -1,4 +1,4 @@
-"""OpenAI-compatible request and response models (pydantic), plus `timings` (SPEC section 6).
+"""OpenAI-compatible request and response models (pydantic), plus `timings` (docs/api.md).
 
 Requests ignore unknown fields (clients send many optional ones) but reject values we cannot
 honour (n > 1, echo, logprobs, penalties, non-text content) with a 400 instead of silently

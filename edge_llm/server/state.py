@@ -14,17 +14,23 @@ from pathlib import Path
 from typing import Any
 
 from edge_llm import __version__
+from edge_llm.engine import Engine, GenerationEvent
 from edge_llm.errors import ConfigError
+from edge_llm.sdnotify import Notifier
 from edge_llm.server.errors import APIKeys
 from edge_llm.server.metrics import Metrics
 from edge_llm.server.worker import Job, Worker
 from edge_llm.settings import Settings
+from edge_llm.snapshot.store import SnapshotStore
 
 log = logging.getLogger(__name__)
 
 # each start-up step (a tensor loaded, 256 MiB hashed, a stage begun) must finish within this
 # many seconds of the previous one, or systemd's start timeout (extended by each step) fires
 STARTUP_STEP_TIMEOUT = 120.0
+# at stop, each layer of the pending snapshot save must be written within this many seconds
+# (an 8K-token Qwen3-VL-2B layer is 67 MB: under 2 s at 40 MB/s)
+STOP_STEP_TIMEOUT = 30.0
 
 
 def model_id_for(settings: Settings) -> str:
@@ -37,8 +43,8 @@ def model_id_for(settings: Settings) -> str:
 class AppState:
     """Everything the routes need; owned by one app instance."""
 
-    def __init__(self, settings: Settings, notifier: Any = None,
-                 loader: Callable[[], Any] | None = None, on_fatal: Callable[[str], None] | None = None):
+    def __init__(self, settings: Settings, notifier: Notifier | None = None,
+                 loader: Callable[[], Engine] | None = None, on_fatal: Callable[[str], None] | None = None):
         self.settings = settings
         self.notifier = notifier
         self.on_fatal = on_fatal
@@ -48,15 +54,16 @@ class AppState:
         self.started = time.monotonic()
         self.status = "loading"
         self.error: str | None = None
-        self.engine: Any = None
+        self.engine: Engine | None = None
         self.worker: Worker | None = None
         self.exit_reason: str | None = None
+        self._stop_t0 = 0.0
         self._loader = loader or self._default_loader
         self._load_thread: threading.Thread | None = None
         self.metrics = Metrics(self.metrics_state)
 
     # ---- loading ---------------------------------------------------------------------------
-    def _default_loader(self) -> Any:
+    def _default_loader(self) -> Engine:
         from edge_llm.runtime import load_runtime
 
         return load_runtime(self.settings, progress=self._load_progress,
@@ -88,7 +95,7 @@ class AppState:
                 self.on_fatal(self.error)
             return
         if self.status == "stopping":  # SIGTERM arrived while loading: nothing to serve
-            if getattr(engine, "store", None) is not None:
+            if engine.store is not None:
                 engine.store.close()
             return
         self.engine = engine
@@ -104,7 +111,7 @@ class AppState:
             self.notifier.ready(self._status_text())
         worker.start()  # after READY=1: its watchdog pings only count once systemd sees us ready
 
-    def _finished(self, job: Job, last: Any) -> None:
+    def _finished(self, job: Job, last: GenerationEvent) -> None:
         self.metrics.observe_generation(last.timings, last.usage, last.finish_reason)
 
     def _status(self, text: str) -> None:
@@ -122,23 +129,17 @@ class AppState:
         return self.status == "ok" and self.worker is not None
 
     @property
-    def store(self) -> Any:
-        return getattr(self.engine, "store", None)
+    def store(self) -> SnapshotStore | None:
+        return self.engine.store if self.engine is not None else None
 
     @property
     def namespace(self) -> str | None:
         store = self.store
-        if store is None:
-            return None
-        ns = getattr(store, "ns", None)
-        return ns.name if ns is not None else store.identity.namespace
+        return store.ns.name if store is not None else None
 
     def store_stats(self) -> dict[str, Any]:
         store = self.store
-        if store is None:
-            return {}
-        st = store.stats
-        return dict(st() if callable(st) else st)
+        return store.stats() if store is not None else {}
 
     def snapshot_summary(self) -> dict[str, Any]:
         st = self.store_stats()
@@ -177,24 +178,42 @@ class AppState:
         if self.status == "stopping":
             return
         self.status = "stopping"
+        self._stop_t0 = time.monotonic()  # the grace period runs from the signal, not from the
+        # HTTP server's own connection draining, which happens before `close`
         log.info("shutdown requested (%s): refusing new requests", reason)
         if self.notifier is not None:
             self.notifier.stopping(f"stopping ({reason})")
         if self.worker is not None:
             self.worker.begin_shutdown()
+            timer = threading.Timer(self.settings.grace_seconds, self.worker.cancel_running,
+                                    args=("shutdown grace period over",))
+            timer.daemon = True
+            timer.start()
 
     def close(self, grace: float | None = None) -> None:
         """Finish/cancel the running job, flush the pending snapshot save, close the store."""
         self.begin_shutdown(self.exit_reason or "shutdown")
         grace = self.settings.grace_seconds if grace is None else grace
         if self.worker is not None:
-            self.worker.stop(grace)
+            self.worker.stop(max(0.0, grace - (time.monotonic() - self._stop_t0)))
         store = self.store
         if store is not None:
             t0 = time.monotonic()
+            pending = store.pending_tokens()
+            if pending:
+                eta = store.predicted_save_s(pending)
+                log.info("stop: flushing a %d-token snapshot%s", pending, "" if eta is None else
+                         f", ~{eta:.1f} s at the measured {store.write_bps / 1e6:.0f} MB/s")
             try:
-                store.flush(max(grace, 60.0))
-                store.close()
+                # progress-driven, like the start: each layer written extends systemd's stop
+                # timeout, so a slow eMMC finishes the save and a stalled one does not hang the stop
+                store.flush_with_progress(self._stop_progress, STOP_STEP_TIMEOUT)
+                store.close(timeout=5)
             except Exception:  # the process is exiting; published snapshots are already safe
                 log.exception("snapshot store flush/close failed")
             log.info("snapshot store flushed and closed in %.0f ms", (time.monotonic() - t0) * 1e3)
+
+    def _stop_progress(self, text: str) -> None:
+        if self.notifier is not None:
+            self.notifier.extend_timeout(STOP_STEP_TIMEOUT)
+            self.notifier.status(text)

@@ -19,12 +19,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge_llm.engine import GenerationEvent, GenerationRequest
+from edge_llm.engine import Engine, GenerationEvent, GenerationRequest
 from edge_llm.progress import DECODE
+from edge_llm.sdnotify import Notifier
 from edge_llm.settings import DEFAULTS
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,8 @@ class Job:
 class Worker:
     """One thread runs `engine.generate` for one job at a time, in FIFO order."""
 
-    def __init__(self, engine: Any, queue_size: int = DEFAULTS.queue_size, notifier: Any = None, on_finish=None):
+    def __init__(self, engine: Engine, queue_size: int = DEFAULTS.queue_size, notifier: Notifier | None = None,
+                 on_finish: Callable[[Job, GenerationEvent], None] | None = None):
         self.engine = engine
         self.queue_size = queue_size
         self.notifier = notifier
@@ -137,6 +139,13 @@ class Worker:
             log.info("shutdown: refused %d queued request(s)", len(dropped))
         return len(dropped)
 
+    def cancel_running(self, reason: str) -> None:
+        """Cancel the job being computed, if any (it stops at its next step)."""
+        job = self.current
+        if job is not None and not job.done:
+            log.warning("shutdown: cancelling job %d (%s)", job.id, reason)
+            job.cancel_with(reason)
+
     def stop(self, grace: float) -> bool:
         """Let the running job finish for up to `grace` seconds, then cancel it; join the thread.
 
@@ -146,10 +155,7 @@ class Worker:
         self._q.put(None)
         self._thread.join(grace)
         if self._thread.is_alive():
-            job = self.current
-            if job is not None:
-                log.warning("shutdown: cancelling job %d after the %.0fs grace period", job.id, grace)
-                job.cancel_with("shutdown grace period over")
+            self.cancel_running("shutdown grace period over")
             # the engine checks `cancel` between steps: one prefill chunk is the longest wait
             self._thread.join()
         return True

@@ -1,4 +1,4 @@
-"""VLKV version 1: one KV snapshot file (SPEC section 3). Knows nothing of directories.
+"""VLKV version 1: one KV snapshot file (docs/snapshot-format.md). Knows nothing of directories.
 
 Layout: 64-byte header | n_tokens u32 token ids | [extension section] | payload | trailer. The
 optional extension section (flags bit 1; its byte length in the header's `reserved` field) holds
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 # magic, version, n_layers, n_kv_heads, head_dim, kv_bs, n_tokens, kv_dim, tokens_fnv (C engine, 0-39)
 # model_id, flags, reserved, trailer_crc, header_crc (this product, 40-63)
 HEADER = struct.Struct("<8IQQ4I")
-HEADER_FIELDS = (  # (name, offset, size): the table of SPEC section 3, used by inspect.describe()
+HEADER_FIELDS = (  # (name, offset, size): the header table of docs/snapshot-format.md, used by inspect.describe()
     ("magic", 0, 4), ("version", 4, 4), ("n_layers", 8, 4), ("n_kv_heads", 12, 4),
     ("head_dim", 16, 4), ("kv_bs", 20, 4), ("n_tokens", 24, 4), ("kv_dim", 28, 4),
     ("tokens_fnv", 32, 8), ("model_id", 40, 8), ("flags", 48, 4), ("reserved", 52, 4),
@@ -370,7 +370,7 @@ def _file_size(f: Any) -> int:
 def read_header(f: BinaryIO, geometry: Geometry | None, model_id: int | None,
                 max_tokens: int | None = DEFAULTS.disk_kv_max_tokens,
                 file_size: int | None = None) -> tuple[SnapshotHeader, np.ndarray]:
-    """Validate everything but the payload, in SPEC order; return (header, token ids as uint32).
+    """Validate everything but the payload, in the documented order (docs/snapshot-format.md); return (header, token ids as uint32).
 
     geometry / model_id / max_tokens None = don't check (inspecting foreign files). Each failure
     raises its own SnapshotError subclass; no buffer is sized from a field before the exact file

@@ -1,4 +1,4 @@
-"""Model identity (SPEC section 4): the 64-bit `model_id` stamped into every snapshot, and the
+"""Model identity (docs/identity.md): the 64-bit `model_id` stamped into every snapshot, and the
 per-identity namespace directory `<kv-dir>/<model_id as 16 hex>/` with its `identity.json`.
 
 Everything that determines the KV values of a token sequence goes into the digest: the text-model

@@ -1,4 +1,4 @@
-"""The snapshot store of one identity namespace (SPEC section 5).
+"""The snapshot store of one identity namespace (docs/store.md).
 
 `<kv-dir>/<model_id hex>/kv_<tokens_fnv hex>.kv` files, indexed at start-up from their headers and
 token ids only; LCP lookup; restore straight into the KV cache arrays; background saves with
@@ -71,6 +71,7 @@ class SnapshotStore:
         self._counters = dict(saves=0, save_failures=0, saves_skipped=0, saves_superseded=0, loads=0,
                               load_failures=0, rejections=0, evictions=0, bytes_written=0, bytes_read=0)
         self._degraded: dict[str, str] = {}  # kind -> message; cleared by the next successful save
+        self.write_bps: float | None = None  # measured: moving average over saves (bytes / second)
         self._writer = BackgroundWriter(self._save)
 
     # ---- index ------------------------------------------------------------------------------
@@ -215,6 +216,34 @@ class SnapshotStore:
         """Wait for the pending save (e.g. at SIGTERM); False on timeout."""
         return self._writer.flush(timeout)
 
+    def flush_with_progress(self, on_step, stall_s: float) -> bool:
+        """At shutdown: wait for the pending save as long as it makes progress (a layer written
+        within `stall_s` seconds), calling `on_step(text)` on each; False if it stalled."""
+        last, last_t = None, time.monotonic()
+        while not self._writer.flush(timeout=0.5):
+            now, state = time.monotonic(), self._writer.progress_of_pending()
+            if state != last:
+                last, last_t = state, now
+                if state is not None:
+                    on_step(f"flushing a {state[0]}-token snapshot: layer {state[1]}/{self.geometry.n_layers} written")
+            elif now - last_t > stall_s:
+                log.error("[KV-DISK] the pending save made no progress for %.0f s: giving up", stall_s)
+                return False
+        return True
+
+    def pending_tokens(self) -> int:
+        """Rows of the running or queued save (0 if none)."""
+        state = self._writer.progress_of_pending()
+        return 0 if state is None else state[0]
+
+    def predicted_save_s(self, n_tokens: int) -> float | None:
+        """Seconds to write an n-token snapshot at this disk's measured write speed (None before
+        the first save)."""
+        rate = self.write_bps
+        if not rate:
+            return None
+        return fmt.snapshot_size(self.geometry.n_layers, n_tokens, self.geometry.kv_dim, self.kv_bs) / rate
+
     def close(self, timeout: float | None = None) -> bool:
         """Finish the pending save and stop the writer thread."""
         return self._writer.close(timeout)
@@ -273,6 +302,8 @@ class SnapshotStore:
             self._counters["saves"] += 1
             self._counters["bytes_written"] += written
             self._degraded.clear()
+            rate = written / max(secs, 1e-6)
+            self.write_bps = rate if self.write_bps is None else 0.7 * self.write_bps + 0.3 * rate
         log.info("[KV-DISK] saved %d-token KV -> %s (%d bytes, %.1f ms, %.1f MB/s)",
                  n, name, written, secs * 1e3, mbps(written, secs))
         for e in replaced:

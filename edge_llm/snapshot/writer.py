@@ -140,6 +140,12 @@ class BackgroundWriter:
         with self._cond:
             return self._cond.wait_for(lambda: self._pending is None and self._active is None, timeout)
 
+    def progress_of_pending(self) -> tuple[int, int] | None:
+        """(rows, layers written) of the running save, (rows, 0) of a queued one, or None."""
+        with self._cond:
+            job = self._active or self._pending
+            return None if job is None else (job.n, job.lease.layers_done)
+
     @property
     def busy(self) -> bool:
         with self._cond:

@@ -1,0 +1,57 @@
+"""Progress bars for slow CLI work (the library reports `progress(done, total, what)`)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def progress_bar(label: str) -> Iterator[Callable[[int, int, str], None]]:
+    """A rich progress bar on stderr, driven by the library's `progress(done, total, what)` callback."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), transient=False, console=_err()) as bar:
+        task = bar.add_task(label, total=None)
+
+        def update(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+def _err():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+@contextlib.contextmanager
+def _nullbar() -> Iterator[None]:
+    yield None
+
+
+def resolve_model_with_bar(spec: str) -> Path:
+    """Model directory for DIR|default; draws a bar while the default model is imported (first use)."""
+    from edge_llm.models.default import default_model_ready, resolve_model_dir
+
+    importing = spec == "default" and not default_model_ready()
+    with progress_bar("importing the default model (first use)") if importing else _nullbar() as cb:
+        return resolve_model_dir(spec, progress=cb)
+
+
+def import_default_model_in_terminal(spec: str) -> None:
+    """Before a server starts: a first-use import of the default model shows its bar in a terminal.
+    Without a terminal (systemd) the server's loader imports it and reports STATUS= instead."""
+    if spec == "default" and sys.stderr.isatty():
+        resolve_model_with_bar(spec)
