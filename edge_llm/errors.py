@@ -100,6 +100,24 @@ class SnapshotExtension(SnapshotError):
     reason = "extension"
 
 
+class SnapshotChainError(SnapshotError):
+    """A delta file is sound on its own but its chain is not (checked by the store, not per file)."""
+
+    reason = "chain"
+
+
+class SnapshotBaseMissing(SnapshotChainError):
+    """A delta file's base (the file named by the FNV of its first base_n token ids) is gone."""
+
+    reason = "base-missing"
+
+
+class SnapshotBaseMismatch(SnapshotChainError):
+    """A delta file's base exists but is not the file the delta was written on (other rows)."""
+
+    reason = "base-mismatch"
+
+
 class ImageError(EdgeLLMError):
     """An image input was refused (the API answers 400). `reason` is a short machine-readable tag."""
 

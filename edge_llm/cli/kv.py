@@ -167,7 +167,7 @@ def inspect(file: Path, tokenizer_dir: Path | None, n_show: int, n_blocks: int) 
         s = d["size_formula"]
         verdict = "[green]matches[/green]" if s["expected"] == s["actual"] else "[red]MISMATCH[/red]"
         out.print(f"size formula: {s['formula']} with n={s['n']}, L={s['L']}, kv_dim={s['kv_dim']}, "
-                  f"kv_bs={s['kv_bs']}, B=ceil(n/kv_bs)={s['B']}")
+                  f"kv_bs={s['kv_bs']}, B={s['B']}" + (f", r={s['r']}" if 'r' in s else ""))
         out.print(f"  = {' + '.join(f'{x:,}' for x in s['terms'])} = {s['expected']:,} bytes; "
                   f"actual {s['actual']:,} bytes: {verdict}")
     if d["sections"]:
@@ -179,6 +179,10 @@ def inspect(file: Path, tokenizer_dir: Path | None, n_show: int, n_blocks: int) 
         out.print(t)
     if d["tokens"] is not None and n_show:
         _print_tokens(d["tokens"], n_show, tokenizer_dir)
+    if d.get("base"):
+        b = d["base"]
+        out.print(f"delta: holds rows [{b['rows_held'][0]}, {b['rows_held'][1]}); rows [0, {b['n_tokens']}) are in "
+                  f"its base {b['name']} (trailer CRC {b['trailer_crc']:08x})")
     if d.get("images"):
         t = Table(title="image runs (extension section)", show_edge=False)
         for col in ("rows", "grid t x h x w", "MRoPE pos0", "next pos", "digest"):
