@@ -150,8 +150,8 @@ def test_identical_not_rewritten_only_touched(tmp_path, caplog):
     s.close()
 
 
-def test_extension_replaces_older_snapshot(tmp_path, caplog):
-    s = new_store(tmp_path)
+def test_extension_replaces_older_snapshot_without_deltas(tmp_path, caplog):
+    s = new_store(tmp_path, max_chain=1)  # every save a full file (tests/test_store_delta.py: deltas)
     save(s, make_cache(seq(20)))
     save(s, make_cache(seq(40)))
     assert kv_files(s) == [name_of(seq(40))]
@@ -371,7 +371,7 @@ def test_restore_right_behind_a_real_large_save(tmp_path):
 def test_scan_drops_superseded_prefix_and_applies_caps(tmp_path, caplog):
     import shutil
 
-    s = new_store(tmp_path)
+    s = new_store(tmp_path, max_chain=1)
     save(s, make_cache(seq(20)))
     old = s.ns / name_of(seq(20))
     shutil.copy2(old, tmp_path / "saved-old")
@@ -379,11 +379,11 @@ def test_scan_drops_superseded_prefix_and_applies_caps(tmp_path, caplog):
     save(s, make_cache(seq(20, start=5000)))
     s.close()
     shutil.copy2(tmp_path / "saved-old", old)  # as if killed before the old file was deleted
-    s2 = new_store(tmp_path)
+    s2 = new_store(tmp_path, max_chain=1)
     assert kv_files(s2) == sorted([name_of(seq(40)), name_of(seq(20, start=5000))])
     assert f"[KV-DISK] evicted {old.name} (replaced by {name_of(seq(40))}" in "\n".join(kv_lines(caplog, "evicted"))
     s2.close()
-    s3 = new_store(tmp_path, max_files=1)  # a lowered cap applies at start-up
+    s3 = new_store(tmp_path, max_files=1, max_chain=1)  # a lowered cap applies at start-up
     assert kv_files(s3) == [name_of(seq(20, start=5000))]  # the most recently saved stays
     s3.close()
 

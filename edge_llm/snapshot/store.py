@@ -107,9 +107,7 @@ class SnapshotStore:
                 self._drop_quarantined(e, _reason(err))
                 rejected += 1
         # a kill between publishing a file and removing what it extends or compacts leaves extra files
-        while extra := chains.redundant(self._index):
-            for e, longer in extra:
-                self._remove(e, f"replaced by {longer.name}, which extends it")
+        self._drop_redundant("replaced by {}, which extends it")
         self.evict()
         extra = f", {rejected} rejected" if rejected else ""
         log.info("[KV-DISK] index: %d checkpoint(s)%s (%s, %.1f ms)", len(self._index), extra, self.ns.name,
@@ -160,6 +158,7 @@ class SnapshotStore:
             chain = self.chain(hit.entry)
             return ChainRead(chain, hit.m, self.geometry, self.model_id, cache.max_seq)
         except (SnapshotError, OSError) as err:
+            cache.reset()  # the contract of a failed restore, though no row was touched yet
             self._restore_failed(hit.entry, err)
             raise AssertionError("unreachable")  # pragma: no cover
 
@@ -374,10 +373,7 @@ class SnapshotStore:
         if orphaned:
             self._drop_quarantined(entry, f"base-missing: base {ref.name} was removed during the save")
             return
-        with self._lock:
-            extra = chains.redundant(self._index)
-        for e, longer in extra:
-            self._remove(e, f"replaced by {longer.name}, which extends it")
+        self._drop_redundant("replaced by {}, which extends it")
         self.evict(keep=name)
 
     def _compact_idle(self, should_stop) -> None:
@@ -420,14 +416,23 @@ class SnapshotStore:
             self._counters["compactions"] += 1
             self._counters["bytes_written"] += written
             self._counters["compaction_bytes_written"] += written
-            extra = chains.redundant(self._index)
         self.io.add(self.ns, written, 0)
         os.utime(tip.path, (tip.last_use, tip.last_use))
         log.info("[KV-DISK] compacted %d files -> %s (%d tokens, %d bytes, %.1f ms)", len(chain), tip.name,
                  tip.n_tokens, written, (time.monotonic() - t0) * 1e3)
-        for e, longer in extra:
-            self._remove(e, f"compacted into {longer.name}")
+        self._drop_redundant("compacted into {}")
         return True
+
+    def _drop_redundant(self, why: str) -> None:
+        """Remove files a longer file covers and no delta needs, down the chain (a removed delta
+        can leave its base without dependents)."""
+        while True:
+            with self._lock:
+                extra = chains.redundant(self._index)
+            if not extra:
+                return
+            for e, longer in extra:
+                self._remove(e, why.format(longer.name))
 
     def _save_failed(self, name: str, n: int, err: Exception) -> None:
         code = getattr(err, "errno", None)
