@@ -309,6 +309,7 @@ class SnapshotStore:
             how = "already stored" if e.n_tokens == n else f"prefix of {e.name}"
             log.info("[KV-DISK] skipped %d-token KV -> %s (%s)", n, e.name, how)
             return
+        known = 0 if base is None else base.n_tokens  # rows already on disk: not new KV, even if rewritten
         if base is not None and depth + 1 > self.max_chain:  # bound the chain: one full file instead
             log.info("[KV-DISK] chain of %s has %d file(s) (max_chain %d): writing %d tokens as one file",
                      base.name, depth, self.max_chain, n)
@@ -352,7 +353,7 @@ class SnapshotStore:
             return
         secs = time.monotonic() - t0
         entry = Entry(name, self.ns / name, tokens, written, time.time(), job.spans, ref, trailer_crc)
-        new_kv = (n - entry.row0) * self.geometry.kv_bytes_per_token
+        new_kv = (n - known) * self.geometry.kv_bytes_per_token
         with self._lock:
             self._index[name] = entry
             self._counters["saves"] += 1
@@ -362,12 +363,13 @@ class SnapshotStore:
             self._degraded.clear()
             rate = written / max(secs, 1e-6)
             self.write_bps = rate if self.write_bps is None else 0.7 * self.write_bps + 0.3 * rate
-            self.last_save = {"name": name, "tokens": n, "new_rows": n - entry.row0, "bytes": written,
+            self.last_save = {"name": name, "tokens": n, "new_rows": n - known, "bytes": written,
                               "new_kv_bytes": new_kv, "base": None if ref is None else ref.name}
             orphaned = ref is not None and ref.name not in self._index  # base gone meanwhile (quarantined)
         self.io.add(self.ns, written, new_kv)
-        delta = (f"; delta on {ref.name}: {n - ref.n_tokens} new rows, written/new KV {written / new_kv:.3f}"
-                 if ref is not None else "")
+        delta = (f"; delta on {ref.name}: {n - known} new rows, written/new KV {written / new_kv:.3f}"
+                 if ref is not None else (f"; {n - known} new rows, written/new KV {written / new_kv:.3f}"
+                                          if known else ""))
         log.info("[KV-DISK] saved %d-token KV -> %s (%d bytes, %.1f ms, %.1f MB/s)%s",
                  n, name, written, secs * 1e3, mbps(written, secs), delta)
         if orphaned:
