@@ -54,17 +54,22 @@ def bench() -> None:
 @click.option("--preset", type=click.Choice(["qwen3-vl-2b"]), default="qwen3-vl-2b", show_default=True)
 @click.option("--layers", type=click.IntRange(1), default=None, help="Fewer layers than the preset's.")
 @click.option("--kv-bs", type=click.IntRange(1), default=DEFAULTS.kv_bs, show_default=True)
-@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True)
+@click.option("--repeats", type=click.IntRange(0), default=3, show_default=True,
+              help="Save/restore repeats per context (0: only the write budget).")
 @click.option("--scan-files", type=click.IntRange(1), default=DEFAULTS.disk_kv_max_files, show_default=True)
 @click.option("--scan-tokens", type=click.IntRange(1), default=None, help="[default: smallest context]")
+@click.option("--turns", type=click.IntRange(0), default=6, show_default=True,
+              help="Write budget: a conversation growing from the smallest to the largest context over this "
+                   "many turns, saved as deltas and as full rewrites (0 skips it).")
 @click.option("--out", default="benchmarks/results", show_default=True, help=OUT_HELP)
-def restore_cmd(data_dir, contexts, preset, layers, kv_bs, repeats, scan_files, scan_tokens, out) -> None:
-    """Save / cold restore / index scan of synthetic KV vs raw write+fsync and cold read."""
-    run_restore(data_dir, _ints(contexts), preset, layers, kv_bs, repeats, scan_files, scan_tokens, out)
+def restore_cmd(data_dir, contexts, preset, layers, kv_bs, repeats, scan_files, scan_tokens, turns, out) -> None:
+    """Save / cold restore / index scan of synthetic KV vs raw write+fsync and cold read; the write
+    budget of a multi-turn conversation (delta vs full rewrite)."""
+    run_restore(data_dir, _ints(contexts), preset, layers, kv_bs, repeats, scan_files, scan_tokens, out, turns)
 
 
 def run_restore(data_dir, contexts, preset="qwen3-vl-2b", layers=None, kv_bs=DEFAULTS.kv_bs, repeats=3, scan_files=DEFAULTS.disk_kv_max_files,
-                scan_tokens=None, out="benchmarks/results") -> Path:
+                scan_tokens=None, out="benchmarks/results", turns=6) -> Path:
     from edge_llm.bench import restore as B
     from edge_llm.bench.disk import new_results_dir
     from edge_llm.config import Geometry
@@ -78,9 +83,14 @@ def run_restore(data_dir, contexts, preset="qwen3-vl-2b", layers=None, kv_bs=DEF
     with _progress() as prog:
         task = prog.add_task("restore bench", total=None)
         try:
+            step = lambda msg: prog.update(task, description=msg)  # noqa: E731
             res = B.run(work / res_dir.name, g, contexts, kv_bs=kv_bs, scan_files=scan_files,
-                        scan_tokens=scan_tokens, repeats=repeats,
-                        progress=lambda msg: prog.update(task, description=msg))
+                        scan_tokens=scan_tokens, repeats=repeats, progress=step) if repeats else {}
+            if turns >= 2:
+                from edge_llm.bench import conversation as C
+
+                res["write_budget"] = C.write_budget(work / res_dir.name, g, kv_bs, min(contexts), max(contexts),
+                                                     turns, step=step)
         except (OSError, MemoryError) as e:
             raise click.ClickException(str(e)) from None
         finally:
@@ -89,7 +99,11 @@ def run_restore(data_dir, contexts, preset="qwen3-vl-2b", layers=None, kv_bs=DEF
             shutil.rmtree(work / res_dir.name, ignore_errors=True)
     res["preset"], res["layers_reduced"] = preset, bool(layers)
     res["command"] = " ".join(sys.argv)
-    md = B.markdown(res)
+    md = B.markdown(res) if res.get("contexts") else ""
+    if "write_budget" in res:
+        from edge_llm.bench import conversation as C
+
+        md += "\n## Write budget of a conversation\n\n" + C.markdown(res["write_budget"])
     (res_dir / "restore.json").write_text(json.dumps(res, indent=2) + "\n")
     (res_dir / "restore.md").write_text(md)
     _show(res_dir, md)
