@@ -182,7 +182,9 @@ def test_sigterm_during_prefill_saves_completed_rows_and_a_restart_resumes(tiny_
         done = int(m.group(1))
         # the stop budget's middle term: with grace 0, at most the chunk in flight (+ a status in flight)
         assert at_sigterm <= done <= at_sigterm + 2 * CHUNK and done % CHUNK == 0 and done < len(prompt) - 1
-        assert f"stop: flushing a {done}-token snapshot" in log
+        # a tiny model's save may be done before the stop path looks; when it is not, the stop
+        # path says what it flushes
+        assert f"stop: flushing a {done}-token snapshot" in log or "stop: flushing" not in log
         saved = log.index(f"[KV-DISK] saved {done}-token KV")
         assert saved < log.index("=== edge-llm exit", saved)  # on disk before the process ended
     finally:
