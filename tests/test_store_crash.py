@@ -44,13 +44,13 @@ def check_namespace(kv_dir: Path, last_saved: tuple[int, int] | None, seed: int)
         rows = 0
         for e in store.entries():
             fmt.verify_file(e.path, W.GEOMETRY, W.IDENTITY.model_id)
-            seed, branch = W.origin(int(e.tokens[0]))
+            f_seed, f_branch = W.origin(int(e.tokens[0]))  # the files of earlier trials stay too
             n = e.n_tokens
-            assert e.tokens.tolist() == W.tokens_for(seed, branch, n)
+            assert e.tokens.tolist() == W.tokens_for(f_seed, f_branch, n)
             cache.data[:] = np.nan
             res = store.restore(Hit(e, n), cache)
             assert res.n_tokens == n and cache.tokens == e.tokens.tolist()
-            want = W.rows_for(seed, branch, n).view(np.uint32)
+            want = W.rows_for(f_seed, f_branch, n).view(np.uint32)
             assert np.array_equal(cache.data[:, :, :n].view(np.uint32), want)
             rows += n
         if last_saved is not None:  # published before the kill: it (or a longer extension) must restore

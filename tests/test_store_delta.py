@@ -184,16 +184,16 @@ def test_delta_is_not_published_without_its_base(tmp_path, monkeypatch):
     s = new_store(tmp_path)
     save(s, cache_for(conv(40)))
     base = s.entries()[0]
-    from edge_llm.snapshot import store as store_mod
+    from edge_llm.snapshot import saving as saving_mod
 
-    real = store_mod.publish_file
+    real = saving_mod.publish_file
 
     def racing(*a, **kw):
         out = real(*a, **kw)
-        s._drop_quarantined(s._index[base.name], "block-crc: simulated")
+        s.catalog.drop_quarantined(s.catalog.index[base.name], "block-crc: simulated")
         return out
 
-    monkeypatch.setattr(store_mod, "publish_file", racing)
+    monkeypatch.setattr(saving_mod, "publish_file", racing)
     save(s, cache_for(conv(80)))
     assert s.stats()["files"] == 0 and not list(s.ns.glob("kv_*.kv"))
     s.close()
@@ -208,7 +208,7 @@ from tests.test_store_delta import new_store, save, cache_for, conv
 s = new_store({str(tmp_path / 'home' / 'kv')!r})
 for n in (40, 80):
     save(s, cache_for(conv(n)))
-s._drop_quarantined(s.entries()[0], "test")
+s.catalog.drop_quarantined(s.entries()[0], "test")
 s.close()
 """
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.getcwd())

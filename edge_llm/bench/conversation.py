@@ -32,8 +32,7 @@ def write_budget(directory: Path, geometry: Geometry, kv_bs: int, start: int = 2
     tokens = fill_random(src, end, np.random.default_rng(seed))
     out: dict = {"turn_tokens": sizes, "layouts": {}}
     for label, chain in (("delta", 8), ("full", 1)):
-        store = bench_store(directory, geometry, kv_bs, end, f"conversation-{label}", max_files=2)
-        store.max_chain = chain
+        store = bench_store(directory, geometry, kv_bs, end, f"conversation-{label}", max_files=2, max_chain=chain)
         rows = []
         try:
             for n in sizes:
