@@ -8,9 +8,12 @@ never imports tools/).
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from contextlib import ExitStack
 from pathlib import Path
+from typing import NamedTuple
 
 import click
 from rich.console import Console
@@ -61,16 +64,64 @@ def bench() -> None:
 @click.option("--turns", type=click.IntRange(0), default=6, show_default=True,
               help="Write budget: a conversation growing from the smallest to the largest context over this "
                    "many turns, saved as deltas and as full rewrites (0 skips it).")
+@click.option("--ttft-models", default="synth", show_default=True,
+              help="Restored TTFT (sequential vs pipelined vs bound) and the cost gate vs the alternatives "
+                   "measured, on real models: 'synth' (Qwen3-VL-2B geometry, --ttft-layers layers), 'tiny', "
+                   "'default' or a model dir, comma-separated ('' skips).")
+@click.option("--ttft-layers", type=click.IntRange(1), default=4, show_default=True,
+              help="Decoder layers of the 'synth' model (28: the whole Qwen3-VL-2B).")
+@click.option("--ttft-contexts", default="2048,8192", show_default=True, help="Restored prefix sizes in tokens.")
+@click.option("--tail", type=click.IntRange(1), default=64, show_default=True,
+              help="New tokens after the restored prefix (computed behind the restore).")
+@click.option("--ttft-repeats", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--throttle-mbps", default="", metavar="MBPS[,MBPS]",
+              help="Also run on a loop-mounted directory throttled to this many MB/s (reads and writes, a "
+                   "cgroup v1 blkio limit), e.g. 200 for an eMMC. Needs root.")
 @click.option("--out", default="benchmarks/results", show_default=True, help=OUT_HELP)
-def restore_cmd(data_dir, contexts, preset, layers, kv_bs, repeats, scan_files, scan_tokens, turns, out) -> None:
+def restore_cmd(data_dir, contexts, preset, layers, kv_bs, repeats, scan_files, scan_tokens, turns, ttft_models,
+                ttft_layers, ttft_contexts, tail, ttft_repeats, throttle_mbps, out) -> None:
     """Save / cold restore / index scan of synthetic KV vs raw write+fsync and cold read; the write
-    budget of a multi-turn conversation (delta vs full rewrite)."""
-    run_restore(data_dir, _ints(contexts), preset, layers, kv_bs, repeats, scan_files, scan_tokens, out, turns)
+    budget of a multi-turn conversation (delta vs full rewrite); restored TTFT sequential vs
+    pipelined vs max(read, tail) and the cost gate's choices vs the alternatives measured, on
+    --dir and on throttled directories."""
+    ttft = TTFT([m for m in ttft_models.split(",") if m.strip()], ttft_layers, _ints(ttft_contexts), tail,
+                ttft_repeats)
+    rates = [float(x) for x in throttle_mbps.split(",") if x.strip()] if throttle_mbps else []
+    run_restore(data_dir, _ints(contexts), preset, layers, kv_bs, repeats, scan_files, scan_tokens, out, turns,
+                ttft, rates)
+
+
+class TTFT(NamedTuple):
+    models: list[str]
+    layers: int = 4
+    contexts: list[int] = [2048, 8192]
+    tail: int = 64
+    repeats: int = 2
+
+
+def ttft_model(spec: str, layers: int) -> tuple[str, Path]:
+    """(label, model dir) of a --ttft-models entry; synthetic checkpoints are made on first use."""
+    from edge_llm.models.default import resolve_model_dir
+
+    if spec == "synth":
+        return f"Qwen3-VL-2B geometry, {layers} of 28 layers", synth_model(layers)
+    if spec == "tiny":
+        from edge_llm.models.synth import synth_checkpoint
+        from edge_llm.settings import home_dir
+
+        path = home_dir() / "models" / "synth-tiny"
+        if not (path / "config.json").is_file():
+            synth_checkpoint(path, preset="tiny")
+        return "tiny (synthetic, 2 layers)", path
+    path = Path(resolve_model_dir(spec))
+    return path.name, path
 
 
 def run_restore(data_dir, contexts, preset="qwen3-vl-2b", layers=None, kv_bs=DEFAULTS.kv_bs, repeats=3, scan_files=DEFAULTS.disk_kv_max_files,
-                scan_tokens=None, out="benchmarks/results", turns=6) -> Path:
+                scan_tokens=None, out="benchmarks/results", turns=6, ttft: TTFT | None = None,
+                throttle: list[float] = ()) -> Path:
     from edge_llm.bench import restore as B
+    from edge_llm.bench import throttle as TH
     from edge_llm.bench.disk import new_results_dir
     from edge_llm.config import Geometry
     from edge_llm.settings import home_dir
@@ -78,32 +129,60 @@ def run_restore(data_dir, contexts, preset="qwen3-vl-2b", layers=None, kv_bs=DEF
     g = B.PRESETS[preset]
     if layers:
         g = Geometry(layers, g.n_kv_heads, g.head_dim)
+    if throttle:
+        try:
+            TH.check_supported()
+        except TH.ThrottleError as e:
+            raise click.ClickException(str(e)) from None
+    models = [ttft_model(m, ttft.layers) for m in ttft.models] if ttft and ttft.models else []
     res_dir = new_results_dir(out, "restore")
     work = Path(data_dir) if data_dir else home_dir() / "bench"
-    with _progress() as prog:
+    res: dict = {}
+    with _progress() as prog, ExitStack() as stack:
         task = prog.add_task("restore bench", total=None)
+        step = lambda msg: prog.update(task, description=msg)  # noqa: E731
         try:
-            step = lambda msg: prog.update(task, description=msg)  # noqa: E731
-            res = B.run(work / res_dir.name, g, contexts, kv_bs=kv_bs, scan_files=scan_files,
-                        scan_tokens=scan_tokens, repeats=repeats, progress=step) if repeats else {}
+            disks = [("disk", work / res_dir.name, None)]
+            stack.callback(shutil.rmtree, work / res_dir.name, True)
+            for rate in throttle:
+                step(f"throttled directory at {rate:g} MB/s")
+                size = _throttled_size(g, contexts, kv_bs, repeats, models, ttft)
+                td = stack.enter_context(TH.throttled_dir(work, size, rate))
+                disks.append((f"throttled {rate:g} MB/s", td.path, td))
+            for label, path, td in disks:
+                if repeats:
+                    r = B.run(path / "restore", g, contexts, kv_bs=kv_bs, scan_files=scan_files,
+                              scan_tokens=scan_tokens, repeats=repeats, progress=step)
+                    if td is None:
+                        res.update(r)
+                    else:
+                        res.setdefault("throttled", []).append({"label": label, "throttle": td.to_dict(), **r})
             if turns >= 2:
                 from edge_llm.bench import conversation as C
 
                 res["write_budget"] = C.write_budget(work / res_dir.name, g, kv_bs, min(contexts), max(contexts),
                                                      turns, step=step)
-        except (OSError, MemoryError) as e:
-            raise click.ClickException(str(e)) from None
-        finally:
-            import shutil
+            if models:
+                from edge_llm.bench import ttft as T
 
-            shutil.rmtree(work / res_dir.name, ignore_errors=True)
+                tdisks = [T.Disk(label, path / "ttft", None if td is None else td.to_dict()["raw_after"])
+                          for label, path, td in disks]
+                res["ttft"] = T.run(models, tdisks, ttft.contexts, ttft.tail, ttft.repeats, kv_bs, step)
+        except (OSError, MemoryError, TH.ThrottleError) as e:
+            raise click.ClickException(str(e)) from None
     res["preset"], res["layers_reduced"] = preset, bool(layers)
     res["command"] = " ".join(sys.argv)
     md = B.markdown(res) if res.get("contexts") else ""
+    for t in res.get("throttled", []):
+        md += f"\n## {t['label']} (loop device, cgroup blkio limit)\n\n" + B.markdown(t)
     if "write_budget" in res:
         from edge_llm.bench import conversation as C
 
         md += "\n## Write budget of a conversation\n\n" + C.markdown(res["write_budget"])
+    if "ttft" in res:
+        from edge_llm.bench import ttft as T
+
+        md += "\n## Restored TTFT and the cost gate\n\n" + T.markdown(res["ttft"])
     (res_dir / "restore.json").write_text(json.dumps(res, indent=2) + "\n")
     (res_dir / "restore.md").write_text(md)
     _show(res_dir, md)
@@ -117,10 +196,18 @@ def run_restore(data_dir, contexts, preset="qwen3-vl-2b", layers=None, kv_bs=DEF
 @click.option("--contexts", default="512,2048", show_default=True, help="Context sizes in tokens.")
 @click.option("--max-tokens", type=click.IntRange(1), default=8, show_default=True)
 @click.option("--ready-timeout", type=float, default=600.0, show_default=True)
+@click.option("--restore-modes", default="sequential,pipelined", show_default=True,
+              help="One S2 per mode on the same files (the last one fills the main table).")
 @click.option("--out", default="benchmarks/results", show_default=True, help=OUT_HELP)
-def recovery_cmd(model, synth_layers, contexts, max_tokens, ready_timeout, out) -> None:
-    """S1 cold prefill + snapshot, kill, S2 restore + tail: TTFT vs the disk's lower bound."""
-    run_recovery(model, synth_layers, _ints(contexts), max_tokens, ready_timeout, out)
+def recovery_cmd(model, synth_layers, contexts, max_tokens, ready_timeout, restore_modes, out) -> None:
+    """S1 cold prefill + snapshot, kill, S2 restore + tail (sequential and pipelined): TTFT vs the
+    disk's lower bound and vs max(read, tail)."""
+    from edge_llm.settings import RESTORE_MODES
+
+    modes = tuple(m.strip() for m in restore_modes.split(",") if m.strip())
+    if not modes or any(m not in RESTORE_MODES for m in modes):
+        raise click.BadParameter(f"choose from {', '.join(RESTORE_MODES)}", param_hint="--restore-modes")
+    run_recovery(model, synth_layers, _ints(contexts), max_tokens, ready_timeout, out, modes)
 
 
 def synth_model(layers: int, vision: bool = False) -> Path:
@@ -136,8 +223,21 @@ def synth_model(layers: int, vision: bool = False) -> Path:
     return path
 
 
+def _throttled_size(g, contexts, kv_bs, repeats, models, ttft) -> int:
+    """Bytes the throttled filesystem must hold: a raw probe + a snapshot (synthetic section) or
+    one file per context and model (TTFT section), whichever is larger, + the raw probe file."""
+    from edge_llm.config import ModelArgs
+    from edge_llm.snapshot.format import snapshot_size
+
+    need = 2 * snapshot_size(g.n_layers, max(contexts), g.kv_dim, kv_bs) if repeats else 0
+    for _, d in models:
+        mg = ModelArgs.from_dir(d).geometry
+        need = max(need, sum(snapshot_size(mg.n_layers, n, mg.kv_dim, kv_bs) for n in ttft.contexts))
+    return int(need * 1.2) + (512 << 20)
+
+
 def run_recovery(model, synth_layers, contexts, max_tokens=8, ready_timeout=600.0,
-                 out="benchmarks/results") -> Path:
+                 out="benchmarks/results", modes=("sequential", "pipelined")) -> Path:
     from edge_llm.bench import recovery as B
     from edge_llm.bench.disk import new_results_dir
     from edge_llm.config import ModelArgs
@@ -161,7 +261,7 @@ def run_recovery(model, synth_layers, contexts, max_tokens=8, ready_timeout=600.
         for ctx in contexts:
             try:
                 row = B.run_context(model, g, ctx, res_dir, max_tokens, ready_timeout,
-                                    step=lambda msg: prog.update(task, description=msg), encode=encode)
+                                    step=lambda msg: prog.update(task, description=msg), encode=encode, modes=modes)
             except Exception as e:  # a failed context is reported, the others still run
                 console.print(f"[red]context {ctx} failed: {e}[/red]")
                 row = {"context": ctx, "error": str(e)}
@@ -257,7 +357,7 @@ def run_compute(args: list[str]) -> None:
 def all_cmd(synth_layers, contexts, out) -> None:
     """What `make bench` runs: restore (2K, 8K), recovery (default model, small contexts), compute."""
     ctx = _ints(contexts) if contexts else ([2048, 8192] if synth_layers else [512, 2048])
-    run_restore(None, [2048, 8192], out=out)
+    run_restore(None, [2048, 8192], out=out, ttft=TTFT(["synth"]))
     run_recovery("default", synth_layers, ctx, out=out)
     if compute_script() is not None:
         run_compute(["--layers", str(synth_layers or 4)])
