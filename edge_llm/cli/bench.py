@@ -147,7 +147,8 @@ def run_restore(data_dir, contexts, preset="qwen3-vl-2b", layers=None, kv_bs=DEF
             for rate in throttle:
                 step(f"throttled directory at {rate:g} MB/s")
                 size = _throttled_size(g, contexts, kv_bs, repeats, models, ttft)
-                td = stack.enter_context(TH.throttled_dir(work, size, rate))
+                probe = int(min(max(3 * rate * 1e6, 8 << 20), 256 << 20))  # ~3 s of raw I/O at the limit
+                td = stack.enter_context(TH.throttled_dir(work, size, rate, probe))
                 disks.append((f"throttled {rate:g} MB/s", td.path, td))
             for label, path, td in disks:
                 if repeats:
