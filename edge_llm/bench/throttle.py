@@ -79,6 +79,20 @@ def _own_blkio_cgroup() -> Path:
     return BLKIO
 
 
+def fs_size(geometry, synthetic_tokens: int, models: list[tuple[str, Path]], contexts: list[int], kv_bs: int) -> int:
+    """Bytes the throttled filesystem must hold: a synthetic snapshot of `synthetic_tokens` rows
+    next to the raw probe of the same size, or one snapshot per context and model, whichever
+    is more, with room to spare."""
+    from edge_llm.config import ModelArgs
+    from edge_llm.snapshot.format import snapshot_size
+
+    need = 2 * snapshot_size(geometry.n_layers, synthetic_tokens, geometry.kv_dim, kv_bs) if synthetic_tokens else 0
+    for _, d in models:
+        g = ModelArgs.from_dir(d).geometry
+        need = max(need, sum(snapshot_size(g.n_layers, n, g.kv_dim, kv_bs) for n in contexts))
+    return int(need * 1.2) + (512 << 20)
+
+
 @contextmanager
 def throttled_dir(parent: Path, size_bytes: int, mbps: float, probe_bytes: int = 256 << 20) -> Iterator[ThrottledDir]:
     """A directory on a loop-mounted ext4 image of `size_bytes` under `parent`, read and written by

@@ -170,10 +170,16 @@ def _disk_rows(runner: Runner, disk: Disk, label: str, bytes_per_token: int, pre
         ref = logits[SEQUENTIAL][0].view(np.uint32)
         seq, pipe = runs[SEQUENTIAL], runs[PIPELINED]
         read, tail_ms = _median([r["restore_ms"] for r in seq]), _median([r["tail_ms"] for r in seq])
+        best_read, best_tail = min(r["restore_ms"] for r in seq), min(r["tail_ms"] for r in seq)
         row = {"disk": disk.label, "model": label, "context": n, "tail": tail, "prompt": len(prompt),
                "restored_rows": seq[0]["loaded"], "read_ms": read, "tail_ms": tail_ms, "sum_ms": read + tail_ms,
                "bound_ms": max(read, tail_ms), "sequential_ms": _median([r["ttft_ms"] for r in seq]),
                "pipelined_ms": _median([r["ttft_ms"] for r in pipe]),
+               # the fastest run of each: closest to the undisturbed cost on a shared machine
+               "best": {"read_ms": best_read, "tail_ms": best_tail, "sum_ms": best_read + best_tail,
+                        "bound_ms": max(best_read, best_tail), "sequential_ms": min(r["ttft_ms"] for r in seq),
+                        "pipelined_ms": min(r["ttft_ms"] for r in pipe)},
+               "read_tail_runs": [(round(r["restore_ms"], 1), round(r["tail_ms"], 1)) for r in seq],
                "pipelined_reader_ms": _median([r["restore_ms"] for r in pipe]),
                "read_mb_s": seq[0]["loaded"] * bytes_per_token / MB / (read / 1e3) if read else None,
                "bitwise_equal": all(np.array_equal(x.view(np.uint32), ref) for v in logits.values() for x in v),
@@ -231,14 +237,21 @@ def markdown(res: dict) -> str:
              "| disk | raw write MB/s | raw cold read MB/s |", "|---|---:|---:|"]
     lines += [f"| {d['label']} | {d['raw']['write']['mb_s']:.0f} | {d['raw']['read']['mb_s']:.0f} |" for d in res["disks"]]
     lines += ["", "### Restored TTFT: sequential vs pipelined vs the bound", "",
+              "Each cell: median / best of the runs (the best run is the least disturbed on a shared machine).", "",
               "| disk | model | context | read ms (MB/s) | tail ms | sum ms | max(read, tail) ms | sequential ms "
               "| pipelined ms | pipelined / sequential | pipelined / bound | logits bitwise equal |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|"]
     for r in res["rows"]:
-        lines.append(f"| {r['disk']} | {r['model']} | {r['context']} | {r['read_ms']:.0f} ({r['read_mb_s'] or 0:.0f}) "
-                     f"| {r['tail_ms']:.0f} | {r['sum_ms']:.0f} | {r['bound_ms']:.0f} | {r['sequential_ms']:.0f} "
-                     f"| {r['pipelined_ms']:.0f} | {r['pipelined_ms'] / r['sequential_ms']:.2f} "
-                     f"| {r['pipelined_ms'] / r['bound_ms']:.2f} | {'yes' if r['bitwise_equal'] else 'NO'} |")
+        b = r["best"]
+
+        def two(key: str) -> str:
+            return f"{r[key]:.0f} / {b[key]:.0f}"
+
+        lines.append(f"| {r['disk']} | {r['model']} | {r['context']} | {two('read_ms')} ({r['read_mb_s'] or 0:.0f}) "
+                     f"| {two('tail_ms')} | {two('sum_ms')} | {two('bound_ms')} | {two('sequential_ms')} "
+                     f"| {two('pipelined_ms')} | {r['pipelined_ms'] / r['sequential_ms']:.2f} / "
+                     f"{b['pipelined_ms'] / b['sequential_ms']:.2f} | {r['pipelined_ms'] / r['bound_ms']:.2f} / "
+                     f"{b['pipelined_ms'] / b['bound_ms']:.2f} | {'yes' if r['bitwise_equal'] else 'NO'} |")
     lines += ["", "### The cost gate against the alternatives measured", "",
               "| disk | model | context | gate's estimates: read MB/s, prefill rows/s | restore ms (pipelined) "
               "| recompute ms | split ms (rows loaded) | gate: choice (predicted ms) | right? | split mode: choice "

@@ -1,4 +1,4 @@
-"""`edge-llm bench restore|recovery|vision|compute|all`: measured against this machine's own limits.
+"""`edge-llm bench restore|recovery|split|vision|compute|all`: measured against this machine's own limits.
 
 Results go to a new dated folder `<out>/<UTC>-<kind>/` (JSON + Markdown, + PNG for recovery).
 `compute` runs tools/bench_compute.py from a source checkout as a separate process (the package
@@ -19,6 +19,7 @@ import click
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from edge_llm.bench.models import bench_model, synth_model
 from edge_llm.settings import DEFAULTS
 
 console = Console()
@@ -99,24 +100,6 @@ class TTFT(NamedTuple):
     repeats: int = 2
 
 
-def ttft_model(spec: str, layers: int) -> tuple[str, Path]:
-    """(label, model dir) of a --ttft-models entry; synthetic checkpoints are made on first use."""
-    from edge_llm.models.default import resolve_model_dir
-
-    if spec == "synth":
-        return f"Qwen3-VL-2B geometry, {layers} of 28 layers", synth_model(layers)
-    if spec == "tiny":
-        from edge_llm.models.synth import synth_checkpoint
-        from edge_llm.settings import home_dir
-
-        path = home_dir() / "models" / "synth-tiny"
-        if not (path / "config.json").is_file():
-            synth_checkpoint(path, preset="tiny")
-        return "tiny (synthetic, 2 layers)", path
-    path = Path(resolve_model_dir(spec))
-    return path.name, path
-
-
 def run_restore(data_dir, contexts, preset="qwen3-vl-2b", layers=None, kv_bs=DEFAULTS.kv_bs, repeats=3, scan_files=DEFAULTS.disk_kv_max_files,
                 scan_tokens=None, out="benchmarks/results", turns=6, ttft: TTFT | None = None,
                 throttle: list[float] = ()) -> Path:
@@ -134,7 +117,7 @@ def run_restore(data_dir, contexts, preset="qwen3-vl-2b", layers=None, kv_bs=DEF
             TH.check_supported()
         except TH.ThrottleError as e:
             raise click.ClickException(str(e)) from None
-    models = [ttft_model(m, ttft.layers) for m in ttft.models] if ttft and ttft.models else []
+    models = [bench_model(m, ttft.layers) for m in ttft.models] if ttft and ttft.models else []
     res_dir = new_results_dir(out, "restore")
     work = Path(data_dir) if data_dir else home_dir() / "bench"
     res: dict = {}
@@ -146,7 +129,7 @@ def run_restore(data_dir, contexts, preset="qwen3-vl-2b", layers=None, kv_bs=DEF
             stack.callback(shutil.rmtree, work / res_dir.name, True)
             for rate in throttle:
                 step(f"throttled directory at {rate:g} MB/s")
-                size = _throttled_size(g, contexts, kv_bs, repeats, models, ttft)
+                size = TH.fs_size(g, max(contexts) if repeats else 0, models, ttft.contexts if ttft else [], kv_bs)
                 probe = int(min(max(3 * rate * 1e6, 8 << 20), 256 << 20))  # ~3 s of raw I/O at the limit
                 td = stack.enter_context(TH.throttled_dir(work, size, rate, probe))
                 disks.append((f"throttled {rate:g} MB/s", td.path, td))
@@ -211,32 +194,6 @@ def recovery_cmd(model, synth_layers, contexts, max_tokens, ready_timeout, resto
     run_recovery(model, synth_layers, _ints(contexts), max_tokens, ready_timeout, out, modes)
 
 
-def synth_model(layers: int, vision: bool = False) -> Path:
-    """$EDGE_LLM_HOME/models/synth-qwen3-vl-2b-<N>l[-vision], written by `edge-llm model synth` if
-    missing (the vision tower only when asked: it adds ~0.8 GB)."""
-    from edge_llm.settings import home_dir
-
-    path = home_dir() / "models" / f"synth-qwen3-vl-2b-{layers}l{'-vision' if vision else ''}"
-    if not (path / "config.json").is_file():
-        console.print(f"writing synthetic checkpoint {path} ...")
-        subprocess.run([sys.executable, "-m", "edge_llm", "model", "synth", "--preset", "qwen3-vl-2b",
-                        "--layers", str(layers), "--vision" if vision else "--no-vision", str(path)], check=True)
-    return path
-
-
-def _throttled_size(g, contexts, kv_bs, repeats, models, ttft) -> int:
-    """Bytes the throttled filesystem must hold: a raw probe + a snapshot (synthetic section) or
-    one file per context and model (TTFT section), whichever is larger, + the raw probe file."""
-    from edge_llm.config import ModelArgs
-    from edge_llm.snapshot.format import snapshot_size
-
-    need = 2 * snapshot_size(g.n_layers, max(contexts), g.kv_dim, kv_bs) if repeats else 0
-    for _, d in models:
-        mg = ModelArgs.from_dir(d).geometry
-        need = max(need, sum(snapshot_size(mg.n_layers, n, mg.kv_dim, kv_bs) for n in ttft.contexts))
-    return int(need * 1.2) + (512 << 20)
-
-
 def run_recovery(model, synth_layers, contexts, max_tokens=8, ready_timeout=600.0,
                  out="benchmarks/results", modes=("sequential", "pipelined")) -> Path:
     from edge_llm.bench import recovery as B
@@ -279,6 +236,33 @@ def run_recovery(model, synth_layers, contexts, max_tokens=8, ready_timeout=600.
     if len(ok) != len(res["rows"]):
         raise click.ClickException("some contexts failed (see above)")
     return res_dir
+
+
+@bench.command("split")
+@click.option("--models", default="tiny,default", show_default=True,
+              help="'tiny', 'default', 'synth' (--synth-layers) or model dirs, comma-separated.")
+@click.option("--synth-layers", type=click.IntRange(1), default=4, show_default=True)
+@click.option("--contexts", default="512,2048", show_default=True, help="History sizes in tokens.")
+@click.option("--max-tokens", type=click.IntRange(1), default=32, show_default=True,
+              help="Greedy tokens compared with the bitwise path.")
+@click.option("--kv-bs", type=click.IntRange(1), default=DEFAULTS.kv_bs, show_default=True)
+@click.option("--out", default="benchmarks/results", show_default=True, help=OUT_HELP)
+def split_cmd(models, synth_layers, contexts, max_tokens, kv_bs, out) -> None:
+    """Split mode's distance from the bitwise path: logit differences and greedy agreement when only
+    the front of a snapshot is loaded and the rest recomputed."""
+    from edge_llm.bench import split as SP
+    from edge_llm.bench.disk import new_results_dir
+
+    specs = [bench_model(m.strip(), synth_layers) for m in models.split(",") if m.strip()]
+    res_dir = new_results_dir(out, "bench-split")
+    with _progress() as prog:
+        task = prog.add_task("split bench")
+        res = SP.run(specs, _ints(contexts), max_tokens, kv_bs, lambda msg: prog.update(task, description=msg))
+    res["command"] = " ".join(sys.argv)
+    (res_dir / "split.json").write_text(json.dumps(res, indent=2) + "\n")
+    md = SP.markdown(res)
+    (res_dir / "split.md").write_text(md)
+    _show(res_dir, md)
 
 
 @bench.command("vision")
