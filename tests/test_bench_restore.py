@@ -157,6 +157,7 @@ def test_throttled_dir_really_throttles_and_is_undone(tmp_path):
         assert td.path.is_mount() and td.raw_after.read.mb_s < 1.5 * 40 < td.raw_before.read.mb_s
         assert td.raw_after.write.mb_s < 1.5 * 40
         assert "edge-llm-bench" in open("/proc/self/cgroup").read()
+        assert f"| 40 | {td.device} |" in TH.markdown([td.to_dict()])
         dev = td.device
     assert open("/proc/self/cgroup").read() == before and not list(tmp_path.iterdir())
     assert dev not in subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout

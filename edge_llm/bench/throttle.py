@@ -132,3 +132,13 @@ def throttled_dir(parent: Path, size_bytes: int, mbps: float, probe_bytes: int =
             raise ThrottleError(f"the blkio limit of {mbps:.0f} MB/s on {device} does not hold: raw read "
                                 f"{raw_after.read.mb_s:.0f} MB/s, write {raw_after.write.mb_s:.0f} MB/s")
         yield ThrottledDir(mnt, device, mbps, raw_before, raw_after)
+
+
+def markdown(throttles: list[dict]) -> str:
+    """The raw I/O of each throttled directory without and with its limit (`ThrottledDir.to_dict`)."""
+    lines = ["| limit MB/s | device | raw write / cold read MB/s without the limit | with it |", "|---:|---|---:|---:|"]
+    for t in throttles:
+        b, a = t["raw_before"], t["raw_after"]
+        lines.append(f"| {t['mbps']:g} | {t['device']} | {b['write']['mb_s']:.0f} / {b['read']['mb_s']:.0f} "
+                     f"| {a['write']['mb_s']:.0f} / {a['read']['mb_s']:.0f} |")
+    return "\n".join(lines) + "\n"

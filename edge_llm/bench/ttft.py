@@ -239,7 +239,7 @@ def run(models: list[tuple[str, Path]], disks: list[Disk], contexts: list[int], 
 
 
 def markdown(res: dict) -> str:
-    load = "/".join(f"{x:.1f}" for x in res["load_before"][:1] + res["load_after"][:1])
+    load = "/".join(f"{x:.1f}" for x in (res["load_before"][0], res["load_after"][0]))
     lines = [f"Tail {res['tail']} new tokens after the restored context; medians of {res['repeats']} cold runs per "
              f"mode, in rotation; BLAS {res['blas']}; load average {load} (start/end, 2 cores).", "",
              "| disk | raw write MB/s | raw cold read MB/s |", "|---|---:|---:|"]

@@ -133,6 +133,7 @@ def run_restore(data_dir, contexts, preset="qwen3-vl-2b", layers=None, kv_bs=DEF
                 probe = int(min(max(3 * rate * 1e6, 8 << 20), 256 << 20))  # ~3 s of raw I/O at the limit
                 td = stack.enter_context(TH.throttled_dir(work, size, rate, probe))
                 disks.append((f"throttled {rate:g} MB/s", td.path, td))
+                res.setdefault("throttles", []).append(td.to_dict())  # raw I/O before and after the limit
             for label, path, td in disks:
                 if repeats:
                     r = B.run(path / "restore", g, contexts, kv_bs=kv_bs, scan_files=scan_files,
@@ -157,6 +158,8 @@ def run_restore(data_dir, contexts, preset="qwen3-vl-2b", layers=None, kv_bs=DEF
     res["preset"], res["layers_reduced"] = preset, bool(layers)
     res["command"] = " ".join(sys.argv)
     md = B.markdown(res) if res.get("contexts") else ""
+    if res.get("throttles"):
+        md += "\n## Throttled directories (loop device, cgroup v1 blkio limit)\n\n" + TH.markdown(res["throttles"])
     for t in res.get("throttled", []):
         md += f"\n## {t['label']} (loop device, cgroup blkio limit)\n\n" + B.markdown(t)
     if "write_budget" in res:
