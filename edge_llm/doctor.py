@@ -2,7 +2,8 @@
 
 Every filesystem path is read below `sysroot` (default "/"), so tests can point the checks at
 a fabricated /sys, /proc, /dev and /etc tree and exercise the RK3588 branch on any machine.
-On machines that are not an RK3588 the NPU items report "n/a" instead of failing.
+On machines that are not an RK3588 the NPU items report "n/a" instead of failing (on other
+aarch64 machines the rknn-toolkit-lite2 package is still checked, as a warning at worst).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import math
 import platform
 import re
+import resource
 import shutil
 import stat
 import subprocess
@@ -35,6 +37,7 @@ SERVICE_USER = "edge-llm"
 UNIT_PATH = "etc/systemd/system/edge-llm.service"
 LIB_DIRS = ("usr/lib", "usr/lib64", "usr/lib/aarch64-linux-gnu", "usr/local/lib", "lib")
 GOOD_FS = ("ext4", "f2fs", "xfs", "btrfs")
+NOFILE_NPU = 4096
 # JEDEC eMMC 5.0 EXT_CSD DEVICE_LIFE_TIME_EST_TYP_A/B and PRE_EOL_INFO encodings
 _LIFE = {i: f"{(i - 1) * 10}-{i * 10}% of rated erase cycles used" for i in range(1, 11)}
 _LIFE[0x0B] = "rated erase cycles exceeded"
@@ -62,6 +65,7 @@ class Doctor:
         compat = self._read("proc/device-tree/compatible").replace("\0", " ").strip()
         self.rk3588 = "rockchip,rk3588" in compat
         self.not_rk = f"not an RK3588 (machine: {platform.machine()})"
+        self.aarch64 = platform.machine() == "aarch64"
         self._model: tuple[str, int, int] | None = None  # (label, weight F32 bytes, KV bytes/token)
 
     # ---- helpers ---------------------------------------------------------------------
@@ -79,14 +83,16 @@ class Doctor:
         return sorted(Path(x) for x in glob.glob(str(self.p(pattern))))
 
     def run(self) -> list[Check]:
-        # (name, function, RK3588 only)
+        # (name, function, RK3588 only); rknn-toolkit-lite2 is also checked on any aarch64 machine,
+        # where the `board` extra installs it (the package, not the NPU)
         checks: list[tuple[str, Callable[[], Check], bool]] = [
             ("python", self.python, False), ("packages", self.packages, False), ("board", self.board, False),
-            ("rknn-toolkit-lite2", self.rknn_lite, True), ("librknnrt", self.librknnrt, True),
+            ("rknn-toolkit-lite2", self.rknn_lite, not self.aarch64), ("librknnrt", self.librknnrt, True),
             ("npu-driver", self.npu_driver, True), ("npu-device", self.npu_device, True),
             ("cpu-governor", self.cpu_governor, False),
             ("npu-governor", lambda: self.devfreq("npu-governor", "*npu*"), True),
             ("ddr-governor", lambda: self.devfreq("ddr-governor", "*dmc*"), True),
+            ("open-files", self.open_files, False), ("rknn-dir", self.rknn_dir, False),
             ("model", self.model, False), ("memory", self.memory, False),
             ("kv-filesystem", self.kv_filesystem, False), ("kv-space", self.kv_space, False),
             ("kv-private", self.kv_private, False),
@@ -149,11 +155,14 @@ class Doctor:
         return Check("board", NA, self.not_rk)
 
     def rknn_lite(self) -> Check:
+        # off an RK3588 the package may import, but there is no NPU for it to drive
+        where = "" if self.rk3588 else f"; no NPU to use it: {self.not_rk}"
         try:
             from rknnlite.api import RKNNLite  # noqa: F401
-            return Check("rknn-toolkit-lite2", PASS, f"rknnlite {md.version('rknn-toolkit-lite2')}")
+            return Check("rknn-toolkit-lite2", PASS, f"rknnlite {md.version('rknn-toolkit-lite2')}{where}")
         except Exception as e:  # ImportError, or the wheel failing to load librknnrt.so
-            return Check("rknn-toolkit-lite2", FAIL, f"import rknnlite.api failed: {e}",
+            return Check("rknn-toolkit-lite2", FAIL if self.rk3588 else WARN,
+                         f"import rknnlite.api failed: {e}{where}",
                          "pip install 'edge-llm[board]' (installs rknn-toolkit-lite2 on aarch64)")
 
     def librknnrt(self) -> Check:
@@ -221,6 +230,35 @@ class Doctor:
             return Check("npu-device", FAIL, detail + "; " + "; ".join(problems),
                          f"usermod -aG render {SERVICE_USER}; `systemctl edit edge-llm`: DeviceAllow=<node> rw")
         return Check("npu-device", PASS, detail)
+
+    def open_files(self) -> Check:
+        """`ulimit -n`: the NPU backend keeps one RKNN context per graph, each with DMA-buffer fds."""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        unit = self._read(UNIT_PATH)
+        m = re.search(r"^LimitNOFILE=(\S+)", unit, re.M)
+        detail = f"ulimit -n {soft} (hard {hard})" + (f"; unit LimitNOFILE={m.group(1)}" if m else "")
+        if self.o.backend in ("rknn", "auto") and soft < NOFILE_NPU and not m:
+            return Check("open-files", WARN, detail + f": below {NOFILE_NPU} for the NPU backend",
+                         "LimitNOFILE=65536 in the unit (shipped), or `ulimit -n 65536` in the shell")
+        return Check("open-files", PASS, detail)
+
+    def rknn_dir(self) -> Check:
+        if self.o.backend not in ("rknn", "auto"):
+            return Check("rknn-dir", NA, f"backend {self.o.backend}")
+        if not self.o.rknn_dir:
+            return Check("rknn-dir", FAIL if self.o.backend == "rknn" else WARN, "no rknn_dir configured",
+                         "edge-llm convert rknn MODEL_DIR OUT_DIR on a host, copy OUT_DIR here, set rknn_dir")
+        from edge_llm.backends.manifest import Manifest  # lazy: only for NPU setups
+        from edge_llm.errors import EdgeLLMError
+
+        try:
+            m = Manifest.read(self.o.rknn_dir)
+            m.rknn_files(Path(self.o.rknn_dir))
+        except EdgeLLMError as e:
+            return Check("rknn-dir", FAIL, str(e), "re-run `edge-llm convert rknn` and copy its output")
+        size = sum(g.rknn_bytes or 0 for g in m.graphs)
+        return Check("rknn-dir", PASS, f"{self.o.rknn_dir}: {len(m.graphs)} graphs ({size / 2**30:.2f} GiB), "
+                     f"rknn-toolkit2 {m.toolkit}, chunks {m.chunks}, from {m.model.get('name')}")
 
     def cpu_governor(self) -> Check:
         govs = {p.name: self._read(p / "scaling_governor")

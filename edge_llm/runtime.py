@@ -18,6 +18,27 @@ from edge_llm.settings import Settings, resolve
 log = logging.getLogger(__name__)
 
 
+def make_backend(s: Settings, model_dir: Path, say: Callable[[str], None] = lambda _t: None):
+    """The backend named by the settings; `auto` logs which one it chose and why."""
+    from edge_llm.backends import get_backend
+    from edge_llm.errors import ConfigError
+
+    name = s.backend
+    if name == "auto":
+        from edge_llm.backends.rknn import resolve_auto
+
+        name, why = resolve_auto(s.rknn_dir, model_dir)
+        log.info("backend auto -> %s (%s)", name, why)
+    if name != "rknn":
+        return get_backend(name)
+    if not s.rknn_dir:
+        raise ConfigError("backend rknn needs rknn_dir (an `edge-llm convert rknn` output directory)")
+    from edge_llm.backends.rknn import open_rknn
+
+    return open_rknn(s.rknn_dir, s.rknn_runner, model_dir=model_dir,
+                     progress=lambda spec: say(f"loading NPU graph {spec.name}"))
+
+
 def load_runtime(settings: Settings, progress: Callable[[str], None] | None = None,
                  import_progress=None) -> Engine:
     """Load model + tokenizer, allocate the KV cache, open and scan the snapshot store.
@@ -31,7 +52,7 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
     say = progress or (lambda _text: None)
     say("resolving model")
     model_dir = Path(resolve_model_dir(s.model, progress=import_progress))
-    model = Model.load(model_dir, backend=s.backend,
+    model = Model.load(model_dir, backend=make_backend(s, model_dir, say),
                        progress=lambda done, total: say(f"loading weights {done}/{total} tensors"))
     vision = None
     if model.args.model_type == "qwen3_vl":
@@ -39,7 +60,8 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
         from edge_llm.vision.preprocess import ImageLimits
 
         say("loading the vision tower")
-        vision = VisionModel.load(model_dir, model.args, backend=s.backend,
+        # the NPU backend covers the text decoder's dense layers; the vision tower stays on the CPU
+        vision = VisionModel.load(model_dir, model.args, backend="cpu",
                                   limits=ImageLimits(s.max_image_bytes, s.max_image_pixels))
     tokenizer = Tokenizer.from_dir(model_dir)
     say("allocating the KV cache")
@@ -61,5 +83,5 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
     engine = Engine(model, tokenizer, cache, store=store, prefill_chunk=s.prefill_chunk,
                     model_dir=model_dir, vision=vision, restore_mode=s.disk_kv_restore)
     log.info("runtime ready: model %s (%s), KV cache %d MiB (max_seq %d)", model_dir.name,
-             s.backend, cache.nbytes >> 20, s.max_seq)
+             model.backend.numerics, cache.nbytes >> 20, s.max_seq)
     return engine

@@ -31,8 +31,9 @@ ENV_PREFIX = "EDGE_LLM_"
 HOME_ENV = "EDGE_LLM_HOME"
 CONFIG_ENV = "EDGE_LLM_CONFIG"
 AUTO = "auto"  # disk_kv / log_file: the default location (resolved by `resolve`)
-BACKEND_NAMES = ("cpu",)
-RESTORE_MODES = ("pipelined", "sequential", "split")  # the registry in edge_llm/backends maps these names to classes
+BACKEND_NAMES = ("cpu", "rknn", "auto")  # edge_llm/runtime.make_backend maps these to backends
+RKNN_RUNNERS = ("auto", "rknnlite", "sim", "onnxruntime")  # docs/npu.md
+RESTORE_MODES = ("pipelined", "sequential", "split")  # how a disk prefix is restored (docs/store.md)
 _OFF = {"", "0", "false", "no", "off", "none"}
 _ON = {"1", "true", "yes", "on", AUTO}
 
@@ -55,7 +56,14 @@ class Settings:
     # ---- model and compute ----------------------------------------------------------------------
     model: str = _opt("default", "HF model directory, or 'default' for the embedded SmolLM2-135M.", str,
                       metavar="DIR")
-    backend: str = _opt("cpu", "Compute backend.", str, choices=BACKEND_NAMES)
+    backend: str = _opt("cpu", "Compute backend: cpu (numpy F32), rknn (the RK3588 NPU, graphs from "
+                        "`edge-llm convert rknn`), auto (rknn when an NPU and a matching rknn_dir exist, "
+                        "else cpu).", str, choices=BACKEND_NAMES)
+    rknn_dir: str | None = _opt(None, "Directory made by `edge-llm convert rknn` (backend rknn/auto).",
+                                "path", nullable=True, metavar="DIR", shown_default="none")
+    rknn_runner: str = _opt("auto", "What runs the rknn graphs: auto (the NPU), rknnlite, sim (the "
+                            "rknn-toolkit2 simulator, hosts only) or onnxruntime (F32).", str,
+                            choices=RKNN_RUNNERS)
     max_seq: int = _opt(8192, "Context window in tokens (prompt + completion); the KV cache is "
                         "preallocated for it.", minimum=1)
     kv_bs: int = _opt(64, "KV rows per snapshot block (the unit of CRC checks and partial restore).",

@@ -241,3 +241,25 @@ def test_gguf_header_walk_matches_gguf_reader(tmp_path: Path) -> None:
     params, bpt = gguf_sizes(path)
     assert params == sum(int(t.n_elements) for t in reader.tensors) == 50 * 48 + 48 * 48
     assert bpt == 2 * 3 * 2 * (48 // 6) * 4
+
+
+def test_npu_backend_checks_rknn_dir_and_open_files(tmp_path: Path, monkeypatch) -> None:
+    import resource
+
+    root = tmp_path / "root"
+    root.mkdir()
+    c = by_name(run_checks(Settings(model="", disk_kv=None, backend="rknn"), sysroot=str(root)))
+    assert c["rknn-dir"].status == FAIL and "no rknn_dir" in c["rknn-dir"].detail
+    d = tmp_path / "rknn"
+    d.mkdir()
+    c = by_name(run_checks(Settings(model="", disk_kv=None, backend="rknn", rknn_dir=str(d)), sysroot=str(root)))
+    assert c["rknn-dir"].status == FAIL and "manifest.json: not found" in c["rknn-dir"].detail
+    assert by_name(run_checks(Settings(model="", disk_kv=None), sysroot=str(root)))["rknn-dir"].status == NA
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (1024, 4096))
+    c = by_name(run_checks(Settings(model="", disk_kv=None, backend="rknn"), sysroot=str(root)))
+    assert c["open-files"].status == WARN and "ulimit -n 1024" in c["open-files"].detail
+    unit = root / "etc/systemd/system/edge-llm.service"
+    unit.parent.mkdir(parents=True)
+    shutil.copy(REPO / "systemd/edge-llm.service", unit)
+    c = by_name(run_checks(Settings(model="", disk_kv=None, backend="rknn"), sysroot=str(root)))
+    assert c["open-files"].status == PASS and "LimitNOFILE=65536" in c["open-files"].detail

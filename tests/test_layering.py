@@ -2,6 +2,7 @@
 
 import ast
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ LAYERS = {
     "snapshot.inspect": 3,
     "snapshot.identity": 4, "snapshot.store": 4, "snapshot": 4,
     "sampling": 5, "engine": 5, "runtime": 5,
-    "server": 6, "bench": 6, "logsetup": 6, "sdnotify": 6, "doctor": 6,
+    "server": 6, "bench": 6, "logsetup": 6, "sdnotify": 6, "doctor": 6, "convert": 6,
     "cli": 7, "__main__": 8, "__init__": 0,
 }
 
@@ -62,6 +63,24 @@ def test_snapshot_never_imports_engine_or_server():
         src = path.read_text()
         for banned in ("edge_llm.engine", "edge_llm.server", "edge_llm.runtime", "edge_llm.cli"):
             assert banned not in src, f"{path.name} imports {banned}"
+
+
+def test_toolkit_is_imported_only_by_the_worker():
+    """rknn-toolkit2 lives in the converter venv: only toolkit_worker.py (run there) imports it,
+    and that file imports nothing of edge_llm; rknnlite is imported lazily by the board runner."""
+    for path in PKG.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        top_level = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            for n in names:
+                if n.split(".")[0] == "rknn":
+                    assert path.name == "toolkit_worker.py", path
+                if n.split(".")[0] == "rknnlite":
+                    assert path.name in ("rknnlite.py", "doctor.py") and id(node) not in top_level, path
+                if path.name == "toolkit_worker.py":
+                    assert not n.startswith("edge_llm"), n
 
 
 def test_runtime_never_imports_torch():
@@ -160,3 +179,13 @@ def test_comments_point_to_the_repos_own_docs():
         cited.update(re.findall(r"docs/([\w/-]+\.md)", text))
     missing = sorted(c for c in cited if not (root / "docs" / c).is_file())
     assert not missing, f"cited docs pages that do not exist: {missing}"
+
+
+def test_no_merge_conflict_markers():
+    """A merge that left `<<<<<<<` / `>>>>>>>` lines behind must not pass."""
+    root = PKG.parent
+    files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True).stdout.split()
+    marker = re.compile(r"^(<{7}|>{7})( |$)", re.M)
+    bad = [f for f in files if (root / f).is_file() and (root / f).suffix in (".py", ".md", ".sh", ".toml", "")
+           and marker.search((root / f).read_text(errors="replace"))]
+    assert not bad, f"conflict markers in {bad}"

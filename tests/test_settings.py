@@ -65,7 +65,7 @@ def test_disk_kv_off_and_on(tmp_path):
     ("max_seq = true\n", "max_seq must be int"),
     ("prot = 8080\n", "unknown key(s) prot"),
     ("port = [\n", "invalid TOML"),
-    ('backend = "rknn"\n', "backend 'rknn' is not available"),
+    ('backend = "npu"\n', "backend 'npu' is not available"),
     ("disk_kv = 3\n", "disk_kv must be a directory or false"),
 ])
 def test_bad_file_values(tmp_path, text, needle):

@@ -94,7 +94,9 @@ def test_lifecycle_settings() -> None:
     for key in ("StateDirectory", "LogsDirectory", "ConfigurationDirectory"):
         assert v[key] == ["edge-llm"]
     assert v["Restart"] == ["on-failure"] and "RestartSec" in v
-    assert "StartLimitIntervalSec" in v and "StartLimitBurst" in v
+    # systemd counts manual starts too: the lab's restarts must fit (tests/test_board_emulated.py
+    # makes 6 in a few minutes), a crash loop must not
+    assert int(v["StartLimitIntervalSec"][0]) >= 300 and 8 <= int(v["StartLimitBurst"][0]) <= 20
     assert v["KillMode"] == ["mixed"] and v["KillSignal"] == ["SIGTERM"]
     assert v["DevicePolicy"] == ["closed"]
     assert "/dev/dri/renderD129 rw" in v["DeviceAllow"]

@@ -4,10 +4,16 @@ The seam: a backend owns the weight matrices and computes norms + projections + 
 The model owns everything that touches KV rows or positions (qk-norm, RoPE, attention over the
 F32 cache) and sampling. All arrays crossing the seam are float32, C-contiguous, rows = tokens.
 
+A layer is two calls: `qkv` (input RMSNorm + fused projections) and `post` (o_proj, residual,
+post-attention RMSNorm, SwiGLU MLP, residual). The CPU backend runs `post` as its two steps
+`attn_out` + `mlp`; a graph backend (`graph.py`: onnxruntime, the rknn simulator, the NPU) runs
+it as one fused graph that returns the two deltas and adds them to the F32 residual stream.
+
 A static-shape backend (an NPU running precompiled graphs) reports the chunk sizes it was built
 for in `chunk_sizes`; the model prefills in one of those sizes and the backend pads a shorter
-final chunk to its graph shape and drops the padded rows. Every method must be deterministic for
-identical inputs of identical shape: bit-exact KV restore relies on it.
+final chunk to its graph shape and drops the padded rows (one place: `graphs.row_plan`). Every
+method must be deterministic for identical inputs of identical shape: bit-exact KV restore
+relies on it.
 """
 
 from __future__ import annotations
@@ -36,11 +42,9 @@ class Backend(Protocol):
     def qkv(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """input RMSNorm + q/k/v projections (+bias): (T, hidden) -> q (T, q_dim), k, v (T, kv_dim)."""
 
-    def attn_out(self, layer: int, attn: np.ndarray, x: np.ndarray) -> np.ndarray:
-        """Residual + o_proj: x + attn @ Wo, attn (T, q_dim), x (T, hidden) -> (T, hidden)."""
-
-    def mlp(self, layer: int, x: np.ndarray) -> np.ndarray:
-        """Residual + SwiGLU MLP of the post-attention RMSNorm: (T, hidden) -> (T, hidden)."""
+    def post(self, layer: int, attn: np.ndarray, x: np.ndarray) -> np.ndarray:
+        """The rest of the layer: h = x + attn @ Wo; h + MLP(RMSNorm(h)). attn (T, q_dim),
+        x (T, hidden) -> (T, hidden). The residual additions happen in float32."""
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """Final RMSNorm + lm_head: (T, hidden) -> (T, vocab)."""
@@ -55,7 +59,7 @@ def pick_chunk(backend: Backend, requested: int) -> int:
 
 
 def get_backend(name: str) -> Backend:
-    """Instantiate a backend by name ("cpu")."""
+    """Instantiate a backend by name ("cpu"); `rknn` needs a directory: `rknn.open_rknn`."""
     if name == "cpu":
         from edge_llm.backends.cpu import CPUBackend
 

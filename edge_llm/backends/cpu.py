@@ -8,6 +8,7 @@ work by output blocks, so a given (shape, thread count) always gives the same bi
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,8 +34,40 @@ def _t(*mats: np.ndarray) -> np.ndarray:
     return out
 
 
-class _Layer:
-    __slots__ = ("in_norm", "post_norm", "w_qkv", "b_qkv", "w_o", "w_gu", "w_down")
+@dataclass
+class DenseLayer:
+    """One decoder layer's dense tensors, F32, matrices transposed to (in, out) and fused.
+
+    The graph exporter (`backends/onnx_export.py`) builds its graphs from exactly these arrays.
+    """
+
+    in_norm: np.ndarray  # (hidden,)
+    post_norm: np.ndarray  # (hidden,)
+    w_qkv: np.ndarray  # (hidden, q_dim + 2 kv_dim)
+    b_qkv: np.ndarray | None  # (q_dim + 2 kv_dim,) qwen2 only
+    w_o: np.ndarray  # (q_dim, hidden)
+    w_gu: np.ndarray  # (hidden, 2 inter): gate columns, then up columns
+    w_down: np.ndarray  # (inter, hidden)
+
+    @property
+    def nbytes(self) -> int:
+        arrs = (self.in_norm, self.post_norm, self.w_qkv, self.w_o, self.w_gu, self.w_down)
+        return sum(a.nbytes for a in arrs) + (0 if self.b_qkv is None else self.b_qkv.nbytes)
+
+
+def load_layer(args: ModelArgs, weights: Weights, i: int) -> DenseLayer:
+    """Pop layer i's dense tensors from `weights` and fuse/transpose them."""
+    lp = f"{args.weight_prefix}layers.{i}."
+    return DenseLayer(
+        in_norm=weights.pop(f"{lp}input_layernorm.weight"),
+        post_norm=weights.pop(f"{lp}post_attention_layernorm.weight"),
+        w_qkv=_t(*(weights.pop(f"{lp}self_attn.{n}_proj.weight") for n in "qkv")),
+        b_qkv=(np.concatenate([weights.pop(f"{lp}self_attn.{n}_proj.bias") for n in "qkv"])
+               if args.attention_bias else None),
+        w_o=_t(weights.pop(f"{lp}self_attn.o_proj.weight")),
+        w_gu=_t(*(weights.pop(f"{lp}mlp.{n}_proj.weight") for n in ("gate", "up"))),
+        w_down=_t(weights.pop(f"{lp}mlp.down_proj.weight")),
+    )
 
 
 class CPUBackend:
@@ -46,35 +79,23 @@ class CPUBackend:
 
     def __init__(self) -> None:
         self.args: ModelArgs | None = None
-        self.layers: list[_Layer] = []
+        self.layers: list[DenseLayer] = []
 
-    def load(self, args: ModelArgs, weights: Weights) -> None:
+    def setup(self, args: ModelArgs) -> None:
+        """Sizes and eps only (the graph exporter then sets `layers` one layer at a time)."""
         self.args = args
-        p = args.weight_prefix
         self.eps = np.float32(args.rms_norm_eps)
         self.q_dim, self.kv_dim, self.inter = args.q_dim, args.kv_dim, args.intermediate_size
+
+    def load(self, args: ModelArgs, weights: Weights) -> None:
+        self.setup(args)
+        p = args.weight_prefix
         self.embed_tokens = weights.pop(f"{p}embed_tokens.weight")  # (vocab, hidden)
         # lm_head stays (vocab, hidden): x @ W.T is a transposed-B sgemm, and a tied model
         # shares the embedding table instead of holding a second 0.6-1.2 GB copy
         self.lm_head = self.embed_tokens if args.tie_word_embeddings else weights.pop(args.lm_head_name)
         self.final_norm = weights.pop(f"{p}norm.weight")
-        self.layers = []
-        for i in range(args.num_hidden_layers):
-            lp = f"{p}layers.{i}."
-            L = _Layer()
-            L.in_norm = weights.pop(f"{lp}input_layernorm.weight")
-            L.post_norm = weights.pop(f"{lp}post_attention_layernorm.weight")
-            L.w_qkv = _t(*(weights.pop(f"{lp}self_attn.{n}_proj.weight") for n in "qkv"))
-            # (hidden, q_dim + 2 kv_dim)
-            L.b_qkv = (
-                np.concatenate([weights.pop(f"{lp}self_attn.{n}_proj.bias") for n in "qkv"])
-                if args.attention_bias else None
-            )
-            L.w_o = _t(weights.pop(f"{lp}self_attn.o_proj.weight"))  # (q_dim, hidden)
-            L.w_gu = _t(*(weights.pop(f"{lp}mlp.{n}_proj.weight") for n in ("gate", "up")))
-            # (hidden, 2 inter)
-            L.w_down = _t(weights.pop(f"{lp}mlp.down_proj.weight"))  # (inter, hidden)
-            self.layers.append(L)
+        self.layers = [load_layer(args, weights, i) for i in range(args.num_hidden_layers)]
         log.debug("cpu backend: %d layers, %.1f MB of weights", len(self.layers), self.nbytes / 1e6)
 
     @property
@@ -83,19 +104,21 @@ class CPUBackend:
         n = self.embed_tokens.nbytes + self.final_norm.nbytes
         if self.lm_head is not self.embed_tokens:
             n += self.lm_head.nbytes
-        for L in self.layers:
-            n += sum(a.nbytes for a in (L.in_norm, L.post_norm, L.w_qkv, L.w_o, L.w_gu, L.w_down))
-            n += 0 if L.b_qkv is None else L.b_qkv.nbytes
-        return n
+        return n + sum(L.nbytes for L in self.layers)
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         return self.embed_tokens[tokens]
 
-    def qkv(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def qkv_fused(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """(T, hidden) -> (T, q_dim + 2 kv_dim): what the `qkv` graph computes."""
         L = self.layers[layer]
         y = rms_norm(x, L.in_norm, self.eps) @ L.w_qkv  # (T, q_dim + 2 kv_dim)
         if L.b_qkv is not None:
             y += L.b_qkv
+        return y
+
+    def qkv(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        y = self.qkv_fused(layer, x)
         q, kv = self.q_dim, self.kv_dim
         return y[:, :q], y[:, q:q + kv], y[:, q + kv:]
 
@@ -104,7 +127,21 @@ class CPUBackend:
         out += x
         return out
 
+    def post(self, layer: int, attn: np.ndarray, x: np.ndarray) -> np.ndarray:
+        return self.mlp(layer, self.attn_out(layer, attn, x))
+
+    def post_deltas(self, layer: int, attn: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """What the `post` graph computes: (attn @ Wo, MLP(RMSNorm(x + attn @ Wo)))."""
+        o = attn @ self.layers[layer].w_o
+        return o, self.mlp_delta(layer, x + o)
+
     def mlp(self, layer: int, x: np.ndarray) -> np.ndarray:
+        out = self.mlp_delta(layer, x)
+        out += x
+        return out
+
+    def mlp_delta(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """SwiGLU MLP of the post-attention RMSNorm, without the residual."""
         L = self.layers[layer]
         gu = rms_norm(x, L.post_norm, self.eps) @ L.w_gu  # (T, 2 inter)
         gate, up = gu[:, :self.inter], gu[:, self.inter:]
@@ -114,9 +151,7 @@ class CPUBackend:
         act += np.float32(1.0)
         np.divide(gate, act, out=act)
         act *= up
-        out = act @ L.w_down
-        out += x
-        return out
+        return act @ L.w_down
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         return rms_norm(x, self.final_norm, self.eps) @ self.lm_head.T

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from edge_llm import __version__
-from edge_llm.cli import bench, doctor, generate, kv, model, serve
+from edge_llm.cli import bench, convert, doctor, generate, kv, model, serve
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -20,6 +20,7 @@ cli.add_command(kv.kv)
 cli.add_command(serve.serve)
 cli.add_command(bench.bench)
 cli.add_command(doctor.doctor)
+cli.add_command(convert.convert)
 
 
 def main() -> None:

@@ -351,3 +351,39 @@ def all_cmd(synth_layers, contexts, out) -> None:
         run_compute(["--layers", str(synth_layers or 4)])
     else:
         console.print("bench compute skipped: tools/bench_compute.py needs a source checkout")
+
+
+@bench.command("npu")
+@click.option("--model", "model", required=True, help="HF model directory the graphs were converted from.")
+@click.option("--rknn-dir", required=True, metavar="DIR", help="`edge-llm convert rknn` output directory.")
+@click.option("--runner", type=click.Choice(["rknnlite", "sim", "onnxruntime"]), default="rknnlite",
+              show_default=True, help="sim / onnxruntime: run the same measurements on a host (not NPU numbers).")
+@click.option("--repeats", type=click.IntRange(1), default=10, show_default=True)
+@click.option("--prefill-tokens", type=click.IntRange(1), default=256, show_default=True)
+@click.option("--decode-steps", type=click.IntRange(1), default=32, show_default=True)
+@click.option("--out", default="benchmarks/results", show_default=True, help=OUT_HELP)
+def npu_cmd(model, rknn_dir, runner, repeats, prefill_tokens, decode_steps, out) -> None:
+    """The rknn backend on the board: graph latency per shape, prefill per chunk size, decode,
+    core-mask layouts, RSS/NPU memory, vs RKLLM and the compiler's estimate."""
+    from edge_llm.backends.rknn import npu_present
+    from edge_llm.bench import npu as B
+    from edge_llm.bench.disk import new_results_dir
+    from edge_llm.errors import EdgeLLMError
+
+    if runner == "rknnlite" and npu_present() is None:
+        raise click.ClickException("no RKNPU device on this machine (no /dev/rknpu, no DRM render node with "
+                                   "driver RKNPU): run this on an RK3588 board, or pass --runner sim|onnxruntime "
+                                   "to exercise the benchmark on a host")
+    res_dir = new_results_dir(out, "bench-npu")
+    with _progress() as prog:
+        task = prog.add_task("npu bench", total=None)
+        try:
+            res = B.run(model, rknn_dir, runner, repeats, prefill_tokens, decode_steps,
+                        step=lambda msg: prog.update(task, description=msg))
+        except EdgeLLMError as e:
+            raise click.ClickException(str(e)) from None
+    res["command"] = " ".join(sys.argv)
+    md = B.markdown(res)
+    (res_dir / "npu.json").write_text(json.dumps(res, indent=2) + "\n")
+    (res_dir / "npu.md").write_text(md)
+    _show(res_dir, md)

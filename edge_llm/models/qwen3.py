@@ -184,8 +184,7 @@ class Model:
             cache.write(layer, start, apply_rope(k, cos, sin).reshape(T, n_kv * D), v, work)
             keys, values = cache.valid(layer, start + T, work)
             attn = attention(q, keys, values, start, n_kv)
-            x = be.attn_out(layer, attn, x)
-            x = be.mlp(layer, x)
+            x = be.post(layer, attn, x)
             if visual is not None and layer < len(visual.deepstack):
                 x[visual.rows] += visual.deepstack[layer]
         cache.append_tokens(ids.tolist())

@@ -10,7 +10,11 @@ import os
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from edge_llm.engine import Engine
+from edge_llm.errors import ImageError
 from edge_llm.server.errors import APIError, bad_request
+from edge_llm.server.schemas import ChatMessage
+from edge_llm.vision.preprocess import PreparedImage
 
 PARAM = "messages"
 
@@ -73,20 +77,18 @@ def _local_file(path: str, image_dir: str | None, max_bytes: int) -> bytes:
         raise _image_error("image file is not readable by the server", "image_path") from None
 
 
-def chat_prompt(engine, messages, image_dir: str | None, max_image_bytes: int
-                ) -> tuple[list[int], list]:
+def chat_prompt(engine: Engine, messages: list[ChatMessage], image_dir: str | None, max_image_bytes: int
+                ) -> tuple[list[int], list[PreparedImage]]:
     """Chat messages (pydantic) -> (prompt ids with each image's pad run, PreparedImages).
 
     Runs in the thread pool: decoding and preprocessing images is CPU work. Image problems are
     400s naming the problem; template problems raise the tokenizer's EdgeLLMError."""
-    from edge_llm.errors import ImageError
-
     urls = [u for m in messages for u in m.image_urls()]
     vision = engine.vision
     if urls and vision is None:
         raise bad_request("this model has no vision encoder: it cannot take images", PARAM, "no-vision")
     placeholder = vision.placeholder(engine.tokenizer.id_to_token) if urls else ""
-    images = []
+    images: list[PreparedImage] = []
     for i, url in enumerate(urls):
         data = read_image_url(url, image_dir, max_image_bytes)
         try:

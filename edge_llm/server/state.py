@@ -104,7 +104,7 @@ class AppState:
         self.status = "ok"
         snap = self.snapshot_summary()
         log.info("ready: model=%s backend=%s namespace=%s index=%d checkpoint(s) %d bytes "
-                 "max_seq=%d queue_size=%d load=%.1fs", self.model_id, self.settings.backend,
+                 "max_seq=%d queue_size=%d load=%.1fs", self.model_id, self.backend,
                  self.namespace, snap["count"], snap["bytes"], self.settings.max_seq,
                  self.settings.queue_size, time.monotonic() - t0)
         if self.notifier is not None:
@@ -157,11 +157,16 @@ class AppState:
             flags.append("model load failed")
         return flags
 
+    @property
+    def backend(self) -> str:
+        """The backend that runs (`auto` resolves to cpu or rknn at load), else the setting."""
+        return self.engine.model.backend.name if self.engine is not None else self.settings.backend
+
     def health(self) -> dict[str, Any]:
         w = self.worker
         return {
             "status": self.status, "version": __version__, "model": self.model_id,
-            "backend": self.settings.backend, "namespace": self.namespace,
+            "backend": self.backend, "namespace": self.namespace,
             "max_seq": self.settings.max_seq, "snapshots": self.snapshot_summary(),
             "queue_depth": w.depth if w else 0, "queue_size": self.settings.queue_size,
             "busy": bool(w and w.busy), "degraded": self.degraded(), "error": self.error,

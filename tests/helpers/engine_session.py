@@ -36,11 +36,15 @@ def main() -> None:
     ap.add_argument("--state", required=True, help="json: request-1 prompt ids (in), completion (warm out)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--rknn-dir", default=None)
+    ap.add_argument("--rknn-runner", default="auto")
     a = ap.parse_args()
 
     state = json.load(open(a.state))
     disk = a.kv_dir if a.mode != "oneshot" else None
-    eng = load_runtime(Settings(model=a.model, disk_kv=disk, max_seq=1024, kv_bs=16))
+    eng = load_runtime(Settings(model=a.model, disk_kv=disk, max_seq=1024, kv_bs=16, backend=a.backend,
+                                rknn_dir=a.rknn_dir, rknn_runner=a.rknn_runner))
     if a.mode == "warm":
         last = list(eng.generate(GenerationRequest(state["prompt"], max_tokens=6)))[-1]
         state["completion"] = last.completion_ids

@@ -1,0 +1,98 @@
+"""`GraphBackend`: the decoder's dense work as exported graphs run by a `GraphRunner`.
+
+The same orchestration for every runner (onnxruntime F32, rknn simulator fp16, NPU fp16):
+embedding lookup on the CPU (table kept in the runner's activation dtype and widened per row),
+`qkv` and `post` graphs per layer, the head graph(s) per row, residual additions in float32.
+Row counts are mapped onto the graphs' static shapes in `_call` through `graphs.row_plan`:
+padding rows are zeros and are dropped from the outputs; rows never mix inside a graph, so a
+real row's result does not depend on the padding (tests/test_graph_backend.py checks it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from edge_llm.backends.graphs import HEAD, POST, QKV, GraphSpec, row_plan
+from edge_llm.backends.runners import GraphRunner
+from edge_llm.config import ModelArgs
+from edge_llm.errors import ConfigError
+from edge_llm.weights import Weights
+
+log = logging.getLogger(__name__)
+
+
+class GraphBackend:
+    """A `Backend` (see `edge_llm.backends`) over graphs; `numerics` names graphs + runner."""
+
+    def __init__(self, name: str, specs: Sequence[GraphSpec], runner: GraphRunner, numerics: str):
+        self.name = name
+        self.runner = runner
+        self.numerics = numerics
+        self.specs = list(specs)
+        self.qkv_g = {s.index: s for s in specs if s.kind == QKV}
+        self.post_g = {s.index: s for s in specs if s.kind == POST}
+        self.head_g = sorted((s for s in specs if s.kind == HEAD), key=lambda s: s.vocab)
+        self.chunk_sizes: tuple[int, ...] = self.qkv_g[0].rows if self.qkv_g else ()
+        self.calls: dict[tuple[str, int], int] = {}  # (graph, rows) -> count, for benchmarks
+
+    def load(self, args: ModelArgs, weights: Weights) -> None:
+        n = args.num_hidden_layers
+        if sorted(self.qkv_g) != list(range(n)) or sorted(self.post_g) != list(range(n)):
+            raise ConfigError(f"graphs cover layers {sorted(self.qkv_g)}, the model has {n} "
+                              "(converted with --layers? convert all layers to serve)")
+        if not self.head_g or self.head_g[-1].vocab[1] != args.vocab_size:
+            raise ConfigError(f"head graphs cover vocab {self.head_g[-1].vocab if self.head_g else None}, "
+                              f"the model has {args.vocab_size}")
+        self.q_dim, self.kv_dim = args.q_dim, args.kv_dim
+        table = weights.pop(f"{args.weight_prefix}embed_tokens.weight")
+        # an fp16 NPU sees fp16 activations anyway; half the table's RAM (0.6 GB for 2B)
+        self.table = table if self.runner.act_dtype == np.float32 else table.astype(self.runner.act_dtype)
+        del table
+        log.info("graph backend %s: %d graphs, runner %s, chunks %s", self.name, len(self.specs),
+                 self.runner.name, list(self.chunk_sizes))
+
+    def close(self) -> None:
+        self.runner.close()
+
+    # ---- the seam -------------------------------------------------------------------------
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        return self.table[tokens].astype(np.float32)
+
+    def qkv(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        (y,) = self._call(self.qkv_g[layer], [x])
+        q, kv = self.q_dim, self.kv_dim
+        return y[:, :q], y[:, q:q + kv], y[:, q + kv:]
+
+    def post(self, layer: int, attn: np.ndarray, x: np.ndarray) -> np.ndarray:
+        o, m = self._call(self.post_g[layer], [attn, x])
+        out = x + o  # the residual stream stays float32: (x + o) + m, as the CPU backend adds
+        out += m
+        return out
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        parts = [self._call(spec, [x])[0] for spec in self.head_g]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+
+    # ---- static shapes --------------------------------------------------------------------
+    def _call(self, spec: GraphSpec, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        """Run `spec` over T rows: split/pad onto its static shapes, drop the padding."""
+        T = inputs[0].shape[0]
+        pieces = []
+        for a, b, rows in row_plan(T, spec.rows):
+            xs = []
+            for x in inputs:
+                if b - a == rows:
+                    xs.append(np.ascontiguousarray(x[a:b], dtype=np.float32))
+                else:
+                    buf = np.zeros((rows, x.shape[1]), dtype=np.float32)
+                    buf[:b - a] = x[a:b]
+                    xs.append(buf)
+            key = (spec.name, rows)
+            self.calls[key] = self.calls.get(key, 0) + 1
+            pieces.append([o[:b - a] for o in self.runner.run(spec, xs)])
+        if len(pieces) == 1:
+            return pieces[0]
+        return [np.concatenate(outs, axis=0) for outs in zip(*pieces)]

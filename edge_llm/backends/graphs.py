@@ -1,0 +1,118 @@
+"""The graph schema: which graphs a decoder is cut into, their tensor names and static shapes.
+
+One place for every name: the ONNX exporter writes these graph/tensor names, every runner
+(onnxruntime, the rknn-toolkit2 simulator, RKNNLite on the board) is called with them, and
+`manifest.json` lists them. Per layer `l`:
+
+- `layerLL.qkv`:  x (T, hidden) -> qkv (T, q_dim + 2 kv_dim)
+                  input RMSNorm + fused q/k/v projections (+ bias)
+- `layerLL.post`: attn (T, q_dim), x (T, hidden) -> attn_out (T, hidden), mlp_out (T, hidden)
+                  attn_out = attn @ Wo; h = x + attn_out; mlp_out = SwiGLU(RMSNorm(h))
+and one head (or `--head-split N` parts over vocab ranges):
+- `head` / `head.P`: x (T, hidden) -> logits (T, vocab part), final RMSNorm + lm_head
+
+The graphs return deltas, not the new residual stream: the caller adds them in float32
+(`x + attn_out + mlp_out`, in that order, as the CPU backend does), so on an fp16 NPU the
+stream is not rounded to fp16 at every layer.
+
+Graphs are static-shape: layer graphs are built for the row counts `chunks` (default 1, 32,
+128), the head for 1 row. `row_plan` is the one place that maps T rows onto those shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edge_llm.config import ModelArgs
+from edge_llm.errors import ConfigError
+
+QKV, POST, HEAD = "qkv", "post", "head"
+INPUTS: dict[str, tuple[str, ...]] = {QKV: ("x",), POST: ("attn", "x"), HEAD: ("x",)}
+OUTPUTS: dict[str, tuple[str, ...]] = {QKV: ("qkv",), POST: ("attn_out", "mlp_out"), HEAD: ("logits",)}
+DEFAULT_CHUNKS: tuple[int, ...] = (1, 32, 128)
+HEAD_ROWS: tuple[int, ...] = (1,)
+OPSET = 13
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """One graph: its name, kind, layer (or head part), static row counts and tensor widths."""
+
+    name: str
+    kind: str  # QKV | POST | HEAD
+    index: int  # layer number, or head part number
+    rows: tuple[int, ...]  # static T shapes it is built for
+    inputs: tuple[tuple[str, int], ...]  # (tensor name, width) in call order
+    outputs: tuple[tuple[str, int], ...]
+    vocab: tuple[int, int] = (0, 0)  # head part: logits columns [lo, hi)
+
+    def input_shapes(self, rows: int) -> list[tuple[int, int]]:
+        return [(rows, w) for _, w in self.inputs]
+
+
+def layer_name(layer: int, kind: str) -> str:
+    return f"layer{layer:02d}.{kind}"
+
+
+def head_name(part: int, parts: int) -> str:
+    return HEAD if parts == 1 else f"{HEAD}.{part}"
+
+
+def head_ranges(vocab: int, parts: int) -> list[tuple[int, int]]:
+    """Split [0, vocab) into `parts` contiguous column ranges (sizes differ by at most one)."""
+    if not 1 <= parts <= vocab:
+        raise ConfigError(f"head split {parts} must be in [1, vocab={vocab}]")
+    base, extra = divmod(vocab, parts)
+    out, lo = [], 0
+    for p in range(parts):
+        hi = lo + base + (1 if p < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def check_chunks(chunks: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """Sorted, unique, positive chunk sizes; 1 must be among them (decode runs one row)."""
+    out = tuple(sorted(set(int(c) for c in chunks)))
+    if not out or out[0] < 1:
+        raise ConfigError(f"chunk sizes must be positive integers, got {list(chunks)}")
+    if out[0] != 1:
+        raise ConfigError(f"chunk sizes must include 1 (decode steps run one row), got {list(out)}")
+    return out
+
+
+def graph_specs(args: ModelArgs, chunks: tuple[int, ...] = DEFAULT_CHUNKS, layers: int | None = None,
+                head_split: int = 1) -> list[GraphSpec]:
+    """Every graph of a model in execution order: qkv/post per layer, then the head part(s)."""
+    chunks = check_chunks(chunks)
+    n = args.num_hidden_layers if layers is None else layers
+    if not 1 <= n <= args.num_hidden_layers:
+        raise ConfigError(f"--layers {n} must be in [1, {args.num_hidden_layers}]")
+    h, qkv = args.hidden_size, args.q_dim + 2 * args.kv_dim
+    out: list[GraphSpec] = []
+    for i in range(n):
+        out.append(GraphSpec(layer_name(i, QKV), QKV, i, chunks, (("x", h),), (("qkv", qkv),)))
+        out.append(GraphSpec(layer_name(i, POST), POST, i, chunks, (("attn", args.q_dim), ("x", h)),
+                             (("attn_out", h), ("mlp_out", h))))
+    ranges = head_ranges(args.vocab_size, head_split)
+    for p, (lo, hi) in enumerate(ranges):
+        out.append(GraphSpec(head_name(p, len(ranges)), HEAD, p, HEAD_ROWS, (("x", h),),
+                             (("logits", hi - lo),), vocab=(lo, hi)))
+    return out
+
+
+def row_plan(T: int, rows: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """Cover T rows with static shapes: a list of (start, stop, shape) with stop - start <= shape.
+
+    Full pieces of the largest shape first; the remainder goes into the smallest shape that
+    holds it (padded). The one place where rows meet static shapes.
+    """
+    if T < 1:
+        raise ValueError("need at least one row")
+    big = max(rows)
+    plan = [(a, a + big, big) for a in range(0, T - T % big, big)]
+    rest = T % big
+    if rest:
+        a = T - rest
+        plan.append((a, T, min(r for r in rows if r >= rest)))
+    return plan

@@ -1,0 +1,265 @@
+"""Export the decoder's dense graphs (schema: `graphs.py`) to ONNX with the `onnx` helper API.
+
+Built from the same fused F32 arrays the CPU backend computes with (`cpu.DenseLayer`), one
+layer at a time, so peak memory is one layer (plus the head). Weights go to an external-data
+file written straight from numpy (no protobuf copy, no 2 GB protobuf limit); onnxruntime and
+rknn-toolkit2 both read it from beside the `.onnx` file.
+
+How a linear layer is written is a parameter (`linear`): F32 `MatMul` here; a quantized
+backend passes a function that writes e.g. `MatMulNBits` instead and reuses everything else.
+
+RMSNorm is written as x / sqrt(sum((x / sqrt(n))^2) + eps) * w: the same value as
+mean(x^2), but the squares of large residual-stream values (hundreds to thousands in some
+channels of real checkpoints) stay far below fp16's 65504 on the NPU.
+
+The `onnx` package comes with the `convert` extra; nothing in the runtime imports this module
+unless it exports graphs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from edge_llm.backends.cpu import CPUBackend, DenseLayer, load_layer, rms_norm
+from edge_llm.backends.graphs import (
+    DEFAULT_CHUNKS, HEAD, INPUTS, OPSET, OUTPUTS, POST, QKV, GraphSpec, graph_specs,
+)
+from edge_llm.backends.manifest import GraphEntry, Manifest
+from edge_llm.config import ModelArgs
+from edge_llm.weights import Weights, load_weights
+
+log = logging.getLogger(__name__)
+
+EXTERNAL_MIN_BYTES = 1024  # smaller constants stay inside the .onnx file
+_ALIGN = 4096  # external tensors start page-aligned (lets a runtime mmap them)
+SAMPLE_SEED = 1234
+
+
+class GraphBuilder:
+    """Collects nodes and constants of one graph; big constants stream to `<name>.onnx.data`."""
+
+    def __init__(self, name: str, data_path: Path):
+        self.name = name
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[TensorProto] = []
+        self.data_path = data_path
+        self._data = open(data_path, "wb")
+        self._n = 0
+
+    def fresh(self, hint: str) -> str:
+        self._n += 1
+        return f"{hint}_{self._n}"
+
+    def const(self, hint: str, arr: np.ndarray) -> str:
+        """Add a constant (float32 or int64) and return its name."""
+        arr = np.ascontiguousarray(arr)
+        name = self.fresh(hint)
+        if arr.nbytes < EXTERNAL_MIN_BYTES:
+            self.inits.append(numpy_helper.from_array(arr, name))
+            return name
+        pad = -self._data.tell() % _ALIGN
+        self._data.write(b"\0" * pad)
+        offset = self._data.tell()
+        arr.tofile(self._data)
+        t = TensorProto()
+        t.name, t.data_type = name, helper.np_dtype_to_tensor_dtype(arr.dtype)
+        t.dims.extend(arr.shape)
+        t.data_location = TensorProto.EXTERNAL
+        for k, v in (("location", self.data_path.name), ("offset", str(offset)), ("length", str(arr.nbytes))):
+            entry = t.external_data.add()
+            entry.key, entry.value = k, v
+        self.inits.append(t)
+        return name
+
+    def op(self, op_type: str, inputs: list[str], out: str | None = None, **attrs) -> str:
+        out = out or self.fresh(op_type.lower())
+        self.nodes.append(helper.make_node(op_type, inputs, [out], **attrs))
+        return out
+
+    def finish(self, spec: GraphSpec, path: Path) -> None:
+        """Write the .onnx file (symbolic row dim "T"; static shapes are chosen at build time)."""
+        self._data.close()
+        ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["T", w]) for n, w in spec.inputs]
+        outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["T", w]) for n, w in spec.outputs]
+        graph = helper.make_graph(self.nodes, spec.name, ins, outs, self.inits)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+                                  producer_name="edge-llm")
+        model.ir_version = 8  # readable by onnx 1.12+ / onnxruntime 1.14+ / rknn-toolkit2
+        path.write_bytes(model.SerializeToString())
+        onnx.checker.check_model(str(path))  # by path: it checks the external data file too
+
+
+# linear(g, x, w (in, out) F32, bias or None, out name or None) -> output name
+Linear = Callable[[GraphBuilder, str, np.ndarray, "np.ndarray | None", "str | None"], str]
+
+
+def f32_linear(g: GraphBuilder, x: str, w: np.ndarray, bias: np.ndarray | None = None,
+               out: str | None = None) -> str:
+    """x @ w (+ bias) as F32 MatMul."""
+    y = g.op("MatMul", [x, g.const("w", w)], out=None if bias is not None else out)
+    return g.op("Add", [y, g.const("b", bias)], out=out) if bias is not None else y
+
+
+def rms_norm_op(g: GraphBuilder, x: str, weight: np.ndarray, eps: float) -> str:
+    """weight * x / sqrt(mean(x^2) + eps), mean(x^2) taken as sum((x / sqrt(n))^2) (module doc)."""
+    n = weight.shape[0]
+    xs = g.op("Mul", [x, g.const("inv_sqrt_n", np.array(1.0 / np.sqrt(n), np.float32))])
+    ss = g.op("ReduceSum", [g.op("Mul", [xs, xs]), g.const("axes", np.array([-1], np.int64))],
+              keepdims=1)
+    denom = g.op("Sqrt", [g.op("Add", [ss, g.const("eps", np.array(eps, np.float32))])])
+    return g.op("Mul", [g.op("Div", [x, denom]), g.const("norm", weight)])
+
+
+def build_qkv(g: GraphBuilder, L: DenseLayer, eps: float, linear: Linear) -> None:
+    linear(g, rms_norm_op(g, "x", L.in_norm, eps), L.w_qkv, L.b_qkv, OUTPUTS[QKV][0])
+
+
+def build_post(g: GraphBuilder, L: DenseLayer, eps: float, linear: Linear) -> None:
+    attn_out, mlp_out = OUTPUTS[POST]
+    o = linear(g, "attn", L.w_o, None, attn_out)
+    hn = rms_norm_op(g, g.op("Add", ["x", o]), L.post_norm, eps)
+    inter = L.w_down.shape[0]
+    gate = linear(g, hn, L.w_gu[:, :inter], None, None)
+    up = linear(g, hn, L.w_gu[:, inter:], None, None)
+    act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])  # SwiGLU
+    linear(g, act, L.w_down, None, mlp_out)
+
+
+def build_head(g: GraphBuilder, norm: np.ndarray, lm_rows: np.ndarray, eps: float, linear: Linear) -> None:
+    """lm_rows: (vocab part, hidden) rows of lm_head."""
+    linear(g, rms_norm_op(g, "x", norm, eps), lm_rows.T, None, OUTPUTS[HEAD][0])
+
+
+@dataclass(frozen=True)
+class Exported:
+    """One exported graph: where its files are and the digest of their bytes."""
+
+    spec: GraphSpec
+    onnx: Path
+    data: Path
+    input_key: str  # sha256 of .onnx + .onnx.data bytes: what a compiled build is keyed by
+
+    @property
+    def nbytes(self) -> int:
+        return self.onnx.stat().st_size + self.data.stat().st_size
+
+
+def _digest(*paths: Path) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _export_one(spec: GraphSpec, out_dir: Path, build: Callable[[GraphBuilder], None]) -> Exported:
+    path = out_dir / f"{spec.name}.onnx"
+    data = out_dir / f"{spec.name}.onnx.data"
+    g = GraphBuilder(spec.name, data)
+    build(g)
+    g.finish(spec, path)
+    return Exported(spec, path, data, _digest(path, data))
+
+
+def sample_inputs(spec: GraphSpec, rows: int, seed: int = SAMPLE_SEED) -> list[np.ndarray]:
+    """Deterministic N(0, 1) inputs for one graph (accuracy checks and the reference outputs)."""
+    rng = np.random.default_rng([seed, spec.index, list(INPUTS).index(spec.kind)])
+    return [rng.standard_normal((rows, w), dtype=np.float32) for _, w in spec.inputs]
+
+
+def export_model(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, ...] = DEFAULT_CHUNKS,
+                 layers: int | None = None, head_split: int = 1, linear: Linear = f32_linear,
+                 samples: bool = False, progress: Callable[[GraphSpec], None] | None = None
+                 ) -> list[Exported]:
+    """Write every graph of `graph_specs(...)` to `out_dir` as `<name>.onnx` + `.onnx.data`.
+
+    With `samples`, also writes `<name>.samples.npz`: inputs of max(rows) rows and the CPU
+    backend's F32 outputs for them (the reference the converter's accuracy report uses).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    args = ModelArgs.from_dir(model_dir)
+    weights = load_weights(model_dir, args)
+    specs = graph_specs(args, chunks, layers, head_split)
+    ref = CPUBackend()
+    ref.setup(args)
+    eps = float(args.rms_norm_eps)
+    head: tuple[np.ndarray, np.ndarray] | None = None
+    done: list[Exported] = []
+    for spec in specs:
+        if progress:
+            progress(spec)
+        if spec.kind == QKV:
+            ref.layers = [load_layer(args, weights, spec.index)]
+            L = ref.layers[0]
+            done.append(_export_one(spec, out, lambda g: build_qkv(g, L, eps, linear)))
+            if samples:
+                _write_samples(out, spec, lambda x: [ref.qkv_fused(0, x)])
+        elif spec.kind == POST:
+            L = ref.layers[0]
+            done.append(_export_one(spec, out, lambda g: build_post(g, L, eps, linear)))
+            if samples:
+                _write_samples(out, spec, lambda a, x: list(ref.post_deltas(0, a, x)))
+        else:
+            ref.layers = []
+            if head is None:
+                head = _head_tensors(args, weights)
+            norm, lm = head
+            lo, hi = spec.vocab
+            done.append(_export_one(spec, out, lambda g: build_head(g, norm, lm[lo:hi], eps, linear)))
+            if samples:
+                _write_samples(out, spec, lambda x: [rms_norm(x, norm, np.float32(eps)) @ lm[lo:hi].T])
+        log.debug("exported %s (%.1f MB)", spec.name, done[-1].nbytes / 1e6)
+    return done
+
+
+def _head_tensors(args: ModelArgs, weights: Weights) -> tuple[np.ndarray, np.ndarray]:
+    """Final norm and lm_head (vocab, hidden) (the embedding table when tied)."""
+    p = args.weight_prefix
+    lm = weights.pop(f"{p}embed_tokens.weight") if args.tie_word_embeddings else weights.pop(args.lm_head_name)
+    return weights.pop(f"{p}norm.weight"), lm
+
+
+def _write_samples(out: Path, spec: GraphSpec, fn) -> None:
+    xs = sample_inputs(spec, max(spec.rows))
+    ys = fn(*xs)
+    arrays = {f"in.{n}": x for (n, _), x in zip(spec.inputs, xs)}
+    arrays |= {f"out.{n}": np.ascontiguousarray(y, dtype=np.float32) for (n, _), y in zip(spec.outputs, ys)}
+    np.savez(out / f"{spec.name}.samples.npz", **arrays)
+
+
+def export_graph_set(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, ...] = DEFAULT_CHUNKS,
+                     layers: int | None = None, head_split: int = 1, samples: bool = True,
+                     progress: Callable[[GraphSpec], None] | None = None, linear: Linear = f32_linear
+                     ) -> Manifest:
+    """Export all graphs to `out_dir/onnx/` and write `out_dir/manifest.json` (ONNX part).
+
+    The manifest identity hashes each graph's ONNX bytes, so another `linear` (e.g. quantized
+    weights) gives another identity, and so another snapshot namespace."""
+    from edge_llm.weights import weight_digest
+
+    root = Path(out_dir)
+    args = ModelArgs.from_dir(model_dir)
+    exported = export_model(model_dir, root / "onnx", chunks, layers, head_split, linear=linear,
+                            samples=samples, progress=progress)
+    entries = [GraphEntry(name=e.spec.name, kind=e.spec.kind, index=e.spec.index, rows=list(e.spec.rows),
+                          inputs=[list(i) for i in e.spec.inputs], outputs=[list(o) for o in e.spec.outputs],
+                          vocab=list(e.spec.vocab), onnx=str(e.onnx.relative_to(root)),
+                          input_key=e.input_key, onnx_bytes=e.nbytes) for e in exported]
+    m = Manifest(model={"name": Path(model_dir).resolve().name, "model_type": args.model_type,
+                        "weights_sha256": weight_digest(model_dir),
+                        "config": json.loads(json.dumps(args.identity_fields()))},
+                 chunks=list(exported[0].spec.rows), layers=layers or args.num_hidden_layers,
+                 head_split=head_split, graphs=entries)
+    m.write(root)
+    return m

@@ -1,0 +1,94 @@
+"""Backend `rknn`: a converted graph directory (`edge-llm convert rknn`) run by a graph runner.
+
+Runners (`--rknn-runner`): `rknnlite` (the `.rknn` files on the RK3588 NPU, the board's
+default), `sim` (the rknn-toolkit2 simulator in the converter venv, fp16, for checking numerics
+on a host) and `onnxruntime` (the same graphs' ONNX in F32). `numerics` =
+`rknn:<manifest identity>:<runner numerics>`: the graph set, chunk sizes and toolkit version,
+plus the runtime version, core masks, and simulator vs board. So snapshots made under one of
+them are never restored under another, nor under the CPU backend (`cpu-f32`).
+
+`--backend auto` picks `rknn` when the NPU is usable and `rknn_dir` holds a manifest made from
+this model, else `cpu`, and logs why.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from edge_llm.backends.graph import GraphBackend
+from edge_llm.backends.manifest import MANIFEST, Manifest
+from edge_llm.errors import ConfigError, EdgeLLMError
+
+log = logging.getLogger(__name__)
+
+RUNNERS = ("auto", "rknnlite", "sim", "onnxruntime")
+NPU_NODES = ("dev/rknpu",)
+
+
+def npu_present(sysroot: str | Path = "/") -> str | None:
+    """The RKNPU device node if this machine has one (/dev/rknpu, or a DRM render node whose
+    driver is RKNPU), else None."""
+    root = Path(sysroot)
+    for rel in NPU_NODES:
+        if (root / rel).exists():
+            return "/" + rel
+    for rd in sorted((root / "sys/class/drm").glob("renderD*")):
+        try:
+            if "DRIVER=RKNPU" in (rd / "device/uevent").read_text().upper():
+                return f"/dev/dri/{rd.name}"
+        except OSError:
+            continue
+    return None
+
+
+def open_rknn(rknn_dir: str | Path, runner: str = "auto", model_dir: str | Path | None = None,
+              threads: int | None = None, converter_python: str | None = None, progress=None) -> GraphBackend:
+    """Read the manifest, check it against the model, start the runner; a Backend to load."""
+    root = Path(rknn_dir)
+    m = Manifest.read(root)
+    if model_dir is not None:
+        from edge_llm.config import ModelArgs
+        from edge_llm.weights import weight_digest
+
+        m.check_model(ModelArgs.from_dir(model_dir), weight_digest(model_dir))
+    specs = m.specs()
+    if runner == "auto":
+        runner = "rknnlite" if npu_present() else ""
+        if not runner:
+            raise ConfigError("no RKNPU device on this machine: use --rknn-runner sim or onnxruntime "
+                              "to run the graphs here, or --backend cpu")
+    if runner == "rknnlite":
+        from edge_llm.backends.rknnlite import RKNNLiteRunner
+
+        r = RKNNLiteRunner(specs, m.rknn_files(root), progress=progress)
+    elif runner == "sim":
+        from edge_llm.backends.runners import SimRunner
+
+        r = SimRunner(specs, m.onnx_files(root), python=converter_python, progress=progress)
+    elif runner == "onnxruntime":
+        from edge_llm.backends.runners import OrtRunner
+
+        r = OrtRunner(m.onnx_files(root), threads=threads)
+    else:
+        raise ConfigError(f"unknown rknn runner {runner!r} (choose from {', '.join(RUNNERS)})")
+    return GraphBackend("rknn", specs, r, f"rknn:{m.identity()}:{r.numerics}")
+
+
+def resolve_auto(rknn_dir: str | Path | None, model_dir: str | Path) -> tuple[str, str]:
+    """('rknn' | 'cpu', reason) for `--backend auto`."""
+    node = npu_present()
+    if node is None:
+        return "cpu", "no RKNPU device node"
+    if not rknn_dir:
+        return "cpu", f"NPU at {node} but no rknn_dir configured"
+    if not (Path(rknn_dir) / MANIFEST).is_file():
+        return "cpu", f"NPU at {node} but no {MANIFEST} in {rknn_dir}"
+    try:
+        from edge_llm.config import ModelArgs
+        from edge_llm.weights import weight_digest
+
+        Manifest.read(rknn_dir).check_model(ModelArgs.from_dir(model_dir), weight_digest(model_dir))
+    except EdgeLLMError as e:
+        return "cpu", f"NPU at {node} but {rknn_dir} does not match the model: {e}"
+    return "rknn", f"NPU at {node} and a matching {MANIFEST} in {rknn_dir}"

@@ -1,0 +1,164 @@
+"""`edge-llm bench npu`: the rknn backend on a board, against Rockchip's RKLLM numbers and the
+compiler's own estimate.
+
+Measures per-graph call latency per static shape, prefill tok/s per chunk size, decode tok/s,
+decode under other core-mask layouts, RSS and NPU memory; prints the compiler-predicted time
+(`convert/report.py`) next to each measured one, and the ratio to the RKLLM anchor (Qwen3-VL-2B,
+w8a8, RK3588: TTFT 383.6 ms for 128 tokens, 14.98 tok/s decode, 1869 MB; rknn-llm benchmark.md).
+On a host, `--runner sim|onnxruntime` runs the same measurements (numbers of that runner, not
+of an NPU) so the benchmark itself is tested.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from edge_llm.backends.manifest import Manifest
+from edge_llm.backends.onnx_export import sample_inputs
+from edge_llm.backends.rknn import open_rknn
+from edge_llm.convert.report import predicted_ms
+
+RKLLM = {"ttft_128_ms": 383.6, "decode_tok_s": 14.98, "memory_mb": 1869.0}
+NPU_MM = "/sys/kernel/debug/rknpu/mm"
+
+
+def _rss_mb() -> tuple[float, float]:
+    vals = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(("VmRSS:", "VmHWM:")):
+            vals[line.split(":")[0]] = int(line.split()[1]) / 1024
+    return vals.get("VmRSS", 0.0), vals.get("VmHWM", 0.0)
+
+
+def _npu_memory() -> str | None:
+    try:
+        return " ".join(Path(NPU_MM).read_text().split())[:300]
+    except OSError:
+        return None
+
+
+def _median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up: first call allocates
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def _decode_tok_s(model, cache, steps: int) -> float:
+    cache.truncate(16)
+    t = time.perf_counter()
+    tok = 1
+    for _ in range(steps):
+        tok = int(np.argmax(model.forward([tok], cache)))
+    return steps / (time.perf_counter() - t)
+
+
+def run(model_dir: str | Path, rknn_dir: str | Path, runner: str = "rknnlite", repeats: int = 10,
+        prefill_tokens: int = 256, decode_steps: int = 32, core_layouts: bool = True,
+        step: Callable[[str], None] = lambda msg: None) -> dict:
+    from edge_llm.models.qwen3 import Model
+
+    m = Manifest.read(rknn_dir)
+    res: dict = {"runner": runner, "model": str(model_dir), "rknn_dir": str(rknn_dir), "identity": m.identity(),
+                 "toolkit": m.toolkit, "chunks": m.chunks, "anchor": RKLLM, "graphs": [], "prefill": [],
+                 "rss_mb_before": _rss_mb()[0]}
+    step("loading graphs")
+    be = open_rknn(rknn_dir, runner, model_dir=model_dir)
+    try:
+        model = Model.load(model_dir, backend=be)
+        res["numerics"] = be.numerics
+        res["rss_mb_loaded"], _ = _rss_mb()
+        res["npu_memory"] = _npu_memory()
+        by_name = {g.name: g for g in m.graphs}
+        for spec in be.specs:
+            for rows in spec.rows:
+                step(f"latency {spec.name} x{rows}")
+                xs = sample_inputs(spec, rows)
+                ms = _median_ms(lambda: be.runner.run(spec, xs), repeats)
+                cyc = next((t["cycles"] for t in by_name[spec.name].cost or [] if t.get("rows") == rows), None)
+                res["graphs"].append({"graph": spec.name, "rows": rows, "ms": ms,
+                                      "predicted_ms": cyc / 1e6 if cyc else None})
+        cache = model.new_cache(max(prefill_tokens, 128) + decode_steps + 32, check_memory=False)
+        ids = np.arange(prefill_tokens) % min(model.args.vocab_size, 1000)
+        for chunk in m.chunks:
+            step(f"prefill {prefill_tokens} tokens in chunks of {chunk}")
+            cache.reset()
+            t = time.perf_counter()
+            model.prefill(ids, cache, chunk=chunk)
+            s = time.perf_counter() - t
+            pred = predicted_ms(m, chunk)
+            res["prefill"].append({"chunk": chunk, "tok_s": prefill_tokens / s,
+                                   "predicted_tok_s": chunk / pred * 1e3 if pred else None})
+        step("decode")
+        res["decode_tok_s"] = _decode_tok_s(model, cache, decode_steps)
+        pred = predicted_ms(m, 1)
+        res["decode_predicted_ms"] = pred
+        res["decode_ms"] = 1e3 / res["decode_tok_s"]
+        cache.reset()
+        ids128 = np.arange(128) % min(model.args.vocab_size, 1000)
+        t = time.perf_counter()  # as the engine does: the tail in chunks, the last token alone
+        model.prefill(ids128[:127], cache, chunk=max(m.chunks))
+        model.forward(ids128[127:], cache)
+        res["ttft_128_ms"] = (time.perf_counter() - t) * 1e3
+        res["rss_mb_peak"] = _rss_mb()[1]
+    finally:
+        be.close()
+    if core_layouts and runner == "rknnlite":
+        res["core_layouts"] = _core_layouts(model_dir, rknn_dir, m, decode_steps, step)
+    res["ratio_to_rkllm"] = {"ttft_128": RKLLM["ttft_128_ms"] / res["ttft_128_ms"],
+                             "decode": res["decode_tok_s"] / RKLLM["decode_tok_s"],
+                             "memory": RKLLM["memory_mb"] / max(res["rss_mb_peak"], 1.0)}
+    return res
+
+
+def _core_layouts(model_dir, rknn_dir, m: Manifest, steps: int, step) -> list[dict]:
+    """Decode tok/s with layers round-robin on cores 0/1/2 vs all on core 0 vs all on 0+1+2."""
+    from edge_llm.backends.graph import GraphBackend
+    from edge_llm.backends.rknnlite import NPU_CORE_0, NPU_CORE_0_1_2, RKNNLiteRunner
+    from edge_llm.models.qwen3 import Model
+
+    out = []
+    for label, masks in (("round-robin 0/1/2", (1, 2, 4)), ("core 0", (NPU_CORE_0,)),
+                         ("cores 0+1+2", (NPU_CORE_0_1_2,))):
+        step(f"decode, layers on {label}")
+        r = RKNNLiteRunner(m.specs(), m.rknn_files(Path(rknn_dir)), layer_masks=masks)
+        be = GraphBackend("rknn", m.specs(), r, "bench")
+        try:
+            model = Model.load(model_dir, backend=be)
+            cache = model.new_cache(64 + steps, check_memory=False)
+            model.prefill(np.arange(16), cache)
+            out.append({"layers": label, "decode_tok_s": _decode_tok_s(model, cache, steps)})
+        finally:
+            be.close()
+    return out
+
+
+def markdown(res: dict) -> str:
+    a = res["anchor"]
+    lines = [f"# NPU benchmark ({res['runner']})", "", f"- numerics `{res.get('numerics')}`; rknn-toolkit2 "
+             f"{res['toolkit']}; chunks {res['chunks']}", f"- RSS loaded {res['rss_mb_loaded']:.0f} MB, peak "
+             f"{res['rss_mb_peak']:.0f} MB; NPU memory: {res.get('npu_memory') or 'not readable (debugfs)'}",
+             f"- TTFT 128 tokens {res['ttft_128_ms']:.1f} ms (RKLLM {a['ttft_128_ms']} ms: ratio "
+             f"{res['ratio_to_rkllm']['ttft_128']:.2f}x)",
+             f"- decode {res['decode_tok_s']:.2f} tok/s = {res['decode_ms']:.1f} ms/token; compiler predicted "
+             + (f"{res['decode_predicted_ms']:.1f} ms/token" if res["decode_predicted_ms"] else "n/a")
+             + f" (RKLLM {a['decode_tok_s']} tok/s: ratio {res['ratio_to_rkllm']['decode']:.2f}x)", "",
+             "| chunk | prefill tok/s | predicted tok/s |", "|---|---|---|"]
+    for p in res["prefill"]:
+        pred = f"{p['predicted_tok_s']:.0f}" if p["predicted_tok_s"] else "-"
+        lines.append(f"| {p['chunk']} | {p['tok_s']:.1f} | {pred} |")
+    lines += ["", "| graph | rows | measured ms | predicted ms |", "|---|---|---|---|"]
+    for g in res["graphs"]:
+        pred = f"{g['predicted_ms']:.3f}" if g["predicted_ms"] else "-"
+        lines.append(f"| {g['graph']} | {g['rows']} | {g['ms']:.3f} | {pred} |")
+    for c in res.get("core_layouts", []):
+        lines.append(f"\n- layers on {c['layers']}: decode {c['decode_tok_s']:.2f} tok/s")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,74 @@
+"""The converter's report: per-graph simulator accuracy and the compiler's cost estimate.
+
+The estimate is the sum of the per-op `Cycles(DDR/NPU/Total)` column of rknn-toolkit2's layer
+table for one static shape, converted to time at the RK3588 NPU's 1 GHz clock. It is the
+compiler's model of one core, not a measurement; `edge-llm bench npu` prints it next to the
+measured time on a board.
+"""
+
+from __future__ import annotations
+
+from edge_llm.backends.graphs import HEAD
+from edge_llm.backends.manifest import GraphEntry, Manifest
+
+NPU_HZ = 1.0e9  # RK3588 NPU clock (max), cycles -> seconds
+FP16_REL_LIMIT = 3e-3  # what fp16 graphs are expected to stay within (max relative error)
+
+
+def worst(g: GraphEntry) -> dict[str, float] | None:
+    """Worst max/mean relative error and lowest cosine over every shape and output."""
+    if not g.accuracy:
+        return None
+    vals = [v for per in g.accuracy.values() for v in per.values()]
+    return {"max_rel": max(v["max_rel"] for v in vals), "mean_rel": max(v["mean_rel"] for v in vals),
+            "cosine": min(v["cosine"] for v in vals)}
+
+
+def cycles(g: GraphEntry, rows: int) -> int | None:
+    for table in g.cost or []:
+        if table.get("rows") == rows:
+            return int(table["cycles"])
+    return None
+
+
+def predicted_ms(m: Manifest, rows: int) -> float | None:
+    """Compiler-predicted time of one step at `rows` rows: every layer graph at `rows`; a decode
+    step (1 row) also runs the head, a prefill chunk does not (the head runs once per request)."""
+    total = 0
+    for g in m.graphs:
+        if g.kind == HEAD and rows != 1:
+            continue
+        c = cycles(g, 1 if g.kind == HEAD else rows)
+        if c is None:
+            return None
+        total += c
+    return total / NPU_HZ * 1e3
+
+
+def cpu_ops(g: GraphEntry) -> list[str]:
+    return sorted({op for t in (g.cost or []) for op in t.get("cpu_ops", [])})
+
+
+def markdown_report(m: Manifest) -> str:
+    lines = [f"# rknn conversion report: {m.model.get('name')} ({m.model.get('model_type')})", "",
+             f"- target {m.target}, {m.dtype}, rknn-toolkit2 {m.toolkit}; chunks {m.chunks}; "
+             f"{m.layers} layer(s) converted; head split {m.head_split}; identity `{m.identity()}`",
+             f"- build: {m.build}", ""]
+    for rows in m.chunks:
+        ms = predicted_ms(m, rows)
+        if ms is not None:
+            per_tok = ms / rows
+            what = "decode step (layers + head)" if rows == 1 else f"prefill chunk of {rows} rows (layers)"
+            lines.append(f"- compiler estimate, {what}: {ms:.3f} ms per step, "
+                         f"{per_tok:.3f} ms per token ({1e3 / per_tok:.1f} tok/s), NPU at {NPU_HZ / 1e9:.1f} GHz")
+    lines += ["", f"Simulator (fp16) vs CPU backend (F32, numpy) on N(0,1) sample inputs; expected "
+              f"max relative error <= {FP16_REL_LIMIT:g}.", "",
+              "| graph | shapes | max rel | mean rel | cosine | cycles per shape | CPU-placed ops | .rknn MB |",
+              "|---|---|---|---|---|---|---|---|"]
+    for g in m.graphs:
+        w = worst(g)
+        acc = (f"{w['max_rel']:.2e} | {w['mean_rel']:.2e} | {w['cosine']:.6f}" if w else "- | - | -")
+        cyc = ", ".join(f"{t.get('rows')}:{t['cycles']}" for t in (g.cost or []))
+        mb = f"{g.rknn_bytes / 1e6:.2f}" if g.rknn_bytes else "-"
+        lines.append(f"| {g.name} | {g.rows} | {acc} | {cyc} | {', '.join(cpu_ops(g)) or '-'} | {mb} |")
+    return "\n".join(lines) + "\n"

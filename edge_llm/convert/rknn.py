@@ -1,0 +1,109 @@
+"""`edge-llm convert rknn`: HF model directory -> ONNX graphs -> fp16 `.rknn` for the RK3588 NPU.
+
+Two processes, because the toolkit cannot share a venv with the runtime (rknn-toolkit2 2.5.0
+pins numpy 1.26, onnx <= 1.18, protobuf 4.25 and imports torch; docs/npu.md):
+1. here, in the runtime venv: export every graph to ONNX from the F32 weights, one layer at a
+   time, with sample inputs and the CPU backend's reference outputs (`onnx_export.py`);
+2. a `toolkit_worker.py` process in the converter venv: build each graph (all static shapes in
+   one `.rknn` via `dynamic_input`), record the compiler's per-op cycle table, run the
+   simulator on the samples and compare with the reference.
+Builds are content-addressed: `rknn/<graph>-<key>.rknn` with key = sha256 of the ONNX bytes,
+the build options and the toolkit version. An unchanged graph is not rebuilt, which also keeps
+the manifest identity (and so the snapshot namespace) stable across re-runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import resource
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from edge_llm.backends.manifest import GraphEntry, Manifest
+from edge_llm.backends.onnx_export import export_graph_set
+from edge_llm.backends.runners import ToolkitWorker, compile_request
+from edge_llm.convert.report import markdown_report
+
+log = logging.getLogger(__name__)
+
+# progress(phase, graph name, index, total)
+Progress = Callable[[str, str, int, int], None]
+
+
+def build_key(entry: GraphEntry, toolkit: str, target: str, dtype: str) -> str:
+    doc = [entry.input_key, entry.rows, entry.inputs, entry.outputs, toolkit, target, dtype]
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def _peak_rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, ...], layers: int | None = None,
+                 head_split: int = 1, converter_python: str | None = None, accuracy: bool = True,
+                 progress: Progress | None = None) -> Manifest:
+    """Export + build every graph; write manifest.json and report.md. Returns the manifest."""
+    out = Path(out_dir)
+    (out / "rknn").mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    step = progress or (lambda *a: None)
+    count = {"n": 0}
+
+    def on_export(spec) -> None:
+        step("export", spec.name, count["n"], -1)
+        count["n"] += 1
+
+    m = export_graph_set(model_dir, out, chunks, layers, head_split, samples=accuracy, progress=on_export)
+    t_export = time.perf_counter() - t0
+    export_rss = _peak_rss_mb()
+    worker = ToolkitWorker(converter_python, log_file=out / "build.log")
+    built = reused = 0
+    try:
+        m.toolkit = worker.version
+        for i, g in enumerate(m.graphs):
+            step("build", g.name, i, len(m.graphs))
+            key = build_key(g, m.toolkit, m.target, m.dtype)
+            rel = f"rknn/{g.name}-{key[:16]}.rknn"
+            record = out / (rel + ".json")
+            res = _cached(out / rel, record)
+            if res is None:
+                samples = out / g.onnx.replace(".onnx", ".samples.npz") if accuracy else None
+                req = compile_request(g.spec(), out / g.onnx, out=str(out / rel),
+                                      samples=str(samples) if samples and samples.is_file() else None)
+                res, _ = worker.call({"op": "build", **req})
+                res.pop("ok", None)
+                record.write_text(json.dumps(res, indent=1) + "\n")
+                built += 1
+            else:
+                reused += 1
+            g.rknn, g.build_key, g.rknn_sha256, g.rknn_bytes = rel, key, res["sha256"], res["bytes"]
+            g.accuracy, g.cost, g.build_seconds = res.get("accuracy"), res.get("cost"), res.get("build_seconds")
+    finally:
+        worker.close()
+    worker_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    m.build = {"export_seconds": round(t_export, 2), "total_seconds": round(time.perf_counter() - t0, 2),
+               "built": built, "reused": reused, "peak_rss_mb_export": round(export_rss, 1),
+               "peak_rss_mb_toolkit": round(worker_rss, 1)}
+    m.write(out)
+    (out / "report.md").write_text(markdown_report(m))
+    log.info("converted %d graphs (%d built, %d reused) in %.1f s -> %s", len(m.graphs), built, reused,
+             m.build["total_seconds"], out)
+    return m
+
+
+def _cached(rknn: Path, record: Path) -> dict | None:
+    """A previous build of the same key, if its file is intact."""
+    try:
+        res = json.loads(record.read_text())
+        data = rknn.read_bytes()
+    except (OSError, ValueError):
+        return None
+    if hashlib.sha256(data).hexdigest() != res.get("sha256"):
+        return None
+    return res
