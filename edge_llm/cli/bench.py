@@ -191,7 +191,7 @@ def recovery_cmd(model, synth_layers, contexts, max_tokens, ready_timeout, resto
     disk's lower bound and vs max(read, tail)."""
     from edge_llm.settings import RESTORE_MODES
 
-    modes = tuple(m.strip() for m in restore_modes.split(",") if m.strip())
+    modes = tuple(dict.fromkeys(m.strip() for m in restore_modes.split(",") if m.strip()))  # each once
     if not modes or any(m not in RESTORE_MODES for m in modes):
         raise click.BadParameter(f"choose from {', '.join(RESTORE_MODES)}", param_hint="--restore-modes")
     run_recovery(model, synth_layers, _ints(contexts), max_tokens, ready_timeout, out, modes)
