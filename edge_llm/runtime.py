@@ -81,10 +81,11 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
             Path(s.disk_kv), identity, model.args.geometry,
             min_lcp=s.disk_kv_min_lcp, max_files=s.disk_kv_max_files,
             max_bytes=s.disk_kv_max_bytes, max_tokens=s.disk_kv_max_tokens, kv_bs=s.kv_bs,
+            max_chain=s.disk_kv_max_chain, compact_idle=s.disk_kv_compact_idle, group_read=s.disk_kv_group_read,
         )
         store.scan()
     engine = Engine(model, tokenizer, cache, store=store, prefill_chunk=s.prefill_chunk,
-                    model_dir=model_dir, vision=vision)
+                    model_dir=model_dir, vision=vision, restore_mode=s.disk_kv_restore)
     log.info("runtime ready: model %s (%s), KV cache %d MiB (max_seq %d)", model_dir.name,
              model.backend.numerics, cache.nbytes >> 20, s.max_seq)
     return engine

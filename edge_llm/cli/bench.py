@@ -1,5 +1,5 @@
-"""`edge-llm bench restore|recovery|vision|compute|quant|quant-memory|all`: measured against this
-machine's own limits or a peer measured in the same run.
+"""`edge-llm bench restore|recovery|split|vision|compute|quant|quant-memory|npu|all`: measured
+against this machine's own limits or a peer measured in the same run.
 
 Results go to a new dated folder `<out>/<UTC>-<kind>/` (JSON + Markdown, + PNG for recovery).
 `compute` runs tools/bench_compute.py from a source checkout as a separate process (the package
@@ -9,14 +9,18 @@ never imports tools/).
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from contextlib import ExitStack
 from pathlib import Path
+from typing import NamedTuple
 
 import click
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from edge_llm.bench.models import bench_model, synth_model
 from edge_llm.settings import DEFAULTS
 
 console = Console()
@@ -63,18 +67,53 @@ def bench() -> None:
 @click.option("--preset", type=click.Choice(["qwen3-vl-2b"]), default="qwen3-vl-2b", show_default=True)
 @click.option("--layers", type=click.IntRange(1), default=None, help="Fewer layers than the preset's.")
 @click.option("--kv-bs", type=click.IntRange(1), default=DEFAULTS.kv_bs, show_default=True)
-@click.option("--repeats", type=click.IntRange(1), default=3, show_default=True)
+@click.option("--repeats", type=click.IntRange(0), default=3, show_default=True,
+              help="Save/restore repeats per context (0: only the write budget).")
 @click.option("--scan-files", type=click.IntRange(1), default=DEFAULTS.disk_kv_max_files, show_default=True)
 @click.option("--scan-tokens", type=click.IntRange(1), default=None, help="[default: smallest context]")
+@click.option("--turns", type=click.IntRange(0), default=6, show_default=True,
+              help="Write budget: a conversation growing from the smallest to the largest context over this "
+                   "many turns, saved as deltas and as full rewrites (0 skips it).")
+@click.option("--ttft-models", default="synth", show_default=True,
+              help="Restored TTFT (sequential vs pipelined vs bound) and the cost gate vs the alternatives "
+                   "measured, on real models: 'synth' (Qwen3-VL-2B geometry, --ttft-layers layers), 'tiny', "
+                   "'default' or a model dir, comma-separated ('' skips).")
+@click.option("--ttft-layers", type=click.IntRange(1), default=4, show_default=True,
+              help="Decoder layers of the 'synth' model (28: the whole Qwen3-VL-2B).")
+@click.option("--ttft-contexts", default="2048,8192", show_default=True, help="Restored prefix sizes in tokens.")
+@click.option("--tail", type=click.IntRange(1), default=64, show_default=True,
+              help="New tokens after the restored prefix (computed behind the restore).")
+@click.option("--ttft-repeats", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--throttle-mbps", default="", metavar="MBPS[,MBPS]",
+              help="Also run on a loop-mounted directory throttled to this many MB/s (reads and writes, a "
+                   "cgroup v1 blkio limit), e.g. 200 for an eMMC. Needs root.")
 @click.option("--out", default="benchmarks/results", show_default=True, help=OUT_HELP)
-def restore_cmd(data_dir, contexts, preset, layers, kv_bs, repeats, scan_files, scan_tokens, out) -> None:
-    """Save / cold restore / index scan of synthetic KV vs raw write+fsync and cold read."""
-    run_restore(data_dir, _ints(contexts), preset, layers, kv_bs, repeats, scan_files, scan_tokens, out)
+def restore_cmd(data_dir, contexts, preset, layers, kv_bs, repeats, scan_files, scan_tokens, turns, ttft_models,
+                ttft_layers, ttft_contexts, tail, ttft_repeats, throttle_mbps, out) -> None:
+    """Save / cold restore / index scan of synthetic KV vs raw write+fsync and cold read; the write
+    budget of a multi-turn conversation (delta vs full rewrite); restored TTFT sequential vs
+    pipelined vs max(read, tail) and the cost gate's choices vs the alternatives measured, on
+    --dir and on throttled directories."""
+    ttft = TTFT([m for m in ttft_models.split(",") if m.strip()], ttft_layers, _ints(ttft_contexts), tail,
+                ttft_repeats)
+    rates = [float(x) for x in throttle_mbps.split(",") if x.strip()] if throttle_mbps else []
+    run_restore(data_dir, _ints(contexts), preset, layers, kv_bs, repeats, scan_files, scan_tokens, out, turns,
+                ttft, rates)
+
+
+class TTFT(NamedTuple):
+    models: list[str]
+    layers: int = 4
+    contexts: list[int] = [2048, 8192]
+    tail: int = 64
+    repeats: int = 2
 
 
 def run_restore(data_dir, contexts, preset="qwen3-vl-2b", layers=None, kv_bs=DEFAULTS.kv_bs, repeats=3, scan_files=DEFAULTS.disk_kv_max_files,
-                scan_tokens=None, out="benchmarks/results") -> Path:
+                scan_tokens=None, out="benchmarks/results", turns=6, ttft: TTFT | None = None,
+                throttle: list[float] = ()) -> Path:
     from edge_llm.bench import restore as B
+    from edge_llm.bench import throttle as TH
     from edge_llm.bench.disk import new_results_dir
     from edge_llm.config import Geometry
     from edge_llm.settings import home_dir
@@ -82,23 +121,64 @@ def run_restore(data_dir, contexts, preset="qwen3-vl-2b", layers=None, kv_bs=DEF
     g = B.PRESETS[preset]
     if layers:
         g = Geometry(layers, g.n_kv_heads, g.head_dim)
+    if throttle:
+        try:
+            TH.check_supported()
+        except TH.ThrottleError as e:
+            raise click.ClickException(str(e)) from None
+    models = [bench_model(m, ttft.layers) for m in ttft.models] if ttft and ttft.models else []
     res_dir = new_results_dir(out, "restore")
     work = Path(data_dir) if data_dir else home_dir() / "bench"
-    with _progress() as prog:
+    res: dict = {}
+    with _progress() as prog, ExitStack() as stack:
         task = prog.add_task("restore bench", total=None)
+        step = lambda msg: prog.update(task, description=msg)  # noqa: E731
         try:
-            res = B.run(work / res_dir.name, g, contexts, kv_bs=kv_bs, scan_files=scan_files,
-                        scan_tokens=scan_tokens, repeats=repeats,
-                        progress=lambda msg: prog.update(task, description=msg))
-        except (OSError, MemoryError) as e:
-            raise click.ClickException(str(e)) from None
-        finally:
-            import shutil
+            disks = [("disk", work / res_dir.name, None)]
+            stack.callback(shutil.rmtree, work / res_dir.name, True)
+            for rate in throttle:
+                step(f"throttled directory at {rate:g} MB/s")
+                size = TH.fs_size(g, max(contexts) if repeats else 0, models, ttft.contexts if ttft else [], kv_bs)
+                probe = int(min(max(3 * rate * 1e6, 8 << 20), 256 << 20))  # ~3 s of raw I/O at the limit
+                td = stack.enter_context(TH.throttled_dir(work, size, rate, probe))
+                disks.append((f"throttled {rate:g} MB/s", td.path, td))
+                res.setdefault("throttles", []).append(td.to_dict())  # raw I/O before and after the limit
+            for label, path, td in disks:
+                if repeats:
+                    r = B.run(path / "restore", g, contexts, kv_bs=kv_bs, scan_files=scan_files,
+                              scan_tokens=scan_tokens, repeats=repeats, progress=step)
+                    if td is None:
+                        res.update(r)
+                    else:
+                        res.setdefault("throttled", []).append({"label": label, "throttle": td.to_dict(), **r})
+            if turns >= 2:
+                from edge_llm.bench import conversation as C
 
-            shutil.rmtree(work / res_dir.name, ignore_errors=True)
+                res["write_budget"] = C.write_budget(work / res_dir.name, g, kv_bs, min(contexts), max(contexts),
+                                                     turns, step=step)
+            if models:
+                from edge_llm.bench import ttft as T
+
+                tdisks = [T.Disk(label, path / "ttft", None if td is None else td.to_dict()["raw_after"])
+                          for label, path, td in disks]
+                res["ttft"] = T.run(models, tdisks, ttft.contexts, ttft.tail, ttft.repeats, kv_bs, step)
+        except (OSError, MemoryError, TH.ThrottleError) as e:
+            raise click.ClickException(str(e)) from None
     res["preset"], res["layers_reduced"] = preset, bool(layers)
     res["command"] = " ".join(sys.argv)
-    md = B.markdown(res)
+    md = B.markdown(res) if res.get("contexts") else ""
+    if res.get("throttles"):
+        md += "\n## Throttled directories (loop device, cgroup v1 blkio limit)\n\n" + TH.markdown(res["throttles"])
+    for t in res.get("throttled", []):
+        md += f"\n## {t['label']} (loop device, cgroup blkio limit)\n\n" + B.markdown(t)
+    if "write_budget" in res:
+        from edge_llm.bench import conversation as C
+
+        md += "\n## Write budget of a conversation\n\n" + C.markdown(res["write_budget"])
+    if "ttft" in res:
+        from edge_llm.bench import ttft as T
+
+        md += "\n## Restored TTFT and the cost gate\n\n" + T.markdown(res["ttft"])
     _save(res_dir, "restore", res, md)
     return res_dir
 
@@ -110,27 +190,22 @@ def run_restore(data_dir, contexts, preset="qwen3-vl-2b", layers=None, kv_bs=DEF
 @click.option("--contexts", default="512,2048", show_default=True, help="Context sizes in tokens.")
 @click.option("--max-tokens", type=click.IntRange(1), default=8, show_default=True)
 @click.option("--ready-timeout", type=float, default=600.0, show_default=True)
+@click.option("--restore-modes", default="sequential,pipelined", show_default=True,
+              help="One S2 per mode on the same files (the last one fills the main table).")
 @click.option("--out", default="benchmarks/results", show_default=True, help=OUT_HELP)
-def recovery_cmd(model, synth_layers, contexts, max_tokens, ready_timeout, out) -> None:
-    """S1 cold prefill + snapshot, kill, S2 restore + tail: TTFT vs the disk's lower bound."""
-    run_recovery(model, synth_layers, _ints(contexts), max_tokens, ready_timeout, out)
+def recovery_cmd(model, synth_layers, contexts, max_tokens, ready_timeout, restore_modes, out) -> None:
+    """S1 cold prefill + snapshot, kill, S2 restore + tail (sequential and pipelined): TTFT vs the
+    disk's lower bound and vs max(read, tail)."""
+    from edge_llm.settings import RESTORE_MODES
 
-
-def synth_model(layers: int, vision: bool = False) -> Path:
-    """$EDGE_LLM_HOME/models/synth-qwen3-vl-2b-<N>l[-vision], written by `edge-llm model synth` if
-    missing (the vision tower only when asked: it adds ~0.8 GB)."""
-    from edge_llm.settings import home_dir
-
-    path = home_dir() / "models" / f"synth-qwen3-vl-2b-{layers}l{'-vision' if vision else ''}"
-    if not (path / "config.json").is_file():
-        console.print(f"writing synthetic checkpoint {path} ...")
-        subprocess.run([sys.executable, "-m", "edge_llm", "model", "synth", "--preset", "qwen3-vl-2b",
-                        "--layers", str(layers), "--vision" if vision else "--no-vision", str(path)], check=True)
-    return path
+    modes = tuple(dict.fromkeys(m.strip() for m in restore_modes.split(",") if m.strip()))  # each once
+    if not modes or any(m not in RESTORE_MODES for m in modes):
+        raise click.BadParameter(f"choose from {', '.join(RESTORE_MODES)}", param_hint="--restore-modes")
+    run_recovery(model, synth_layers, _ints(contexts), max_tokens, ready_timeout, out, modes)
 
 
 def run_recovery(model, synth_layers, contexts, max_tokens=8, ready_timeout=600.0,
-                 out="benchmarks/results") -> Path:
+                 out="benchmarks/results", modes=("sequential", "pipelined")) -> Path:
     from edge_llm.bench import recovery as B
     from edge_llm.bench.disk import new_results_dir
     from edge_llm.config import ModelArgs
@@ -154,7 +229,7 @@ def run_recovery(model, synth_layers, contexts, max_tokens=8, ready_timeout=600.
         for ctx in contexts:
             try:
                 row = B.run_context(model, g, ctx, res_dir, max_tokens, ready_timeout,
-                                    step=lambda msg: prog.update(task, description=msg), encode=encode)
+                                    step=lambda msg: prog.update(task, description=msg), encode=encode, modes=modes)
             except Exception as e:  # a failed context is reported, the others still run
                 console.print(f"[red]context {ctx} failed: {e}[/red]")
                 row = {"context": ctx, "error": str(e)}
@@ -171,6 +246,33 @@ def run_recovery(model, synth_layers, contexts, max_tokens=8, ready_timeout=600.
     if len(ok) != len(res["rows"]):
         raise click.ClickException("some contexts failed (see above)")
     return res_dir
+
+
+@bench.command("split")
+@click.option("--models", default="tiny,default", show_default=True,
+              help="'tiny', 'default', 'synth' (--synth-layers) or model dirs, comma-separated.")
+@click.option("--synth-layers", type=click.IntRange(1), default=4, show_default=True)
+@click.option("--contexts", default="512,2048", show_default=True, help="History sizes in tokens.")
+@click.option("--max-tokens", type=click.IntRange(1), default=32, show_default=True,
+              help="Greedy tokens compared with the bitwise path.")
+@click.option("--kv-bs", type=click.IntRange(1), default=DEFAULTS.kv_bs, show_default=True)
+@click.option("--out", default="benchmarks/results", show_default=True, help=OUT_HELP)
+def split_cmd(models, synth_layers, contexts, max_tokens, kv_bs, out) -> None:
+    """Split mode's distance from the bitwise path: logit differences and greedy agreement when only
+    the front of a snapshot is loaded and the rest recomputed."""
+    from edge_llm.bench import split as SP
+    from edge_llm.bench.disk import new_results_dir
+
+    specs = [bench_model(m.strip(), synth_layers) for m in models.split(",") if m.strip()]
+    res_dir = new_results_dir(out, "bench-split")
+    with _progress() as prog:
+        task = prog.add_task("split bench")
+        res = SP.run(specs, _ints(contexts), max_tokens, kv_bs, lambda msg: prog.update(task, description=msg))
+    res["command"] = " ".join(sys.argv)
+    (res_dir / "split.json").write_text(json.dumps(res, indent=2) + "\n")
+    md = SP.markdown(res)
+    (res_dir / "split.md").write_text(md)
+    _show(res_dir, md)
 
 
 @bench.command("vision")
@@ -250,7 +352,7 @@ def run_compute(args: list[str]) -> None:
 def all_cmd(synth_layers, contexts, out) -> None:
     """What `make bench` runs: restore (2K, 8K), recovery (default model, small contexts), compute."""
     ctx = _ints(contexts) if contexts else ([2048, 8192] if synth_layers else [512, 2048])
-    run_restore(None, [2048, 8192], out=out)
+    run_restore(None, [2048, 8192], out=out, ttft=TTFT(["synth"]))
     run_recovery("default", synth_layers, ctx, out=out)
     if compute_script() is not None:
         run_compute(["--layers", str(synth_layers or 4)])
