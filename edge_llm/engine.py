@@ -32,7 +32,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from edge_llm.costgate import SEQUENTIAL, CostGate
-from edge_llm.errors import ContextOverflowError, ImageError, RestoreFailed, SnapshotError
+from edge_llm.errors import (
+    ContextOverflowError,
+    ImageError,
+    RestoreFailed,
+    SnapshotError,
+)
 from edge_llm.kvcache import KVCache
 from edge_llm.progress import DECODE, NO_WORK, PREFILL, Cancelled, OnProgress, Work
 from edge_llm.sampling import (

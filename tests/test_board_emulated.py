@@ -24,14 +24,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_llm.bench.client import LOADED_RE, SAVED_RE, http_json, log_offset, read_since, wait_for_line, wait_ready
+from edge_llm.bench.client import (
+    LOADED_RE,
+    SAVED_RE,
+    http_json,
+    log_offset,
+    read_since,
+    wait_for_line,
+    wait_ready,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 import board_container  # noqa: E402
 import board_emu  # noqa: E402
 import board_image  # noqa: E402
-
 from serverutil import free_port  # noqa: E402
 
 REASON = board_image.unavailable_reason()

@@ -13,7 +13,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from edge_llm.errors import SnapshotBaseMismatch, SnapshotBaseMissing, SnapshotChainError
+from edge_llm.errors import (
+    SnapshotBaseMismatch,
+    SnapshotBaseMissing,
+    SnapshotChainError,
+)
 from edge_llm.snapshot.index import Entry, is_prefix
 
 

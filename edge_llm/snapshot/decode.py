@@ -45,11 +45,13 @@ from edge_llm.snapshot.layout import (
     SnapshotHeader,
     byte_view,
     decode_extension,
-    file_size as size_of,
     fnv1a64,
     n_blocks,
     pread_into,
     read_exact,
+)
+from edge_llm.snapshot.layout import (
+    file_size as size_of,
 )
 
 log = logging.getLogger("edge_llm.snapshot.format")

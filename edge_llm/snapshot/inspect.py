@@ -7,7 +7,12 @@ from typing import Any
 
 import crc32c
 
-from edge_llm.errors import SnapshotError, SnapshotExtension, SnapshotTokenHash, SnapshotTrailerCRC
+from edge_llm.errors import (
+    SnapshotError,
+    SnapshotExtension,
+    SnapshotTokenHash,
+    SnapshotTrailerCRC,
+)
 from edge_llm.snapshot.format import (
     F32,
     FLAG_EXTENSION,

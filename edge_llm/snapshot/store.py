@@ -31,7 +31,12 @@ from edge_llm.snapshot import format as fmt
 from edge_llm.snapshot.catalog import Catalog
 from edge_llm.snapshot.identity import Identity, ensure_namespace
 from edge_llm.snapshot.index import Entry, Hit, RestoreResult, lcp, mbps
-from edge_llm.snapshot.restore import READ_MAX_TOKENS, ChainRead, ChainReadError, PipelinedRestore
+from edge_llm.snapshot.restore import (
+    READ_MAX_TOKENS,
+    ChainRead,
+    ChainReadError,
+    PipelinedRestore,
+)
 from edge_llm.snapshot.saving import Saver
 from edge_llm.snapshot.writer import TMP_SUFFIX, Modes, orphaned_temp
 
