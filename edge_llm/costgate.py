@@ -12,13 +12,21 @@ A pipelined restore overlaps reading with the first prefill chunk, layer by laye
 max(read(k), first chunk) + the remaining chunks; a sequential restore costs read(k) + prefill.
 Prefill time is modelled as rows / rate (linear: attention makes long prefixes somewhat slower
 per row, which only favours loading). Without both estimates the gate restores (the first
-request after a start measures them). See docs/store.md.
+request measures them). The estimates persist in the snapshot namespace (`gate.json`), so the
+first request after a restart — the case restores exist for — is already decided on this
+machine's numbers. See docs/store.md.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import threading
 from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 EWMA = 0.3  # weight of the newest measurement
 MIN_PREFILL_ROWS = 16  # shorter prefills are dominated by per-call overhead: not a rate sample
@@ -42,13 +50,48 @@ class CostGate:
     """Running estimates + the restore decision; thread-safe (the metrics read it any time)."""
 
     def __init__(self, bytes_per_token: int, mode: str = PIPELINED, chunk: int = 128,
-                 read_bps: float | None = None, prefill_tps: float | None = None):
+                 read_bps: float | None = None, prefill_tps: float | None = None,
+                 state_file: Path | None = None):
         if mode not in (PIPELINED, SEQUENTIAL, SPLIT):
             raise ValueError(f"unknown restore mode {mode!r}")
         self.bytes_per_token, self.mode, self.chunk = bytes_per_token, mode, chunk
         self.read_bps, self.prefill_tps = read_bps, prefill_tps
         self._lock = threading.Lock()
         self.counts = {"restore": 0, "split": 0, "recompute": 0, "unmeasured": 0}
+        self.state_file = state_file
+        if state_file is not None and read_bps is None and prefill_tps is None:
+            self._load(state_file)
+
+    # ---- persistence (the namespace's gate.json) -------------------------------------------------
+    def _load(self, path: Path) -> None:
+        try:
+            doc = json.loads(path.read_text())
+            rb, tps = doc.get("read_bytes_per_s"), doc.get("prefill_rows_per_s")
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, AttributeError) as e:
+            log.warning("cost gate: ignoring %s (%s)", path, e)
+            return
+        ok = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e15  # noqa: E731
+        self.read_bps = float(rb) if ok(rb) else None
+        self.prefill_tps = float(tps) if ok(tps) else None
+        log.info("cost gate: estimates from the last run: read %.0f MB/s, prefill %.1f rows/s",
+                 (self.read_bps or 0) / 1e6, self.prefill_tps or 0)
+
+    def _save(self) -> None:
+        """Best effort, no fsync: a lost update only costs one request an older estimate."""
+        if self.state_file is None:
+            return
+        with self._lock:
+            doc = {"read_bytes_per_s": self.read_bps, "prefill_rows_per_s": self.prefill_tps}
+        tmp = self.state_file.with_name(f"{self.state_file.name}.{os.getpid()}-0.tmp")  # the store's temp naming
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f)
+            os.replace(tmp, self.state_file)
+        except OSError as e:
+            log.debug("cost gate: could not save %s: %s", self.state_file, e)
 
     # ---- estimates ----------------------------------------------------------------------------
     def observe_read(self, nbytes: int, seconds: float) -> None:
@@ -56,12 +99,14 @@ class CostGate:
         if nbytes > 0 and seconds > 0:
             with self._lock:
                 self.read_bps = _ewma(self.read_bps, nbytes / seconds)
+            self._save()
 
     def observe_prefill(self, rows: int, seconds: float) -> None:
         """A request prefilled `rows` rows in `seconds` (waits for disk or saves excluded)."""
         if rows >= MIN_PREFILL_ROWS and seconds > 0:
             with self._lock:
                 self.prefill_tps = _ewma(self.prefill_tps, rows / seconds)
+            self._save()
 
     def stats(self) -> dict:
         with self._lock:

@@ -151,3 +151,24 @@ def test_multi_turn_write_budget_from_the_store_counters(tiny, tmp_path):
         eng.store.close()
     print(f"\nwrite budget over 6 turns (tiny model): delta {ratios[8]:.3f}, full rewrite {ratios[1]:.3f}")
     assert ratios[8] <= 1.1 and ratios[1] > 2.5
+
+
+def test_gate_estimates_survive_a_restart(tiny, tmp_path):
+    """A new runtime on the same namespace starts with the last run's estimates (gate.json), so
+    the first request after a restart is decided on this machine's numbers, not 'unmeasured'."""
+    kv = tmp_path / "kv"
+    prompt = snapshot_of_history(tiny, kv)
+    eng = engine(tiny, kv)
+    eng.gate.observe_read(10, 1.0)  # a very slow disk: 10 B/s
+    eng.gate.observe_prefill(1000, 0.001)  # a very fast backend
+    eng.store.close()
+    assert (eng.store.ns / "gate.json").is_file()
+    again = engine(tiny, kv)  # a restart
+    assert again.gate.read_bps == eng.gate.read_bps and again.gate.prefill_tps == eng.gate.prefill_tps
+    _, t = again.prefill_prompt(prompt)
+    assert t.gate == "recompute" and t.cache_source == "none"
+    again.store.close()
+    (again.store.ns / "gate.json").write_text("{not json")
+    third = engine(tiny, kv)  # a damaged file is ignored, never fatal
+    assert third.gate.read_bps is None
+    third.store.close()
