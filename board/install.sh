@@ -122,7 +122,7 @@ install_dir 0755 root root /opt/edge-llm
 install_dir 0755 root root /opt/edge-llm/models
 install_dir 0750 root "$SVC_USER" /etc/edge-llm
 install_dir 0750 "$SVC_USER" "$SVC_USER" /var/lib/edge-llm
-install_dir 0750 "$SVC_USER" "$SVC_USER" /var/lib/edge-llm/kv
+install_dir 0700 "$SVC_USER" "$SVC_USER" /var/lib/edge-llm/kv  # snapshots hold conversations (docs/store.md)
 install_dir 0750 "$SVC_USER" "$SVC_USER" /var/log/edge-llm
 
 # ---- venv + package ----------------------------------------------------------------------

@@ -96,6 +96,7 @@ class Doctor:
             ("open-files", self.open_files, False), ("rknn-dir", self.rknn_dir, False),
             ("model", self.model, False), ("memory", self.memory, False),
             ("kv-filesystem", self.kv_filesystem, False), ("kv-space", self.kv_space, False),
+            ("kv-private", self.kv_private, False),
             ("emmc-life", self.emmc_life, False), ("clock", self.clock, False)]
         out = []
         for name, fn, rk_only in checks:
@@ -410,6 +411,30 @@ class Doctor:
             return Check("kv-space", WARN, detail + ": the cap does not fit",
                          "set disk_kv_max_bytes below the free space (leave room for logs and updates)")
         return Check("kv-space", PASS, detail)
+
+    def kv_private(self) -> Check:
+        """Snapshots hold conversations (plain token ids): nothing under the kv dir may be
+        readable by others (the group only where disk_kv_group_read allows it)."""
+        p = self._existing_kv()
+        if p is None:
+            return Check("kv-private", NA, "disk KV off")
+        group_ok = self.o.disk_kv_group_read
+        bad, n = [], 0
+        for q in [p, *sorted(p.glob("*")), *sorted(p.glob("*/*")), *sorted(p.glob("*/quarantine/*"))]:
+            try:
+                mode = q.stat().st_mode & 0o777
+            except OSError:
+                continue
+            n += 1
+            if mode & 0o007 or (mode & 0o070 and not group_ok and q.name.startswith("kv_")):
+                bad.append(f"{q} ({mode:o})")
+        if bad:
+            shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+            return Check("kv-private", WARN, f"{len(bad)} snapshot path(s) readable by others: {shown}",
+                         f"chmod -R go-rwx {p} (the service creates 0600/0700 itself; disk_kv_group_read "
+                         "= true lets its group read)")
+        return Check("kv-private", PASS, f"{n} path(s) under {p} readable by their owner"
+                     + (" and group" if group_ok else "") + " only")
 
     def emmc_life(self) -> Check:
         rows, worst = [], PASS

@@ -31,7 +31,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from edge_llm.errors import ContextOverflowError, ImageError, SnapshotError
+from edge_llm.costgate import SEQUENTIAL, CostGate
+from edge_llm.errors import (
+    ContextOverflowError,
+    ImageError,
+    RestoreFailed,
+    SnapshotError,
+)
 from edge_llm.kvcache import KVCache
 from edge_llm.progress import DECODE, NO_WORK, PREFILL, Cancelled, OnProgress, Work
 from edge_llm.sampling import (
@@ -49,7 +55,7 @@ from edge_llm.vision.preprocess import PreparedImage
 
 if TYPE_CHECKING:  # annotations only: the engine is handed these, it never builds them
     from edge_llm.models.qwen3 import Model
-    from edge_llm.snapshot.store import SnapshotStore
+    from edge_llm.snapshot.store import PendingRestore, SnapshotStore
     from edge_llm.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -84,6 +90,16 @@ class Timings:
     image_tokens: int = 0  # prompt rows that are image tokens
     images_encoded: int = 0  # images that ran through the vision encoder (the others were cached)
     vision_ms: float = 0.0  # vision encoder time
+    # the cost gate (edge_llm/costgate.py): what it chose for a disk hit and why
+    restore_mode: str = ""  # pipelined | sequential | split (empty: no disk hit)
+    gate: str = ""  # restore | split | recompute | unmeasured (restore, no estimates yet)
+    gate_rows_loaded: int = 0
+    gate_rows_recomputed: int = 0
+    gate_predicted_ms: float = 0.0  # predicted time of the chosen way to the prompt's logits
+    gate_restore_ms: float = 0.0  # predicted: restore every matched row
+    gate_recompute_ms: float = 0.0  # predicted: recompute from the RAM prefix
+    gate_actual_ms: float = 0.0  # measured: restore + prefill of this request
+    restore_files: int = 0  # files of the snapshot chain that were read
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -111,7 +127,8 @@ class Engine:
 
     def __init__(self, model: Model, tokenizer: Tokenizer, cache: KVCache, store: SnapshotStore | None = None,
                  prefill_chunk: int = DEFAULTS.prefill_chunk, model_dir: Path | None = None,
-                 vision: VisionModel | None = None):
+                 vision: VisionModel | None = None, restore_mode: str = DEFAULTS.disk_kv_restore,
+                 gate: CostGate | None = None):
         self.model = model
         self.model_dir = model_dir
         self.tokenizer = tokenizer
@@ -119,6 +136,9 @@ class Engine:
         self.store = store
         self.prefill_chunk = prefill_chunk
         self.vision = vision
+        self.restore_mode = restore_mode
+        self.gate = gate or CostGate(cache.geometry.kv_bytes_per_token, restore_mode, prefill_chunk)
+        self._pending: PendingRestore | None = None  # a pipelined restore the tail computes behind
         self.stop_ids = set(tokenizer.stop_token_ids)
         # what requests get for omitted temperature / top_p / top_k
         self.sampling_defaults = (model_sampling_defaults(model_dir) if model_dir is not None
@@ -144,7 +164,9 @@ class Engine:
     # ---- prefix -------------------------------------------------------------------------
     def _reuse_prefix(self, plan: PromptPlan, t: Timings, work: Work) -> int:
         """Make cache rows [0, m) valid for the plan's first m keys from RAM or disk; return m
-        (<= len-1). `plan.reusable` decides for both sources how much of a match may be used."""
+        (<= len-1). `plan.reusable` decides for both sources how much of a match may be used; the
+        cost gate decides how much of a disk match is worth loading. A pipelined restore returns
+        at once (`self._pending`): the tail's layers wait for the rows (edge_llm/kvcache.py)."""
         keys = plan.keys
         limit = len(keys) - 1  # at least one token is computed: it yields the logits
         m_ram = plan.reusable(min(self.cache.common_prefix(keys), limit), self.cache.spans)
@@ -153,19 +175,51 @@ class Engine:
             m_disk = plan.reusable(hit.m, hit.entry.spans)
             hit = Hit(hit.entry, m_disk) if m_disk >= self.store.min_lcp else None
         if hit is not None and hit.m > m_ram:
-            try:  # per layer, the cache waits for a pending save of the rows being rewritten
-                res = self.store.restore(hit, self.cache, work)
-            except (SnapshotError, OSError) as e:
-                log.warning("disk restore failed (%s): recomputing from scratch", e)
-                self.cache.reset()
-                return 0
-            t.cache_source, t.disk_cached_tokens = "disk", res.n_tokens
-            t.restore_ms, t.restore_bytes = res.ms, res.nbytes
-            return res.n_tokens
+            d = self.gate.decide(plan.n, m_ram, hit.m, self.cache.kv_bs, self.store.min_lcp)
+            k = plan.reusable(d.load_rows, hit.entry.spans) if d.load_rows < hit.m else d.load_rows
+            t.restore_mode, t.gate, t.gate_predicted_ms = self.restore_mode, d.action, d.predicted_ms
+            t.gate_restore_ms, t.gate_recompute_ms = d.restore_ms, d.recompute_ms
+            if k > m_ram:
+                return self._restore(Hit(hit.entry, k), t, work)
+            log.info("cost gate: recomputing %d rows is faster than loading %d (%.0f ms vs %.0f ms predicted)",
+                     plan.n - m_ram, hit.m, d.recompute_ms, d.restore_ms)
         self.cache.truncate(m_ram)  # rows >= m_ram are overwritten later, behind the write guard
         if m_ram > 0:
             t.cache_source, t.ram_cached_tokens = "ram", m_ram
         return m_ram
+
+    def _restore(self, hit: Hit, t: Timings, work: Work) -> int:
+        """Restore rows [0, hit.m) (pipelined: start it); 0 if the snapshot turned out bad."""
+        try:  # per layer, the cache waits for a pending save of the rows being rewritten
+            if self.restore_mode == SEQUENTIAL:
+                res = self.store.restore(hit, self.cache, work)
+                self._restored(res, t)
+                return res.n_tokens
+            self._pending = self.store.restore_pipelined(hit, self.cache, work)
+            t.cache_source, t.disk_cached_tokens = "disk", self._pending.m
+            return self._pending.m
+        except (SnapshotError, OSError) as e:
+            log.warning("disk restore failed (%s): recomputing from scratch", e)
+            self.cache.reset()
+            return 0
+
+    def _restored(self, res, t: Timings) -> None:
+        t.cache_source, t.disk_cached_tokens = "disk", res.n_tokens
+        t.restore_ms, t.restore_bytes, t.restore_files = res.ms, res.nbytes, res.files
+        self.gate.observe_read(res.nbytes, res.ms / 1e3)
+
+    def _finish_pending(self, t: Timings) -> bool:
+        """Join a pipelined restore; False if it failed (the cache was reset, the file quarantined)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return True
+        try:
+            self._restored(pending.finish(), t)
+            return True
+        except (SnapshotError, OSError) as e:
+            log.warning("disk restore failed (%s): recomputing from scratch", e)
+            t.cache_source, t.disk_cached_tokens = "none", 0
+            return False
 
     def _prefill_tail(self, plan: PromptPlan, m: int, t: Timings, work: Work):
         """Chunked prefill of rows [m, n-1), then the last token alone (see module docstring)."""
@@ -197,15 +251,34 @@ class Engine:
         t = Timings() if t is None else t
         plan = self.plan(tokens, list(images))
         t.images, t.image_tokens = len(plan.spans), plan.image_tokens
-        w0 = self.cache.write_wait_s
+        w0, r0 = self.cache.write_wait_s, self.cache.restore_wait_s
         m = self._reuse_prefix(plan, t, work)
         t_pf = time.perf_counter()
         try:
-            logits = self._prefill_tail(plan, m, t, work)
+            try:
+                logits = self._prefill_tail(plan, m, t, work)
+                ok = self._finish_pending(t)
+            except RestoreFailed:  # the reader failed at a layer the tail was waiting for
+                ok = self._finish_pending(t)
+            except Cancelled:
+                if self._pending is not None:
+                    try:
+                        self._finish_pending(t)
+                    except Cancelled:
+                        pass
+                raise
+            if not ok:  # the rows were never used: recompute everything, bitwise as a cold run
+                t_pf, m = time.perf_counter(), 0
+                logits = self._prefill_tail(plan, 0, t, work)
         finally:
             t1 = time.perf_counter()
             t.save_wait_ms += (self.cache.write_wait_s - w0) * 1e3  # restore and prefill waits alike
             t.prefill_tokens, t.prefill_ms = self.cache.length - m, (t1 - t_pf) * 1e3
+        if t.gate:
+            t.gate_rows_loaded, t.gate_rows_recomputed = t.disk_cached_tokens, t.prefill_tokens
+            t.gate_actual_ms = (t1 - t0) * 1e3
+        waited = self.cache.restore_wait_s - r0  # pipelined: the tail waited for rows, not computing
+        self.gate.observe_prefill(t.prefill_tokens, (t1 - t_pf) - waited - (self.cache.write_wait_s - w0))
         # total = restore/reuse + tail prefill: what a restart costs before the first token
         timing_log.info("[PREFILL-TIMING] n=%d total=%.1fms", t.prefill_tokens, (t1 - t0) * 1e3)
         return logits, t

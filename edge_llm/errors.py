@@ -27,6 +27,11 @@ class KVCacheError(EdgeLLMError):
     """The KV cache cannot be allocated or an operation exceeds its capacity."""
 
 
+class RestoreFailed(KVCacheError):
+    """A pipelined restore failed while the model was waiting for one of its layers: the cache's
+    rows are garbage, the engine resets it and recomputes."""
+
+
 class ContextOverflowError(KVCacheError):
     """prompt + max_tokens does not fit into the context window."""
 
@@ -98,6 +103,24 @@ class SnapshotFlags(SnapshotError):
 
 class SnapshotExtension(SnapshotError):
     reason = "extension"
+
+
+class SnapshotChainError(SnapshotError):
+    """A delta file is sound on its own but its chain is not (checked by the store, not per file)."""
+
+    reason = "chain"
+
+
+class SnapshotBaseMissing(SnapshotChainError):
+    """A delta file's base (the file named by the FNV of its first base_n token ids) is gone."""
+
+    reason = "base-missing"
+
+
+class SnapshotBaseMismatch(SnapshotChainError):
+    """A delta file's base exists but is not the file the delta was written on (other rows)."""
+
+    reason = "base-mismatch"
 
 
 class ImageError(EdgeLLMError):

@@ -12,6 +12,14 @@ Who may overwrite a row, and when (the one place that answers it):
   still has to write those rows of that layer, so a following request runs right behind a
   pending save instead of waiting for the whole file. Each layer the save finishes while we wait
   is progress (`Work.report`, stage save-wait); a cancel is honoured while waiting.
+- A restore from disk writes rows from 0 of each layer. A pipelined restore takes a
+  `RestoreLease` (`begin_restore`): the rows `[0, m)` are declared valid at once, but layer l is
+  readable (`valid`) and writable (`write` of rows below the lease's end) only once the reader
+  thread has read it and checked its block CRCs (`layer_ready`). So the model computes the tail
+  on layer l while layer l+1 is still being read, and never sees a row that has not passed its
+  CRC: if the reader fails (`fail`), every wait raises `RestoreFailed` and the engine resets the
+  cache and recomputes. A sequential restore (`restore_rows`) takes no lease: nothing computes
+  while it runs. A save may not be queued while a restore lease is active.
 - Rows `[0, length)` are valid for `tokens`; rows beyond are garbage and may be overwritten.
 """
 
@@ -28,8 +36,8 @@ import numpy as np
 import psutil
 
 from edge_llm.config import Geometry
-from edge_llm.errors import KVCacheError
-from edge_llm.progress import NO_WORK, SAVE_WAIT, Work
+from edge_llm.errors import KVCacheError, RestoreFailed
+from edge_llm.progress import NO_WORK, RESTORE, SAVE_WAIT, Work
 from edge_llm.settings import DEFAULTS
 
 log = logging.getLogger(__name__)
@@ -100,7 +108,9 @@ class KVCache:
         self.spans: list[ImageSpan] = []
         self._cond = threading.Condition()
         self._leases: list[RowLease] = []
+        self._restore: RestoreLease | None = None  # a pipelined restore still filling layers
         self.write_wait_s = 0.0  # total time writers spent waiting for pending saves
+        self.restore_wait_s = 0.0  # total time the model spent waiting for restored layers
 
     # ---- state ----------------------------------------------------------------------
     @property
@@ -152,6 +162,7 @@ class KVCache:
         stop = start + k.shape[0]
         if not 0 <= start <= stop <= self.max_seq:
             raise KVCacheError(f"rows [{start}, {stop}) outside [0, {self.max_seq})")
+        self._wait_restored(layer, start, work)
         self._wait_free(layer, start, work)
         self.data[layer, K, start:stop] = k
         self.data[layer, V, start:stop] = v
@@ -162,11 +173,25 @@ class KVCache:
         self._wait_free(layer, 0, work)
         return self.data[layer, kv]
 
+    def begin_restore(self, n_rows: int, tokens: Sequence[int], spans: Sequence[ImageSpan] = ()) -> "RestoreLease":
+        """A pipelined restore of rows [0, n_rows) of every layer starts (n_rows >= len(tokens): whole
+        blocks): the tokens are valid now, each layer becomes usable when the lease says so."""
+        if not len(tokens) <= n_rows <= self.max_seq:
+            raise KVCacheError(f"restore of {n_rows} rows for {len(tokens)} tokens outside [0, {self.max_seq}]")
+        with self._cond:
+            if self._restore is not None:
+                raise KVCacheError("a restore is already in progress")
+            self.set_tokens(tokens, spans)
+            self._restore = lease = RestoreLease(self, n_rows)
+        return lease
+
     def lease(self, n: int) -> "RowLease":
         """Protect rows [0, n) of every layer until the lease reports them written out."""
         if not 0 < n <= self.length:
             raise KVCacheError(f"lease of {n} rows outside (0, {self.length}]")
         with self._cond:
+            if self._restore is not None:
+                raise KVCacheError("cannot save rows while a restore is still filling them")
             lease = RowLease(self, n)
             self._leases.append(lease)
         return lease
@@ -190,6 +215,39 @@ class KVCache:
             finally:
                 self.write_wait_s += time.monotonic() - t0
 
+    def _wait_restored(self, layer: int, start: int, work: Work) -> None:
+        """Wait until a pipelined restore has read and checked `layer` (if it covers row `start`)."""
+        with self._cond:
+            r = self._restore
+            if r is None or start >= r.n or layer < r.layers_ready:
+                return
+            t0 = time.monotonic()
+            try:
+                while r.error is None and r.active and layer >= r.layers_ready:
+                    seen = r.layers_ready
+                    self._cond.wait(0.25)  # wake now and then to honour a cancel
+                    if r.layers_ready != seen:
+                        work.report(RESTORE, r.layers_ready, self.geometry.n_layers)
+                    else:
+                        work.check(RESTORE)
+                if r.error is not None:
+                    raise RestoreFailed(f"restore failed at layer {r.layers_ready}: {r.error}") from r.error
+            finally:
+                self.restore_wait_s += time.monotonic() - t0
+
+    def _restore_progress(self, lease: "RestoreLease", layers_ready: int | None = None,
+                          error: BaseException | None = None, end: bool = False) -> None:
+        with self._cond:
+            if layers_ready is not None:
+                lease.layers_ready = layers_ready
+            if error is not None and lease.error is None:
+                lease.error = error
+            if end:
+                lease.active = False
+                if self._restore is lease:
+                    self._restore = None
+            self._cond.notify_all()
+
     def _lease_progress(self, lease: "RowLease", layers_done: int, release: bool = False) -> None:
         with self._cond:
             lease.layers_done = layers_done
@@ -203,8 +261,10 @@ class KVCache:
         return lcp(self.tokens, tokens)
 
     # ---- views ------------------------------------------------------------------------
-    def valid(self, layer: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """(K, V) rows [0, stop) of one layer for reading (attention), each (stop, kv_dim)."""
+    def valid(self, layer: int, stop: int, work: Work = NO_WORK) -> tuple[np.ndarray, np.ndarray]:
+        """(K, V) rows [0, stop) of one layer for reading (attention), each (stop, kv_dim); waits
+        for a pipelined restore to deliver the layer."""
+        self._wait_restored(layer, 0, work)
         return self.data[layer, K, :stop], self.data[layer, V, :stop]
 
     def rows(self, layer: int, kv: int, start: int, stop: int) -> np.ndarray:
@@ -233,6 +293,36 @@ class RowLease:
     def release(self) -> None:
         """The save finished, failed or was superseded: the rows are free. Idempotent."""
         self.cache._lease_progress(self, self.cache.geometry.n_layers, release=True)
+
+
+class RestoreLease:
+    """A pipelined restore's hold on rows [0, n) of every layer (`KVCache.begin_restore`).
+
+    The reader thread calls `layer_ready(l + 1)` after layer l's blocks passed their CRC checks and
+    `fail(err)` on any error (every wait then raises RestoreFailed, until `end()`). Whoever
+    started the restore calls `end()` once the reader has stopped and a failure was handled
+    (the cache reset): a failed lease must keep blocking until then."""
+
+    def __init__(self, cache: KVCache, n: int):
+        self.cache, self.n = cache, n
+        self.layers_ready = 0
+        self.error: BaseException | None = None
+        self.active = True
+
+    def dest(self, layer: int, kv: int) -> np.ndarray:
+        """The reader's write view: the whole (max_seq, kv_dim) K or V array of one layer. Only the
+        reader writes it until the layer is declared ready."""
+        return self.cache.data[layer, kv]
+
+    def layer_ready(self, layers_ready: int) -> None:
+        self.cache._restore_progress(self, layers_ready=layers_ready)
+
+    def fail(self, error: BaseException) -> None:
+        self.cache._restore_progress(self, error=error)
+
+    def end(self) -> None:
+        """The reader stopped and its outcome was handled. Idempotent."""
+        self.cache._restore_progress(self, end=True)
 
 
 def _committed_zeros(shape: tuple[int, ...]) -> np.ndarray:

@@ -16,6 +16,7 @@ from edge_llm.kvcache import KVCache
 from edge_llm.settings import Settings, resolve
 
 log = logging.getLogger(__name__)
+GATE_FILE = "gate.json"  # the cost gate's estimates, in the snapshot namespace
 
 
 def make_backend(s: Settings, model_dir: Path, say: Callable[[str], None] = lambda _t: None):
@@ -81,10 +82,17 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
             Path(s.disk_kv), identity, model.args.geometry,
             min_lcp=s.disk_kv_min_lcp, max_files=s.disk_kv_max_files,
             max_bytes=s.disk_kv_max_bytes, max_tokens=s.disk_kv_max_tokens, kv_bs=s.kv_bs,
+            max_chain=s.disk_kv_max_chain, compact_idle=s.disk_kv_compact_idle, group_read=s.disk_kv_group_read,
         )
         store.scan()
+    gate = None
+    if store is not None:  # estimates persist per namespace: same disk, same backend numerics
+        from edge_llm.costgate import CostGate
+
+        gate = CostGate(cache.geometry.kv_bytes_per_token, s.disk_kv_restore, s.prefill_chunk,
+                        state_file=store.ns / GATE_FILE)
     engine = Engine(model, tokenizer, cache, store=store, prefill_chunk=s.prefill_chunk,
-                    model_dir=model_dir, vision=vision)
+                    model_dir=model_dir, vision=vision, restore_mode=s.disk_kv_restore, gate=gate)
     log.info("runtime ready: model %s (%s), KV cache %d MiB (max_seq %d)", model_dir.name,
              model.backend.numerics, cache.nbytes >> 20, s.max_seq)
     return engine

@@ -34,6 +34,7 @@ AUTO = "auto"  # disk_kv / log_file: the default location (resolved by `resolve`
 BACKEND_NAMES = ("cpu", "cpu-q", "rknn", "auto")  # edge_llm/runtime.make_backend maps these to backends
 QUANT_MODES = ("q4",)  # backend cpu-q; edge_llm/backends/cpuq.MODES defines them
 RKNN_RUNNERS = ("auto", "rknnlite", "sim", "onnxruntime")  # docs/npu.md
+RESTORE_MODES = ("pipelined", "sequential", "split")  # how a disk prefix is restored (docs/store.md)
 _OFF = {"", "0", "false", "no", "off", "none"}
 _ON = {"1", "true", "yes", "on", AUTO}
 
@@ -88,6 +89,20 @@ class Settings:
                                          nullable=True, shown_default="no cap")
     disk_kv_max_tokens: int = _opt(8192, "Tokens stored per snapshot (longer conversations are cut).",
                                    minimum=1)
+    disk_kv_max_chain: int = _opt(8, "Files per snapshot chain: a save writes only the rows its longest "
+                                  "stored prefix lacks (a delta file on it); a chain this long is "
+                                  "rewritten as one file instead. 1 = every save is a full file.", minimum=1)
+    disk_kv_compact_idle: float | None = _opt(600.0, "Seconds without a save after which every chain is "
+                                              "compacted into one file in the background, or 'none'.",
+                                              float, minimum=0, nullable=True, shown_default="600.0")
+    disk_kv_group_read: bool = _opt(False, "Let the service's group read snapshot files and directories "
+                                    "(0640/0750 instead of 0600/0700): for a lab whose students are in "
+                                    "the group.", bool)
+    disk_kv_restore: str = _opt("pipelined", "How a disk prefix is restored: 'pipelined' (one reader "
+                                "thread reads layer l+1 while the tail is computed on layer l, bitwise "
+                                "equal to 'sequential'), 'sequential', or 'split' (the cost gate may load "
+                                "only the front and recompute the rest: faster on a slow disk, not "
+                                "bitwise equal to the RAM path).", str, choices=RESTORE_MODES)
     # ---- server ---------------------------------------------------------------------------------
     host: str = _opt("127.0.0.1", "Bind address of the HTTP API.", str, commands=(SERVE,))
     port: int = _opt(8080, "TCP port of the HTTP API.", commands=(SERVE,), minimum=1, maximum=65535)
@@ -200,6 +215,12 @@ def convert(key: str, value: Any, source: str) -> Any:
         if text is None:
             raise ConfigError(f"{source}: {key} must be a path, got {value!r}")
         return str(expand_path(text))
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if text is not None and text.lower() in _OFF | _ON - {AUTO}:
+            return text.lower() in _ON
+        raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
     typ = {int: int, float: float, str: str}[kind]
     try:
         if isinstance(value, bool) or (typ is str and not isinstance(value, str)):

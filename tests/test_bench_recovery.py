@@ -28,7 +28,13 @@ def test_bench_recovery_on_tiny_model(tiny_synth_dir, tmp_path, monkeypatch):
     assert 200 < row["prompt_tokens_s1"] <= 300
     assert row["restore_bytes"] > 0 and row["raw_cold_read_mb_s"] > 0 and row["lower_bound_ms"] > 0
     assert row["speedup"] == row["cold_ttft_ms"] / row["restored_ttft_ms"]
+    # one S2 per restore mode on the same files: the same greedy text, read and tail apart
+    assert set(row["modes"]) == {"sequential", "pipelined"} and row["restore_mode"] == "pipelined"
+    assert all(m["loaded"] and m["restore_mode"] == k for k, m in row["modes"].items())
+    assert row["same_text"] and row["read_ms"] > 0 and row["tail_ms"] > 0
+    assert row["sum_ms"] == row["read_ms"] + row["tail_ms"] and row["pipe_bound_ms"] == max(row["read_ms"], row["tail_ms"])
+    assert row["gate"] == "unmeasured"  # a fresh process has no estimates: it restores
     md = (res / "recovery.md").read_text()
-    assert "| 300 |" in md and "lower bound" in md.lower()
+    assert "| 300 |" in md and "lower bound" in md.lower() and "max(read, tail)" in md
     assert (res / "recovery.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (res / "kv-300").exists()  # snapshots removed after the run

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -22,7 +23,8 @@ def test_restore_bench_cli_writes_wellformed_results(tmp_path, monkeypatch):
     monkeypatch.setenv("EDGE_LLM_HOME", str(tmp_path / "home"))
     out = tmp_path / "results"
     r = CliRunner().invoke(bench, ["restore", "--contexts", "100,300", "--layers", "2", "--repeats", "2",
-                                   "--scan-files", "3", "--dir", str(tmp_path / "data"), "--out", str(out)])
+                                   "--scan-files", "3", "--ttft-models", "", "--dir", str(tmp_path / "data"),
+                                   "--out", str(out)])
     assert r.exit_code == 0, r.output
     (res,) = out.iterdir()
     data = json.loads((res / "restore.json").read_text())
@@ -76,3 +78,86 @@ def test_not_enough_space_is_a_clear_error(tmp_path):
     huge = Geometry(28, 8, 128)
     with pytest.raises(OSError, match="needs"):
         B.run(tmp_path, huge, [10_000_000], repeats=1)
+
+
+def test_ttft_section_on_a_tiny_model(tiny_synth_dir, tmp_path, monkeypatch):
+    """Restored TTFT sequential vs pipelined on the same files, and the gate's choice against both
+    alternatives measured: real model, real store, real files (tiny sizes, so no timing asserted)."""
+    monkeypatch.setenv("EDGE_LLM_HOME", str(tmp_path / "home"))
+    out = tmp_path / "results"
+    r = CliRunner().invoke(bench, ["restore", "--repeats", "0", "--turns", "0", "--ttft-models", str(tiny_synth_dir),
+                                   "--ttft-contexts", "128,300", "--tail", "20", "--ttft-repeats", "2",
+                                   "--kv-bs", "16", "--dir", str(tmp_path / "data"), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    (res,) = out.iterdir()
+    t = json.loads((res / "restore.json").read_text())["ttft"]
+    assert [(row["disk"], row["context"]) for row in t["rows"]] == [("disk", 128), ("disk", 300)]
+    for row in t["rows"]:
+        assert row["bitwise_equal"] and row["all_sources_disk"] and row["restored_rows"] == row["context"]
+        assert len(row["runs"]["sequential"]) == len(row["runs"]["pipelined"]) == 2
+        assert row["sum_ms"] == row["read_ms"] + row["tail_ms"] and row["bound_ms"] == max(row["read_ms"], row["tail_ms"])
+        assert row["recompute_ms"] > 0 and row["est_read_mb_s"] > 0 and row["est_prefill_rows_s"] > 0
+        g = row["gate"]
+        assert g["action"] in ("restore", "recompute") and g["restore_ms"] > 0 and g["recompute_ms"] > 0
+        v = row["verdict"]["gate"]
+        assert v["choice"] == g["action"] and v["right"] == (v["choice"] == v["best"]) and v["regret"] >= 1
+    md = (res / "restore.md").read_text()
+    assert "max(read, tail)" in md and "The cost gate against the alternatives measured" in md
+    assert not list((tmp_path / "data").rglob("*.kv"))
+
+
+def test_forced_gate_loads_exactly_the_rows_asked(tiny_synth_dir, tmp_path):
+    """The benchmark's way of measuring each alternative: restore all, a split, recompute."""
+    from edge_llm.bench import ttft as T
+    from edge_llm.costgate import CostGate
+    from edge_llm.models.qwen3 import Model
+    from edge_llm.snapshot.identity import Identity
+    from edge_llm.snapshot.store import SnapshotStore
+    from edge_llm.tokenizer import Tokenizer
+
+    model = Model.load(tiny_synth_dir)
+    g = model.args.geometry
+    cache = KVCache(g, max_seq=256, kv_bs=16)
+    store = SnapshotStore(tmp_path, Identity.for_model(tiny_synth_dir, model.args), g, kv_bs=16, compact_idle=None)
+    store.scan()
+    live = CostGate(g.kv_bytes_per_token)
+    runner = T.Runner(model, Tokenizer.from_dir(tiny_synth_dir), cache, store)
+    prompt = T.prompt_ids(model.args.vocab_size, 160, 20, 0)
+    r, cold = runner.run(prompt, T.ForcedGate(live, 0), "pipelined")
+    assert r["source"] == "none" and r["computed"] == 180 and live.prefill_tps > 0 and live.read_bps is None
+    cache.truncate(160)
+    store.save_async(cache)
+    store.flush()
+    for load, want in ((None, 160), (64, 64), (0, 0)):
+        r, logits = runner.run(prompt, T.ForcedGate(live, load), "pipelined")
+        assert r["loaded"] == want and r["computed"] == 180 - want
+        assert r["source"] == ("disk" if want else "none")
+        if load is None:  # every row restored: bitwise the cold run's logits
+            assert np.array_equal(logits.view(np.uint32), cold.view(np.uint32))
+    assert live.read_bps > 0  # the restores fed the live gate
+    store.close()
+
+
+def test_throttled_dir_fails_clearly_without_root(monkeypatch):
+    from edge_llm.bench import throttle as TH
+
+    monkeypatch.setattr(TH.os, "geteuid", lambda: 1000)
+    r = CliRunner().invoke(bench, ["restore", "--repeats", "0", "--turns", "0", "--ttft-models", "",
+                                   "--throttle-mbps", "200"])
+    assert r.exit_code != 0 and "needs root" in r.output
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.isfile("/sys/fs/cgroup/blkio/blkio.throttle.read_bps_device"),
+                    reason="a throttled directory needs root and the cgroup v1 blkio controller")
+def test_throttled_dir_really_throttles_and_is_undone(tmp_path):
+    from edge_llm.bench import throttle as TH
+
+    before = open("/proc/self/cgroup").read()
+    with TH.throttled_dir(tmp_path, 256 << 20, 40, probe_bytes=24 << 20) as td:
+        assert td.path.is_mount() and td.raw_after.read.mb_s < 1.5 * 40 < td.raw_before.read.mb_s
+        assert td.raw_after.write.mb_s < 1.5 * 40
+        assert "edge-llm-bench" in open("/proc/self/cgroup").read()
+        assert f"| 40 | {td.device} |" in TH.markdown([td.to_dict()])
+        dev = td.device
+    assert open("/proc/self/cgroup").read() == before and not list(tmp_path.iterdir())
+    assert dev not in subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout

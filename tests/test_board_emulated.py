@@ -24,14 +24,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_llm.bench.client import LOADED_RE, SAVED_RE, http_json, log_offset, read_since, wait_for_line, wait_ready
+from edge_llm.bench.client import (
+    LOADED_RE,
+    SAVED_RE,
+    http_json,
+    log_offset,
+    read_since,
+    wait_for_line,
+    wait_ready,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 import board_container  # noqa: E402
 import board_emu  # noqa: E402
 import board_image  # noqa: E402
-
 from serverutil import free_port  # noqa: E402
 
 REASON = board_image.unavailable_reason()
@@ -124,7 +131,8 @@ def test_installed_as_documented(board):
     # user and ownership come from the board's own databases
     passwd = b.run(["getent", "passwd", "edge-llm"]).stdout
     assert passwd.strip().endswith(":/var/lib/edge-llm:/usr/sbin/nologin")
-    assert b.run(["stat", "-c", "%U:%G %a", "/var/lib/edge-llm/kv"]).stdout.split() == ["edge-llm:edge-llm", "750"]
+    # snapshots hold the conversations: owner-only unless the operator sets disk_kv_group_read
+    assert b.run(["stat", "-c", "%U:%G %a", "/var/lib/edge-llm/kv"]).stdout.split() == ["edge-llm:edge-llm", "700"]
     # every emulated process runs with the RK3588 big-core CPU model (system.conf.d drop-in)
     pid = prop(b, "MainPID")
     env = b.run(["cat", f"/proc/{pid}/environ"]).stdout.split("\0")
@@ -356,6 +364,13 @@ def test_lab_board_blocks_run_on_the_board(board):
     is checked for what it promises (reading the log and the snapshots) without sudo."""
     b = board
     b.sh("useradd -m -s /bin/bash student && usermod -aG edge-llm student")  # the lab's instruction
+    # the lab's operator lets the group read the snapshots (docs/lab-a.md): new ones are written
+    # 0640 in 0750 directories, the ones already there are opened with chmod
+    conf = b.path("/etc/edge-llm/edge-llm.toml")
+    conf.write_text(conf.read_text().replace("disk_kv_group_read = false", "disk_kv_group_read = true"))
+    b.sh("chmod -R g+rX /var/lib/edge-llm/kv")
+    denied = b.run(["runuser", "-u", "student", "--", "bash", "-c", "touch /var/lib/edge-llm/kv/x"], check=False)
+    assert denied.returncode != 0  # read, never write
     reader = b.run(["runuser", "-u", "student", "--", "bash", "-c",
                     "tail -n 2 /var/log/edge-llm/edge-llm.log && "
                     f"{VENV}/edge-llm kv inspect \"$(ls /var/lib/edge-llm/kv/*/kv_*.kv | head -n 1)\" --blocks 1"],

@@ -32,7 +32,7 @@ FILES = {  # path -> mode
     "etc/edge-llm/edge-llm.toml.example": 0o640,
     "opt/edge-llm/share/doc/board.md": 0o644,
 }
-DIRS = {"etc/edge-llm": 0o750, "var/lib/edge-llm": 0o750, "var/lib/edge-llm/kv": 0o750,
+DIRS = {"etc/edge-llm": 0o750, "var/lib/edge-llm": 0o750, "var/lib/edge-llm/kv": 0o700,
         "var/log/edge-llm": 0o750, "opt/edge-llm/models": 0o755}
 WANTS = "etc/systemd/system/multi-user.target.wants/edge-llm.service"
 

@@ -16,7 +16,7 @@ import pytest
 from edge_llm.backends import cpuq
 from edge_llm.backends import quant as Q
 from edge_llm.backends.graphs import GraphSpec
-from edge_llm.backends.onnx_export import GraphBuilder, WeightKey, sample_inputs
+from edge_llm.backends.onnx_export import GraphBuilder, sample_inputs
 from edge_llm.backends.quant_export import write_nbits
 
 # measured on the default model (SmolLM2-135M Q4_1, int8 activations), N(0,1) graph inputs:

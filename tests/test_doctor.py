@@ -112,6 +112,12 @@ def test_hf_model_sizes_and_identity(tmp_path: Path, monkeypatch: pytest.MonkeyP
     # weights as F32: (64*32 + 32) * 4 bytes; KV: 2**20 tokens * 2 layers * 2 * 16 dims * 4 B = 0.25 GiB
     assert gib(c["memory"].detail, "KV") == 0.25
     assert c["kv-space"].detail.endswith("snapshot cap 5.00 GiB (disk_kv_max_bytes)") or "does not fit" in c["kv-space"].detail
+    os.chmod(tmp_path / "kv" / ns / "kv_0000000000000001.kv", 0o644)  # as a umask-022 process would leave it
+    c = by_name(run_checks(Settings(model=str(model), disk_kv=str(tmp_path / "kv"))))
+    assert c["kv-private"].status == WARN and "kv_0000000000000001.kv (644)" in c["kv-private"].detail
+    for q in [tmp_path / "kv", *(tmp_path / "kv").rglob("*")]:
+        os.chmod(q, 0o700 if q.is_dir() else 0o600)
+    assert by_name(run_checks(Settings(model=str(model), disk_kv=str(tmp_path / "kv"))))["kv-private"].status == PASS
 
     (model / "tokenizer.json").unlink()
     c = by_name(run_checks(Settings(model=str(model), disk_kv=str(tmp_path / "kv"))))

@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 
 from edge_llm.backends.cpu import CPUBackend
-from edge_llm.backends.graphs import DEFAULT_CHUNKS, check_chunks, graph_specs, head_ranges, row_plan
+from edge_llm.backends.graphs import (
+    DEFAULT_CHUNKS,
+    check_chunks,
+    graph_specs,
+    head_ranges,
+    row_plan,
+)
 from edge_llm.backends.onnx_export import export_graph_set, sample_inputs
 from edge_llm.backends.rknn import open_rknn, resolve_auto
 from edge_llm.backends.runners import OrtRunner, RunnerError

@@ -13,8 +13,9 @@ PKG = Path(__file__).resolve().parents[1] / "edge_llm"
 LAYERS = {
     "errors": 0, "progress": 0,
     "config": 1, "settings": 1,
-    "weights": 2, "tokenizer": 2, "kvcache": 2,
-    "backends": 3, "models": 3, "vision": 3, "snapshot.format": 3, "snapshot.extension": 3, "snapshot.inspect": 3,
+    "weights": 2, "tokenizer": 2, "kvcache": 2, "costgate": 2,
+    "backends": 3, "models": 3, "vision": 3, "snapshot.format": 3, "snapshot.layout": 3, "snapshot.encode": 3, "snapshot.decode": 3,
+    "snapshot.inspect": 3,
     "snapshot.identity": 4, "snapshot.store": 4, "snapshot": 4,
     "sampling": 5, "engine": 5, "runtime": 5,
     "server": 6, "bench": 6, "logsetup": 6, "sdnotify": 6, "doctor": 6, "convert": 6,

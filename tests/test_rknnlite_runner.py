@@ -14,7 +14,13 @@ import pytest
 from edge_llm.backends.cpu import CPUBackend
 from edge_llm.backends.graph import GraphBackend
 from edge_llm.backends.graphs import graph_specs
-from edge_llm.backends.rknnlite import NPU_CORE_0, NPU_CORE_0_1_2, NPU_CORE_1, NPU_CORE_2, RKNNLiteRunner
+from edge_llm.backends.rknnlite import (
+    NPU_CORE_0,
+    NPU_CORE_0_1_2,
+    NPU_CORE_1,
+    NPU_CORE_2,
+    RKNNLiteRunner,
+)
 from edge_llm.backends.runners import RunnerError
 from edge_llm.config import ModelArgs
 from edge_llm.models.qwen3 import Model

@@ -95,6 +95,13 @@ def prefill_rows(listener: NotifyListener) -> int:
     return max(rows, default=0)
 
 
+def cancel_requested_at(log: str, reason: str) -> int:
+    """The prefill row the server had reported when the cancel arrived (worker.Job.cancel_with)."""
+    m = re.search(rf"cancel requested \({re.escape(reason)}\) at prefill (\d+)/\d+", log)
+    assert m, log[-3000:]
+    return int(m.group(1))
+
+
 def measured_prefill_s(model: Path, prompt: list[int]) -> float:
     """This machine's time for the long prefill right now (same engine, in this process)."""
     from edge_llm.engine import GenerationRequest
@@ -167,10 +174,13 @@ def test_client_hangup_during_prefill_frees_the_worker_within_a_chunk(tiny_synth
             wait_for(lambda: "cancelled during prefill" in srv.log(), timeout=120, what="the cancel")
             short = complete(srv, long_prompt(40, seed=1), max_tokens=3)
             assert short["usage"]["completion_tokens"] == 3
-            m = re.search(r"cancelled during prefill at (\d+)/\d+: (\d+) prompt row", srv.log())
+            log = srv.log()
+            asked = cancel_requested_at(log, "client disconnected")
+            m = re.search(r"cancelled during prefill at (\d+)/\d+: (\d+) prompt row", log)
             done = int(m.group(2))
-            print(f"hang-up seen at {seen} rows; the prefill stopped at {done} rows (chunk {CHUNK})")
-            assert seen <= done <= seen + 2 * CHUNK  # the chunk in flight (+ one status in flight)
+            print(f"hang-up seen at {seen} rows, noticed at {asked}; the prefill stopped at {done} rows "
+                  f"(chunk {CHUNK})")
+            assert seen <= asked <= done <= asked + CHUNK  # at most the chunk in flight
             assert done % CHUNK == 0
             wait_for(lambda: f"saved {done}-token KV" in srv.log(), timeout=120, what="the partial save")
     finally:
@@ -195,8 +205,12 @@ def test_sigterm_during_prefill_saves_completed_rows_and_a_restart_resumes(tiny_
         m = re.search(r"cancelled during prefill at \d+/\d+: (\d+) prompt row", log)
         assert m, log[-3000:]
         done = int(m.group(1))
-        # the stop budget's middle term: with grace 0, at most the chunk in flight (+ a status in flight)
-        assert at_sigterm <= done <= at_sigterm + 2 * CHUNK and done % CHUNK == 0 and done < len(prompt) - 1
+        # the stop budget's middle term: with grace 0, at most the chunk in flight after the
+        # cancel (how many chunks a fast machine computes between our status read and the
+        # signal's handling is not the server's business)
+        asked = cancel_requested_at(log, "shutdown grace period over")
+        assert at_sigterm <= asked <= done <= asked + CHUNK, (at_sigterm, asked, done)
+        assert done % CHUNK == 0 and done < len(prompt) - 1
         # a tiny model's save may be done before the stop path looks; when it is not, the stop
         # path says what it flushes
         assert f"stop: flushing a {done}-token snapshot" in log or "stop: flushing" not in log

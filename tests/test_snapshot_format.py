@@ -280,7 +280,8 @@ def test_each_bad_file_rejected_with_its_own_class(name, tmp_path):
 def test_every_rejection_reason_is_covered():
     covered = {exc for _, exc, _ in BAD_FILES.values()}
     all_reasons = {c for c in vars(E).values() if isinstance(c, type) and issubclass(c, E.SnapshotError)}
-    assert covered == all_reasons - {E.SnapshotError}
+    chain = {c for c in all_reasons if issubclass(c, E.SnapshotChainError)}  # tests/test_store_delta.py
+    assert covered == all_reasons - {E.SnapshotError} - chain
     assert len({c.reason for c in covered}) == len(covered)
 
 
@@ -505,3 +506,75 @@ def test_image_extension_golden_bytes(tmp_path):
                                                                        "payload", "trailer"]
     assert info["images"][0]["rows"] == (1, 3) and info["size_formula"]["E"] == 68
     F.verify_file(path, G_GEOM, G_MODEL_ID)
+
+
+# ---- a delta file, byte by byte: rows [2, 3) of the golden sequence on top of its first 2 tokens ----
+def hand_built_delta(base_trailer_crc: int) -> bytes:
+    """Flags 3 (trailer + extension), reserved E = 28: one base record (type 2, 16-byte body: base_n
+    2, the base's trailer CRC, the FNV of the first 2 ids) + the section CRC; then row 2 only."""
+    tokens = b"".join(struct.pack("<I", t) for t in G_TOKENS)
+    record = struct.pack("<II", 2, 16) + struct.pack("<IIQ", 2, base_trailer_crc, ref_fnv1a64(tokens[:8]))
+    ext = record + struct.pack("<I", crc32c.crc32c(record))
+    blocks = [struct.pack("<2f", *golden_value(layer, kv, 2)) for layer in range(2) for kv in (0, 1)]
+    trailer = b"".join(struct.pack("<I", crc32c.crc32c(b)) for b in blocks)
+    head = (struct.pack("<I", 0x564C4B56) + b"".join(struct.pack("<I", v) for v in (1, 2, 1, 2, 2, 3, 2))
+            + struct.pack("<Q", ref_fnv1a64(tokens)) + struct.pack("<Q", G_MODEL_ID)
+            + struct.pack("<III", 3, len(ext), crc32c.crc32c(trailer)))
+    return head + struct.pack("<I", crc32c.crc32c(head)) + tokens + ext + b"".join(blocks) + trailer
+
+
+def test_delta_golden_bytes_and_chain_read():
+    data = golden_rows()
+    base_f = io.BytesIO()
+    F.write_snapshot(base_f, G_TOKENS[:2], G_MODEL_ID, G_GEOM, 2, lambda l, kv: data[l, kv])
+    base_hdr, _ = F.read_header(io.BytesIO(base_f.getvalue()), G_GEOM, G_MODEL_ID)
+    ref = F.BaseRef(2, base_hdr.trailer_crc, base_hdr.tokens_fnv)
+    want = hand_built_delta(base_hdr.trailer_crc)
+    assert len(want) == 64 + 12 + 28 + 2 * 2 * 1 * 2 * 4 + 8 * 2 * 1 == 152
+    assert F.snapshot_size(2, 3, 2, 2, ext_size=28, row0=2) == 152
+    f = io.BytesIO()
+    assert F.write_snapshot(f, G_TOKENS, G_MODEL_ID, G_GEOM, 2, lambda l, kv: data[l, kv], base=ref) == 152
+    assert f.getvalue() == want
+    hdr, tokens = F.read_header(io.BytesIO(want), G_GEOM, G_MODEL_ID)
+    assert tokens.tolist() == G_TOKENS and hdr.base == ref and hdr.row0 == 2 and hdr.n_blocks == 1
+    assert hdr.base.name == F.snapshot_name(base_hdr.tokens_fnv) and hdr.block_rows(0) == (2, 3)
+    # the chain: the base fills rows [0, 2), the delta row 2; together the full sequence, bitwise
+    dest = np.full((2, 2, 4, 2), 7.0, np.float32)
+    F.read_rows_into(io.BytesIO(base_f.getvalue()), base_hdr, 2, lambda l, kv: dest[l, kv])
+    F.read_rows_into(io.BytesIO(want), hdr, 3, lambda l, kv: dest[l, kv])
+    assert np.array_equal(dest[:, :, :3], data[:, :, :3]) and (dest[:, :, 3] == 7.0).all()
+    info = describe_bytes(want)
+    assert info["valid"] and info["base"]["rows_held"] == (2, 3)
+    assert info["size_formula"]["expected"] == 152 and info["size_formula"]["terms"] == [64, 12, 28, 32, 16]
+    # a file without a base or images stays the plain v1 file (flags 1, reserved 0)
+    assert F.encode_extension((), None) == b""
+
+
+def describe_bytes(data: bytes) -> dict:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "x.kv")
+        with open(path, "wb") as f:
+            f.write(data)
+        return describe(path)
+
+
+@pytest.mark.parametrize("mutate, exc", [
+    (lambda d: d[:-1], E.SnapshotSize),                                   # one byte short of the delta size
+    (lambda d: d + bytes(8), E.SnapshotSize),                             # a full file's size is not a delta's
+    (lambda d: flip(d, 64 + 12 + 8), E.SnapshotExtension),                # base_n byte: section CRC fails
+    (lambda d: flip(d, 64), E.SnapshotTokenHash),                          # an id: reported before the section
+])
+def test_bad_delta_files(mutate, exc):
+    data = golden_rows()
+    f = io.BytesIO()
+    F.write_snapshot(f, G_TOKENS, G_MODEL_ID, G_GEOM, 2, lambda l, kv: data[l, kv], base=F.BaseRef(2, 1, 2))
+    assert type(pytest.raises(E.SnapshotError, F.read_header, io.BytesIO(f.getvalue()), G_GEOM,
+                              G_MODEL_ID).value) is E.SnapshotExtension  # base FNV 2 is not the ids' hash
+    ok = io.BytesIO()
+    F.write_snapshot(ok, G_TOKENS, G_MODEL_ID, G_GEOM, 2, lambda l, kv: data[l, kv],
+                     base=F.BaseRef(2, 1, ref_fnv1a64(ok_ids := struct.pack("<2I", *G_TOKENS[:2]))))
+    assert ok_ids
+    with pytest.raises(exc):
+        F.read_header(io.BytesIO(mutate(ok.getvalue())), G_GEOM, G_MODEL_ID)

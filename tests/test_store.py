@@ -18,7 +18,7 @@ from edge_llm.errors import SnapshotBlockCRC, SnapshotError
 from edge_llm.kvcache import KVCache
 from edge_llm.progress import Cancelled, Work
 from edge_llm.snapshot import format as fmt
-from edge_llm.snapshot import store as store_mod
+from edge_llm.snapshot import saving as saving_mod
 from edge_llm.snapshot.identity import Identity
 from edge_llm.snapshot.store import SnapshotStore
 
@@ -150,8 +150,8 @@ def test_identical_not_rewritten_only_touched(tmp_path, caplog):
     s.close()
 
 
-def test_extension_replaces_older_snapshot(tmp_path, caplog):
-    s = new_store(tmp_path)
+def test_extension_replaces_older_snapshot_without_deltas(tmp_path, caplog):
+    s = new_store(tmp_path, max_chain=1)  # every save a full file (tests/test_store_delta.py: deltas)
     save(s, make_cache(seq(20)))
     save(s, make_cache(seq(40)))
     assert kv_files(s) == [name_of(seq(40))]
@@ -187,10 +187,10 @@ def test_max_bytes_and_never_evicts_file_just_written(tmp_path):
     assert kv_files(s) == sorted([name_of(b), name_of(c)])
     assert s.stats()["bytes_on_disk"] <= 2 * one + 10
     big = seq(60, start=5000)  # alone it fits, but only after everything else goes
-    s.max_bytes = fmt.snapshot_size(G.n_layers, 60, G.kv_dim, KV_BS)
+    s.catalog.max_bytes = fmt.snapshot_size(G.n_layers, 60, G.kv_dim, KV_BS)
     save(s, make_cache(big))
     assert kv_files(s) == [name_of(big)]
-    s.max_bytes = 100  # nothing fits: the save is skipped, nothing is evicted
+    s.catalog.max_bytes = 100  # nothing fits: the save is skipped, nothing is evicted
     save(s, make_cache(seq(30, start=7000)))
     assert kv_files(s) == [name_of(big)]
     s.close()
@@ -296,14 +296,14 @@ def test_identity_isolation_and_reuse(tmp_path):
 def gated(monkeypatch):
     """Hold the writer thread before it writes, until the test opens the gate (the real write follows)."""
     gate, started = threading.Event(), threading.Event()
-    real = store_mod.publish_file
+    real = saving_mod.publish_file
 
     def held(*args, **kw):
         started.set()
         assert gate.wait(60)
         return real(*args, **kw)
 
-    monkeypatch.setattr(store_mod, "publish_file", held)
+    monkeypatch.setattr(saving_mod, "publish_file", held)
     return gate, started
 
 
@@ -371,7 +371,7 @@ def test_restore_right_behind_a_real_large_save(tmp_path):
 def test_scan_drops_superseded_prefix_and_applies_caps(tmp_path, caplog):
     import shutil
 
-    s = new_store(tmp_path)
+    s = new_store(tmp_path, max_chain=1)
     save(s, make_cache(seq(20)))
     old = s.ns / name_of(seq(20))
     shutil.copy2(old, tmp_path / "saved-old")
@@ -379,11 +379,11 @@ def test_scan_drops_superseded_prefix_and_applies_caps(tmp_path, caplog):
     save(s, make_cache(seq(20, start=5000)))
     s.close()
     shutil.copy2(tmp_path / "saved-old", old)  # as if killed before the old file was deleted
-    s2 = new_store(tmp_path)
+    s2 = new_store(tmp_path, max_chain=1)
     assert kv_files(s2) == sorted([name_of(seq(40)), name_of(seq(20, start=5000))])
     assert f"[KV-DISK] evicted {old.name} (replaced by {name_of(seq(40))}" in "\n".join(kv_lines(caplog, "evicted"))
     s2.close()
-    s3 = new_store(tmp_path, max_files=1)  # a lowered cap applies at start-up
+    s3 = new_store(tmp_path, max_files=1, max_chain=1)  # a lowered cap applies at start-up
     assert kv_files(s3) == [name_of(seq(20, start=5000))]  # the most recently saved stays
     s3.close()
 

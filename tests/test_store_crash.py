@@ -1,7 +1,9 @@
 """Crash safety: a real writer process killed with SIGKILL at random moments (docs/store.md, Faults).
 
-After every kill a fresh store must find only complete files, each bitwise what the writer
-meant to save, and must remove the temp debris of the interrupted write.
+The writer saves deltas (chains of up to MAX_CHAIN files) and compacts chains. After every kill
+a fresh store must find only complete files whose chains restore bitwise what the writer meant to
+save, must remove the temp debris of the interrupted write, and must still restore the last
+snapshot the writer reported published.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ _spec.loader.exec_module(W)
 TRIALS = 30
 
 
-def check_namespace(kv_dir: Path) -> tuple[int, int]:
-    """Scan as a restarted service would; verify every accepted file. Returns (files, rows checked)."""
-    store = SnapshotStore(kv_dir, W.IDENTITY, W.GEOMETRY, min_lcp=16, max_files=3, kv_bs=W.KV_BS)
+def check_namespace(kv_dir: Path, last_saved: tuple[int, int] | None, seed: int) -> tuple[int, int, int]:
+    """Scan as a restarted service would; verify every accepted file and its chain, and that the
+    last published save still restores. Returns (files, deltas, rows checked)."""
+    store = SnapshotStore(kv_dir, W.IDENTITY, W.GEOMETRY, min_lcp=16, max_files=3, kv_bs=W.KV_BS,
+                          max_chain=W.MAX_CHAIN, compact_idle=None)
     try:
         store.scan()
         assert store.stats()["rejections"] == 0, "a killed writer left a bad file under a final name"
@@ -40,16 +44,21 @@ def check_namespace(kv_dir: Path) -> tuple[int, int]:
         rows = 0
         for e in store.entries():
             fmt.verify_file(e.path, W.GEOMETRY, W.IDENTITY.model_id)
-            seed, branch = W.origin(int(e.tokens[0]))
+            f_seed, f_branch = W.origin(int(e.tokens[0]))  # the files of earlier trials stay too
             n = e.n_tokens
-            assert e.tokens.tolist() == W.tokens_for(seed, branch, n)
+            assert e.tokens.tolist() == W.tokens_for(f_seed, f_branch, n)
             cache.data[:] = np.nan
             res = store.restore(Hit(e, n), cache)
             assert res.n_tokens == n and cache.tokens == e.tokens.tolist()
-            want = W.rows_for(seed, branch, n).view(np.uint32)
+            want = W.rows_for(f_seed, f_branch, n).view(np.uint32)
             assert np.array_equal(cache.data[:, :, :n].view(np.uint32), want)
             rows += n
-        return len(store.entries()), rows
+        if last_saved is not None:  # published before the kill: it (or a longer extension) must restore
+            branch, n = last_saved
+            hit = store.lookup(W.tokens_for(seed, branch, n) + [0])
+            assert hit is not None and hit.m == n, f"published snapshot {last_saved} lost"
+        deltas = sum(e.base is not None for e in store.entries())
+        return len(store.entries()), deltas, rows
     finally:
         store.close()
 
@@ -59,26 +68,31 @@ def test_sigkill_at_random_moments_never_leaves_a_bad_snapshot(tmp_path):
     rng = random.Random(20240901)
     kv_dir = tmp_path / "kv"
     ns = kv_dir / W.IDENTITY.namespace
-    debris, files_seen, rows_checked = 0, 0, 0
+    debris, files_seen, rows_checked, deltas_seen = 0, 0, 0, 0
     for trial in range(TRIALS):
         proc = subprocess.Popen([sys.executable, str(HELPER), str(kv_dir), str(trial + 1)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             line = proc.stdout.readline()
             assert line.strip() == "ready", f"writer did not start: {proc.stderr.read()}"
-            time.sleep(rng.uniform(0.0, 0.25))  # kill somewhere in the save loop
+            time.sleep(rng.uniform(0.0, 0.25))  # kill somewhere in the save/compaction loop
             proc.send_signal(signal.SIGKILL)
             proc.wait(30)
+            saved = [tuple(map(int, ln.split()[1:])) for ln in proc.stdout.read().splitlines()
+                     if ln.startswith("saved ")]
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
         assert proc.returncode == -signal.SIGKILL
         debris += bool(list(ns.glob("*.tmp")))
-        n_files, rows = check_namespace(kv_dir)
-        assert 1 <= n_files <= 3
+        n_files, n_deltas, rows = check_namespace(kv_dir, saved[-1] if saved else None, trial + 1)
+        assert n_files >= 1
         files_seen += n_files
+        deltas_seen += n_deltas
         rows_checked += rows
     # the kills must actually have hit writes in progress, or the test proved nothing
     assert debris > 0, "no kill landed during a write"
-    print(f"{TRIALS} kills: {debris} left temp debris, {files_seen} files and {rows_checked} token rows verified")
+    assert deltas_seen > 0, "no delta file was ever on disk at a kill"
+    print(f"{TRIALS} kills: {debris} left temp debris, {files_seen} files ({deltas_seen} deltas) and "
+          f"{rows_checked} token rows verified")

@@ -24,7 +24,12 @@ from edge_llm.models.synth import (
     synth_tensor_f32,
     text_config,
 )
-from edge_llm.weights import expected_tensors, index_tensors, safetensors_files, vision_tensors
+from edge_llm.weights import (
+    expected_tensors,
+    index_tensors,
+    safetensors_files,
+    vision_tensors,
+)
 
 torch = pytest.importorskip("torch")
 

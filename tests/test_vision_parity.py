@@ -16,7 +16,12 @@ from PIL import Image, ImageOps
 from edge_llm.errors import ImageDecodeError, ImageFormatError, ImageTooLarge
 from edge_llm.models.qwen3 import Model
 from edge_llm.vision.model import VisionModel
-from edge_llm.vision.preprocess import ImageLimits, PreprocessConfig, decode_image, preprocess
+from edge_llm.vision.preprocess import (
+    ImageLimits,
+    PreprocessConfig,
+    decode_image,
+    preprocess,
+)
 
 REL_TOL = 1e-4
 IMAGE_PAD, VISION_START, VISION_END = 251, 252, 253
@@ -25,7 +30,9 @@ TINY_PIXELS = dict(shortest_edge=64 * 64, longest_edge=128 * 128)
 
 
 def hf_processor(**size):
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
     return Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2,
                                     image_mean=[0.5] * 3, image_std=[0.5] * 3,

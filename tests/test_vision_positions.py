@@ -6,7 +6,12 @@ import pytest
 
 from edge_llm.errors import ImageError
 from edge_llm.kvcache import ImageSpan, next_position
-from edge_llm.vision.positions import KEY_BIT, expand_placeholders, image_key_ids, plan_prompt
+from edge_llm.vision.positions import (
+    KEY_BIT,
+    expand_placeholders,
+    image_key_ids,
+    plan_prompt,
+)
 from edge_llm.vision.preprocess import PreparedImage
 
 PAD = 7

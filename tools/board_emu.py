@@ -24,8 +24,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from board_container import Board  # noqa: E402
-from board_image import PACKAGES, REPO, log, prefetch_wheels, rootfs_tarball, unavailable_reason  # noqa: E402
-
+from board_image import (  # noqa: E402
+    PACKAGES,
+    REPO,
+    log,
+    prefetch_wheels,
+    rootfs_tarball,
+    unavailable_reason,
+)
 
 # ---- the product, installed as docs/board.md says ---------------------------------------------
 BOARD_DOC = REPO / "docs" / "board.md"

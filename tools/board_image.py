@@ -166,7 +166,6 @@ def board_requirements(repo: Path = REPO) -> list[str]:
     """What `pip install '<checkout>[board]'` pulls in on the board: the project's dependencies and
     `board` extra (markers evaluated for aarch64 + the board's Python) and its build requirements."""
     import tomllib
-
     from pip._vendor.packaging.requirements import Requirement
 
     proj = tomllib.loads((repo / "pyproject.toml").read_text())

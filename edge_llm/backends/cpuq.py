@@ -169,9 +169,7 @@ def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], N
         from edge_llm.backends.quant_export import QuantLinear, summarize
     except ImportError as e:
         raise ConfigError(f"backend cpu-q needs onnx and onnxruntime ({e}): pip install 'edge-llm[quant]'") from None
-    from edge_llm.config import ModelArgs
-
-    from edge_llm.config import vision_args_from_dir
+    from edge_llm.config import ModelArgs, vision_args_from_dir
 
     args = ModelArgs.from_dir(model_dir)
     vision = vision_args_from_dir(model_dir)

@@ -31,7 +31,16 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edge_llm.backends.cpu import CPUBackend, DenseLayer, load_layer, rms_norm
 from edge_llm.backends.graphs import (
-    DEFAULT_CHUNKS, HEAD, INPUTS, OPSET, OUTPUTS, POST, QKV, STEP, GraphSpec, graph_specs,
+    DEFAULT_CHUNKS,
+    HEAD,
+    INPUTS,
+    OPSET,
+    OUTPUTS,
+    POST,
+    QKV,
+    STEP,
+    GraphSpec,
+    graph_specs,
 )
 from edge_llm.backends.manifest import GraphEntry, Manifest
 from edge_llm.config import ModelArgs

@@ -21,7 +21,16 @@ from typing import Any
 import numpy as np
 
 from edge_llm.backends.onnx_export import MS_DOMAIN, GraphBuilder, WeightKey
-from edge_llm.backends.quant import QuantWeight, center, concat, dequantize, from_gguf, permute_rows, quantize, rows
+from edge_llm.backends.quant import (
+    QuantWeight,
+    center,
+    concat,
+    dequantize,
+    from_gguf,
+    permute_rows,
+    quantize,
+    rows,
+)
 from edge_llm.config import ModelArgs
 
 log = logging.getLogger(__name__)

@@ -16,10 +16,10 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 

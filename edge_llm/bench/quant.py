@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable

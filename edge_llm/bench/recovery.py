@@ -1,9 +1,14 @@
 """`edge-llm bench recovery`: the lab's S1/S2 experiment with real server processes.
 
 Per context: S1 (fresh kv dir) prefills history + question from scratch and publishes a snapshot;
-S1 is killed (SIGKILL) and the snapshot's pages are dropped from the page cache; S2 starts, indexes the snapshot, and gets history + a follow-up: the prefix
-comes back from disk and only the tail is prefilled. The lower bound for S2's TTFT is
-restore_bytes / (raw cold-read bandwidth of the same directory) + the tail's prefill time.
+S1 is killed (SIGKILL). Then, once per restore mode (`--restore-modes`, default sequential and
+pipelined), the kv dir is put back to exactly the files S1 left, their pages are dropped from the
+page cache, and a new S2 process started with `--disk-kv-restore MODE` gets history + a follow-up:
+the prefix comes back from disk and only the tail is prefilled. The sequential S2 gives the read
+time and the tail's prefill time apart; their sum is what sequential pays and max(read, tail) is
+the bound the pipelined S2 approaches. The lower bound at the raw disk is restore_bytes / (raw
+cold-read bandwidth of the same directory) + the tail's prefill time. The cost gate's decision is
+reported as S2 made it (a fresh process has no estimates yet: `unmeasured`, it restores).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from pathlib import Path
 from edge_llm.bench import client as S
 from edge_llm.bench.disk import MB, drop_file_cache, measure_raw
 from edge_llm.bench.prompts import FOLLOW_UP, QUESTION, history, sized_history
+from edge_llm.costgate import PIPELINED, SEQUENTIAL
 from edge_llm.settings import DEFAULTS
 
 log = logging.getLogger(__name__)
@@ -28,11 +34,39 @@ def _snapshot_formula(geometry, n: int, kv_bs: int) -> int:
     return 64 + 4 * n + n * geometry.kv_bytes_per_token + 8 * geometry.n_layers * -(-n // kv_bs)
 
 
+def _s2(model: str, kv_dir: Path, saved: Path, work: Path, ctx: int, mode: str, extra: list[str], prompt: str,
+        max_tokens: int, ready_timeout: float, step) -> dict:
+    """Put back S1's files, drop their pages, start S2 with `mode`, send history + follow-up."""
+    shutil.rmtree(kv_dir, ignore_errors=True)
+    shutil.copytree(saved, kv_dir)  # the same files for every mode (S2's own save is thrown away)
+    for snap in kv_dir.rglob("*.kv"):  # as after a power cut: from the device, not the page cache
+        drop_file_cache(snap)
+    log_file = work / f"server-{ctx}-{mode}.log"
+    srv = S.LocalServer(model, kv_dir, log_file, extra_args=[*extra, "--disk-kv-restore", mode],
+                        stderr_file=work / f"server-{ctx}.stderr")
+    try:
+        step(f"{ctx}: S2 ({mode}) start")
+        srv.start()
+        ready = S.wait_ready(srv.base_url, ready_timeout, srv.proc, stderr_file=srv.stderr_file)
+        step(f"{ctx}: S2 ({mode}) restore + tail")
+        warm = S.complete(srv.base_url, prompt + FOLLOW_UP, max_tokens)
+        text = S.read_since(log_file, 0)
+    finally:
+        srv.stop(signal.SIGTERM)
+    t = warm.timings
+    return {"ready_s": ready, "completion": warm, "loaded": bool(S.LOADED_RE.search(text)),
+            "prefill_n": [int(n) for n, _ in S.PREFILL_RE.findall(text)], "ttft_ms": t.get("ttft_ms"),
+            "restore_ms": t.get("restore_ms", 0.0), "tail_ms": t.get("prefill_ms", 0.0), "gate": t.get("gate", ""),
+            "gate_predicted_ms": t.get("gate_predicted_ms", 0.0), "restore_mode": t.get("restore_mode", "")}
+
+
 def run_context(model: str, geometry, ctx: int, work: Path, max_tokens: int, ready_timeout: float,
-                kv_bs: int = DEFAULTS.kv_bs, step=lambda _m: None, encode=None) -> dict:
-    """One context size: S1 cold + snapshot, kill, S2 restore + tail. Returns the row.
+                kv_bs: int = DEFAULTS.kv_bs, step=lambda _m: None, encode=None,
+                modes: tuple[str, ...] = (SEQUENTIAL, PIPELINED)) -> dict:
+    """One context size: S1 cold + snapshot, kill, one S2 per restore mode on the same files.
 
     `encode` (the model's tokenizer) sizes the history to ctx - HEADROOM tokens exactly enough.
+    The row's main figures are those of the last mode (the server's default, pipelined, last).
     """
     kv_dir, log_file = work / f"kv-{ctx}", work / f"server-{ctx}.log"
     target = max(16, ctx - HEADROOM)
@@ -51,28 +85,27 @@ def run_context(model: str, geometry, ctx: int, work: Path, max_tokens: int, rea
         saved = S.wait_for_line(log_file, mark, S.SAVED_RE, 3600)
         if saved is None:
             raise RuntimeError(f"S1 wrote no snapshot (no [KV-DISK] saved line in {log_file})")
-        step(f"{ctx}: kill S1, start S2")
-        srv.stop(signal.SIGKILL)
-        # as after a power cut: S2 reads the snapshot from the device, not from S1's page cache
-        for snap in kv_dir.rglob("*.kv"):
-            drop_file_cache(snap)
-        mark = S.log_offset(log_file)
-        srv.start()
-        row["s2_ready_s"] = S.wait_ready(srv.base_url, ready_timeout, srv.proc, stderr_file=srv.stderr_file)
-        step(f"{ctx}: S2 restore + tail")
-        warm = S.complete(srv.base_url, prompt + FOLLOW_UP, max_tokens)
-        text = S.read_since(log_file, mark)
-        loaded, pre = S.LOADED_RE.search(text), S.PREFILL_RE.findall(text)
+        step(f"{ctx}: kill S1")
     finally:
-        srv.stop(signal.SIGTERM)
+        srv.stop(signal.SIGKILL)
+    s1_files = work / f"kv-{ctx}-s1"
+    shutil.copytree(kv_dir, s1_files)
+    try:
+        s2 = {m: _s2(model, kv_dir, s1_files, work, ctx, m, extra, prompt, max_tokens, ready_timeout, step)
+              for m in modes}
+    finally:
+        shutil.rmtree(s1_files, ignore_errors=True)
     snap_bytes, snap_tokens = int(saved[3]), int(saved[1])
     step(f"{ctx}: raw disk bandwidth ({snap_bytes / MB:.0f} MB)")
     raw = measure_raw(kv_dir, snap_bytes)
     shutil.rmtree(kv_dir, ignore_errors=True)
+    main = s2[modes[-1]]
+    warm = main["completion"]
     t = warm.timings
     restore_s = t.get("restore_ms", 0) / 1e3
     bound_ms = t.get("restore_bytes", 0) / MB / raw.read.mb_s * 1e3 + t.get("prefill_ms", 0)
     row.update({
+        "s2_ready_s": main["ready_s"], "restore_mode": main["restore_mode"],
         "prompt_tokens_s1": cold.prompt_tokens, "prompt_tokens_s2": warm.prompt_tokens,
         "cold_ttft_ms": cold.timings.get("ttft_ms"), "restored_ttft_ms": t.get("ttft_ms"),
         "speedup": cold.timings["ttft_ms"] / t["ttft_ms"] if t.get("ttft_ms") else None,
@@ -80,13 +113,22 @@ def run_context(model: str, geometry, ctx: int, work: Path, max_tokens: int, rea
         "formula_bytes": _snapshot_formula(geometry, snap_tokens, kv_bs),
         "save_ms": float(saved[4]), "save_mb_s": float(saved[5]),
         "cache_source": t.get("cache_source"), "cached_tokens": warm.cached_tokens,
-        "disk_read_line": bool(loaded), "restore_ms": t.get("restore_ms"), "restore_bytes": t.get("restore_bytes"),
+        "disk_read_line": main["loaded"], "restore_ms": t.get("restore_ms"), "restore_bytes": t.get("restore_bytes"),
         "restore_mb_s": t.get("restore_bytes", 0) / MB / restore_s if restore_s else None,
         "tail_tokens": t.get("prefill_tokens"), "tail_prefill_ms": t.get("prefill_ms"),
-        "prefill_timing_n": int(pre[-1][0]) if pre else None,
+        "prefill_timing_n": main["prefill_n"][-1] if main["prefill_n"] else None,
         "raw_write_mb_s": raw.write.mb_s, "raw_cold_read_mb_s": raw.read.mb_s,
         "lower_bound_ms": bound_ms, "restored_vs_bound": t["ttft_ms"] / bound_ms if bound_ms else None,
+        "gate": main["gate"], "gate_predicted_ms": main["gate_predicted_ms"],
+        "modes": {m: {k: v for k, v in r.items() if k != "completion"} | {"text": r["completion"].text}
+                  for m, r in s2.items()},
     })
+    if SEQUENTIAL in s2 and PIPELINED in s2:  # read and tail apart (sequential) vs overlapped
+        seq = s2[SEQUENTIAL]
+        row.update({"read_ms": seq["restore_ms"], "tail_ms": seq["tail_ms"],
+                    "sum_ms": seq["restore_ms"] + seq["tail_ms"], "pipe_bound_ms": max(seq["restore_ms"], seq["tail_ms"]),
+                    "sequential_ttft_ms": seq["ttft_ms"], "pipelined_ttft_ms": s2[PIPELINED]["ttft_ms"],
+                    "same_text": seq["completion"].text == s2[PIPELINED]["completion"].text})
     log.info("bench recovery %d: cold %.0f ms, restored %.0f ms (bound %.0f ms)", ctx,
              row["cold_ttft_ms"], row["restored_ttft_ms"], bound_ms)
     return row
@@ -112,6 +154,22 @@ def markdown(res: dict) -> str:
               "same run, page cache dropped) + the tail's prefill time. S1 is killed with SIGKILL after its "
               "`[KV-DISK] saved` line and the snapshot's pages are dropped from the page cache (as after a "
               "power cut); S2 is a new process that reads it from the device."]
+    piped = [r for r in res["rows"] if "pipe_bound_ms" in r]
+    if piped:
+        lines += ["", "### Restored TTFT: sequential vs pipelined (one S2 process each, the same files)", "",
+                  "| context | read ms | tail ms | sum ms | max(read, tail) ms | sequential TTFT ms "
+                  "| pipelined TTFT ms | pipelined / sequential | pipelined / bound | same text | gate (S2) |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|---|"]
+        for r in piped:
+            lines.append(f"| {r['context']} | {r['read_ms']:.0f} | {r['tail_ms']:.0f} | {r['sum_ms']:.0f} "
+                         f"| {r['pipe_bound_ms']:.0f} | {r['sequential_ttft_ms']:.0f} | {r['pipelined_ttft_ms']:.0f} "
+                         f"| {r['pipelined_ttft_ms'] / r['sequential_ttft_ms']:.2f} "
+                         f"| {r['pipelined_ttft_ms'] / r['pipe_bound_ms']:.2f} | {'yes' if r['same_text'] else 'NO'} "
+                         f"| {r['gate'] or '-'} |")
+        lines += ["", "Read and tail come from the sequential S2 (its restore, then its tail prefill); TTFT "
+                  "includes the first decode step. A freshly started server has no cost-gate estimates yet, "
+                  "so its first request restores (`unmeasured`); `edge-llm bench restore` shows the gate with "
+                  "estimates against the alternatives measured."]
     return "\n".join(lines) + "\n"
 
 
@@ -127,6 +185,9 @@ def plot(res: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     ax.plot(x, [r["cold_ttft_ms"] / 1e3 for r in rows], "o-", label="cold (full prefill)")
     ax.plot(x, [r["restored_ttft_ms"] / 1e3 for r in rows], "s-", label="restored after restart")
+    if all("sequential_ttft_ms" in r for r in rows):
+        ax.plot(x, [r["sequential_ttft_ms"] / 1e3 for r in rows], "v:", label="restored, sequential")
+        ax.plot(x, [r["pipe_bound_ms"] / 1e3 for r in rows], "x:", label="max(read, tail)")
     ax.plot(x, [r["lower_bound_ms"] / 1e3 for r in rows], "^--", label="lower bound (disk read + tail)")
     ax.set_xscale("log")
     ax.set_yscale("log")

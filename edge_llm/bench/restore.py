@@ -50,11 +50,12 @@ def fill_random(cache: KVCache, n: int, rng: np.random.Generator) -> list[int]:
 
 
 def bench_store(directory: Path, geometry: Geometry, kv_bs: int, max_tokens: int, tag: str,
-                max_files: int = 8) -> SnapshotStore:
+                max_files: int = 8, max_chain: int = DEFAULTS.disk_kv_max_chain) -> SnapshotStore:
     """A SnapshotStore in its own namespace (identity of a synthetic, never-served model)."""
     ident = Identity(config={"bench": tag, "n_layers": geometry.n_layers, "n_kv_heads": geometry.n_kv_heads,
                              "head_dim": geometry.head_dim}, weights_digest="synthetic-random-rows")
-    store = SnapshotStore(directory, ident, geometry, max_files=max_files, max_tokens=max_tokens, kv_bs=kv_bs)
+    store = SnapshotStore(directory, ident, geometry, max_files=max_files, max_tokens=max_tokens, kv_bs=kv_bs,
+                          max_chain=max_chain)
     store.scan()
     return store
 

@@ -12,7 +12,6 @@ encoding, tail-only prefill) and, for comparison, on another image (cold).
 from __future__ import annotations
 
 import io
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path

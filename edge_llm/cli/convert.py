@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from edge_llm.cli.bench import _ints
+from edge_llm.cli.bench.common import int_list
 
 
 @click.group("convert")
@@ -33,7 +33,13 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
     rknn-toolkit2 (in the converter venv), check each in the simulator; write OUT_DIR/manifest.json
     and OUT_DIR/report.md. A full Qwen3-VL-2B takes tens of minutes."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     from edge_llm.config import ModelArgs
     from edge_llm.convert.report import FP16_REL_LIMIT, predicted_ms, worst
@@ -63,7 +69,7 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
                 prog.update(tasks["export"], completed=n_graphs, description="export ONNX")
 
         try:
-            m = convert_rknn(model_dir, out_dir, tuple(_ints(chunks)), layers=layers, head_split=head_split,
+            m = convert_rknn(model_dir, out_dir, tuple(int_list(chunks)), layers=layers, head_split=head_split,
                              converter_python=converter_python, accuracy=not no_accuracy, progress=step)
         except EdgeLLMError as e:
             raise click.ClickException(str(e)) from None

@@ -21,7 +21,7 @@ from edge_llm.errors import SnapshotError
 from edge_llm.settings import DEFAULTS
 from edge_llm.snapshot import format as fmt
 from edge_llm.snapshot.identity import read_identity
-from edge_llm.snapshot.index import QUARANTINE, Entry, lru_victims
+from edge_llm.snapshot.index import QUARANTINE, Entry, IOStats, lru_victims
 from edge_llm.snapshot.inspect import describe as inspect_file
 from edge_llm.snapshot.writer import TMP_SUFFIX, fsync_dir
 
@@ -95,6 +95,12 @@ def human(n: int) -> str:
     return str(n)
 
 
+def private_warnings(paths: list[Path]) -> list[str]:
+    """A warning per directory that others may read or enter (snapshots hold conversations)."""
+    return [f"[yellow]warning[/yellow]: {p} is readable by others (mode {p.stat().st_mode & 0o777:o}): "
+            f"chmod o-rwx {p}" for p in paths if p.is_dir() and p.stat().st_mode & 0o005]
+
+
 @click.group("kv")
 def kv() -> None:
     """Disk KV snapshots: ls, inspect, verify, rm, gc."""
@@ -121,23 +127,34 @@ def ls(kv_dir: Path) -> None:
                   f"layers={cfg.get('num_hidden_layers', '?')} kv_heads={cfg.get('num_key_value_heads', '?')} "
                   f"head_dim={cfg.get('head_dim', '?')} backend={ident.get('backend_numerics', '?')} "
                   f"weights={str(ident.get('weights_sha256', '?'))[:12]} {ident.get('model_dir', '')}")
+        for w in private_warnings([kv_dir, ns]):
+            out.print(w)
         table = Table(show_edge=False)
-        for col in ("file", "tokens", "bytes", "age", "last use", "status"):
+        for col in ("file", "tokens", "bytes", "rows held", "age", "last use", "status"):
             table.add_column(col, justify="right" if col in ("tokens", "bytes") else "left")
         total = 0
         for path in snapshot_files(ns):
             st = path.stat()
             total += st.st_size
+            held = "-"
             try:
                 with open(path, "rb", buffering=0) as f:
                     hdr, _ = fmt.read_header(f, None, int(ns.name, 16), None, st.st_size)
                 tokens, status = str(hdr.n_tokens), "ok"
+                held = f"[0, {hdr.n_tokens})" if hdr.base is None else (
+                    f"[{hdr.row0}, {hdr.n_tokens}) delta on {hdr.base.name}")
             except (SnapshotError, OSError) as e:
                 tokens, status = "?", f"[red]{getattr(e, 'reason', 'io-error')}[/red]"
+            if st.st_mode & 0o004:
+                status += " [yellow]readable by others[/yellow]"
             born = birth_time(path)
-            table.add_row(path.name, tokens, f"{st.st_size:,}", ago(born) if born else "-",
+            table.add_row(path.name, tokens, f"{st.st_size:,}", held, ago(born) if born else "-",
                           ago(st.st_mtime), status)
         out.print(table)
+        io = IOStats.load(ns)
+        if io.bytes_written:
+            out.print(f"  written to this namespace: {io.bytes_written:,} bytes for {io.new_kv_bytes:,} bytes of "
+                      f"new KV rows (x{io.bytes_written / max(io.new_kv_bytes, 1):.3f}; compactions included)")
         q = ns / QUARANTINE
         n_q = sum(1 for p in q.iterdir() if not p.name.endswith(".reason")) if q.is_dir() else 0
         out.print(f"  {len(snapshot_files(ns))} snapshot(s), {total:,} bytes ({human(total)})"
@@ -167,7 +184,7 @@ def inspect(file: Path, tokenizer_dir: Path | None, n_show: int, n_blocks: int) 
         s = d["size_formula"]
         verdict = "[green]matches[/green]" if s["expected"] == s["actual"] else "[red]MISMATCH[/red]"
         out.print(f"size formula: {s['formula']} with n={s['n']}, L={s['L']}, kv_dim={s['kv_dim']}, "
-                  f"kv_bs={s['kv_bs']}, B=ceil(n/kv_bs)={s['B']}")
+                  f"kv_bs={s['kv_bs']}, B={s['B']}" + (f", r={s['r']}" if 'r' in s else ""))
         out.print(f"  = {' + '.join(f'{x:,}' for x in s['terms'])} = {s['expected']:,} bytes; "
                   f"actual {s['actual']:,} bytes: {verdict}")
     if d["sections"]:
@@ -179,6 +196,10 @@ def inspect(file: Path, tokenizer_dir: Path | None, n_show: int, n_blocks: int) 
         out.print(t)
     if d["tokens"] is not None and n_show:
         _print_tokens(d["tokens"], n_show, tokenizer_dir)
+    if d.get("base"):
+        b = d["base"]
+        out.print(f"delta: holds rows [{b['rows_held'][0]}, {b['rows_held'][1]}); rows [0, {b['n_tokens']}) are in "
+                  f"its base {b['name']} (trailer CRC {b['trailer_crc']:08x})")
     if d.get("images"):
         t = Table(title="image runs (extension section)", show_edge=False)
         for col in ("rows", "grid t x h x w", "MRoPE pos0", "next pos", "digest"):

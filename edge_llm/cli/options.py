@@ -26,6 +26,8 @@ def _click_type(meta: dict[str, Any]) -> Any:
         return click.IntRange(meta["minimum"], meta["maximum"])
     if kind is float:
         return click.FloatRange(meta["minimum"], meta["maximum"])
+    if kind is bool:
+        return click.BOOL
     return str
 
 

@@ -182,7 +182,7 @@ class Model:
             q = apply_rope(q, cos, sin)
             q *= self.scale
             cache.write(layer, start, apply_rope(k, cos, sin).reshape(T, n_kv * D), v, work)
-            keys, values = cache.valid(layer, start + T)
+            keys, values = cache.valid(layer, start + T, work)
             attn = attention(q, keys, values, start, n_kv)
             x = be.post(layer, attn, x)
             if visual is not None and layer < len(visual.deepstack):

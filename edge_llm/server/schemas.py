@@ -115,6 +115,17 @@ class Timings(BaseModel):
     images_encoded: int = Field(default=0, description="Images run through the vision encoder "
                                                        "(the others' rows were reused).")
     vision_ms: float = Field(default=0.0, description="Vision encoder time.")
+    restore_files: int = Field(default=0, description="Files of the snapshot chain that were read.")
+    restore_mode: Literal["", "pipelined", "sequential", "split"] = Field(
+        default="", description="How a matching disk snapshot was restored (empty: no disk match).")
+    gate: Literal["", "restore", "split", "recompute", "unmeasured"] = Field(
+        default="", description="The cost gate's choice for a disk match (docs/store.md).")
+    gate_rows_loaded: int = Field(default=0, description="Rows read from disk.")
+    gate_rows_recomputed: int = Field(default=0, description="Rows computed, tail included.")
+    gate_predicted_ms: float = Field(default=0.0, description="Predicted time to the prompt's logits.")
+    gate_actual_ms: float = Field(default=0.0, description="Measured time to the prompt's logits.")
+    gate_restore_ms: float = Field(default=0.0, description="Predicted: restore every matched row.")
+    gate_recompute_ms: float = Field(default=0.0, description="Predicted: recompute from the RAM prefix.")
 
 
 class PromptTokensDetails(BaseModel):

@@ -138,8 +138,12 @@ class AppState:
         return store.ns.name if store is not None else None
 
     def store_stats(self) -> dict[str, Any]:
+        """The store's counters plus the cost gate's running estimates (kv-disk read bandwidth,
+        prefill rate: edge_llm/costgate.py), exported as edge_llm_snapshot_* metrics."""
         store = self.store
-        return store.stats() if store is not None else {}
+        if store is None:
+            return {}
+        return {**store.stats(), **self.engine.gate.stats()}
 
     def snapshot_summary(self) -> dict[str, Any]:
         st = self.store_stats()

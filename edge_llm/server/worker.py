@@ -61,12 +61,18 @@ class Job:
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     enqueued: float = field(default_factory=time.monotonic)
     done: bool = False
+    at: str = "queued"  # the last step the engine reported ("prefill 1152/6000"), for the log
 
     def cancel_with(self, reason: str) -> None:
-        """Ask the worker to stop this job at the next token (or skip it if still queued)."""
+        """Ask the worker to stop this job at its next step (or skip it if still queued).
+
+        The log line names the last step reported *after* the event was set, so the step the
+        engine stops at is that one or the one in flight then: "cancel requested at prefill
+        1152/6000" is followed by "cancelled during prefill at 1152/6000" or at 1280/6000."""
         if not self.done and not self.cancel.is_set():
             self.cancel_reason = reason
             self.cancel.set()
+            log.info("job %d: cancel requested (%s) at %s", self.id, reason, self.at)
 
     async def events(self) -> AsyncIterator[GenerationEvent]:
         """Events as the worker produces them; re-raises the worker's exception, if any."""
@@ -173,6 +179,9 @@ class Worker:
 
     def _progress(self, stage: str, done: int, total: int) -> None:
         """Engine progress (worker thread): ping the watchdog, say what is happening."""
+        job = self.current
+        if job is not None:
+            job.at = status_text(stage, done, total)
         if self.notifier is None:
             return
         self.notifier.watchdog()

@@ -13,13 +13,13 @@ import hashlib
 import json
 import logging
 import os
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from edge_llm.config import ModelArgs
+from edge_llm.snapshot.writer import Modes, write_atomic
 from edge_llm.weights import sha256_file, weight_digest
 
 log = logging.getLogger(__name__)
@@ -111,38 +111,18 @@ class Identity:
         )
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` via temp file + fsync + rename + directory fsync."""
-    tmp = path.with_name(f"{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
 def namespace_dir(kv_dir: str | Path, identity: Identity) -> Path:
     """`<kv-dir>/<model_id hex>/` (not created)."""
     return Path(kv_dir) / identity.namespace
 
 
-def ensure_namespace(kv_dir: str | Path, identity: Identity) -> Path:
-    """Create the namespace directory and its identity.json (rewritten only when it differs)."""
+def ensure_namespace(kv_dir: str | Path, identity: Identity, modes: Modes | None = None) -> Path:
+    """Create the kv dir and the namespace directory (mode from `modes`: owner-only unless the
+    operator allows the group) and its identity.json (rewritten only when it differs)."""
+    modes = modes or Modes()
     ns = namespace_dir(kv_dir, identity)
-    ns.mkdir(parents=True, exist_ok=True)
+    for d in (Path(kv_dir), ns):
+        _own_dir(d, modes)
     ident_path = ns / IDENTITY_FILE
     text = identity.to_json()
     try:
@@ -150,10 +130,22 @@ def ensure_namespace(kv_dir: str | Path, identity: Identity) -> Path:
     except (FileNotFoundError, UnicodeDecodeError):
         current = None
     if current != text:
-        write_atomic(ident_path, text.encode())
+        write_atomic(ident_path, text.encode(), modes)
         log.info("[KV-DISK] namespace %s (%s, %s)", ns.name, identity.backend_numerics,
                  identity.model_dir or "model")
     return ns
+
+
+def _own_dir(d: Path, modes: Modes) -> None:
+    """Create with the store's mode; an existing directory is tightened only if we own it (the kv
+    dir may be a mount point or a directory the operator prepared)."""
+    if not d.exists():
+        modes.mkdir(d)
+        return
+    st = d.stat()
+    if st.st_uid == os.getuid() and (st.st_mode & 0o777) & ~modes.dir:
+        os.chmod(d, st.st_mode & modes.dir)
+        log.info("[KV-DISK] %s was readable by others: mode now %o", d, st.st_mode & modes.dir & 0o777)
 
 
 def read_identity(ns_dir: str | Path) -> dict[str, Any] | None:

@@ -5,21 +5,24 @@ Shared by `SnapshotStore` and the `edge-llm kv` CLI (which applies the same caps
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from edge_llm.kvcache import ImageSpan
-from edge_llm.snapshot.writer import fsync_dir
+from edge_llm.snapshot.layout import BaseRef
+from edge_llm.snapshot.writer import Modes, fsync_dir, write_atomic
 
 log = logging.getLogger("edge_llm.kvdisk")
 
 QUARANTINE = "quarantine"
+IO_STATS = "io-stats.json"
 MAX_QUARANTINED = 4  # quarantined files can be GBs: keep only the newest few for post-mortems
 
 
@@ -33,10 +36,20 @@ class Entry:
     size: int
     last_use: float  # wall-clock seconds; mirrored in the file's mtime so LRU survives restarts
     spans: tuple[ImageSpan, ...] = ()  # image runs among the rows (the file's extension section)
+    base: BaseRef | None = None  # a delta's base (rows [0, base.n_tokens) live there)
+    trailer_crc: int = 0  # what a delta written on this file records about it
 
     @property
     def n_tokens(self) -> int:
         return int(self.tokens.shape[0])
+
+    @property
+    def row0(self) -> int:
+        return 0 if self.base is None else self.base.n_tokens
+
+    @property
+    def tokens_fnv(self) -> int:
+        return int(self.name[3:19], 16)  # kv_<16 hex>.kv: checked against the header at scan
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,7 @@ class RestoreResult:
     mbps: float  # 1e6 bytes per second
     name: str
     wait_ms: float = 0.0  # waited for a pending save before rows could be rewritten
+    files: int = 1  # files of the chain that were read
 
 
 def mbps(nbytes: int, seconds: float) -> float:
@@ -90,7 +104,33 @@ def lru_victims(entries: Iterable[Entry], max_files: int | None, max_bytes: int 
     return victims
 
 
-def quarantine_file(ns: Path, path: Path, reason: str, keep: int = MAX_QUARANTINED) -> Path | None:
+@dataclass
+class IOStats:
+    """Bytes written to a namespace's files and bytes of new KV rows they carried, across restarts
+    (`io-stats.json`, rewritten atomically after each save; `edge-llm kv ls` shows them)."""
+
+    bytes_written: int = 0
+    new_kv_bytes: int = 0
+
+    @classmethod
+    def load(cls, ns: Path) -> "IOStats":
+        try:
+            doc = json.loads((ns / IO_STATS).read_text())
+            return cls(int(doc["bytes_written"]), int(doc["new_kv_bytes"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return cls()
+
+    def add(self, ns: Path, written: int, new_kv: int, modes: Modes | None = None) -> None:
+        self.bytes_written += written
+        self.new_kv_bytes += new_kv
+        try:
+            write_atomic(ns / IO_STATS, (json.dumps(asdict(self)) + "\n").encode(), modes)
+        except OSError as e:  # counters are informational: never fail a save for them
+            log.debug("could not update %s: %s", IO_STATS, e)
+
+
+def quarantine_file(ns: Path, path: Path, reason: str, keep: int = MAX_QUARANTINED,
+                    modes: Modes | None = None) -> Path | None:
     """Move a bad file to `<ns>/quarantine/` with a `.reason` note; keep the newest `keep` files.
 
     Best effort: if the move fails the file is deleted (a bad file must never stay in the
@@ -98,10 +138,10 @@ def quarantine_file(ns: Path, path: Path, reason: str, keep: int = MAX_QUARANTIN
     """
     qdir = ns / QUARANTINE
     try:
-        qdir.mkdir(exist_ok=True)
+        (modes or Modes()).mkdir(qdir)
         dest = qdir / f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{path.name}"
         os.replace(path, dest)
-        dest.with_name(dest.name + ".reason").write_text(reason + "\n")
+        write_atomic(dest.with_name(dest.name + ".reason"), (reason + "\n").encode(), modes)
         fsync_dir(ns)
         # names start with a timestamp: name order is age order
         kept = sorted(p.name for p in qdir.iterdir() if not p.name.endswith(".reason"))

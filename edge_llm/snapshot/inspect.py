@@ -7,7 +7,12 @@ from typing import Any
 
 import crc32c
 
-from edge_llm.errors import SnapshotError, SnapshotExtension, SnapshotTokenHash, SnapshotTrailerCRC
+from edge_llm.errors import (
+    SnapshotError,
+    SnapshotExtension,
+    SnapshotTokenHash,
+    SnapshotTrailerCRC,
+)
 from edge_llm.snapshot.format import (
     F32,
     FLAG_EXTENSION,
@@ -54,6 +59,13 @@ def describe(path: str | os.PathLike, max_blocks: int | None = 64) -> dict[str, 
             out["valid"], out["tokens"] = True, tokens.tolist()
             out["images"] = [{"rows": (s.start, s.end), "grid": s.grid, "pos0": s.pos0,
                               "next_pos": s.next_pos, "digest": s.digest.hex()} for s in h.spans]
+            if h.base is not None:  # a delta: it holds rows [base_n, n); the formula counts r = n - base_n
+                out["base"] = {"name": h.base.name, "n_tokens": h.base.n_tokens,
+                               "trailer_crc": h.base.trailer_crc, "rows_held": (h.row0, h.n_tokens)}
+                r, B = h.n_rows, h.n_blocks
+                out["size_formula"].update(
+                    formula="64 + 4*n + E + 2*L*r*kv_dim*4 + 8*L*B, r = n - base_n", B=B, r=r,
+                    terms=[HEADER.size, 4 * n, E, 2 * L * r * kv_dim * F32, 8 * L * B], expected=h.file_size)
         except (SnapshotTokenHash, SnapshotExtension, SnapshotTrailerCRC) as e:  # after the size check
             out["error"] = {"reason": e.reason, "message": str(e)}
             h = SnapshotHeader(*(values[k] for k in ("n_layers", "n_kv_heads", "head_dim", "kv_bs",

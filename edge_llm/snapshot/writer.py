@@ -45,6 +45,68 @@ class SaveJob:
         return int(self.tokens.shape[0])
 
 
+@dataclass(frozen=True)
+class Modes:
+    """Permissions of everything the store creates, whatever the umask: a snapshot holds the
+    conversation (its token ids are plain), so owner-only by default; `group_read` lets the
+    service group read (the operator's choice, docs/store.md)."""
+
+    group_read: bool = False
+
+    @property
+    def file(self) -> int:
+        return 0o640 if self.group_read else 0o600
+
+    @property
+    def dir(self) -> int:
+        return 0o750 if self.group_read else 0o700
+
+    def mkdir(self, path: Path) -> None:
+        """Create `path` (and missing parents) with the directory mode; fix an existing one we own."""
+        for p in [*reversed(path.parents[:_missing_parents(path)]), path]:
+            try:
+                p.mkdir(mode=self.dir)
+            except FileExistsError:
+                if p != path:
+                    continue
+            os.chmod(p, self.dir)  # mkdir's mode is filtered by the umask; chmod is not
+
+    def open_new(self, path: Path) -> BinaryIO:
+        """A new file (never clobbering), buffered, with the file mode."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), self.file)
+        try:
+            os.fchmod(fd, self.file)
+            return os.fdopen(fd, "wb")
+        except BaseException:
+            os.close(fd)
+            raise
+
+
+def _missing_parents(path: Path) -> int:
+    """How many of path's parents do not exist yet (those are created with the store's mode)."""
+    n = 0
+    for p in path.parents:
+        if p.exists():
+            break
+        n += 1
+    return n
+
+
+def write_atomic(path: Path, data: bytes, modes: Modes | None = None) -> None:
+    """Write a small file via temp file + fsync + rename + directory fsync, with the file mode."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}{TMP_SUFFIX}")
+    try:
+        with (modes or Modes()).open_new(tmp) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
 def fsync_dir(path: str | Path) -> None:
     """fsync a directory so a rename/unlink in it is durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -79,16 +141,18 @@ def orphaned_temp(path: Path, own_writer_busy: bool) -> bool:
     return False
 
 
-def publish_file(directory: Path, final_name: str, size: int, write: Callable[[BinaryIO], int]) -> int:
-    """Write a file atomically: temp file, preallocate, `write(f)`, fsync, rename, dir fsync.
+def publish_file(directory: Path, final_name: str, size: int, write: Callable[[BinaryIO], int],
+                 modes: Modes | None = None) -> int:
+    """Write a file atomically: temp file (mode from `modes`), preallocate, `write(f)`, fsync,
+    rename (over an existing file of that name: a compaction), dir fsync.
 
     Returns the bytes written. On any error the temp file is removed and the error re-raised;
     the final name either does not change or points at the complete new file.
     """
     tmp = directory / temp_name(final_name)
     try:
-        # "xb": never clobber; buffered so that partial writes (e.g. near ENOSPC) are retried
-        with open(tmp, "xb") as f:
+        # O_EXCL: never clobber; buffered so that partial writes (e.g. near ENOSPC) are retried
+        with (modes or Modes()).open_new(tmp) as f:
             try:
                 # reserve the blocks up front: a full disk fails here, before GBs are written
                 os.posix_fallocate(f.fileno(), 0, size)
@@ -114,8 +178,13 @@ def publish_file(directory: Path, final_name: str, size: int, write: Callable[[B
 class BackgroundWriter:
     """A daemon thread running `work(job)` for the latest submitted job, one at a time."""
 
-    def __init__(self, work: Callable[[SaveJob], None], name: str = "kv-disk-writer"):
+    def __init__(self, work: Callable[[SaveJob], None], name: str = "kv-disk-writer",
+                 idle: Callable[[Callable[[], bool]], None] | None = None, idle_after: float | None = None):
         self._work = work
+        # idle(should_stop): runs once after `idle_after` seconds without a job (compaction); it
+        # must return soon after should_stop() turns true (a job arrived, or closing)
+        self._idle, self._idle_after = idle, idle_after
+        self._idle_done = True  # nothing to do until the first job
         self._cond = threading.Condition()
         self._pending: SaveJob | None = None
         self._active: SaveJob | None = None
@@ -159,14 +228,32 @@ class BackgroundWriter:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    def _should_stop(self) -> bool:
+        with self._cond:
+            return self._pending is not None or self._closing
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._pending is not None or self._closing)
+                wait = None if self._idle is None or self._idle_done else self._idle_after
+                self._cond.wait_for(lambda: self._pending is not None or self._closing, wait)
+                if self._pending is None and not self._closing:
+                    self._idle_done = True
+                    run_idle = True
+                else:
+                    run_idle = False
+            if run_idle:
+                try:
+                    self._idle(self._should_stop)
+                except Exception:  # the writer must survive anything
+                    log.exception("[KV-DISK] idle work failed")
+                continue
+            with self._cond:
                 if self._pending is None:
                     return  # closing and nothing left
                 job, self._pending = self._pending, None
                 self._active = job
+                self._idle_done = False
             try:
                 self._work(job)
             except BaseException:  # the writer must survive anything; the store counts failures

@@ -20,7 +20,12 @@ from edge_llm.errors import ConfigError
 from edge_llm.models.qwen3 import VisualRows
 from edge_llm.vision.encoder import ImageFeatures, VisionEncoder
 from edge_llm.vision.positions import PromptPlan, expand_placeholders, plan_prompt
-from edge_llm.vision.preprocess import ImageLimits, PreparedImage, PreprocessConfig, prepare_image
+from edge_llm.vision.preprocess import (
+    ImageLimits,
+    PreparedImage,
+    PreprocessConfig,
+    prepare_image,
+)
 from edge_llm.weights import load_vision_weights
 
 log = logging.getLogger(__name__)

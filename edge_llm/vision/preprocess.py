@@ -23,7 +23,13 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from edge_llm.config import VisionArgs
-from edge_llm.errors import ConfigError, ImageDecodeError, ImageError, ImageFormatError, ImageTooLarge
+from edge_llm.errors import (
+    ConfigError,
+    ImageDecodeError,
+    ImageError,
+    ImageFormatError,
+    ImageTooLarge,
+)
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,11 @@
 """Crash-test writer (run as a subprocess by tests/test_store_crash.py, killed with SIGKILL).
 
-Loops forever saving snapshots of growing token sequences with a real SnapshotStore. Token ids
-and KV rows are pure functions of (seed, branch, token index), so the test can check every file
-that survives a kill bit for bit. Prints "ready" once the first snapshot is published.
+Loops forever saving snapshots of growing token sequences with a real SnapshotStore: each save
+is a delta on the previous one (chains of up to MAX_CHAIN files, then a full rewrite), and every
+third save is followed by a compaction of the chain into one file. Token ids and KV rows are pure
+functions of (seed, branch, token index), so the test can check every file that survives a kill
+bit for bit. Prints "ready" once the first snapshot is published, then "saved BRANCH N" after
+each save is published (so the test knows what must survive).
 
 usage: kv_crash_writer.py KV_DIR SEED
 """
@@ -22,6 +25,7 @@ KV_BS = 16
 MAX_SEQ = 640
 STEP = 48  # tokens added per save; a branch restarts from 16 tokens when it would pass MAX_SEQ
 IDENTITY = Identity(config={"test": "crash-writer"}, weights_digest="5e" * 32)
+MAX_CHAIN = 4
 
 
 def tokens_for(seed: int, branch: int, n: int) -> list[int]:
@@ -56,7 +60,8 @@ def main() -> None:
     from edge_llm.snapshot.store import SnapshotStore
 
     kv_dir, seed = sys.argv[1], int(sys.argv[2])
-    store = SnapshotStore(kv_dir, IDENTITY, GEOMETRY, min_lcp=16, max_files=3, kv_bs=KV_BS)
+    store = SnapshotStore(kv_dir, IDENTITY, GEOMETRY, min_lcp=16, max_files=3, kv_bs=KV_BS, max_chain=MAX_CHAIN,
+                          compact_idle=None)
     store.scan()
     cache = KVCache(GEOMETRY, max_seq=MAX_SEQ, kv_bs=KV_BS, check_memory=False)
     step, rows = 0, {}
@@ -69,9 +74,14 @@ def main() -> None:
             cache.write(layer, 0, rows[branch][layer, 0, :n], rows[branch][layer, 1, :n])
         cache.set_tokens(tokens_for(seed, branch, n))
         store.save_async(cache)
+        store.flush()
         if step == 0:
-            store.flush()
             print("ready", flush=True)
+        print(f"saved {branch} {n}", flush=True)
+        if step % 3 == 2:  # a compaction, as after an idle period
+            tip = max(store.entries(), key=lambda e: (e.last_use, e.n_tokens))
+            if tip.base is not None:
+                store.compact(tip)
         step += 1
 
 

@@ -1,0 +1,60 @@
+"""`edge-llm bench vision`: the vision encoder and image conversations."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from edge_llm.bench.models import synth_model
+from edge_llm.cli.bench.common import OUT_HELP, bench, int_list, show_results, spinner
+
+
+@bench.command("vision")
+@click.option("--synth-layers", type=click.IntRange(1), default=4, show_default=True,
+              help="Decoder layers of the synthetic Qwen3-VL-2B (its vision tower is always complete).")
+@click.option("--sizes", default="224,448,896", show_default=True, help="Square image sides for the encoder table.")
+@click.option("--e2e-size", type=click.IntRange(32), default=448, show_default=True,
+              help="Image side of the end-to-end conversation (0 skips it).")
+@click.option("--max-tokens", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--repeats", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--out", default="benchmarks/results", show_default=True, help=OUT_HELP)
+def vision_cmd(synth_layers, sizes, e2e_size, max_tokens, repeats, out) -> None:
+    """Vision encoder time per image size vs the sgemm roofline; image + question cold vs restored."""
+    import os
+    import platform
+    import tempfile
+
+    from threadpoolctl import threadpool_info
+
+    from edge_llm.bench import vision as V
+    from edge_llm.bench.disk import new_results_dir
+    from edge_llm.config import ModelArgs
+    from edge_llm.vision.model import VisionModel
+
+    model_dir = synth_model(synth_layers, vision=True)
+    res_dir = new_results_dir(out, "bench-vision")
+    blas = ", ".join(f"{i.get('internal_api')} {i.get('architecture')} ({i.get('num_threads')} threads)"
+                     for i in threadpool_info() if i.get("user_api") == "blas") or "unknown"
+    res = {"label": "synthetic Qwen3-VL-2B vision tower (24 blocks, width 1024, DeepStack 5/11/17)",
+           "machine": f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}",
+           "blas": blas, "command": " ".join(sys.argv),
+           "e2e_label": f"Qwen3-VL-2B geometry, {synth_layers} of 28 decoder layers"}
+    with spinner() as prog:
+        task = prog.add_task("vision bench")
+        step = lambda msg: prog.update(task, description=msg)  # noqa: E731
+        args = ModelArgs.from_dir(model_dir)
+        vision = VisionModel.load(model_dir, args)
+        res["encoder"], res["peak_gflops"] = V.encoder_rows(vision, int_list(sizes), repeats, step)
+        del vision
+        if e2e_size:
+            with tempfile.TemporaryDirectory(dir=res_dir) as kv:
+                res["e2e"] = V.end_to_end(model_dir, Path(kv), e2e_size, max_tokens, step)
+    (res_dir / "vision.json").write_text(json.dumps(res, indent=2) + "\n")
+    md = V.markdown(res)
+    (res_dir / "vision.md").write_text(md)
+    show_results(res_dir, md)
+
+

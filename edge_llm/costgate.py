@@ -1,0 +1,154 @@
+"""Compute or load? The cost gate that decides how much of a disk prefix to restore.
+
+One place holds this machine's running estimates: the kv disk's read bandwidth (from restores)
+and the backend's prefill rate (from requests' prefills); the metrics read them from here too.
+`decide` compares the predicted time to the first token of the candidates:
+
+- recompute: prefill rows [m_ram, n) (rows already in RAM are free);
+- restore k rows from disk, k = m (everything the snapshot matches) or, in split mode, any
+  block boundary k in [min_lcp, m] (Cake-style: the front is loaded while the rest is computed).
+
+A pipelined restore overlaps reading with the first prefill chunk, layer by layer, so its cost is
+max(read(k), first chunk) + the remaining chunks; a sequential restore costs read(k) + prefill.
+Prefill time is modelled as rows / rate (linear: attention makes long prefixes somewhat slower
+per row, which only favours loading). Without both estimates the gate restores (the first
+request measures them). The estimates persist in the snapshot namespace (`gate.json`), so the
+first request after a restart — the case restores exist for — is already decided on this
+machine's numbers. See docs/store.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+EWMA = 0.3  # weight of the newest measurement
+MIN_PREFILL_ROWS = 16  # shorter prefills are dominated by per-call overhead: not a rate sample
+PIPELINED, SEQUENTIAL, SPLIT = "pipelined", "sequential", "split"
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str  # "restore" | "split" | "recompute" | "unmeasured" (restore, no estimates yet)
+    load_rows: int  # rows read from disk (0: recompute)
+    recompute_rows: int  # rows prefilled, tail included
+    predicted_ms: float  # predicted time to the first token's logits of this choice
+    restore_ms: float  # predicted: restoring all m rows
+    recompute_ms: float  # predicted: recomputing from the RAM prefix
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class CostGate:
+    """Running estimates + the restore decision; thread-safe (the metrics read it any time)."""
+
+    def __init__(self, bytes_per_token: int, mode: str = PIPELINED, chunk: int = 128,
+                 read_bps: float | None = None, prefill_tps: float | None = None,
+                 state_file: Path | None = None):
+        if mode not in (PIPELINED, SEQUENTIAL, SPLIT):
+            raise ValueError(f"unknown restore mode {mode!r}")
+        self.bytes_per_token, self.mode, self.chunk = bytes_per_token, mode, chunk
+        self.read_bps, self.prefill_tps = read_bps, prefill_tps
+        self._lock = threading.Lock()
+        self.counts = {"restore": 0, "split": 0, "recompute": 0, "unmeasured": 0}
+        self.state_file = state_file
+        if state_file is not None and read_bps is None and prefill_tps is None:
+            self._load(state_file)
+
+    # ---- persistence (the namespace's gate.json) -------------------------------------------------
+    def _load(self, path: Path) -> None:
+        try:
+            doc = json.loads(path.read_text())
+            rb, tps = doc.get("read_bytes_per_s"), doc.get("prefill_rows_per_s")
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, AttributeError) as e:
+            log.warning("cost gate: ignoring %s (%s)", path, e)
+            return
+        ok = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e15  # noqa: E731
+        self.read_bps = float(rb) if ok(rb) else None
+        self.prefill_tps = float(tps) if ok(tps) else None
+        log.info("cost gate: estimates from the last run: read %.0f MB/s, prefill %.1f rows/s",
+                 (self.read_bps or 0) / 1e6, self.prefill_tps or 0)
+
+    def _save(self) -> None:
+        """Best effort, no fsync: a lost update only costs one request an older estimate."""
+        if self.state_file is None:
+            return
+        with self._lock:
+            doc = {"read_bytes_per_s": self.read_bps, "prefill_rows_per_s": self.prefill_tps}
+        tmp = self.state_file.with_name(f"{self.state_file.name}.{os.getpid()}-0.tmp")  # the store's temp naming
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f)
+            os.replace(tmp, self.state_file)
+        except OSError as e:
+            log.debug("cost gate: could not save %s: %s", self.state_file, e)
+
+    # ---- estimates ----------------------------------------------------------------------------
+    def observe_read(self, nbytes: int, seconds: float) -> None:
+        """A restore read `nbytes` in `seconds` (waits for other work excluded)."""
+        if nbytes > 0 and seconds > 0:
+            with self._lock:
+                self.read_bps = _ewma(self.read_bps, nbytes / seconds)
+            self._save()
+
+    def observe_prefill(self, rows: int, seconds: float) -> None:
+        """A request prefilled `rows` rows in `seconds` (waits for disk or saves excluded)."""
+        if rows >= MIN_PREFILL_ROWS and seconds > 0:
+            with self._lock:
+                self.prefill_tps = _ewma(self.prefill_tps, rows / seconds)
+            self._save()
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"est_read_bytes_per_s": self.read_bps or 0.0, "est_prefill_rows_per_s": self.prefill_tps or 0.0,
+                    **{f"gate_{k}_decisions": v for k, v in self.counts.items()}}
+
+    # ---- the decision ---------------------------------------------------------------------------
+    def cost_ms(self, load: int, n: int, m_ram: int, read_bps: float, tps: float,
+                mode: str | None = None) -> float:
+        """Predicted ms until the last prompt row is computed, loading rows [0, load) from disk
+        (0: recompute from the RAM prefix)."""
+        mode = mode or self.mode
+        if load <= m_ram:
+            return (n - m_ram) / tps * 1e3
+        read = load * self.bytes_per_token / read_bps
+        rest = n - load
+        if mode == SEQUENTIAL:
+            return (read + rest / tps) * 1e3
+        first = min(rest, self.chunk) / tps
+        return (max(read, first) + (rest - min(rest, self.chunk)) / tps) * 1e3
+
+    def decide(self, n: int, m_ram: int, m_disk: int, block: int, min_rows: int) -> Decision:
+        """How many of the m_disk rows a snapshot matches to load for an n-row prompt."""
+        with self._lock:
+            bw, tps = self.read_bps, self.prefill_tps
+        if not bw or not tps:
+            d = Decision("unmeasured", m_disk, n - m_disk, 0.0, 0.0, 0.0)
+        else:
+            full = self.cost_ms(m_disk, n, m_ram, bw, tps)
+            comp = self.cost_ms(0, n, m_ram, bw, tps)
+            best, best_ms = (m_disk, full) if full < comp else (m_ram, comp)
+            if self.mode == SPLIT:  # any block boundary is a candidate (whole blocks are read)
+                for k in range(max(min_rows, m_ram + 1), m_disk, block):
+                    k = k // block * block
+                    if k > m_ram and (ms := self.cost_ms(k, n, m_ram, bw, tps)) < best_ms:
+                        best, best_ms = k, ms
+            action = "recompute" if best <= m_ram else ("restore" if best == m_disk else "split")
+            d = Decision(action, best if best > m_ram else 0, n - max(best, m_ram), best_ms, full, comp)
+        with self._lock:
+            self.counts[d.action] += 1
+        return d
+
+
+def _ewma(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EWMA) * old + EWMA * new

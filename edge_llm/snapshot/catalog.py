@@ -1,0 +1,149 @@
+"""The in-memory index of one namespace directory and every removal of a file from it.
+
+`Catalog` is the state the store's readers (scan, lookup, restore) and its writer (saves,
+compaction: `saving.py`) share: the index of entries under one lock, the counters `/metrics`
+shows, the `degraded` flags, the bytes-written totals across restarts (`io-stats.json`), and the
+only code that takes a file away: LRU eviction of whole chains, making room before a write,
+removing files a longer one covers, quarantining a bad file together with every delta on it.
+The chain policies it applies are `chains.py`; docs/store.md states them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+from edge_llm.snapshot import chains
+from edge_llm.snapshot.index import Entry, IOStats, quarantine_file
+from edge_llm.snapshot.writer import Modes, fsync_dir
+
+log = logging.getLogger("edge_llm.kvdisk")
+
+COUNTERS = ("saves", "saves_delta", "save_failures", "saves_skipped", "saves_superseded", "loads",
+            "load_failures", "rejections", "evictions", "compactions", "bytes_written", "new_kv_bytes",
+            "compaction_bytes_written", "bytes_read")
+
+
+class Catalog:
+    """Entries of one namespace `ns` (`index`, guarded by `lock`), counters and file removal."""
+
+    def __init__(self, ns: Path, modes: Modes, max_files: int, max_bytes: int | None):
+        self.ns, self.modes = ns, modes
+        self.max_files, self.max_bytes = max_files, max_bytes
+        self.lock = threading.RLock()
+        self.index: dict[str, Entry] = {}
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.io = IOStats.load(ns)  # bytes written to this namespace across restarts (`kv ls`)
+        self.degraded: dict[str, str] = {}  # kind -> message; cleared by the next successful save
+
+    def count(self, **deltas: int) -> None:
+        with self.lock:
+            for k, v in deltas.items():
+                self.counters[k] += v
+
+    def entries(self) -> list[Entry]:
+        """Indexed snapshots, most recently used first."""
+        with self.lock:
+            return sorted(self.index.values(), key=lambda e: e.last_use, reverse=True)
+
+    def touch(self, e: Entry) -> None:
+        """Count a use: LRU time = now, mirrored into the file mtime so it survives restarts."""
+        now = time.time()
+        with self.lock:
+            e.last_use = now
+        try:
+            os.utime(e.path, (now, now))
+        except OSError as err:
+            log.warning("[KV-DISK] could not touch %s: %s", e.name, err)
+
+    # ---- eviction ---------------------------------------------------------------------------------
+    def evict(self, keep: str | None = None) -> list[str]:
+        """Apply max_files (chains) / max_bytes, least recently used chain first, never the chain
+        of `keep`. Returns the removed file names."""
+        with self.lock:
+            victims = chains.unit_victims(self.index, self.max_files, self.max_bytes, keep)
+        names = []
+        for u, reason in victims:
+            names += self.remove_unit(u, reason)
+        return names
+
+    def make_room(self, size: int, keep: str | None) -> None:
+        """Evict LRU chains first if a new file of `size` bytes cannot fit in free space but would
+        after that (never the chain of `keep`, the base of the delta about to be written)."""
+        try:
+            st = os.statvfs(self.ns)
+        except OSError:
+            return
+        free = st.f_bavail * st.f_frsize
+        if free >= size:
+            return
+        with self.lock:
+            lru = sorted((u for u in chains.units(self.index) if keep not in u.names), key=lambda u: u.last_use)
+        if free + sum(u.size for u in lru) < size:
+            return  # evicting everything would not help: let the write fail and be counted
+        for u in lru:
+            if free >= size:
+                break
+            self.remove_unit(u, f"making room: {free} bytes free, {size} needed")
+            free += u.size
+
+    def drop_redundant(self, why: str) -> None:
+        """Remove files a longer file covers and no delta needs, down the chain (a removed delta
+        can leave its base without dependents). `why` is formatted with the longer file's name."""
+        while True:
+            with self.lock:
+                extra = chains.redundant(self.index)
+            if not extra:
+                return
+            for e, longer in extra:
+                self.remove(e, why.format(longer.name))
+
+    def remove_unit(self, u: chains.Unit, reason: str) -> list[str]:
+        """Remove a whole chain tree, deltas first, so no delta ever outlives its base on disk."""
+        order = sorted(u.members, key=lambda e: -e.n_tokens)
+        for e in order:
+            self.remove(e, reason)
+        return [e.name for e in order]
+
+    def remove(self, e: Entry, reason: str) -> None:
+        with self.lock:
+            self.index.pop(e.name, None)
+            self.counters["evictions"] += 1
+        self.unlink(e.path, reason)
+        try:
+            fsync_dir(self.ns)
+        except OSError:
+            pass
+        log.info("[KV-DISK] evicted %s (%s)", e.name, reason)
+
+    # ---- bad files --------------------------------------------------------------------------------
+    def drop_quarantined(self, e: Entry, reason: str) -> None:
+        """Quarantine a bad file and every delta written on it (a miss, never wrong data)."""
+        with self.lock:
+            self.index.pop(e.name, None)
+        self.quarantine(e.path, reason)
+        self.drop_descendants(e, f"base-missing: base {e.name} was rejected ({reason})")
+
+    def drop_descendants(self, e: Entry, reason: str) -> None:
+        with self.lock:
+            deps = chains.descendants({**self.index, e.name: e}, e.name)
+            for d in deps:
+                self.index.pop(d.name, None)
+        for d in deps:
+            self.quarantine(d.path, reason)
+
+    def quarantine(self, path: Path, reason: str) -> None:
+        """Move a bad file to quarantine/ (with a .reason note), keep the newest few, log, count."""
+        self.count(rejections=1)
+        log.warning("[KV-DISK] rejected %s: %s", path.name, reason)
+        quarantine_file(self.ns, path, reason, modes=self.modes)
+
+    def unlink(self, path: Path, why: str) -> None:
+        try:
+            path.unlink(missing_ok=True)
+            log.debug("[KV-DISK] removed %s (%s)", path.name, why)
+        except OSError as e:
+            log.warning("[KV-DISK] could not remove %s (%s): %s", path.name, why, e)
