@@ -36,19 +36,13 @@ import numpy as np
 from onnx import helper
 
 from edge_llm.backends.cpu import DenseLayer, load_layer
+from edge_llm.backends.graphs import DECODE, decode_kv_names, decode_spec
 from edge_llm.backends.onnx_export import MS_DOMAIN, Exported, GraphBuilder, Linear, WeightKey, _digest
-from edge_llm.backends.graphs import GraphSpec
 from edge_llm.config import ModelArgs
 from edge_llm.weights import load_weights
 
-DECODE = "decode"
-OPSET = 23  # RMSNormalization
+DECODE_OPSET = 23  # RMSNormalization
 INT_MAX = np.iinfo(np.int64).max
-
-
-def kv_names(layer: int) -> tuple[str, str, str, str]:
-    """(past K, past V, new K, new V) tensor names of one layer."""
-    return f"k{layer:02d}", f"v{layer:02d}", f"knew{layer:02d}", f"vnew{layer:02d}"
 
 
 def _i64(*v: int) -> np.ndarray:
@@ -114,7 +108,7 @@ class DecodeGraph:
         the (mlp delta, h after attention) pair the caller adds and norms for what follows."""
         g, a = self.g, self.args
         q_dim, kv = a.q_dim, a.kv_dim
-        k_past, v_past, k_out, v_out = kv_names(i)
+        k_past, v_past, k_out, v_out = decode_kv_names(i)
         qkv = self.linear(g, hn, L.w_qkv, L.b_qkv, None, WeightKey("qkv", i))
         q, k, v = g.fresh("q"), g.fresh("k"), v_out
         g.nodes.append(helper.make_node("Split", [qkv, g.const("qkv_split", _i64(q_dim, kv, kv))], [q, k, v], axis=1))
@@ -130,13 +124,6 @@ class DecodeGraph:
         g.nodes.append(helper.make_node("Split", [gu, g.const("gu_split", _i64(inter, inter))], [gate, up], axis=1))
         act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
         return self.linear(g, act, L.w_down, None, None, WeightKey("down", i)), h2
-
-
-def decode_spec(args: ModelArgs) -> GraphSpec:
-    """The manifest's entry: one row in, the logits out (the K/V rows are listed by `kv_names`)."""
-    half = args.head_dim // 2
-    return GraphSpec(DECODE, DECODE, 0, (1,), (("x", args.hidden_size), ("cos", half), ("sin", half)),
-                     (("logits", args.vocab_size),), (0, args.vocab_size))
 
 
 def export_decode(model_dir: str | Path, out_dir: Path, linear: Linear,
@@ -167,8 +154,8 @@ def export_decode(model_dir: str | Path, out_dir: Path, linear: Linear,
     ins = [("x", [1, args.hidden_size]), ("cos", [1, half]), ("sin", [1, half])]
     outs = [("logits", [1, args.vocab_size])]
     for i in range(n):
-        kp, vp, kn_, vn = kv_names(i)
+        kp, vp, kn_, vn = decode_kv_names(i)
         ins += [(kp, ["S", kv]), (vp, ["S", kv])]
         outs += [(kn_, [1, kv]), (vn, [1, kv])]
-    g.write(ins, outs, path, opset=OPSET)
+    g.write(ins, outs, path, opset=DECODE_OPSET)
     return Exported(spec, path, data, _digest(path, data))
