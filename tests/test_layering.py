@@ -97,6 +97,27 @@ def test_llama_cpp_is_imported_only_by_the_bench_peer():
                     assert not n.startswith("edge_llm"), n
 
 
+def test_onnx_only_in_the_exporters_and_onnxruntime_only_lazily():
+    """The `onnx` package builds graphs: only the exporters import it (onnx_export.py and cpu-q's
+    decode_export.py). onnxruntime is imported inside the functions that start sessions
+    (runners.py, decode_step.py), never at module import time, so the F32 backend runs without it."""
+    seen = set()
+    for path in PKG.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        top_level = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            for n in names:
+                if n.split(".")[0] == "onnx":
+                    assert path.name in ("onnx_export.py", "decode_export.py"), path
+                    seen.add(path.name)
+                if n.split(".")[0] == "onnxruntime":
+                    assert id(node) not in top_level, path
+                    seen.add(path.name)
+    assert {"onnx_export.py", "decode_export.py", "runners.py", "decode_step.py"} <= seen
+
+
 def test_runtime_never_imports_torch():
     for path in PKG.rglob("*.py"):
         tree = ast.parse(path.read_text())

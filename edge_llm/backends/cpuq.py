@@ -204,8 +204,10 @@ def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], N
 
 
 def open_cpu_q(model_dir: str | Path, quant: str = "q4", threads: int | None = None,
-               progress: Callable[[str], None] | None = None) -> GraphBackend:
-    """Build or find the quantized graphs, start onnxruntime on them: a Backend to load."""
+               progress: Callable[[str], None] | None = None, decode_graph: bool = True) -> GraphBackend:
+    """Build or find the quantized graphs, start onnxruntime on them: a Backend to load.
+    `decode_graph=False` runs one-row steps on the per-layer graphs too (what cpu-q did before the
+    decode graph; `bench quant` compares both): other bits, so another `numerics`."""
     from edge_llm.backends.decode_step import OrtDecodeStep
     from edge_llm.backends.runners import OrtRunner
     from edge_llm.config import ModelArgs
@@ -217,11 +219,15 @@ def open_cpu_q(model_dir: str | Path, quant: str = "q4", threads: int | None = N
         os.sched_setaffinity(0, cores)
         log.info("cpu-q: pinned to the big cores %s (%d threads)", cores, n)
     files = m.onnx_files(root)
-    step = OrtDecodeStep(files.pop(DECODE), ModelArgs.from_dir(model_dir), n, DECODE_CONFIG, shared_arena=True)
+    decode = files.pop(DECODE)
+    step = OrtDecodeStep(decode, ModelArgs.from_dir(model_dir), n, DECODE_CONFIG, shared_arena=True) \
+        if decode_graph else None
     r = OrtRunner(files, threads=n, kind=qm.label, config=SESSION_CONFIG, shared_arena=True)
     # no thread count: these kernels give the same bits on 1, 2 or 3 threads (tests/test_cpu_q.py),
     # so changing `threads` keeps the snapshots; the CPU's kernel ISA does change them. The
     # manifest identity covers the decode graph (its bytes), so one-row steps are in it too.
     numerics = f"cpu-q:{qm.name}:{m.identity()}:onnxruntime-{r.version}-{qm.label}-{kernel_isa()}"
+    if not decode_graph:
+        numerics += ":per-layer-decode"
     return GraphBackend("cpu-q", [s for s in m.specs() if s.kind != DECODE], r, numerics,
                         mapped_embedding=True, row_step=step)
