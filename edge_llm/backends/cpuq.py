@@ -57,7 +57,10 @@ TARGET = "onnxruntime-cpu"
 # onnxruntime's pool threads spin between runs by default; here numpy (attention) runs between
 # every two graph calls and would share its cores with spinning threads
 SESSION_CONFIG = {"session.intra_op.allow_spinning": "0"}
-DECODE_CONFIG = SESSION_CONFIG
+# the decode graph is a whole token in one call: nothing of ours runs between its ~1300 nodes, so
+# its pool threads spin between them (a sleeping thread takes a futex wake per parallel node) and
+# stop spinning when the call returns (docs/quantization.md: measured)
+DECODE_CONFIG = {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"}
 
 
 def mode(name: str) -> QuantMode:
