@@ -62,13 +62,14 @@ def test_one_row_step_agrees_with_per_layer_path(model, record_property):
     model.prefill(PROMPT, cache, chunk=16)
     S = cache.length
     worst_logit = worst_row = 0.0
-    for tok in (5, 77, 3000, 151000):
+    # the last case: an MRoPE position given explicitly (text after an image: t/h/w differ)
+    for tok, pos in ((5, None), (77, None), (3000, None), (151000, np.array([[S - 9], [S - 12], [S - 7]]))):
         cache.truncate(S)
-        fused = model.forward([tok], cache)
+        fused = model.forward([tok], cache, positions=pos)
         rows = cache.data[:, :, S].copy()
         cache.truncate(S)
         with _per_layer(model):
-            ref = model.forward([tok], cache)
+            ref = model.forward([tok], cache, positions=pos)
         ref_rows = cache.data[:, :, S].copy()
         worst_logit = max(worst_logit, float(np.abs(fused - ref).max() / np.abs(ref).max()))
         worst_row = max(worst_row, float(np.abs(rows - ref_rows).max() / np.abs(ref_rows).max()))
