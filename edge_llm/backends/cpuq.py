@@ -58,9 +58,11 @@ TARGET = "onnxruntime-cpu"
 # every two graph calls and would share its cores with spinning threads
 SESSION_CONFIG = {"session.intra_op.allow_spinning": "0"}
 # the decode graph is a whole token in one call: nothing of ours runs between its ~1300 nodes, so
-# its pool threads spin between them (a sleeping thread takes a futex wake per parallel node) and
-# stop spinning when the call returns (docs/quantization.md: measured)
-DECODE_CONFIG = {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1"}
+# its pool threads spin between them (a sleeping thread takes a futex wake per parallel node), for
+# at most 50 us at a time (less harm when another process holds a core), and stop spinning when
+# the call returns (docs/quantization.md: measured)
+DECODE_CONFIG = {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1",
+                 "session.intra_op.spin_duration_us": "50"}
 
 
 def mode(name: str) -> QuantMode:
