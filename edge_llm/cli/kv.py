@@ -300,7 +300,10 @@ def verify(kv_dir: Path | None, files: tuple[Path, ...]) -> None:
 @click.option("--all", "all_", is_flag=True, help="Remove every snapshot (and quarantined file).")
 @click.argument("names", nargs=-1)
 def rm(kv_dir: Path, namespace: str | None, all_: bool, names: tuple[str, ...]) -> None:
-    """Remove snapshots by name (kv_<hash>.kv), or --all. identity.json is kept."""
+    """Remove snapshots by name (kv_<hash>.kv), or --all. identity.json is kept.
+
+    Removing a file also removes the deltas written on it (they cannot be restored without it),
+    deltas first."""
     if all_ == bool(names):
         raise click.UsageError("give either --all or snapshot NAME...")
     for n in names:  # names are matched, never used as paths
@@ -308,7 +311,7 @@ def rm(kv_dir: Path, namespace: str | None, all_: bool, names: tuple[str, ...]) 
             raise click.BadParameter(f"{n!r} is not a snapshot name (kv_<16 hex>.kv)", param_hint="NAME")
     removed, wanted = 0, set(names)
     for ns in namespaces(kv_dir, namespace):
-        victims = [p for p in snapshot_files(ns) if all_ or p.name in wanted]
+        victims = _with_dependents(ns, [p for p in snapshot_files(ns) if all_ or p.name in wanted])
         if all_:
             victims += [p for p in ns.iterdir() if p.name.endswith(TMP_SUFFIX)]
             q = ns / QUARANTINE
@@ -316,7 +319,8 @@ def rm(kv_dir: Path, namespace: str | None, all_: bool, names: tuple[str, ...]) 
         for p in victims:
             p.unlink(missing_ok=True)
             wanted.discard(p.name)
-            out.print(f"removed {ns.name}/{p.relative_to(ns)}")
+            why = "" if all_ or p.name in names else " (a delta resting on a removed snapshot)"
+            out.print(f"removed {ns.name}/{p.relative_to(ns)}{why}")
             removed += 1
         if victims:
             fsync_dir(ns)
@@ -334,6 +338,19 @@ def _gc_entry(ns: Path, path: Path) -> Entry:
         return Entry(path.name, path, tokens, st.st_size, st.st_mtime, hdr.spans, hdr.base, hdr.trailer_crc)
     except (SnapshotError, OSError):
         return Entry(path.name, path, np.empty(0, np.uint32), st.st_size, st.st_mtime)
+
+
+def _with_dependents(ns: Path, named: list[Path]) -> list[Path]:
+    """`named` plus every delta that rests on one of them, the deltas of a chain before its base."""
+    index = {p.name: _gc_entry(ns, p) for p in snapshot_files(ns)}
+    below = chains.dependents(index)
+    out, todo = {}, [index[p.name] for p in named]
+    while todo:
+        e = todo.pop()
+        if e.name not in out:
+            out[e.name] = e
+            todo.extend(below.get(e.name, ()))
+    return [e.path for e in sorted(out.values(), key=lambda e: e.row0, reverse=True)]
 
 
 @kv.command("gc")
