@@ -23,12 +23,15 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import psutil
 
 from edge_llm.config import ModelArgs
 from edge_llm.settings import Settings, models_dir, resolve
+
+if TYPE_CHECKING:
+    from edge_llm.snapshot.identity import Identity
 
 log = logging.getLogger(__name__)
 
@@ -320,12 +323,32 @@ class Doctor:
             from edge_llm.snapshot.identity import (
                 Identity,  # lazy: hashes the weights once (cached)
             )
-            ident = Identity.for_model(d, args, "cpu-f32" if self.o.backend == "cpu" else self.o.backend)
+            ident = Identity.for_model(d, args)
         except Exception as e:
             return Check("model", WARN, detail + f"; identity not computed: {e}")
-        ns = Path(self.o.disk_kv or "") / ident.namespace
-        n = len(list(ns.glob("kv_*.kv"))) if self.o.disk_kv and ns.is_dir() else 0
-        return Check("model", PASS, detail + f"; model_id {ident.namespace} ({n} snapshot(s) in its namespace)")
+        if self.o.backend == "cpu":
+            ns = Path(self.o.disk_kv or "") / ident.namespace
+            n = len(list(ns.glob("kv_*.kv"))) if self.o.disk_kv and ns.is_dir() else 0
+            return Check("model", PASS, detail + f"; model_id {ident.namespace} ({n} snapshot(s) in its namespace)")
+        # another backend's numerics (graph manifest, runtime version, threads) are known only once
+        # it is loaded: name the namespaces this model already has instead of guessing one
+        return Check("model", PASS, detail + f"; backend {self.o.backend}: its namespace is named at start-up "
+                     f"from its numerics; {self._model_namespaces(ident)}")
+
+    def _model_namespaces(self, ident: Identity) -> str:
+        """The kv dir's namespaces of this model (any backend): 'name (numerics, N snapshot(s))'."""
+        if not self.o.disk_kv or not Path(self.o.disk_kv).is_dir():
+            return "no namespaces yet"
+        from edge_llm.snapshot.identity import read_identity
+
+        want = {k: v for k, v in ident.canonical().items() if k != "backend_numerics"}
+        found = []
+        for ns in sorted(p for p in Path(self.o.disk_kv).iterdir() if p.is_dir()):
+            doc = read_identity(ns) or {}
+            if {k: doc.get(k) for k in want} == want:
+                found.append(f"{ns.name} ({doc.get('backend_numerics', '?')}, "
+                             f"{len(list(ns.glob('kv_*.kv')))} snapshot(s))")
+        return "namespaces of this model: " + ", ".join(found) if found else "no namespace of this model yet"
 
     def memory(self) -> Check:
         vm = psutil.virtual_memory()

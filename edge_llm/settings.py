@@ -88,7 +88,7 @@ class Settings:
                                shown_default="$STATE_DIRECTORY/kv, else $EDGE_LLM_HOME/kv")
     disk_kv_min_lcp: int = _opt(16, "Shortest common prefix (tokens) worth restoring from disk; also "
                                 "the fewest rows an interrupted prefill saves.", minimum=1)
-    disk_kv_max_files: int = _opt(8, "Snapshots kept per model namespace (LRU eviction).", minimum=1)
+    disk_kv_max_files: int = _opt(8, "Conversations kept per model namespace: a snapshot and its deltas count as one (LRU eviction).", minimum=1)
     disk_kv_max_bytes: int | None = _opt(None, "Byte cap of a namespace's snapshots.", minimum=1,
                                          nullable=True, shown_default="no cap")
     disk_kv_max_tokens: int = _opt(8192, "Tokens stored per snapshot (longer conversations are cut).",

@@ -119,6 +119,19 @@ def test_hf_model_sizes_and_identity(tmp_path: Path, monkeypatch: pytest.MonkeyP
         os.chmod(q, 0o700 if q.is_dir() else 0o600)
     assert by_name(run_checks(Settings(model=str(model), disk_kv=str(tmp_path / "kv"))))["kv-private"].status == PASS
 
+    # another backend's namespace is named by numerics only it knows once loaded: the doctor names
+    # the namespaces this model has (any backend) instead of a wrong one
+    from edge_llm.snapshot.identity import ensure_namespace
+
+    ident = Identity.for_model(model, ModelArgs.from_dir(model), "cpu-q:q4:0123456789abcdef:onnxruntime-x-q4-t2")
+    ensure_namespace(tmp_path / "kv", ident)
+    ensure_namespace(tmp_path / "kv", Identity.for_model(model, ModelArgs.from_dir(model)))  # the cpu one's identity.json
+    c = by_name(run_checks(Settings(model=str(model), disk_kv=str(tmp_path / "kv"), backend="cpu-q")))
+    assert c["model"].status == PASS, c["model"].detail
+    assert f"{ident.namespace} (cpu-q:q4:0123456789abcdef:onnxruntime-x-q4-t2, 0 snapshot(s))" in c["model"].detail
+    assert f"{ns} (cpu-f32, 1 snapshot(s))" in c["model"].detail
+    assert f"model_id {ns}" not in c["model"].detail
+
     (model / "tokenizer.json").unlink()
     c = by_name(run_checks(Settings(model=str(model), disk_kv=str(tmp_path / "kv"))))
     assert c["model"].status == FAIL and "tokenizer.json missing" in c["model"].detail

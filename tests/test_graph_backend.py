@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from modelutil import greedy_run
 
 from edge_llm.backends.cpu import CPUBackend
 from edge_llm.backends.graphs import (
@@ -94,17 +95,8 @@ def test_greedy_20_steps_identical_to_cpu(which, request, graphs):
     ort_model = Model.load(model_dir, backend=open_rknn(graphs(model_dir), "onnxruntime", model_dir=model_dir))
     cpu_model = Model.load(model_dir)
     prompt = (np.arange(40) * 37 + 11) % min(ort_model.args.vocab_size, 5000)
-    seqs, cos = [], []
-    for model in (ort_model, cpu_model):
-        cache = model.new_cache(128, check_memory=False)
-        logits, out, rows = model.prefill(prompt, cache, chunk=32), [], []
-        for _ in range(20):
-            rows.append(logits)
-            out.append(int(np.argmax(logits)))
-            logits = model.forward([out[-1]], cache)
-        seqs.append(out)
-        cos.append(np.stack(rows))
-    a, b = cos
+    (s0, a), (s1, b) = (greedy_run(m, prompt, 20, 128, chunk=32) for m in (ort_model, cpu_model))
+    seqs = [s0, s1]
     cosine = float((a * b).sum() / (np.linalg.norm(a) * np.linalg.norm(b)))
     print(f"{which}: greedy tokens {seqs[0][:8]}..., logit cosine {cosine:.9f}, max rel {_rel(a, b):.2e}")
     assert seqs[0] == seqs[1]

@@ -122,7 +122,7 @@ def test_gc_applies_caps_lru_first(kv_dir):
     assert r.exit_code == 0 and "would evict" in r.output and small.exists()
     r = invoke("gc", "--kv-dir", kv_dir, "--max-files", 2)
     assert r.exit_code == 0 and not small.exists() and mid.exists() and big.exists()
-    assert f"evicted {IDENT.namespace}/{small.name} (lru: 3 files > max_files 2)" in r.output
+    assert f"evicted {IDENT.namespace}/{small.name} (lru: 3 chains > max_files 2)" in r.output
     r = invoke("gc", "--kv-dir", kv_dir, "--max-bytes", big.stat().st_size + 1)
     assert r.exit_code == 0 and not mid.exists() and big.exists()
     assert invoke("gc", "--kv-dir", kv_dir, "--max-bytes", "1K").exit_code == 0 and not big.exists()

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from edge_llm.bench.client import Completion, dir_bytes, log_offset, read_since
+from edge_llm.bench.client import Completion, log_offset, read_since, snapshot_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -59,7 +59,7 @@ def test_restored_from_disk():
     # reuse without a disk read after a full restart is not recovery
     assert any("without a disk read" in f for f in C.check_restored(good, prefill(1), 500, 500, cold))
     assert any("cached_tokens is 0" in f for f in C.check_restored(resp(ttft=300.0), LOADED, 500, 500, cold))
-    assert any("kv dir grew" in f for f in C.check_restored(good, LOADED, 500, 900, cold))
+    assert any("snapshot files grew" in f for f in C.check_restored(good, LOADED, 500, 900, cold))
     assert any("not below the cold" in f for f in C.check_restored(resp(cached=355, source="disk", ttft=1000.0),
                                                                     LOADED, 500, 500, cold))
     assert any("expected 'disk'" in f for f in C.check_restored(resp(cached=355, source="ram", ttft=3.0),
@@ -96,7 +96,23 @@ def test_markers_only_count_lines_after_the_offset(tmp_path):
     with open(log, "a") as f:
         f.write(SAVED)
     assert C.check_write_before_restart(read_since(log, mark), 0, 1, 1) == []
-    assert log_offset(tmp_path / "missing.log") == 0 and dir_bytes(tmp_path / "missing") == 0
+    assert log_offset(tmp_path / "missing.log") == 0 and snapshot_bytes(tmp_path / "missing") == 0
+
+
+def test_snapshot_bytes_counts_kv_files_only(tmp_path):
+    """A restore rewrites the namespace's gate.json (the cost gate's estimates); that is not KV
+    data and must not read as 'data rebuilt' (docs/evidence.md)."""
+    ns = tmp_path / "0123456789abcdef"
+    ns.mkdir()
+    (ns / "kv_0123456789abcdef.kv").write_bytes(bytes(1000))
+    (ns / "kv_0123456789abcdef.kv.42-0badcafe.tmp").write_bytes(bytes(7))  # a save in flight
+    (ns / "gate.json").write_text("{}")
+    (ns / "identity.json").write_text("{}")
+    before = snapshot_bytes(tmp_path)
+    (ns / "gate.json").write_text('{"read_bps": 123456789.0}')
+    assert before == snapshot_bytes(tmp_path) == 1000
+    (ns / "kv_fedcba9876543210.kv").write_bytes(bytes(24))
+    assert snapshot_bytes(tmp_path) == 1024
 
 
 def test_median():

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from modelutil import greedy_run
 
 from edge_llm.backends.rknn import open_rknn
 from edge_llm.backends.runners import converter_python
@@ -90,16 +91,8 @@ def test_engine_on_simulator_agrees_with_cpu(converted, name, record_property):
     try:
         npu, cpu = Model.load(model_dir, backend=sim), Model.load(model_dir)
         prompt = (np.arange(24) * 13 + 5) % min(cpu.args.vocab_size, 3000)
-        toks, rows = [], []
-        for model in (npu, cpu):
-            cache = model.new_cache(64, check_memory=False)
-            logits, out, lg = model.prefill(prompt, cache), [], []
-            for _ in range(8):
-                lg.append(logits)
-                out.append(int(np.argmax(logits)))
-                logits = model.forward([out[-1]], cache)
-            toks.append(out)
-            rows.append(np.stack(lg))
+        runs = [greedy_run(m, prompt, 8, 64) for m in (npu, cpu)]
+        toks, rows = [t for t, _ in runs], [r for _, r in runs]
     finally:
         sim.close()
     # teacher-free greedy: once a token differs the two continue different texts, so count the prefix

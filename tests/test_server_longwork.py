@@ -188,7 +188,7 @@ def test_client_hangup_during_prefill_frees_the_worker_within_a_chunk(tiny_synth
 
 
 def test_sigterm_during_prefill_saves_completed_rows_and_a_restart_resumes(tiny_synth_dir, tmp_path):
-    prompt = long_prompt(6000, seed=2)
+    prompt = long_prompt(12000, seed=2)  # far more than a fast machine computes before the signal lands
     with server(tmp_path, tiny_synth_dir, None, "--no-disk-kv", name="reference") as ref:
         ref.start()
         want = complete(ref, prompt)

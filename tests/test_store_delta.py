@@ -245,3 +245,50 @@ def test_kv_ls_warns_about_snapshots_readable_by_others(tmp_path):
     os.chmod(s.ns, 0o755)
     res = CliRunner().invoke(kv, ["ls", "--kv-dir", str(tmp_path)], env={"COLUMNS": "200"})
     assert res.output.count("readable by others") == 2, res.output
+
+
+def test_kv_gc_evicts_a_chain_as_one_unit_deltas_first(tmp_path):
+    """The offline `kv gc` keeps the store's rule: it never leaves a delta without its base."""
+    from click.testing import CliRunner
+
+    from edge_llm.cli.kv import kv
+
+    s = new_store(tmp_path)
+    for n in (40, 80, 120):  # one conversation: a full file and two deltas on it
+        save(s, cache_for(conv(n)))
+    save(s, cache_for(conv(60, branch=1), branch=1))  # another conversation, used last
+    st = s.stats()
+    assert (st["chains"], st["files"]) == (2, 4), st
+    rows = {e.name: e.n_tokens for e in s.entries()}
+    s.close()
+    res = CliRunner().invoke(kv, ["gc", "--kv-dir", str(tmp_path), "--max-files", "1"])
+    assert res.exit_code == 0, res.output
+    evicted = [line.split("/")[1].split()[0] for line in res.output.splitlines() if line.startswith("evicted")]
+    assert [rows[n] for n in evicted] == [120, 80, 40], res.output  # deltas first, the base last
+    assert "(lru: 2 chains > max_files 1)" in res.output
+    assert [rows[p.name] for p in s.ns.glob("kv_*.kv")] == [60]
+    again = new_store(tmp_path)  # the survivor is intact: nothing quarantined at scan
+    assert again.stats()["files"] == 1 and again.lookup(conv(60, branch=1) + [0]) is not None
+    again.close()
+
+
+def test_kv_rm_of_a_base_takes_its_deltas(tmp_path):
+    from click.testing import CliRunner
+
+    from edge_llm.cli.kv import kv
+
+    s = new_store(tmp_path)
+    for n in (40, 80, 120):
+        save(s, cache_for(conv(n)))
+    save(s, cache_for(conv(60, branch=1), branch=1))
+    by_rows = {e.n_tokens: e.name for e in s.entries()}
+    s.close()
+    res = CliRunner().invoke(kv, ["rm", "--kv-dir", str(tmp_path), by_rows[80]])
+    assert res.exit_code == 0, res.output
+    removed = [line.split("/")[1].split()[0] for line in res.output.splitlines() if line.startswith("removed")]
+    assert removed == [by_rows[120], by_rows[80]], res.output  # the delta on it first, then it
+    assert "a delta resting on a removed snapshot" in res.output
+    assert sorted(p.name for p in s.ns.glob("kv_*.kv")) == sorted([by_rows[40], by_rows[60]])
+    again = new_store(tmp_path)
+    assert again.stats()["files"] == 2  # nothing left to quarantine
+    again.close()

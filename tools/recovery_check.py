@@ -110,7 +110,7 @@ class Phase:
 
     def __init__(self, svc: Service, res: Path, name: str):
         self.svc, self.path, self.name = svc, res / "excerpts" / f"{name}.log", name
-        self.offset, self.bytes_before = S.log_offset(svc.log_file), S.dir_bytes(svc.kv_dir)
+        self.offset, self.bytes_before = S.log_offset(svc.log_file), S.snapshot_bytes(svc.kv_dir)
 
     def text(self) -> str:
         return S.read_since(self.svc.log_file, self.offset)
@@ -138,7 +138,7 @@ def one_repeat(svc: Service, res: Path, r: int, stamp: str, enc, dec) -> dict:
     ph = Phase(svc, res, f"r{r}-1-cold")
     cold = svc.complete(prompt)
     ph.wait(SAVE_DONE, a.save_timeout)
-    bytes_after = S.dir_bytes(svc.kv_dir)
+    bytes_after = S.snapshot_bytes(svc.kv_dir)
     text = ph.close()
     rec["cold"] = cold.to_dict()
     rec["checks"]["cold_baseline"] = C.check_cold(cold)
@@ -158,7 +158,7 @@ def one_repeat(svc: Service, res: Path, r: int, stamp: str, enc, dec) -> dict:
     rec["ready_s"] = [svc.restart()]
     restored = svc.complete(prompt)
     ph.wait(SAVE_DONE, a.save_timeout)
-    bytes_after = S.dir_bytes(svc.kv_dir)
+    bytes_after = S.snapshot_bytes(svc.kv_dir)
     text = ph.close()
     rec["restored"] = restored.to_dict()
     rec["checks"]["restarted"] = _check_new_process(text, old_pid)

@@ -53,7 +53,7 @@ def check_cold(resp) -> list[str]:
 
 
 def check_write_before_restart(log_text: str, bytes_before: int, bytes_after: int, prompt_tokens: int) -> list[str]:
-    """Warm-up wrote a snapshot: a `saved` line after the marker and the kv dir grew."""
+    """Warm-up wrote a snapshot: a `saved` line after the marker and the snapshot files grew."""
     fails = []
     saved = [int(m.group(1)) for m in SAVED_RE.finditer(log_text)]
     if not saved:
@@ -61,7 +61,7 @@ def check_write_before_restart(log_text: str, bytes_before: int, bytes_after: in
     elif max(saved) < prompt_tokens:
         fails.append(f"saved snapshot has {max(saved)} tokens, fewer than the {prompt_tokens}-token prompt")
     if bytes_after <= bytes_before:
-        fails.append(f"kv dir did not grow after the warm-up ({bytes_before} -> {bytes_after} bytes)")
+        fails.append(f"snapshot files did not grow after the warm-up ({bytes_before} -> {bytes_after} bytes)")
     return fails
 
 
@@ -92,7 +92,7 @@ def check_restored(resp, log_text: str, bytes_before: int, bytes_after: int, col
     if resp.timings.get("cache_source") != "disk":
         fails.append(f"after restart: cache_source {resp.timings.get('cache_source')!r}, expected 'disk'")
     if bytes_after > bytes_before:
-        fails.append(f"after restart: kv dir grew {bytes_before} -> {bytes_after} bytes (data rebuilt)")
+        fails.append(f"after restart: snapshot files grew {bytes_before} -> {bytes_after} bytes (data rebuilt)")
     ttft, cold_ttft = resp.timings.get("ttft_ms"), cold.timings.get("ttft_ms")
     if ttft is None or cold_ttft is None:
         fails.append("after restart: ttft_ms missing from the response timings")

@@ -66,6 +66,10 @@ class Backend(Protocol):
     def logits(self, x: np.ndarray) -> np.ndarray:
         """Final RMSNorm + lm_head: (T, hidden) -> (T, vocab)."""
 
+    def close(self) -> None:
+        """Release what the backend holds outside this process's heap (NPU contexts, the
+        simulator's worker process). Called once at shutdown; nothing is called after it."""
+
 
 def pick_chunk(backend: Backend, requested: int) -> int:
     """The prefill chunk size to use: `requested`, or the largest static size not above it."""

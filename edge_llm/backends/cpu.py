@@ -156,3 +156,6 @@ class CPUBackend:
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         return rms_norm(x, self.final_norm, self.eps) @ self.lm_head.T
+
+    def close(self) -> None:
+        """Nothing outside the heap to release."""

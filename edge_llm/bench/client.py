@@ -61,15 +61,20 @@ def wait_for_line(path: str | os.PathLike, offset: int, pattern: re.Pattern, tim
         time.sleep(poll)
 
 
-def dir_bytes(path: str | os.PathLike) -> int:
-    """Total size of the regular files below `path` (0 if it does not exist)."""
+def snapshot_bytes(path: str | os.PathLike) -> int:
+    """Total size of the snapshot files (`kv_*.kv`) below `path` (0 if it does not exist).
+
+    Only KV data counts: a namespace's metadata (identity, write counters, the cost gate's
+    estimates) is rewritten by any run, including one that restores without writing a row."""
     total = 0
     for root, _dirs, files in os.walk(path):
         for name in files:
+            if not (name.startswith("kv_") and name.endswith(".kv")):
+                continue
             try:
                 total += os.lstat(os.path.join(root, name)).st_size
             except FileNotFoundError:
-                pass  # a temp file renamed or removed while walking
+                pass  # evicted or compacted while walking
     return total
 
 

@@ -19,9 +19,10 @@ from rich.table import Table
 
 from edge_llm.errors import SnapshotError
 from edge_llm.settings import DEFAULTS
+from edge_llm.snapshot import chains
 from edge_llm.snapshot import format as fmt
 from edge_llm.snapshot.identity import read_identity
-from edge_llm.snapshot.index import QUARANTINE, Entry, IOStats, lru_victims
+from edge_llm.snapshot.index import QUARANTINE, Entry, IOStats
 from edge_llm.snapshot.inspect import describe as inspect_file
 from edge_llm.snapshot.writer import TMP_SUFFIX, fsync_dir
 
@@ -299,7 +300,10 @@ def verify(kv_dir: Path | None, files: tuple[Path, ...]) -> None:
 @click.option("--all", "all_", is_flag=True, help="Remove every snapshot (and quarantined file).")
 @click.argument("names", nargs=-1)
 def rm(kv_dir: Path, namespace: str | None, all_: bool, names: tuple[str, ...]) -> None:
-    """Remove snapshots by name (kv_<hash>.kv), or --all. identity.json is kept."""
+    """Remove snapshots by name (kv_<hash>.kv), or --all. identity.json is kept.
+
+    Removing a file also removes the deltas written on it (they cannot be restored without it),
+    deltas first."""
     if all_ == bool(names):
         raise click.UsageError("give either --all or snapshot NAME...")
     for n in names:  # names are matched, never used as paths
@@ -307,7 +311,7 @@ def rm(kv_dir: Path, namespace: str | None, all_: bool, names: tuple[str, ...]) 
             raise click.BadParameter(f"{n!r} is not a snapshot name (kv_<16 hex>.kv)", param_hint="NAME")
     removed, wanted = 0, set(names)
     for ns in namespaces(kv_dir, namespace):
-        victims = [p for p in snapshot_files(ns) if all_ or p.name in wanted]
+        victims = _with_dependents(ns, [p for p in snapshot_files(ns) if all_ or p.name in wanted])
         if all_:
             victims += [p for p in ns.iterdir() if p.name.endswith(TMP_SUFFIX)]
             q = ns / QUARANTINE
@@ -315,7 +319,8 @@ def rm(kv_dir: Path, namespace: str | None, all_: bool, names: tuple[str, ...]) 
         for p in victims:
             p.unlink(missing_ok=True)
             wanted.discard(p.name)
-            out.print(f"removed {ns.name}/{p.relative_to(ns)}")
+            why = "" if all_ or p.name in names else " (a delta resting on a removed snapshot)"
+            out.print(f"removed {ns.name}/{p.relative_to(ns)}{why}")
             removed += 1
         if victims:
             fsync_dir(ns)
@@ -324,26 +329,51 @@ def rm(kv_dir: Path, namespace: str | None, all_: bool, names: tuple[str, ...]) 
     out.print(f"{removed} file(s) removed")
 
 
+def _gc_entry(ns: Path, path: Path) -> Entry:
+    """An index entry from the file's header; an unreadable file stands alone (no base)."""
+    st = path.stat()
+    try:
+        with open(path, "rb", buffering=0) as f:
+            hdr, tokens = fmt.read_header(f, None, int(ns.name, 16), None, st.st_size)
+        return Entry(path.name, path, tokens, st.st_size, st.st_mtime, hdr.spans, hdr.base, hdr.trailer_crc)
+    except (SnapshotError, OSError):
+        return Entry(path.name, path, np.empty(0, np.uint32), st.st_size, st.st_mtime)
+
+
+def _with_dependents(ns: Path, named: list[Path]) -> list[Path]:
+    """`named` plus every delta that rests on one of them, the deltas of a chain before its base."""
+    index = {p.name: _gc_entry(ns, p) for p in snapshot_files(ns)}
+    below = chains.dependents(index)
+    out, todo = {}, [index[p.name] for p in named]
+    while todo:
+        e = todo.pop()
+        if e.name not in out:
+            out[e.name] = e
+            todo.extend(below.get(e.name, ()))
+    return [e.path for e in sorted(out.values(), key=lambda e: e.row0, reverse=True)]
+
+
 @kv.command("gc")
 @kv_dir_option
 @click.option("--namespace", default=None, help="Only this namespace (16 hex digits).")
 @click.option("--max-files", default=DEFAULTS.disk_kv_max_files, show_default=True, type=click.IntRange(1),
-              help="Files per namespace.")
+              help="Conversations (a snapshot and its deltas) per namespace.")
 @click.option("--max-bytes", default=None, type=_Bytes(), help="Bytes per namespace (e.g. 4G).")
 @click.option("--dry-run", is_flag=True, help="Only show what would be removed.")
 def gc(kv_dir: Path, namespace: str | None, max_files: int, max_bytes: int | None, dry_run: bool) -> None:
-    """Apply the caps: remove least recently used snapshots until each namespace fits."""
+    """Apply the caps: remove least recently used conversations until each namespace fits.
+
+    A delta chain is one unit, as in the server's own eviction (docs/store.md): it goes as a
+    whole, deltas before their base, so no delta is ever left without its base."""
     total = 0
     for ns in namespaces(kv_dir, namespace):
-        entries = []
-        for p in snapshot_files(ns):
-            st = p.stat()
-            entries.append(Entry(p.name, p, np.empty(0, np.uint32), st.st_size, st.st_mtime))
-        for e, reason in lru_victims(entries, max_files, max_bytes):
-            if not dry_run:
-                e.path.unlink(missing_ok=True)
-            out.print(f"{'would evict' if dry_run else 'evicted'} {ns.name}/{e.name} ({reason})")
-            total += 1
+        index = {p.name: _gc_entry(ns, p) for p in snapshot_files(ns)}
+        for unit, reason in chains.unit_victims(index, max_files, max_bytes):
+            for e in sorted(unit.members, key=lambda e: e.row0, reverse=True):
+                if not dry_run:
+                    e.path.unlink(missing_ok=True)
+                out.print(f"{'would evict' if dry_run else 'evicted'} {ns.name}/{e.name} ({reason})")
+                total += 1
         if total and not dry_run:
             fsync_dir(ns)
     out.print(f"{total} snapshot(s) {'to evict' if dry_run else 'evicted'}")

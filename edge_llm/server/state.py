@@ -97,6 +97,7 @@ class AppState:
         if self.status == "stopping":  # SIGTERM arrived while loading: nothing to serve
             if engine.store is not None:
                 engine.store.close()
+            engine.model.backend.close()
             return
         self.engine = engine
         worker = Worker(engine, self.settings.queue_size, self.notifier, on_finish=self._finished)
@@ -221,6 +222,11 @@ class AppState:
             except Exception:  # the process is exiting; published snapshots are already safe
                 log.exception("snapshot store flush/close failed")
             log.info("snapshot store flushed and closed in %.0f ms", (time.monotonic() - t0) * 1e3)
+        if self.engine is not None:
+            try:  # NPU contexts, the simulator's worker: after the last row was computed and saved
+                self.engine.model.backend.close()
+            except Exception:
+                log.exception("backend close failed")
 
     def _stop_progress(self, text: str) -> None:
         if self.notifier is not None:

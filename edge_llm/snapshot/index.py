@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -84,24 +83,6 @@ def lcp(a: np.ndarray, b: np.ndarray) -> int:
     n = min(a.shape[0], b.shape[0])
     diff = np.flatnonzero(a[:n] != b[:n])
     return int(diff[0]) if diff.size else n
-
-
-def lru_victims(entries: Iterable[Entry], max_files: int | None, max_bytes: int | None,
-                keep: str | None = None) -> list[tuple[Entry, str]]:
-    """Entries to evict, least recently used first, until both caps hold; never `keep`."""
-    entries = list(entries)
-    files, total = len(entries), sum(e.size for e in entries)
-    victims = []
-    for e in sorted((e for e in entries if e.name != keep), key=lambda e: e.last_use):
-        if max_files is not None and files > max_files:
-            reason = f"lru: {files} files > max_files {max_files}"
-        elif max_bytes is not None and total > max_bytes:
-            reason = f"lru: {total} bytes > max_bytes {max_bytes}"
-        else:
-            break
-        victims.append((e, reason))
-        files, total = files - 1, total - e.size
-    return victims
 
 
 @dataclass

@@ -1,0 +1,40 @@
+"""The server's shutdown order: the running job stops, the pending snapshot is flushed, and only
+then the backend releases what it holds outside the heap (NPU contexts, the simulator's worker)."""
+
+from __future__ import annotations
+
+import time
+
+from edge_llm.engine import GenerationRequest
+from edge_llm.runtime import load_runtime
+from edge_llm.server.state import AppState
+from edge_llm.settings import Settings
+
+
+def test_close_releases_the_backend_after_the_last_save(tiny_synth_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGE_LLM_HOME", str(tmp_path / "home"))
+    settings = Settings(model=str(tiny_synth_dir), disk_kv=str(tmp_path / "kv"), max_seq=512)
+    seen = []
+
+    def loader():
+        engine = load_runtime(settings)
+        store_close = engine.store.close
+
+        def closing_store(*a, **kw):
+            seen.append(("store", engine.store.pending_tokens()))
+            return store_close(*a, **kw)
+
+        engine.store.close = closing_store
+        engine.model.backend.close = lambda: seen.append(("backend", engine.store.pending_tokens()))
+        return engine
+
+    state = AppState(settings, loader=loader)
+    state.start_loading()
+    deadline = time.monotonic() + 120
+    while state.status == "loading" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert state.status == "ok", state.error
+    list(state.engine.generate(GenerationRequest(prompt_tokens=list(range(100, 300)), max_tokens=2)))
+    state.close(grace=0)
+    assert seen == [("store", 0), ("backend", 0)]  # flushed, closed, then the backend
+    assert list((tmp_path / "kv").rglob("kv_*.kv")), "the request's snapshot was saved before the close"
