@@ -72,6 +72,7 @@ class GraphBackend:
 
     def close(self) -> None:
         self.runner.close()
+        self.row_step = None  # cpu-q's decode session goes with its last reference
 
     # ---- the seam -------------------------------------------------------------------------
     def embed(self, tokens: np.ndarray) -> np.ndarray:
