@@ -104,8 +104,9 @@ class DecodeGraph:
     # ---- a layer ------------------------------------------------------------------------------
     def layer(self, i: int, L: DenseLayer, h: str, hn: str, q_norm: np.ndarray | None,
               k_norm: np.ndarray | None) -> tuple[str, str]:
-        """Layer i on the stream h (hn = its input RMSNorm); returns (h + attn, RMSNorm'd) parts:
-        the (mlp delta, h after attention) pair the caller adds and norms for what follows."""
+        """Layer i on the residual stream h (hn = RMSNorm(h) with the layer's input norm); writes
+        the new K/V row outputs and returns (mlp delta, h after attention): the caller adds the
+        two and norms the sum for what follows (the next layer or the head), in one node."""
         g, a = self.g, self.args
         q_dim, kv = a.q_dim, a.kv_dim
         k_past, v_past, k_out, v_out = decode_kv_names(i)
