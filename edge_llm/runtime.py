@@ -33,7 +33,7 @@ def make_backend(s: Settings, model_dir: Path, say: Callable[[str], None] = lamb
     if name == "cpu-q":
         from edge_llm.backends.cpuq import open_cpu_q
 
-        return open_cpu_q(model_dir, s.quant, s.threads, progress=say)
+        return open_cpu_q(model_dir, s.quant, s.threads, progress=say, decode_graph=s.decode_graph)
     if name != "rknn":
         return get_backend(name)
     if not s.rknn_dir:

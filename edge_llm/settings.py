@@ -68,6 +68,10 @@ class Settings:
                                "on a big.LITTLE CPU one per big core with the process pinned to them "
                                "(RK3588: the four Cortex-A76).", minimum=1, nullable=True,
                                shown_default="auto")
+    decode_graph: bool = _opt(True, "Backend cpu-q runs each one-row step (decode, the last prompt token) as "
+                              "one onnxruntime call over the whole decoder (faster decode; about +1.4 GiB "
+                              "RAM for Qwen3-VL-2B: a second copy of the quantized weights). false: "
+                              "per-layer graphs only (other numerics).", bool)
     rknn_dir: str | None = _opt(None, "Directory made by `edge-llm convert rknn` (backend rknn/auto).",
                                 "path", nullable=True, metavar="DIR", shown_default="none")
     rknn_runner: str = _opt("auto", "What runs the rknn graphs: auto (the NPU), rknnlite, sim (the "

@@ -65,9 +65,8 @@ def test_snapshot_never_imports_engine_or_server():
             assert banned not in src, f"{path.name} imports {banned}"
 
 
-def test_toolkit_is_imported_only_by_the_worker():
-    """rknn-toolkit2 lives in the converter venv: only toolkit_worker.py (run there) imports it,
-    and that file imports nothing of edge_llm; rknnlite is imported lazily by the board runner."""
+def imported_names():
+    """(file, imported module name, imported at module level?) for every import in the package."""
     for path in PKG.rglob("*.py"):
         tree = ast.parse(path.read_text())
         top_level = {id(n) for n in tree.body}
@@ -75,26 +74,44 @@ def test_toolkit_is_imported_only_by_the_worker():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
             for n in names:
-                if n.split(".")[0] == "rknn":
-                    assert path.name == "toolkit_worker.py", path
-                if n.split(".")[0] == "rknnlite":
-                    assert path.name in ("rknnlite.py", "doctor.py") and id(node) not in top_level, path
-                if path.name == "toolkit_worker.py":
-                    assert not n.startswith("edge_llm"), n
+                yield path, n, id(node) in top_level
+
+
+def test_toolkit_is_imported_only_by_the_worker():
+    """rknn-toolkit2 lives in the converter venv: only toolkit_worker.py (run there) imports it,
+    and that file imports nothing of edge_llm; rknnlite is imported lazily by the board runner."""
+    for path, n, top in imported_names():
+        if n.split(".")[0] == "rknn":
+            assert path.name == "toolkit_worker.py", path
+        if n.split(".")[0] == "rknnlite":
+            assert path.name in ("rknnlite.py", "doctor.py") and not top, path
+        if path.name == "toolkit_worker.py":
+            assert not n.startswith("edge_llm"), n
 
 
 def test_llama_cpp_is_imported_only_by_the_bench_peer():
     """llama-cpp-python lives in the benchmark's own venv (tools/setup-bench-llamacpp.sh): only
     bench/llamacpp_peer.py (run there) imports it, and that file imports nothing of edge_llm."""
-    for path in PKG.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
-            for n in names:
-                if n.split(".")[0] == "llama_cpp":
-                    assert path.name == "llamacpp_peer.py", path
-                if path.name == "llamacpp_peer.py":
-                    assert not n.startswith("edge_llm"), n
+    for path, n, _ in imported_names():
+        if n.split(".")[0] == "llama_cpp":
+            assert path.name == "llamacpp_peer.py", path
+        if path.name == "llamacpp_peer.py":
+            assert not n.startswith("edge_llm"), n
+
+
+def test_onnx_only_in_the_exporters_and_onnxruntime_only_lazily():
+    """The `onnx` package builds graphs: only the exporters import it (onnx_export.py and cpu-q's
+    decode_export.py). onnxruntime is imported inside the functions that start sessions
+    (runners.py, decode_step.py), never at module import time, so the F32 backend runs without it."""
+    seen = set()
+    for path, n, top in imported_names():
+        if n.split(".")[0] == "onnx":
+            assert path.name in ("onnx_export.py", "decode_export.py"), path
+            seen.add(path.name)
+        if n.split(".")[0] == "onnxruntime":
+            assert not top, path
+            seen.add(path.name)
+    assert {"onnx_export.py", "decode_export.py", "runners.py", "decode_step.py"} <= seen
 
 
 def test_runtime_never_imports_torch():

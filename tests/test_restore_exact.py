@@ -67,6 +67,8 @@ def test_restore_is_bitwise_ram_continuation(which, backend, x, request, tmp_pat
     oneshot = go("oneshot")
 
     assert str(warm["source"]) == "ram" and str(restored["source"]) == "disk"
+    # cpu-q runs the last prompt token and every decode step as its one-row decode graph
+    assert bool(restored["row_step"]) == bool(warm["row_step"]) == (backend == "cpu-q")
     m = int(restored["cached"])
     assert m == int(warm["cached"]) and m >= 16
     assert int(restored["prefill_tokens"]) == int(restored["n"]) - m

@@ -14,10 +14,17 @@ for in `chunk_sizes`; the model prefills in one of those sizes and the backend p
 final chunk to its graph shape and drops the padded rows (one place: `graphs.row_plan`). Every
 method must be deterministic for identical inputs of identical shape: bit-exact KV restore
 relies on it.
+
+A backend may also offer a `row_step` (`RowStep`): a one-row step of the whole decoder + head in
+one call, reading the cached K/V rows in place and returning the new rows for the model to
+write (backend cpu-q: decode_step.py, docs/quantization.md). The model then runs every one-row
+forward with it (decode, and the last prompt token), and everything else through the seam above;
+the choice depends only on the row count, so bit-exact restore still holds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -27,11 +34,21 @@ from edge_llm.errors import ConfigError
 from edge_llm.weights import Weights
 
 
+class RowStep(Protocol):
+    def __call__(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                 past: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One row through every layer and the head. x (1, hidden) embedding, cos/sin (1,
+        head_dim/2) of its position, past[l] = layer l's cached (K, V) rows [0, S), S >= 1, read
+        in place and never written -> (logits (1, vocab), new K (n_layers, 1, kv_dim) rotated,
+        new V), buffers the next call reuses."""
+
+
 @runtime_checkable
 class Backend(Protocol):
     name: str
     numerics: str  # goes into the snapshot identity: KV values depend on it
     chunk_sizes: tuple[int, ...]  # static chunk shapes the backend runs natively; () = any
+    row_step: RowStep | None  # one-row forwards in one call (see the module docstring), or None
 
     def load(self, args: ModelArgs, weights: Weights) -> None:
         """Take the dense tensors out of `weights` (pop them) and prepare them."""

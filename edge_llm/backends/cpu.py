@@ -76,6 +76,7 @@ class CPUBackend:
     name = "cpu"
     numerics = "cpu-f32"
     chunk_sizes: tuple[int, ...] = ()
+    row_step = None
 
     def __init__(self) -> None:
         self.args: ModelArgs | None = None

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge_llm.backends.graph import GraphBackend
+from edge_llm.backends.graphs import DECODE
 from edge_llm.backends.manifest import MANIFEST, Manifest
 from edge_llm.errors import ConfigError
 
@@ -56,6 +57,12 @@ TARGET = "onnxruntime-cpu"
 # onnxruntime's pool threads spin between runs by default; here numpy (attention) runs between
 # every two graph calls and would share its cores with spinning threads
 SESSION_CONFIG = {"session.intra_op.allow_spinning": "0"}
+# the decode graph is a whole token in one call: nothing of ours runs between its ~1300 nodes, so
+# its pool threads spin between them (a sleeping thread takes a futex wake per parallel node), for
+# at most 50 us at a time (less harm when another process holds a core), and stop spinning when
+# the call returns (docs/quantization.md: measured)
+DECODE_CONFIG = {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1",
+                 "session.intra_op.spin_duration_us": "50"}
 
 
 def mode(name: str) -> QuantMode:
@@ -131,6 +138,8 @@ def _usable(root: Path, model_dir: Path, qm: QuantMode) -> Manifest | None:
         m.check_model(ModelArgs.from_dir(model_dir), weight_digest(model_dir))
         if (m.target, m.dtype) != (TARGET, qm.label):
             raise ConfigError(f"made as {m.target} {m.dtype}, wanted {TARGET} {qm.label}")
+        if not any(g.kind == DECODE for g in m.graphs):
+            raise ConfigError("no one-row decode graph (made by an older edge-llm)")
         return m
     except ConfigError as e:
         log.warning("%s is stale (%s): rebuilding", root, e)
@@ -165,6 +174,8 @@ def ensure_quantized(model_dir: str | Path, qm: QuantMode,
 def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], None] | None = None) -> Manifest:
     """Export the fused, dynamic-shape graphs with quantized linears into `out`."""
     try:
+        from edge_llm.backends.decode_export import export_decode
+        from edge_llm.backends.manifest import GraphEntry
         from edge_llm.backends.onnx_export import export_graph_set
         from edge_llm.backends.quant_export import QuantLinear, summarize
     except ImportError as e:
@@ -180,8 +191,17 @@ def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], N
     m = export_graph_set(model_dir, out, chunks=None, samples=False, linear=linear, fused=True, unfused=deepstack,
                          progress=(lambda s: progress(f"quantizing {s.name}")) if progress else None,
                          target=TARGET, dtype=qm.label)
-    s = summarize(linear.report)
-    m.build = {"quant": qm.name, "summary": s, "weights": linear.report}  # informational, not hashed
+    report = list(linear.report)
+    if progress:
+        progress("quantizing the decode graph")
+    e = export_decode(model_dir, out / "onnx", linear)  # the same weights again, in one graph
+    linear.report = report  # ... so they are reported once
+    m.graphs.append(GraphEntry(name=e.spec.name, kind=e.spec.kind, index=0, rows=list(e.spec.rows),
+                               inputs=[list(i) for i in e.spec.inputs], outputs=[list(o) for o in e.spec.outputs],
+                               vocab=list(e.spec.vocab), onnx=str(e.onnx.relative_to(out)),
+                               input_key=e.input_key, onnx_bytes=e.nbytes))
+    s = summarize(report)
+    m.build = {"quant": qm.name, "summary": s, "weights": report}  # informational, not hashed
     m.write(out)
     log.info("quantized %s: %d weights exact from GGUF blocks, %d re-quantized (%.1f MB)",
              model_dir.name, s["exact"], s["requantized"], s["bytes"] / 1e6)
@@ -189,9 +209,13 @@ def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], N
 
 
 def open_cpu_q(model_dir: str | Path, quant: str = "q4", threads: int | None = None,
-               progress: Callable[[str], None] | None = None) -> GraphBackend:
-    """Build or find the quantized graphs, start onnxruntime on them: a Backend to load."""
+               progress: Callable[[str], None] | None = None, decode_graph: bool = True) -> GraphBackend:
+    """Build or find the quantized graphs, start onnxruntime on them: a Backend to load.
+    `decode_graph=False` runs one-row steps on the per-layer graphs too (what cpu-q did before the
+    decode graph; `bench quant` compares both): other bits, so another `numerics`."""
+    from edge_llm.backends.decode_step import OrtDecodeStep
     from edge_llm.backends.runners import OrtRunner
+    from edge_llm.config import ModelArgs
 
     qm = mode(quant)
     root, m = ensure_quantized(model_dir, qm, progress)
@@ -199,8 +223,16 @@ def open_cpu_q(model_dir: str | Path, quant: str = "q4", threads: int | None = N
     if cores:
         os.sched_setaffinity(0, cores)
         log.info("cpu-q: pinned to the big cores %s (%d threads)", cores, n)
-    r = OrtRunner(m.onnx_files(root), threads=n, kind=qm.label, config=SESSION_CONFIG, shared_arena=True)
+    files = m.onnx_files(root)
+    decode = files.pop(DECODE)
+    step = OrtDecodeStep(decode, ModelArgs.from_dir(model_dir), n, DECODE_CONFIG, shared_arena=True) \
+        if decode_graph else None
+    r = OrtRunner(files, threads=n, kind=qm.label, config=SESSION_CONFIG, shared_arena=True)
     # no thread count: these kernels give the same bits on 1, 2 or 3 threads (tests/test_cpu_q.py),
-    # so changing `threads` keeps the snapshots; the CPU's kernel ISA does change them
+    # so changing `threads` keeps the snapshots; the CPU's kernel ISA does change them. The
+    # manifest identity covers the decode graph (its bytes), so one-row steps are in it too.
     numerics = f"cpu-q:{qm.name}:{m.identity()}:onnxruntime-{r.version}-{qm.label}-{kernel_isa()}"
-    return GraphBackend("cpu-q", m.specs(), r, numerics, mapped_embedding=True)
+    if not decode_graph:
+        numerics += ":per-layer-decode"
+    return GraphBackend("cpu-q", [s for s in m.specs() if s.kind != DECODE], r, numerics,
+                        mapped_embedding=True, row_step=step)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from edge_llm.backends import RowStep
 from edge_llm.backends.graphs import HEAD, POST, QKV, STEP, GraphSpec, row_plan
 from edge_llm.backends.runners import GraphRunner
 from edge_llm.config import ModelArgs
@@ -28,10 +29,12 @@ class GraphBackend:
     """A `Backend` (see `edge_llm.backends`) over graphs; `numerics` names graphs + runner."""
 
     def __init__(self, name: str, specs: Sequence[GraphSpec], runner: GraphRunner, numerics: str,
-                 mapped_embedding: bool = False):
+                 mapped_embedding: bool = False, row_step: RowStep | None = None):
         """`mapped_embedding`: gather embedding rows from the checkpoint file (mmap, exact F32)
-        instead of holding the table in RAM."""
+        instead of holding the table in RAM; `row_step`: one-row forwards in one call (cpu-q's
+        decode graph; `numerics` must cover it)."""
         self.name = name
+        self.row_step = row_step
         self.mapped_embedding = mapped_embedding
         self.runner = runner
         self.numerics = numerics
@@ -69,6 +72,7 @@ class GraphBackend:
 
     def close(self) -> None:
         self.runner.close()
+        self.row_step = None  # cpu-q's decode session goes with its last reference
 
     # ---- the seam -------------------------------------------------------------------------
     def embed(self, tokens: np.ndarray) -> np.ndarray:

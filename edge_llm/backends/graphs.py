@@ -15,6 +15,9 @@ or, fused (the quantized CPU backend, docs/quantization.md: half the runtime cal
                   (the last layer's step has no qkv output)
 and one head (or `--head-split N` parts over vocab ranges):
 - `head` / `head.P`: x (T, hidden) -> logits (T, vocab part), final RMSNorm + lm_head
+The quantized CPU backend adds one graph for one-row steps (decode_export.py):
+- `decode`:       x (1, hidden), cos, sin (1, head_dim/2), kLL, vLL (S, kv_dim) per layer ->
+                  logits (1, vocab), knewLL, vnewLL (1, kv_dim) per layer (`decode_kv_names`)
 
 The graphs return deltas, not the new residual stream: the caller adds them in float32
 (`x + attn_out + mlp_out`, in that order, as the CPU backend does), so on an fp16 NPU the
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 from edge_llm.config import ModelArgs
 from edge_llm.errors import ConfigError
 
-QKV, POST, HEAD, STEP = "qkv", "post", "head", "step"
+QKV, POST, HEAD, STEP, DECODE = "qkv", "post", "head", "step", "decode"
 INPUTS: dict[str, tuple[str, ...]] = {QKV: ("x",), POST: ("attn", "x"), HEAD: ("x",), STEP: ("attn", "x")}
 OUTPUTS: dict[str, tuple[str, ...]] = {QKV: ("qkv",), POST: ("attn_out", "mlp_out"), HEAD: ("logits",),
                                        STEP: ("h", "qkv")}
@@ -46,7 +49,7 @@ class GraphSpec:
     """One graph: its name, kind, layer (or head part), static row counts and tensor widths."""
 
     name: str
-    kind: str  # QKV | POST | HEAD
+    kind: str  # QKV | POST | STEP | HEAD | DECODE
     index: int  # layer number, or head part number
     rows: tuple[int, ...]  # static T shapes it is built for; () = any T (dynamic)
     inputs: tuple[tuple[str, int], ...]  # (tensor name, width) in call order
@@ -59,6 +62,19 @@ class GraphSpec:
 
 def layer_name(layer: int, kind: str) -> str:
     return f"layer{layer:02d}.{kind}"
+
+
+def decode_kv_names(layer: int) -> tuple[str, str, str, str]:
+    """The decode graph's tensors of one layer: (past K, past V, new K, new V)."""
+    return f"k{layer:02d}", f"v{layer:02d}", f"knew{layer:02d}", f"vnew{layer:02d}"
+
+
+def decode_spec(args: ModelArgs) -> GraphSpec:
+    """The decode graph's manifest entry: one row in, the logits out; its per-layer K/V tensors
+    (`decode_kv_names`) are not listed (their row count S is the cache length)."""
+    half = args.head_dim // 2
+    return GraphSpec(DECODE, DECODE, 0, (1,), (("x", args.hidden_size), ("cos", half), ("sin", half)),
+                     (("logits", args.vocab_size),), (0, args.vocab_size))
 
 
 def head_name(part: int, parts: int) -> str:

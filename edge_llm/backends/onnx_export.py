@@ -97,15 +97,22 @@ class GraphBuilder:
 
     def finish(self, spec: GraphSpec, path: Path) -> None:
         """Write the .onnx file (symbolic row dim "T"; static shapes are chosen at build time)."""
+        self.write([(n, ["T", w]) for n, w in spec.inputs], [(n, ["T", w]) for n, w in spec.outputs], path)
+
+    def write(self, inputs: list[tuple[str, list]], outputs: list[tuple[str, list]], path: Path,
+              opset: int = OPSET) -> None:
+        """Write the .onnx file: float32 inputs/outputs given as (name, shape), a dim may be a
+        symbol ("T", "S")."""
         self._data.close()
-        ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["T", w]) for n, w in spec.inputs]
-        outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["T", w]) for n, w in spec.outputs]
-        graph = helper.make_graph(self.nodes, spec.name, ins, outs, self.inits)
-        opsets = [helper.make_opsetid("", OPSET)]
+        ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs]
+        outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in outputs]
+        graph = helper.make_graph(self.nodes, self.name, ins, outs, self.inits)
+        opsets = [helper.make_opsetid("", opset)]
         if any(n.domain == MS_DOMAIN for n in self.nodes):  # MatMulNBits (quantized CPU backend)
             opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
         model = helper.make_model(graph, opset_imports=opsets, producer_name="edge-llm")
-        model.ir_version = 8  # readable by onnx 1.12+ / onnxruntime 1.14+ / rknn-toolkit2
+        # 8: readable by onnx 1.12+ / onnxruntime 1.14+ / rknn-toolkit2; opset 23 needs 10
+        model.ir_version = 8 if opset <= OPSET else 10
         path.write_bytes(model.SerializeToString())
         onnx.checker.check_model(str(path))  # by path: it checks the external data file too
 

@@ -80,18 +80,8 @@ class OrtRunner:
         except ImportError:
             raise ConfigError("onnxruntime is not installed: pip install 'edge-llm[convert]'") from None
         self.threads = threads or max(1, min(4, os.cpu_count() or 1))
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = self.threads
-        opts.inter_op_num_threads = 1
-        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        opts.log_severity_level = 3
-        for k, v in (config or {}).items():
-            opts.add_session_config_entry(k, v)
-        if shared_arena:
-            _register_shared_arena(ort)
-            opts.add_session_config_entry("session.use_env_allocators", "1")
-        self.sessions = {name: ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-                         for name, path in onnx_files.items()}
+        opts = session_options(ort, self.threads, config, shared_arena)
+        self.sessions = {name: open_session(ort, path, opts) for name, path in onnx_files.items()}
         self.version = ort.__version__
         self.numerics = f"onnxruntime-{ort.__version__}-{kind}-t{self.threads}"
 
@@ -102,6 +92,34 @@ class OrtRunner:
 
     def close(self) -> None:
         self.sessions.clear()
+
+
+def session_options(ort: Any, threads: int, config: Mapping[str, str] | None = None, shared_arena: bool = False):
+    """onnxruntime options of every CPU session here: `threads` intra-op threads, sequential
+    execution (fixed bits for a given shape), session config entries, optionally the shared arena."""
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.log_severity_level = 3
+    for k, v in (config or {}).items():
+        opts.add_session_config_entry(k, v)
+    if shared_arena:
+        _register_shared_arena(ort)
+        opts.add_session_config_entry("session.use_env_allocators", "1")
+    return opts
+
+
+def open_session(ort: Any, path: Path, opts: Any) -> Any:
+    """An onnxruntime CPU session on `path`; a missing or unreadable graph is a ConfigError that
+    names the file."""
+    if not Path(path).is_file():
+        raise ConfigError(f"graph file {path} is missing: rebuild the graph directory")
+    try:
+        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime raises its own classes (InvalidProtobuf, Fail, ...)
+        raise ConfigError(f"graph file {path} cannot be loaded ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:300]}): rebuild the graph directory") from None
 
 
 _ARENA: list[bool] = []

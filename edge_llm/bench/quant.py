@@ -3,7 +3,8 @@
 Same machine, same run, same thread count, same GGUF (the embedded default model), same token
 ids: for each context length, prefill tok/s, decode tok/s (one-token steps at that context) and
 restore+tail (a snapshot / llama.cpp state file of all but the last `tail` tokens read back with
-a cold page cache, then the tail computed) of cpu-q, cpu (F32) and llama.cpp, alternating per
+a cold page cache, then the tail computed) of cpu-q, cpu-q without its one-row decode graph
+("cpu-q per-layer"), cpu (F32) and llama.cpp, alternating per
 repeat so a load change on a shared machine hits all of them; the best repeat counts. llama.cpp
 runs in its own venv (tools/setup-bench-llamacpp.sh) through `llamacpp_peer.py`.
 
@@ -36,6 +37,7 @@ PEER = Path(__file__).with_name("llamacpp_peer.py")
 PEER_ENV = "EDGE_LLM_LLAMACPP_PYTHON"
 LENGTHS = (512, 2048, 4000)
 CHAT = "Explain in a few sentences why the sky is blue."
+PER_LAYER = "cpu-q per-layer"
 
 
 def peer_python(explicit: str | None = None) -> Path | None:
@@ -154,7 +156,8 @@ def greedy(model, ids: list[int], steps: int) -> list[int]:
 
 # ---- the run ---------------------------------------------------------------------------------
 def run(lengths=LENGTHS, threads: int = 2, repeats: int = 2, decode: int = 32, tail: int = 32,
-        f32: bool = True, peer_py: str | None = None, step: Callable[[str], None] = lambda _m: None) -> dict:
+        f32: bool = True, peer_py: str | None = None, step: Callable[[str], None] = lambda _m: None,
+        per_layer: bool = True) -> dict:
     from threadpoolctl import threadpool_info
 
     from edge_llm.backends.cpuq import ensure_quantized, mode, open_cpu_q
@@ -178,6 +181,8 @@ def run(lengths=LENGTHS, threads: int = 2, repeats: int = 2, decode: int = 32, t
     tok = Tokenizer.from_dir(model_dir)
     root, manifest = ensure_quantized(model_dir, mode("q4"))
     models = {"cpu-q": Model.load(model_dir, backend=open_cpu_q(model_dir, "q4", threads))}
+    if per_layer:  # cpu-q without its decode graph: one-row steps on the per-layer graphs
+        models[PER_LAYER] = Model.load(model_dir, backend=open_cpu_q(model_dir, "q4", threads, decode_graph=False))
     if f32:
         models["cpu"] = Model.load(model_dir)
     text = tok.encode(history(max(lengths) + 64, seed=11))
@@ -254,7 +259,7 @@ def run(lengths=LENGTHS, threads: int = 2, repeats: int = 2, decode: int = 32, t
 
 
 def markdown(res: dict) -> str:
-    names = [n for n in ("cpu-q", "cpu", "llama.cpp") if n in res["rows"][0]]
+    names = [n for n in ("cpu-q", PER_LAYER, "cpu", "llama.cpp") if n in res["rows"][0]]
     lines = [f"# cpu-q vs llama.cpp: {res['model']} ({res['gguf']}), {res['threads']} threads, same run",
              "", f"llama-cpp-python {res['peer']['version']}; cpu-q numerics `{res['numerics']}`; "
              f"BLAS {', '.join(res['blas']) or 'none'}; best of {res['repeats']} alternating repeats; "

@@ -2,7 +2,8 @@
 
 Dense work (norms, projections, MLP, lm_head) runs in a backend; this module owns what touches
 positions and KV rows: per-head q/k RMSNorm, RoPE / MRoPE, and GQA attention over the F32 rows of
-`KVCache`. Given the same tokens, the same cached rows and the same chunk shape, the logits are
+`KVCache`. A backend with a `row_step` (cpu-q) runs one-row forwards after the first row whole,
+reading the cache rows in place; the model still writes every KV row (`KVCache.write`). Given the same tokens, the same cached rows and the same chunk shape, the logits are
 bitwise identical (no reduction depends on thread timing).
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_llm.backends import Backend, get_backend, pick_chunk
+from edge_llm.backends import Backend, RowStep, get_backend, pick_chunk
 from edge_llm.backends.cpu import rms_norm
 from edge_llm.config import ModelArgs
 from edge_llm.errors import KVCacheError
@@ -168,6 +169,8 @@ class Model:
         H, n_kv, D = args.num_attention_heads, args.num_key_value_heads, args.head_dim
         eps = np.float32(args.rms_norm_eps)
 
+        if T == 1 and start > 0 and visual is None and be.row_step is not None:
+            return self._one_row(be.row_step, ids, cache, want, cos, sin, work)
         x = be.embed(lookup)  # (T, hidden)
         if visual is not None:
             x = np.array(x, dtype=np.float32)  # own the buffer before writing image rows into it
@@ -193,3 +196,18 @@ class Model:
         if want == "last":
             return be.logits(x[-1:])[0]
         return be.logits(x)
+
+    def _one_row(self, step: RowStep, ids: np.ndarray, cache: KVCache, want: str, cos: np.ndarray,
+                 sin: np.ndarray, work: Work):
+        """A one-row forward in one backend call (`Backend.row_step`): the call reads every
+        layer's cached rows [0, start) in place; the new K/V rows it returns are written here."""
+        start, n, half = cache.length, self.args.num_hidden_layers, self.args.head_dim // 2
+        past = [cache.valid(layer, start, work) for layer in range(n)]  # waits for a pipelined restore
+        logits, k_new, v_new = step(self.backend.embed(ids), np.ascontiguousarray(cos[:, :half]),
+                                    np.ascontiguousarray(sin[:, :half]), past)
+        for layer in range(n):
+            cache.write(layer, start, k_new[layer], v_new[layer], work)
+        cache.append_tokens(ids.tolist())
+        if want == "none":
+            return None
+        return logits[0].copy() if want == "last" else logits.copy()

@@ -61,7 +61,7 @@ def main() -> None:
     np.savez(a.out, logits=first_logits, last_logits=logits, tokens=np.array(toks),
              k=eng.cache.data[:, 0, :n].copy(), v=eng.cache.data[:, 1, :n].copy(),
              source=t.cache_source, cached=t.ram_cached_tokens + t.disk_cached_tokens,
-             prefill_tokens=t.prefill_tokens, n=n)
+             prefill_tokens=t.prefill_tokens, n=n, row_step=eng.model.backend.row_step is not None)
     if eng.store is not None:
         eng.store.close()
 

@@ -1,0 +1,171 @@
+"""cpu-q's one-row decode graph (backends/decode_export.py, decode_step.py; docs/quantization.md):
+it agrees with the per-layer cpu-q path, reads the cached rows in place without changing them,
+gives the same bits on 1 and 2 threads, and a missing or broken graph file is a clear error.
+Tiny random qwen3_vl model (MRoPE, q/k norm, GQA), re-quantized from BF16. The cross-process
+restore of a cpu-q conversation (whose last prompt token and decode steps take this path) is in
+test_restore_exact.py."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from edge_llm.backends import cpuq
+from edge_llm.backends.decode_step import OrtDecodeStep
+from edge_llm.backends.graphs import DECODE
+from edge_llm.errors import ConfigError
+from edge_llm.models.qwen3 import Model
+
+# measured on this model: logits equal, new K/V rows within 5e-8 of max|row| (the graph's float
+# order differs: RMSNorm, RoPE, attention in onnxruntime). A difference that moves an activation
+# across an int8 rounding step would show at ~1e-3 here (on the 30-layer default model: up to
+# 4.5 % of the logits, test_cpu_q.py)
+LOGIT_REL, ROW_REL = 0.01, 0.01
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    h = tmp_path_factory.mktemp("q-home")
+    mp.setenv("EDGE_LLM_HOME", str(h))
+    yield h
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_synth_dir, home):
+    return Model.load(tiny_synth_dir, cpuq.open_cpu_q(tiny_synth_dir, "q4", threads=2))
+
+
+PROMPT = list(range(1000, 1037))
+
+
+def _per_layer(model):
+    """The same backend with its row step switched off: every forward on the per-layer graphs."""
+    class Off:
+        def __init__(self, m):
+            self.m, self.step = m, m.backend.row_step
+
+        def __enter__(self):
+            self.m.backend.row_step = None
+
+        def __exit__(self, *exc):
+            self.m.backend.row_step = self.step
+    return Off(model)
+
+
+def test_one_row_step_agrees_with_per_layer_path(model, record_property):
+    assert model.backend.row_step is not None
+    cache = model.new_cache(max_seq=128)
+    model.prefill(PROMPT, cache, chunk=16)
+    S = cache.length
+    worst_logit = worst_row = 0.0
+    # the last case: an MRoPE position given explicitly (text after an image: t/h/w differ)
+    for tok, pos in ((5, None), (77, None), (3000, None), (151000, np.array([[S - 9], [S - 12], [S - 7]]))):
+        cache.truncate(S)
+        fused = model.forward([tok], cache, positions=pos)
+        rows = cache.data[:, :, S].copy()
+        cache.truncate(S)
+        with _per_layer(model):
+            ref = model.forward([tok], cache, positions=pos)
+        ref_rows = cache.data[:, :, S].copy()
+        worst_logit = max(worst_logit, float(np.abs(fused - ref).max() / np.abs(ref).max()))
+        worst_row = max(worst_row, float(np.abs(rows - ref_rows).max() / np.abs(ref_rows).max()))
+    record_property("logit_rel", worst_logit)
+    record_property("row_rel", worst_row)
+    print(f"fused vs per-layer: logits {worst_logit:.4f}, new K/V rows {worst_row:.4f} of max")
+    assert worst_logit <= LOGIT_REL and worst_row <= ROW_REL
+
+    # greedy generation: the same tokens both ways
+    def greedy(use_step: bool) -> list[int]:
+        c = model.new_cache(max_seq=128)
+        logits = model.prefill(PROMPT, c, chunk=16)
+        out = []
+        for _ in range(16):
+            out.append(int(np.argmax(logits)))
+            if use_step:
+                logits = model.forward([out[-1]], c)
+            else:
+                with _per_layer(model):
+                    logits = model.forward([out[-1]], c)
+        return out
+
+    assert greedy(True) == greedy(False)
+
+
+def test_cached_rows_are_read_in_place_and_never_written(model):
+    cache = model.new_cache(max_seq=128)
+    model.prefill(PROMPT, cache, chunk=16)
+    S, buf = cache.length, cache.data
+    before = buf.copy()
+    seen = []
+    step = model.backend.row_step
+
+    def spy(x, cos, sin, past):
+        seen.extend(past)
+        return step(x, cos, sin, past)
+
+    model.backend.row_step = spy
+    try:
+        model.forward([42], cache)
+    finally:
+        model.backend.row_step = step
+    assert len(seen) == model.args.num_hidden_layers
+    for layer, (k, v) in enumerate(seen):  # views of the cache's own rows [0, S), not copies
+        assert k.shape == v.shape == (S, model.args.kv_dim)
+        assert k.ctypes.data == buf[layer, 0].ctypes.data and v.ctypes.data == buf[layer, 1].ctypes.data
+        assert k.base is not None and np.shares_memory(k, buf) and np.shares_memory(v, buf)
+    assert cache.data is buf
+    assert np.array_equal(buf[:, :, :S].view(np.uint32), before[:, :, :S].view(np.uint32))
+    assert not np.array_equal(buf[:, :, S], before[:, :, S])  # the new row, written by the model
+    assert np.array_equal(buf[:, :, S + 1:].view(np.uint32), before[:, :, S + 1:].view(np.uint32))
+
+
+def test_bits_do_not_depend_on_threads_or_repeats(model, tiny_synth_dir):
+    """cpu-q's numerics leaves the thread count out: the decode graph must give the same bits."""
+    root, m = cpuq.ensure_quantized(tiny_synth_dir, cpuq.mode("q4"))
+    path = m.onnx_files(root)[DECODE]
+    rng = np.random.default_rng(1)
+    a = model.args
+    x = rng.standard_normal((1, a.hidden_size), dtype=np.float32)
+    ang = rng.uniform(0, 6, (1, a.head_dim // 2)).astype(np.float32)
+    past = [tuple(rng.standard_normal((300, a.kv_dim), dtype=np.float32) for _ in range(2))
+            for _ in range(a.num_hidden_layers)]
+    outs = []
+    for threads in (1, 2, 2):
+        step = OrtDecodeStep(path, a, threads, cpuq.DECODE_CONFIG)
+        outs.append([o.copy() for o in step(x, np.cos(ang), np.sin(ang), past)])
+    for other in outs[1:]:
+        assert all(np.array_equal(p.view(np.uint32), q.view(np.uint32)) for p, q in zip(outs[0], other))
+
+
+def test_missing_or_broken_decode_graph_is_a_clear_error(model, tiny_synth_dir, home, tmp_path, monkeypatch):
+    broken = tmp_path / "home"
+    shutil.copytree(home / "quant", broken / "quant")
+    monkeypatch.setenv("EDGE_LLM_HOME", str(broken))
+    root = cpuq.quant_dir(tiny_synth_dir, cpuq.mode("q4"))
+    graph = root / "onnx" / f"{DECODE}.onnx"
+    graph.write_bytes(b"not an onnx file")
+    with pytest.raises(ConfigError, match=r"decode\.onnx cannot be loaded .*rebuild"):
+        cpuq.open_cpu_q(tiny_synth_dir, "q4")
+    graph.unlink()
+    with pytest.raises(ConfigError, match=r"decode\.onnx is missing"):
+        cpuq.open_cpu_q(tiny_synth_dir, "q4")
+    # a graph of another geometry (here: a layer graph) is refused before any call
+    shutil.copy(root / "onnx" / "head.onnx", graph)
+    with pytest.raises(ConfigError, match="not a decode graph of this model"):
+        cpuq.open_cpu_q(tiny_synth_dir, "q4")
+
+
+def test_decode_graph_setting_off_has_its_own_numerics(model, tiny_synth_dir, home):
+    """`decode_graph = false` (a 4 GB board: the graph holds a second copy of the weights) runs
+    one-row steps on the per-layer graphs; other bits, so another snapshot namespace."""
+    from edge_llm.runtime import make_backend
+    from edge_llm.settings import Settings
+
+    off = make_backend(Settings(model=str(tiny_synth_dir), backend="cpu-q", decode_graph=False), tiny_synth_dir)
+    on = make_backend(Settings(model=str(tiny_synth_dir), backend="cpu-q"), tiny_synth_dir)
+    assert off.row_step is None and on.row_step is not None
+    assert on.numerics == model.numerics and off.numerics != on.numerics
