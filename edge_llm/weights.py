@@ -218,8 +218,26 @@ class MappedRows:
     def __getitem__(self, idx) -> np.ndarray:
         raw = self._raw[idx]
         if self.dtype == "BF16":
-            return (raw.astype(np.uint32) << 16).view(np.float32)
+            wide = raw.astype(np.uint32)
+            wide <<= 16
+            return wide.view(np.float32)
         return raw.astype(np.float32)
+
+
+class MappedMatrix:
+    """A 2-D (out, in) weight left in its file (mmap), widened to float32 when used.
+
+    For weights used in bursts (the vision tower, once per image): between uses they cost no
+    anonymous memory, only file pages the kernel may drop. `t()` is the (in, out) float32 view
+    of a fresh widened copy, so a projection is `x @ m.t()` (BLAS reads the transposed operand
+    in place; no transposed copy is made)."""
+
+    def __init__(self, info: TensorInfo):
+        self.rows = MappedRows(info)
+        self.shape = info.shape
+
+    def t(self) -> np.ndarray:
+        return self.rows[:].T
 
 
 class Weights(Mapping[str, np.ndarray]):
@@ -257,13 +275,20 @@ class Weights(Mapping[str, np.ndarray]):
 
     def pop_rows(self, name: str) -> MappedRows:
         """Like `pop`, but the tensor stays in its file: rows are read when indexed."""
+        return MappedRows(self._take(name))
+
+    def pop_matrix(self, name: str) -> MappedMatrix:
+        """Like `pop_rows`, for a weight matrix read whole when used (`MappedMatrix.t()`)."""
+        return MappedMatrix(self._take(name))
+
+    def _take(self, name: str) -> TensorInfo:
         try:
-            rows = MappedRows(self._infos.pop(name))
+            info = self._infos.pop(name)
         except KeyError:
             raise WeightsError(f"tensor {name!r} missing from the checkpoint") from None
         if self.progress is not None:
             self.progress(self._total - len(self._infos), self._total)
-        return rows
+        return info
 
     def __contains__(self, name: object) -> bool:
         return name in self._infos  # without reading the tensor

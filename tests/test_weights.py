@@ -43,6 +43,22 @@ def test_half_precision_loads_exactly(tiny_model_dir, dtype):
         assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32)), name
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_mapped_matrix_widens_exactly_and_holds_no_copy(tiny_model_dir, dtype):
+    """The vision tower's matrices stay in the file: `t()` is torch's widening, transposed."""
+    path = tiny_model_dir("qwen3_vl", tied=False, dtype=dtype)
+    ref = load_file(path / "model.safetensors")
+    weights = load_weights(path, ModelArgs.from_dir(path))
+    name = "model.language_model.layers.0.mlp.gate_proj.weight"
+    m = weights.pop_matrix(name)
+    assert name not in weights and m.shape == tuple(ref[name].shape)
+    assert m.rows._raw.base is not None  # a view of the mapped file, not an owned array
+    got = m.t()
+    assert got.dtype == np.float32 and got.shape == m.shape[::-1]
+    assert np.array_equal(got.view(np.uint32), ref[name].float().numpy().T.view(np.uint32))
+    assert m.t() is not got  # widened afresh on each use (nothing kept between uses)
+
+
 def test_vision_tower_ignored_and_tied_head_not_required(tiny_model_dir):
     path = tiny_model_dir("qwen3_vl", tied=True)
     args = ModelArgs.from_dir(path)
@@ -150,3 +166,15 @@ def test_weight_digest_survives_unwritable_cache(tiny_model_dir, tmp_path, monke
     blocker.write_text("x")
     monkeypatch.setenv("EDGE_LLM_HOME", str(blocker))  # mkdir under a file fails
     assert len(weight_digest(tiny_model_dir("qwen3", tied=True))) == 64
+
+
+def test_vision_tower_matrices_stay_in_the_file(tiny_synth_dir):
+    """Between images the tower holds only norms, biases and the patch/position tables in RAM."""
+    from edge_llm.vision.model import VisionModel
+    from edge_llm.weights import index_tensors
+
+    vm = VisionModel.load(tiny_synth_dir, ModelArgs.from_dir(tiny_synth_dir))
+    f32 = sum(4 * int(np.prod(t.shape)) for n, t in index_tensors(tiny_synth_dir).items()
+              if n.startswith(vm.args.weight_prefix))
+    held = vm.encoder.backend.nbytes
+    assert held < 0.5 * f32, (held, f32)  # tiny model: 24 % (norms, biases, patch); as F32 arrays: 66 %

@@ -1,6 +1,9 @@
 """CPU vision backend: the Qwen3-VL encoder's dense work in numpy float32 (BLAS sgemm).
 
-Weights are transposed once to (in, out) so every projection is a plain `x @ W + b`. LayerNorm
+The projection matrices stay in the checkpoint file (mmap, `weights.MappedMatrix`) and are
+widened to float32 when a block runs; every projection is `x @ W.T + b` with BLAS reading the
+transposed operand in place. So the tower holds no anonymous memory between images (1.5 GiB as
+F32 for Qwen3-VL-2B) for a few percent of an image's encode time (docs/vision.md). LayerNorm
 and both GELU forms follow torch's float32 definitions; erf has no numpy ufunc, so the exact GELU
 of the mergers uses a rational approximation evaluated in float64 (relative error < 1.2e-7,
 below float32 rounding).
@@ -82,10 +85,10 @@ class CPUVisionBackend:
             bp, B = f"{p}blocks.{i}.", _Block()
             B.n1w, B.n1b = weights.pop(f"{bp}norm1.weight"), weights.pop(f"{bp}norm1.bias")
             B.n2w, B.n2b = weights.pop(f"{bp}norm2.weight"), weights.pop(f"{bp}norm2.bias")
-            B.w_qkv, B.b_qkv = _t(weights.pop(f"{bp}attn.qkv.weight")), weights.pop(f"{bp}attn.qkv.bias")
-            B.w_proj, B.b_proj = _t(weights.pop(f"{bp}attn.proj.weight")), weights.pop(f"{bp}attn.proj.bias")
-            B.w1, B.b1 = _t(weights.pop(f"{bp}mlp.linear_fc1.weight")), weights.pop(f"{bp}mlp.linear_fc1.bias")
-            B.w2, B.b2 = _t(weights.pop(f"{bp}mlp.linear_fc2.weight")), weights.pop(f"{bp}mlp.linear_fc2.bias")
+            B.w_qkv, B.b_qkv = weights.pop_matrix(f"{bp}attn.qkv.weight"), weights.pop(f"{bp}attn.qkv.bias")
+            B.w_proj, B.b_proj = weights.pop_matrix(f"{bp}attn.proj.weight"), weights.pop(f"{bp}attn.proj.bias")
+            B.w1, B.b1 = weights.pop_matrix(f"{bp}mlp.linear_fc1.weight"), weights.pop(f"{bp}mlp.linear_fc1.bias")
+            B.w2, B.b2 = weights.pop_matrix(f"{bp}mlp.linear_fc2.weight"), weights.pop(f"{bp}mlp.linear_fc2.bias")
             self.blocks.append(B)
         prefixes = [f"{p}merger."] + [f"{p}deepstack_merger_list.{j}."
                                       for j in range(len(args.deepstack_visual_indexes))]
@@ -94,16 +97,17 @@ class CPUVisionBackend:
             M = _Merger()
             M.post = j > 0  # DeepStack mergers normalise the 2x2 group, the final one each patch
             M.nw, M.nb = weights.pop(f"{mp}norm.weight"), weights.pop(f"{mp}norm.bias")
-            M.w1, M.b1 = _t(weights.pop(f"{mp}linear_fc1.weight")), weights.pop(f"{mp}linear_fc1.bias")
-            M.w2, M.b2 = _t(weights.pop(f"{mp}linear_fc2.weight")), weights.pop(f"{mp}linear_fc2.bias")
+            M.w1, M.b1 = weights.pop_matrix(f"{mp}linear_fc1.weight"), weights.pop(f"{mp}linear_fc1.bias")
+            M.w2, M.b2 = weights.pop_matrix(f"{mp}linear_fc2.weight"), weights.pop(f"{mp}linear_fc2.bias")
             self.mergers.append(M)
 
     @property
     def nbytes(self) -> int:
+        """Bytes held in RAM (the mapped matrices are file pages, not counted)."""
         arrays = [self.w_patch, self.b_patch]
         arrays += [getattr(B, s) for B in self.blocks for s in _Block.__slots__]
         arrays += [getattr(M, s) for M in self.mergers for s in _Merger.__slots__ if s != "post"]
-        return sum(a.nbytes for a in arrays)
+        return sum(a.nbytes for a in arrays if isinstance(a, np.ndarray))
 
     def vis_patch_embed(self, pixels: np.ndarray) -> np.ndarray:
         out = pixels @ self.w_patch
@@ -112,22 +116,22 @@ class CPUVisionBackend:
 
     def vis_qkv(self, block: int, x: np.ndarray) -> np.ndarray:
         B = self.blocks[block]
-        out = layer_norm(x, B.n1w, B.n1b) @ B.w_qkv
+        out = layer_norm(x, B.n1w, B.n1b) @ B.w_qkv.t()
         out += B.b_qkv
         return out
 
     def vis_attn_out(self, block: int, attn: np.ndarray, x: np.ndarray) -> np.ndarray:
         B = self.blocks[block]
-        out = attn @ B.w_proj
+        out = attn @ B.w_proj.t()
         out += B.b_proj
         out += x
         return out
 
     def vis_mlp(self, block: int, x: np.ndarray) -> np.ndarray:
         B = self.blocks[block]
-        h = layer_norm(x, B.n2w, B.n2b) @ B.w1
+        h = layer_norm(x, B.n2w, B.n2b) @ B.w1.t()
         h += B.b1
-        out = self.act(h) @ B.w2
+        out = self.act(h) @ B.w2.t()
         out += B.b2
         out += x
         return out
@@ -138,9 +142,9 @@ class CPUVisionBackend:
             g = layer_norm(x.reshape(-1, width), M.nw, M.nb)
         else:
             g = layer_norm(x, M.nw, M.nb).reshape(-1, width)
-        h = g @ M.w1
+        h = g @ M.w1.t()
         h += M.b1
-        out = gelu_erf(h) @ M.w2
+        out = gelu_erf(h) @ M.w2.t()
         out += M.b2
         return out
 
