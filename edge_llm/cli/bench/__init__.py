@@ -10,7 +10,7 @@ from __future__ import annotations
 import click
 
 from edge_llm.cli.bench import compute, npu, quant, recovery, restore, vision  # noqa: F401 (register commands)
-from edge_llm.cli.bench.common import OUT_HELP, bench, console, int_list
+from edge_llm.cli.bench.common import bench, console, int_list, out_option
 from edge_llm.cli.bench.compute import compute_script, run_compute
 from edge_llm.cli.bench.quant import QUANT_LENGTHS, run_quant, run_quant_memory
 from edge_llm.cli.bench.recovery import run_recovery
@@ -24,7 +24,7 @@ __all__ = ["bench"]
               help="Recovery on the synthetic qwen3-vl-2b geometry with N layers (contexts 2048,8192).")
 @click.option("--contexts", default=None, help="Recovery contexts.  [default: 512,2048; 2048,8192 with "
               "--synth-layers]")
-@click.option("--out", default="benchmarks/results", show_default=True, help=OUT_HELP)
+@out_option
 def all_cmd(synth_layers, contexts, out) -> None:
     """What `make bench` runs: restore (2K, 8K), recovery (default model, small contexts), compute."""
     ctx = int_list(contexts) if contexts else ([2048, 8192] if synth_layers else [512, 2048])

@@ -10,7 +10,9 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 console = Console()
-OUT_HELP = "Parent folder of the dated results folder."
+# every benchmark writes a dated results folder under this parent
+out_option = click.option("--out", default="benchmarks/results", show_default=True,
+                          help="Parent folder of the dated results folder.")
 
 
 def int_list(value: str) -> list[int]:

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from edge_llm.cli.bench.common import OUT_HELP, bench, save_results, spinner
+from edge_llm.cli.bench.common import bench, out_option, save_results, spinner
 
 
 @bench.command("npu")
@@ -17,7 +17,7 @@ from edge_llm.cli.bench.common import OUT_HELP, bench, save_results, spinner
 @click.option("--repeats", type=click.IntRange(1), default=10, show_default=True)
 @click.option("--prefill-tokens", type=click.IntRange(1), default=256, show_default=True)
 @click.option("--decode-steps", type=click.IntRange(1), default=32, show_default=True)
-@click.option("--out", default="benchmarks/results", show_default=True, help=OUT_HELP)
+@out_option
 def npu_cmd(model, rknn_dir, runner, repeats, prefill_tokens, decode_steps, out) -> None:
     """The rknn backend on the board: graph latency per shape, prefill per chunk size, decode,
     core-mask layouts, RSS/NPU memory, vs RKLLM and the compiler's estimate."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from edge_llm.cli.bench.common import OUT_HELP, bench, int_list, save_results, spinner
+from edge_llm.cli.bench.common import bench, int_list, out_option, save_results, spinner
 
 QUANT_LENGTHS = (512, 2048, 4000)
 
@@ -22,7 +22,7 @@ QUANT_LENGTHS = (512, 2048, 4000)
 @click.option("--no-f32", is_flag=True, help="Leave the F32 backend out of the speed table (faster).")
 @click.option("--llamacpp-python", default=None, metavar="PATH",
               help="Python of the llama.cpp venv.  [default: $EDGE_LLM_LLAMACPP_PYTHON, else .venv-llamacpp]")
-@click.option("--out", default="benchmarks/results", show_default=True, help=OUT_HELP)
+@out_option
 def quant_cmd(lengths, threads, repeats, decode, tail, no_f32, llamacpp_python, out) -> None:
     """cpu-q vs the F32 backend and llama.cpp on the default model's GGUF, in one run: prefill,
     decode, restore+tail, decode vs the bandwidth roofline, perplexity / KL / greedy agreement."""
@@ -56,7 +56,7 @@ def run_quant(lengths, threads=2, repeats=2, decode=32, tail=32, f32=True, llama
               help="Model directory.  [default: a synthetic qwen3-vl-2b checkpoint with --layers layers]")
 @click.option("--layers", type=click.IntRange(1), default=28, show_default=True)
 @click.option("--max-seq", type=click.IntRange(1), default=8192, show_default=True)
-@click.option("--out", default="benchmarks/results", show_default=True, help=OUT_HELP)
+@out_option
 def quant_memory_cmd(model_dir, layers, max_seq, out) -> None:
     """Peak RSS of backend cpu-q serving the Qwen3-VL-2B geometry with an 8K cache vs an 8 GB board."""
     run_quant_memory(model_dir, layers, max_seq, out)

@@ -10,10 +10,10 @@ import click
 
 from edge_llm.bench.models import bench_model, synth_model
 from edge_llm.cli.bench.common import (
-    OUT_HELP,
     bench,
     console,
     int_list,
+    out_option,
     show_results,
     spinner,
 )
@@ -29,7 +29,7 @@ from edge_llm.settings import DEFAULTS
 @click.option("--ready-timeout", type=float, default=600.0, show_default=True)
 @click.option("--restore-modes", default="sequential,pipelined", show_default=True,
               help="One S2 per mode on the same files (the last one fills the main table).")
-@click.option("--out", default="benchmarks/results", show_default=True, help=OUT_HELP)
+@out_option
 def recovery_cmd(model, synth_layers, contexts, max_tokens, ready_timeout, restore_modes, out) -> None:
     """S1 cold prefill + snapshot, kill, S2 restore + tail (sequential and pipelined): TTFT vs the
     disk's lower bound and vs max(read, tail)."""
@@ -93,7 +93,7 @@ def run_recovery(model, synth_layers, contexts, max_tokens=8, ready_timeout=600.
 @click.option("--max-tokens", type=click.IntRange(1), default=32, show_default=True,
               help="Greedy tokens compared with the bitwise path.")
 @click.option("--kv-bs", type=click.IntRange(1), default=DEFAULTS.kv_bs, show_default=True)
-@click.option("--out", default="benchmarks/results", show_default=True, help=OUT_HELP)
+@out_option
 def split_cmd(models, synth_layers, contexts, max_tokens, kv_bs, out) -> None:
     """Split mode's distance from the bitwise path: logit differences and greedy agreement when only
     the front of a snapshot is loaded and the rest recomputed."""

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import click
 
 from edge_llm.bench.models import bench_model
-from edge_llm.cli.bench.common import OUT_HELP, bench, int_list, save_results, spinner
+from edge_llm.cli.bench.common import bench, int_list, out_option, save_results, spinner
 from edge_llm.settings import DEFAULTS
 
 
@@ -42,7 +42,7 @@ from edge_llm.settings import DEFAULTS
 @click.option("--throttle-mbps", default="", metavar="MBPS[,MBPS]",
               help="Also run on a loop-mounted directory throttled to this many MB/s (reads and writes, a "
                    "cgroup v1 blkio limit), e.g. 200 for an eMMC. Needs root.")
-@click.option("--out", default="benchmarks/results", show_default=True, help=OUT_HELP)
+@out_option
 def restore_cmd(data_dir, contexts, preset, layers, kv_bs, repeats, scan_files, scan_tokens, turns, ttft_models,
                 ttft_layers, ttft_contexts, tail, ttft_repeats, throttle_mbps, out) -> None:
     """Save / cold restore / index scan of synthetic KV vs raw write+fsync and cold read; the write

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from edge_llm.bench.models import synth_model
-from edge_llm.cli.bench.common import OUT_HELP, bench, int_list, show_results, spinner
+from edge_llm.cli.bench.common import bench, int_list, out_option, show_results, spinner
 
 
 @bench.command("vision")
@@ -20,7 +20,7 @@ from edge_llm.cli.bench.common import OUT_HELP, bench, int_list, show_results, s
               help="Image side of the end-to-end conversation (0 skips it).")
 @click.option("--max-tokens", type=click.IntRange(1), default=8, show_default=True)
 @click.option("--repeats", type=click.IntRange(1), default=2, show_default=True)
-@click.option("--out", default="benchmarks/results", show_default=True, help=OUT_HELP)
+@out_option
 def vision_cmd(synth_layers, sizes, e2e_size, max_tokens, repeats, out) -> None:
     """Vision encoder time per image size vs the sgemm roofline; image + question cold vs restored."""
     import os
