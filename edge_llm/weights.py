@@ -198,6 +198,11 @@ def read_tensor(info: TensorInfo) -> np.ndarray:
     return out.reshape(info.shape)
 
 
+def _map(path: Path) -> mmap.mmap:
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
 class MappedRows:
     """Rows of a 2-D tensor read from its file when asked (mmap), widened to float32 exactly.
 
@@ -205,12 +210,11 @@ class MappedRows:
     held (1.2 GB for Qwen3-VL-2B), only the file pages of rows looked up, which the kernel can
     drop under memory pressure."""
 
-    def __init__(self, info: TensorInfo):
+    def __init__(self, info: TensorInfo, mm: mmap.mmap):
         if info.dtype not in _NP_DTYPES or len(info.shape) != 2:
             raise WeightsError(f"{info.file.name}: cannot map rows of a {info.dtype} {list(info.shape)} tensor")
         self.dtype, self.shape = info.dtype, info.shape
-        with open(info.file, "rb") as f:
-            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._mm = mm  # the checkpoint file's map, shared with its other mapped tensors
         count = info.shape[0] * info.shape[1]
         self._raw = np.frombuffer(self._mm, dtype=_NP_DTYPES[info.dtype], count=count,
                                   offset=info.offset).reshape(info.shape)
@@ -232,8 +236,8 @@ class MappedMatrix:
     of a fresh widened copy, so a projection is `x @ m.t()` (BLAS reads the transposed operand
     in place; no transposed copy is made)."""
 
-    def __init__(self, info: TensorInfo):
-        self.rows = MappedRows(info)
+    def __init__(self, info: TensorInfo, mm: mmap.mmap):
+        self.rows = MappedRows(info, mm)
         self.shape = info.shape
 
     def t(self) -> np.ndarray:
@@ -251,6 +255,7 @@ class Weights(Mapping[str, np.ndarray]):
         self.args = args
         self._infos = tensors
         self._total = len(tensors)
+        self._maps: dict[Path, mmap.mmap] = {}
         # progress(done, total) after each tensor handed over: loading GBs from eMMC is slow, and
         # the server turns this into systemd start-timeout extensions
         self.progress: Callable[[int, int], None] | None = None
@@ -275,11 +280,19 @@ class Weights(Mapping[str, np.ndarray]):
 
     def pop_rows(self, name: str) -> MappedRows:
         """Like `pop`, but the tensor stays in its file: rows are read when indexed."""
-        return MappedRows(self._take(name))
+        info = self._take(name)
+        return MappedRows(info, self._mapped(info.file))
 
     def pop_matrix(self, name: str) -> MappedMatrix:
         """Like `pop_rows`, for a weight matrix read whole when used (`MappedMatrix.t()`)."""
-        return MappedMatrix(self._take(name))
+        info = self._take(name)
+        return MappedMatrix(info, self._mapped(info.file))
+
+    def _mapped(self, path: Path) -> mmap.mmap:
+        """One map (and one descriptor) per checkpoint file, shared by every tensor left in it."""
+        if path not in self._maps:
+            self._maps[path] = _map(path)
+        return self._maps[path]
 
     def _take(self, name: str) -> TensorInfo:
         try:
