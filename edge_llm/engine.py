@@ -232,7 +232,7 @@ class Engine:
         if n - 1 > m:
             self.model.prefill(keys[m:n - 1], self.cache, chunk=self.prefill_chunk, work=work,
                                positions=None if pos is None else pos[:, :-1],
-                               visual=None if vis is None else vis.slice(0, n - 1 - m))
+                               visual=None if vis is None else vis.slice(0, n - 1 - m), logits=False)
         logits = self.model.forward(keys[n - 1:], self.cache, work=work,
                                     positions=None if pos is None else pos[:, -1:],
                                     visual=None if vis is None else vis.slice(n - 1 - m, n - m))

@@ -129,8 +129,9 @@ class Model:
 
     def prefill(self, tokens, cache: KVCache, chunk: int = DEFAULTS.prefill_chunk,
                 work: Work = NO_WORK, positions: np.ndarray | None = None,
-                visual: VisualRows | None = None) -> np.ndarray | None:
-        """Forward in chunks so memory stays bounded; logits (vocab,) of the last token only.
+                visual: VisualRows | None = None, logits: bool = True) -> np.ndarray | None:
+        """Forward in chunks so memory stays bounded; logits (vocab,) of the last token only, or
+        None with `logits=False` (rows only: the engine computes the last prompt token alone).
         `positions` (3, T) and `visual` describe the whole run and are sliced per chunk.
 
         After each chunk `work` gets a prefill report (rows valid / rows when done) and may
@@ -140,14 +141,14 @@ class Model:
             raise ValueError("prefill needs at least one token")
         chunk = pick_chunk(self.backend, chunk)
         target = cache.length + ids.size
-        logits = None
+        out = None
         for a in range(0, ids.size, chunk):
             part = ids[a:a + chunk]
             pos = None if positions is None else positions[..., a:a + chunk]
             vis = None if visual is None else visual.slice(a, a + part.size)
-            logits = self._run(part, cache, "last" if a + chunk >= ids.size else "none", pos, work, vis)
+            out = self._run(part, cache, "last" if logits and a + chunk >= ids.size else "none", pos, work, vis)
             work.report(PREFILL, cache.length, target)
-        return logits
+        return out
 
     def _run(self, tokens, cache: KVCache, want: str, positions: np.ndarray | None, work: Work = NO_WORK,
              visual: VisualRows | None = None):
