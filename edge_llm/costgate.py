@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +28,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 EWMA = 0.3  # weight of the newest measurement
+GATE_FILE = "gate.json"  # the estimates, in the snapshot namespace (same disk, same backend numerics)
+SAVE_CHANGE = 0.1  # relative change of an estimate that is worth rewriting gate.json for
 MIN_PREFILL_ROWS = 16  # shorter prefills are dominated by per-call overhead: not a rate sample
 PIPELINED, SEQUENTIAL, SPLIT = "pipelined", "sequential", "split"
 
@@ -58,9 +59,9 @@ class CostGate:
         self.read_bps, self.prefill_tps = read_bps, prefill_tps
         self._lock = threading.Lock()
         self.counts = {"restore": 0, "split": 0, "recompute": 0, "unmeasured": 0}
-        self.state_file = state_file
         if state_file is not None and read_bps is None and prefill_tps is None:
             self._load(state_file)
+        self._saved = (self.read_bps, self.prefill_tps)  # what gate.json holds (or was given)
 
     # ---- persistence (the namespace's gate.json) -------------------------------------------------
     def _load(self, path: Path) -> None:
@@ -78,20 +79,16 @@ class CostGate:
         log.info("cost gate: estimates from the last run: read %.0f MB/s, prefill %.1f rows/s",
                  (self.read_bps or 0) / 1e6, self.prefill_tps or 0)
 
-    def _save(self) -> None:
-        """Best effort, no fsync: a lost update only costs one request an older estimate."""
-        if self.state_file is None:
-            return
+    def changed_state(self) -> bytes | None:
+        """The estimates as gate.json bytes when they moved by more than SAVE_CHANGE since they
+        were last handed out (or were never), else None. The caller writes them after a request,
+        not on its way to the first token; the running estimates converge, so writes get rare."""
         with self._lock:
-            doc = {"read_bytes_per_s": self.read_bps, "prefill_rows_per_s": self.prefill_tps}
-        tmp = self.state_file.with_name(f"{self.state_file.name}.{os.getpid()}-0.tmp")  # the store's temp naming
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump(doc, f)
-            os.replace(tmp, self.state_file)
-        except OSError as e:
-            log.debug("cost gate: could not save %s: %s", self.state_file, e)
+            now = (self.read_bps, self.prefill_tps)
+            if all(_close(a, b) for a, b in zip(now, self._saved)):
+                return None
+            self._saved = now
+        return json.dumps({"read_bytes_per_s": now[0], "prefill_rows_per_s": now[1]}).encode()
 
     # ---- estimates ----------------------------------------------------------------------------
     def observe_read(self, nbytes: int, seconds: float) -> None:
@@ -99,14 +96,12 @@ class CostGate:
         if nbytes > 0 and seconds > 0:
             with self._lock:
                 self.read_bps = _ewma(self.read_bps, nbytes / seconds)
-            self._save()
 
     def observe_prefill(self, rows: int, seconds: float) -> None:
         """A request prefilled `rows` rows in `seconds` (waits for disk or saves excluded)."""
         if rows >= MIN_PREFILL_ROWS and seconds > 0:
             with self._lock:
                 self.prefill_tps = _ewma(self.prefill_tps, rows / seconds)
-            self._save()
 
     def stats(self) -> dict:
         with self._lock:
@@ -148,6 +143,12 @@ class CostGate:
         with self._lock:
             self.counts[d.action] += 1
         return d
+
+
+def _close(a: float | None, b: float | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return abs(a - b) <= SAVE_CHANGE * abs(b)
 
 
 def _ewma(old: float | None, new: float) -> float:

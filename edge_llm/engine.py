@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from edge_llm.costgate import SEQUENTIAL, CostGate
+from edge_llm.costgate import GATE_FILE, SEQUENTIAL, CostGate
 from edge_llm.errors import (
     ContextOverflowError,
     ImageError,
@@ -336,6 +336,8 @@ class Engine:
         tail = "" if finish == "cancelled" or stops.stopped else stops.feed(detok.flush())[0] + stops.flush()
         if req.save_snapshot and self.store is not None:
             self.store.save_async(self.cache)  # a cancelled decode keeps its prompt rows too
+        if self.store is not None and (state := self.gate.changed_state()) is not None:
+            self.store.write_meta(GATE_FILE, state)  # after the answer, only when it moved
         yield self._last_event(tail, finish, t, len(tokens), generated)
 
     def _save_interrupted(self, req: GenerationRequest, c: Cancelled) -> None:

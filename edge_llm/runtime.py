@@ -16,7 +16,6 @@ from edge_llm.kvcache import KVCache
 from edge_llm.settings import Settings, resolve
 
 log = logging.getLogger(__name__)
-GATE_FILE = "gate.json"  # the cost gate's estimates, in the snapshot namespace
 
 
 def make_backend(s: Settings, model_dir: Path, say: Callable[[str], None] = lambda _t: None):
@@ -87,7 +86,7 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
         store.scan()
     gate = None
     if store is not None:  # estimates persist per namespace: same disk, same backend numerics
-        from edge_llm.costgate import CostGate
+        from edge_llm.costgate import GATE_FILE, CostGate
 
         gate = CostGate(cache.geometry.kv_bytes_per_token, s.disk_kv_restore, s.prefill_chunk,
                         state_file=store.ns / GATE_FILE)

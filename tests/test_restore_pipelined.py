@@ -5,6 +5,8 @@ fast one (injected estimates); a multi-turn conversation writes ~only its new KV
 
 from __future__ import annotations
 
+import json
+
 import shutil
 
 import numpy as np
@@ -157,12 +159,18 @@ def test_gate_estimates_survive_a_restart(tiny, tmp_path):
     """A new runtime on the same namespace starts with the last run's estimates (gate.json), so
     the first request after a restart is decided on this machine's numbers, not 'unmeasured'."""
     kv = tmp_path / "kv"
-    prompt = snapshot_of_history(tiny, kv)
+    prompt = snapshot_of_history(tiny, kv)  # its request measured the prefill rate: written then
+    state = tmp_path / "kv" / next(p.name for p in kv.iterdir() if p.is_dir()) / "gate.json"
+    assert json.loads(state.read_text())["prefill_rows_per_s"] > 0
     eng = engine(tiny, kv)
     eng.gate.observe_read(10, 1.0)  # a very slow disk: 10 B/s
     eng.gate.observe_prefill(1000, 0.001)  # a very fast backend
+    turn(eng, [5, 6, 7])  # a request ends: the estimates moved, gate.json is rewritten
+    assert json.loads(state.read_text())["read_bytes_per_s"] == eng.gate.read_bps == 10
+    mtime = state.stat().st_mtime_ns
+    turn(eng, [5, 6, 7])  # too short to measure a rate: nothing moved, no rewrite
+    assert state.stat().st_mtime_ns == mtime
     eng.store.close()
-    assert (eng.store.ns / "gate.json").is_file()
     again = engine(tiny, kv)  # a restart
     assert again.gate.read_bps == eng.gate.read_bps and again.gate.prefill_tps == eng.gate.prefill_tps
     _, t = again.prefill_prompt(prompt)

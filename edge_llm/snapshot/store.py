@@ -38,7 +38,7 @@ from edge_llm.snapshot.restore import (
     PipelinedRestore,
 )
 from edge_llm.snapshot.saving import Saver
-from edge_llm.snapshot.writer import TMP_SUFFIX, Modes, orphaned_temp
+from edge_llm.snapshot.writer import TMP_SUFFIX, Modes, orphaned_temp, write_atomic
 
 log = logging.getLogger("edge_llm.kvdisk")
 
@@ -254,6 +254,14 @@ class SnapshotStore:
     def evict(self, keep: str | None = None) -> list[str]:
         """Apply the caps, least recently used chain first (`Catalog.evict`)."""
         return self.catalog.evict(keep)
+
+    def write_meta(self, name: str, data: bytes) -> None:
+        """A small namespace file (e.g. the cost gate's gate.json), atomically, with the
+        snapshots' file modes. Best effort: a failure is logged, never raised."""
+        try:
+            write_atomic(self.ns / name, data, self.modes)
+        except OSError as e:
+            log.warning("could not write %s: %s", self.ns / name, e)
 
     def close(self, timeout: float | None = None) -> bool:
         """Finish the pending save and stop the writer thread."""
