@@ -68,6 +68,8 @@ class Catalog:
         names = []
         for u, reason in victims:
             names += self.remove_unit(u, reason)
+        if names:
+            self.sync()
         return names
 
     def make_room(self, size: int, keep: str | None) -> None:
@@ -89,35 +91,45 @@ class Catalog:
                 break
             self.remove_unit(u, f"making room: {free} bytes free, {size} needed")
             free += u.size
+        self.sync()
 
     def drop_redundant(self, why: str) -> None:
         """Remove files a longer file covers and no delta needs, down the chain (a removed delta
         can leave its base without dependents). `why` is formatted with the longer file's name."""
+        removed = False
         while True:
             with self.lock:
                 extra = chains.redundant(self.index)
             if not extra:
-                return
+                break
             for e, longer in extra:
                 self.remove(e, why.format(longer.name))
+            removed = True
+        if removed:
+            self.sync()
 
     def remove_unit(self, u: chains.Unit, reason: str) -> list[str]:
-        """Remove a whole chain tree, deltas first, so no delta ever outlives its base on disk."""
+        """Remove a whole chain tree, deltas first (the caller syncs the directory once)."""
         order = sorted(u.members, key=lambda e: -e.n_tokens)
         for e in order:
             self.remove(e, reason)
         return [e.name for e in order]
 
     def remove(self, e: Entry, reason: str) -> None:
+        """Unlink one file; `sync()` after a batch makes the removals durable. A crash in between
+        can only leave a delta without its base, which the next scan quarantines (a miss)."""
         with self.lock:
             self.index.pop(e.name, None)
             self.counters["evictions"] += 1
         self.unlink(e.path, reason)
+        log.info("[KV-DISK] evicted %s (%s)", e.name, reason)
+
+    def sync(self) -> None:
+        """One directory fsync for the removals before it."""
         try:
             fsync_dir(self.ns)
         except OSError:
             pass
-        log.info("[KV-DISK] evicted %s (%s)", e.name, reason)
 
     # ---- bad files --------------------------------------------------------------------------------
     def drop_quarantined(self, e: Entry, reason: str) -> None:
