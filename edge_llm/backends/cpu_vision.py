@@ -147,8 +147,3 @@ class CPUVisionBackend:
         out = gelu_erf(h) @ M.w2.t()
         out += M.b2
         return out
-
-
-def _t(w: np.ndarray) -> np.ndarray:
-    """(out, in) -> contiguous (in, out)."""
-    return np.ascontiguousarray(w.T)

@@ -24,6 +24,7 @@ from edge_llm.snapshot import format as fmt
 from edge_llm.snapshot.identity import read_identity
 from edge_llm.snapshot.index import QUARANTINE, Entry, IOStats
 from edge_llm.snapshot.inspect import describe as inspect_file
+from edge_llm.snapshot.store import read_entry
 from edge_llm.snapshot.writer import TMP_SUFFIX, fsync_dir
 
 NS_RE = re.compile(r"^[0-9a-f]{16}$")
@@ -331,26 +332,19 @@ def rm(kv_dir: Path, namespace: str | None, all_: bool, names: tuple[str, ...]) 
 
 def _gc_entry(ns: Path, path: Path) -> Entry:
     """An index entry from the file's header; an unreadable file stands alone (no base)."""
-    st = path.stat()
     try:
-        with open(path, "rb", buffering=0) as f:
-            hdr, tokens = fmt.read_header(f, None, int(ns.name, 16), None, st.st_size)
-        return Entry(path.name, path, tokens, st.st_size, st.st_mtime, hdr.spans, hdr.base, hdr.trailer_crc)
+        return read_entry(path, None, int(ns.name, 16))
     except (SnapshotError, OSError):
+        st = path.stat()
         return Entry(path.name, path, np.empty(0, np.uint32), st.st_size, st.st_mtime)
 
 
 def _with_dependents(ns: Path, named: list[Path]) -> list[Path]:
     """`named` plus every delta that rests on one of them, the deltas of a chain before its base."""
     index = {p.name: _gc_entry(ns, p) for p in snapshot_files(ns)}
-    below = chains.dependents(index)
-    out, todo = {}, [index[p.name] for p in named]
-    while todo:
-        e = todo.pop()
-        if e.name not in out:
-            out[e.name] = e
-            todo.extend(below.get(e.name, ()))
-    return [e.path for e in sorted(out.values(), key=lambda e: e.row0, reverse=True)]
+    out = {p.name: index[p.name] for p in named}
+    out.update({d.name: d for p in named for d in chains.descendants(index, p.name)})
+    return [e.path for e in chains.removal_order(out.values())]
 
 
 @kv.command("gc")
@@ -369,7 +363,7 @@ def gc(kv_dir: Path, namespace: str | None, max_files: int, max_bytes: int | Non
     for ns in namespaces(kv_dir, namespace):
         index = {p.name: _gc_entry(ns, p) for p in snapshot_files(ns)}
         for unit, reason in chains.unit_victims(index, max_files, max_bytes):
-            for e in sorted(unit.members, key=lambda e: e.row0, reverse=True):
+            for e in chains.removal_order(unit.members):
                 if not dry_run:
                     e.path.unlink(missing_ok=True)
                 out.print(f"{'would evict' if dry_run else 'evicted'} {ns.name}/{e.name} ({reason})")

@@ -110,7 +110,7 @@ class Catalog:
 
     def remove_unit(self, u: chains.Unit, reason: str) -> list[str]:
         """Remove a whole chain tree, deltas first (the caller syncs the directory once)."""
-        order = sorted(u.members, key=lambda e: -e.n_tokens)
+        order = chains.removal_order(u.members)
         for e in order:
             self.remove(e, reason)
         return [e.name for e in order]

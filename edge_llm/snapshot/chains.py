@@ -58,6 +58,12 @@ def descendants(index: Mapping[str, Entry], name: str) -> list[Entry]:
     return out
 
 
+def removal_order(entries: Iterable[Entry]) -> list[Entry]:
+    """Deltas before their bases (a delta holds more tokens than anything below it), so a
+    removal interrupted half way never leaves a delta whose base is gone first."""
+    return sorted(entries, key=lambda e: e.n_tokens, reverse=True)
+
+
 def broken(index: Mapping[str, Entry]) -> list[tuple[Entry, SnapshotChainError]]:
     """Files whose chain cannot be read (a missing or mismatched base somewhere below them)."""
     out = []
@@ -171,7 +177,3 @@ def best_base(index: Mapping[str, Entry], tokens, min_rows: int) -> Entry | None
         except SnapshotChainError:
             return None
     return best
-
-
-def iter_names(entries: Iterable[Entry]) -> list[str]:
-    return sorted(e.name for e in entries)

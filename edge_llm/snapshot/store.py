@@ -57,7 +57,7 @@ class SnapshotStore:
             raise ValueError("min_lcp, max_files, max_tokens, kv_bs and max_chain must be >= 1")
         self.identity, self.geometry = identity, geometry
         self.model_id = identity.model_id
-        self.min_lcp, self.max_tokens, self.kv_bs = min_lcp, max_tokens, kv_bs
+        self.min_lcp = min_lcp
         self.modes = Modes(group_read)
         self.ns = ensure_namespace(kv_dir, identity, self.modes)
         self.catalog = Catalog(self.ns, self.modes, max_files, max_bytes)
@@ -107,12 +107,7 @@ class SnapshotStore:
         return len(cat.index)
 
     def _read_entry(self, path: Path) -> Entry:
-        with open(path, "rb", buffering=0) as f:
-            st = os.fstat(f.fileno())
-            hdr, tokens = fmt.read_header(f, self.geometry, self.model_id, READ_MAX_TOKENS, st.st_size)
-        if fmt.snapshot_name(hdr.tokens_fnv) != path.name:
-            raise SnapshotError(f"file name does not match its tokens hash {hdr.tokens_fnv:016x}")
-        return Entry(path.name, path, tokens, st.st_size, st.st_mtime, hdr.spans, hdr.base, hdr.trailer_crc)
+        return read_entry(path, self.geometry, self.model_id)
 
     def entries(self) -> list[Entry]:
         """Indexed snapshots, most recently used first."""
@@ -251,10 +246,6 @@ class SnapshotStore:
         """Rewrite a chain's tip as one full file (`Saver.compact`)."""
         return self.saver.compact(tip, should_stop)
 
-    def evict(self, keep: str | None = None) -> list[str]:
-        """Apply the caps, least recently used chain first (`Catalog.evict`)."""
-        return self.catalog.evict(keep)
-
     def write_meta(self, name: str, data: bytes) -> None:
         """A small namespace file (e.g. the cost gate's gate.json), atomically, with the
         snapshots' file modes. Best effort: a failure is logged, never raised."""
@@ -314,3 +305,13 @@ def _reason(err: BaseException) -> str:
     if isinstance(err, SnapshotError):
         return f"{err.reason}: {err}"
     return f"read error: {err}"
+
+
+def read_entry(path: Path, geometry: Geometry | None, model_id: int | None) -> Entry:
+    """An index entry from a snapshot file's header (no payload read); raises SnapshotError."""
+    with open(path, "rb", buffering=0) as f:
+        st = os.fstat(f.fileno())
+        hdr, tokens = fmt.read_header(f, geometry, model_id, READ_MAX_TOKENS, st.st_size)
+    if fmt.snapshot_name(hdr.tokens_fnv) != path.name:
+        raise SnapshotError(f"file name does not match its tokens hash {hdr.tokens_fnv:016x}")
+    return Entry(path.name, path, tokens, st.st_size, st.st_mtime, hdr.spans, hdr.base, hdr.trailer_crc)
