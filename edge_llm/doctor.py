@@ -359,6 +359,8 @@ class Doctor:
         what = "weights"
         if self.o.backend == "cpu-q":  # 4-bit blocks: ~0.7 byte per weight (docs/quantization.md)
             weights, what = int(weights * Q4_BYTES_PER_F32_BYTE), "q4 weights"
+            if self.o.decode_graph:  # its own onnxruntime session prepacks a second copy
+                weights, what = 2 * weights, "q4 weights x2 (decode_graph)"
         kv = self.o.max_seq * bpt
         need = weights + kv
         detail = (f"{label}: {what} {weights / 2**30:.2f} GiB + KV {kv / 2**30:.2f} GiB (max_seq "
@@ -438,9 +440,11 @@ class Doctor:
     def kv_private(self) -> Check:
         """Snapshots hold conversations (plain token ids): nothing under the kv dir may be
         readable by others (the group only where disk_kv_group_read allows it)."""
-        p = self._existing_kv()
-        if p is None:
+        if not self.o.disk_kv:
             return Check("kv-private", NA, "disk KV off")
+        p = Path(self.o.disk_kv)
+        if not p.is_dir():  # not its parents: their modes are not the store's business
+            return Check("kv-private", NA, f"{p} not created yet (the store creates it owner-only)")
         group_ok = self.o.disk_kv_group_read
         bad, n = [], 0
         for q in [p, *sorted(p.glob("*")), *sorted(p.glob("*/*")), *sorted(p.glob("*/quarantine/*"))]:

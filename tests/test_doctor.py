@@ -118,6 +118,10 @@ def test_hf_model_sizes_and_identity(tmp_path: Path, monkeypatch: pytest.MonkeyP
     for q in [tmp_path / "kv", *(tmp_path / "kv").rglob("*")]:
         os.chmod(q, 0o700 if q.is_dir() else 0o600)
     assert by_name(run_checks(Settings(model=str(model), disk_kv=str(tmp_path / "kv"))))["kv-private"].status == PASS
+    # a kv dir not created yet: its parents' modes are not reported (they are the user's home)
+    (tmp_path / "home").mkdir(mode=0o755, exist_ok=True)
+    c = by_name(run_checks(Settings(model=str(model), disk_kv=str(tmp_path / "home" / "kv"))))["kv-private"]
+    assert c.status == NA and "not created yet" in c.detail
 
     # another backend's namespace is named by numerics only it knows once loaded: the doctor names
     # the namespaces this model has (any backend) instead of a wrong one
@@ -131,6 +135,15 @@ def test_hf_model_sizes_and_identity(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert f"{ident.namespace} (cpu-q:q4:0123456789abcdef:onnxruntime-x-q4-t2, 0 snapshot(s))" in c["model"].detail
     assert f"{ns} (cpu-f32, 1 snapshot(s))" in c["model"].detail
     assert f"model_id {ns}" not in c["model"].detail
+    # the decode graph's session holds a second prepacked copy of the q4 weights
+    from edge_llm.doctor import Doctor
+
+    sizes = {}
+    for flag in (True, False):
+        d = Doctor(Settings(model=str(model), disk_kv=None, backend="cpu-q", max_seq=16, decode_graph=flag))
+        d._model = ("2B", 8 << 30, 0)  # 8 GiB of F32 weights
+        sizes[flag] = float(re.search(r"= (\d+\.\d\d) GiB", d.memory().detail).group(1))
+    assert sizes == {True: 3.0, False: 1.5}
 
     (model / "tokenizer.json").unlink()
     c = by_name(run_checks(Settings(model=str(model), disk_kv=str(tmp_path / "kv"))))
