@@ -52,7 +52,7 @@ def test_mapped_matrix_widens_exactly_and_holds_no_copy(tiny_model_dir, dtype):
     name = "model.language_model.layers.0.mlp.gate_proj.weight"
     m = weights.pop_matrix(name)
     assert name not in weights and m.shape == tuple(ref[name].shape)
-    assert m.rows._raw.base is not None  # a view of the mapped file, not an owned array
+    assert _in_map(m)  # a view of the mapped file, not an owned copy
     got = m.t()
     assert got.dtype == np.float32 and got.shape == m.shape[::-1]
     assert np.array_equal(got.view(np.uint32), ref[name].float().numpy().T.view(np.uint32))
@@ -176,5 +176,18 @@ def test_vision_tower_matrices_stay_in_the_file(tiny_synth_dir):
     vm = VisionModel.load(tiny_synth_dir, ModelArgs.from_dir(tiny_synth_dir))
     f32 = sum(4 * int(np.prod(t.shape)) for n, t in index_tensors(tiny_synth_dir).items()
               if n.startswith(vm.args.weight_prefix))
-    held = vm.encoder.backend.nbytes
+    be = vm.encoder.backend
+    mats = [getattr(B, a) for B in be.blocks for a in ("w_qkv", "w_proj", "w1", "w2")]
+    mats += [getattr(M, a) for M in be.mergers for a in ("w1", "w2")]
+    assert len(mats) == 4 * len(be.blocks) + 2 * len(be.mergers) and all(_in_map(m) for m in mats)
+    assert len({id(m.rows._mm) for m in mats}) == 1  # one map of the checkpoint file, shared
+    held = be.nbytes
     assert held < 0.5 * f32, (held, f32)  # tiny model: 24 % (norms, biases, patch); as F32 arrays: 66 %
+
+
+def _in_map(m) -> bool:
+    """The matrix's stored elements lie inside its file's mmap (not in an anonymous copy)."""
+    from edge_llm.weights import MappedMatrix
+
+    mapped = np.frombuffer(m.rows._mm, np.uint8)
+    return isinstance(m, MappedMatrix) and np.shares_memory(m.rows._raw, mapped)

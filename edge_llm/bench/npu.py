@@ -21,6 +21,7 @@ import numpy as np
 from edge_llm.backends.manifest import Manifest
 from edge_llm.backends.onnx_export import sample_inputs
 from edge_llm.backends.rknn import open_rknn
+from edge_llm.bench.procstat import proc_status
 from edge_llm.convert.report import predicted_ms
 
 RKLLM = {"ttft_128_ms": 383.6, "decode_tok_s": 14.98, "memory_mb": 1869.0}
@@ -28,11 +29,8 @@ NPU_MM = "/sys/kernel/debug/rknpu/mm"
 
 
 def _rss_mb() -> tuple[float, float]:
-    vals = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(("VmRSS:", "VmHWM:")):
-            vals[line.split(":")[0]] = int(line.split()[1]) / 1024
-    return vals.get("VmRSS", 0.0), vals.get("VmHWM", 0.0)
+    st = proc_status()
+    return st["VmRSS"] / 2**20, st["VmHWM"] / 2**20
 
 
 def _npu_memory() -> str | None:

@@ -9,23 +9,14 @@ a prompt prefilled and a few tokens decoded.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from edge_llm.bench.models import synth_model
+from edge_llm.bench.procstat import in_child, proc_status
+
 BOARD_BYTES = 8 * 1024**3
-
-
-def _status() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
-                out[key] = int(rest.split()[0]) * 1024
-    return out
 
 
 def _quantize(model_dir: str) -> dict:
@@ -34,7 +25,7 @@ def _quantize(model_dir: str) -> dict:
     t0 = time.perf_counter()
     root, m = ensure_quantized(model_dir, mode("q4"))
     return {"seconds": time.perf_counter() - t0, "dir": str(root),
-            "weight_bytes": sum(w["bytes"] for w in m.build["weights"]), **_status()}
+            "weight_bytes": sum(w["bytes"] for w in m.build["weights"]), **proc_status()}
 
 
 def _serve(model_dir: str, max_seq: int, prompt: int, decode: int) -> dict:
@@ -46,7 +37,7 @@ def _serve(model_dir: str, max_seq: int, prompt: int, decode: int) -> dict:
     t0 = time.perf_counter()
     eng = load_runtime(Settings(model=model_dir, backend="cpu-q", max_seq=max_seq, disk_kv=None))
     load_s = time.perf_counter() - t0
-    after_load = _status()
+    after_load = proc_status()
     m, cache = eng.model, eng.cache
     ids = np.random.default_rng(0).integers(0, m.args.vocab_size, prompt)
     t0 = time.perf_counter()
@@ -57,35 +48,20 @@ def _serve(model_dir: str, max_seq: int, prompt: int, decode: int) -> dict:
         logits = m.forward([int(np.argmax(logits))], cache)
     decode_s = time.perf_counter() - t0
     return {"load_s": load_s, "after_load": after_load, "kv_bytes": cache.nbytes, "numerics": m.numerics,
-            "prefill_tps": prompt / prefill_s, "decode_tps": decode / decode_s, **_status()}
-
-
-def _synth(path: str, layers: int) -> None:
-    from edge_llm.models.synth import synth_checkpoint
-
-    synth_checkpoint(path, preset="qwen3-vl-2b", layers=layers)
-
-
-def _child(fn, *args):
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
-        return ex.submit(fn, *args).result()
+            "prefill_tps": prompt / prefill_s, "decode_tps": decode / decode_s, **proc_status()}
 
 
 def run(model_dir: Path | None = None, layers: int = 28, max_seq: int = 8192, prompt: int = 256,
         decode: int = 8, step: Callable[[str], None] = lambda _m: None) -> dict:
     from edge_llm.config import ModelArgs
-    from edge_llm.settings import home_dir
-
-    if model_dir is None:
-        model_dir = home_dir() / "models" / f"synth-qwen3-vl-2b-{layers}l"
-        if not (model_dir / "config.json").is_file():
-            step(f"writing the synthetic checkpoint {model_dir.name} (BF16)")
-            _child(_synth, str(model_dir), layers)
+    if model_dir is None:  # the whole Qwen3-VL-2B: the vision tower is part of what a board holds
+        step("the synthetic checkpoint (BF16, with the vision tower; written once)")
+        model_dir = synth_model(layers, vision=True)
     args = ModelArgs.from_dir(model_dir)
     step("quantizing (child process)")
-    q = _child(_quantize, str(model_dir))
+    q = in_child(_quantize, str(model_dir))
     step(f"serving with an {max_seq}-token cache (child process)")
-    s = _child(_serve, str(model_dir), max_seq, prompt, decode)
+    s = in_child(_serve, str(model_dir), max_seq, prompt, decode)
     f32_weights = 4 * sum(n for n in _param_counts(args))
     return {"model": model_dir.name, "layers": args.num_hidden_layers, "max_seq": max_seq, "quantize": q,
             "serve": s, "f32_weight_bytes": f32_weights, "board_bytes": BOARD_BYTES, "prompt": prompt,

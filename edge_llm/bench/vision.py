@@ -11,6 +11,7 @@ encoding, tail-only prefill) and, for comparison, on another image (cold).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_llm.bench.procstat import in_child, proc_status
 from edge_llm.config import VisionArgs
 
 SIZES = (224, 448, 896)
@@ -139,6 +141,30 @@ def end_to_end(model_dir: Path, kv_dir: Path, side: int, max_tokens: int,
     return {"side": side, "cold": cold, "restored": restored, "other_image": other_row}
 
 
+def _tower_memory(model_dir: str, side: int) -> dict:
+    from edge_llm.config import ModelArgs
+    from edge_llm.vision.model import VisionModel
+
+    before = proc_status()
+    vision = VisionModel.load(model_dir, ModelArgs.from_dir(model_dir))
+    loaded = proc_status()
+    feats = vision.encode(vision.prepare(square_png(side)))
+    encoded = proc_status()
+    out = np.concatenate([feats.embeds.ravel(), *(d.ravel() for d in feats.deepstack)])
+    return {"side": side, "anon_loaded": loaded["RssAnon"] - before["RssAnon"],
+            "file_loaded": loaded["RssFile"] - before["RssFile"],
+            "anon_after_encode": encoded["RssAnon"] - before["RssAnon"],
+            "file_after_encode": encoded["RssFile"] - before["RssFile"],
+            "peak": encoded["VmHWM"], "output_sha256": hashlib.sha256(out.tobytes()).hexdigest()}
+
+
+def tower_memory(model_dir: Path, side: int = 448) -> dict:
+    """What the tower holds, measured in a fresh process: anonymous and file-backed RSS added by
+    loading it, then after encoding one image (the matrices are file pages widened per block,
+    docs/vision.md), and a digest of the encoder output (equal across versions = same bits)."""
+    return in_child(_tower_memory, str(model_dir), side)
+
+
 def markdown(res: dict) -> str:
     lines = [f"# Vision encoder and image conversation ({res['label']})", "",
              f"Machine: {res['machine']}; BLAS: {res['blas']}.",
@@ -165,5 +191,13 @@ def markdown(res: dict) -> str:
                          f"{r['restore_ms']:.0f} | {r['ttft_ms']:.0f} |")
         ratio = e["other_image"]["ttft_ms"] / max(e["restored"]["ttft_ms"], 1e-9)
         lines += ["", f"Restored vs cold follow-up TTFT: {ratio:.1f}x faster."]
+    m = res.get("memory")
+    if m:
+        gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+        lines += ["", f"## What the tower holds (fresh process, one {m['side']}x{m['side']} image)", "",
+                  "| | anonymous | file-backed |", "|---|---:|---:|",
+                  f"| after loading | {gib(m['anon_loaded'])} | {gib(m['file_loaded'])} |",
+                  f"| after one encode | {gib(m['anon_after_encode'])} | {gib(m['file_after_encode'])} |",
+                  "", f"Peak RSS {gib(m['peak'])}; encoder output sha256 {m['output_sha256'][:16]}."]
     lines += ["", f"Command: `{res['command']}`", ""]
     return "\n".join(lines)

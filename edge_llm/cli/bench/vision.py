@@ -16,8 +16,8 @@ from edge_llm.cli.bench.common import bench, int_list, out_option, show_results,
 @click.option("--synth-layers", type=click.IntRange(1), default=4, show_default=True,
               help="Decoder layers of the synthetic Qwen3-VL-2B (its vision tower is always complete).")
 @click.option("--sizes", default="224,448,896", show_default=True, help="Square image sides for the encoder table.")
-@click.option("--e2e-size", type=click.IntRange(32), default=448, show_default=True,
-              help="Image side of the end-to-end conversation (0 skips it).")
+@click.option("--e2e-size", type=click.IntRange(0), default=448, show_default=True,
+              help="Image side of the end-to-end conversation, at least 32 (0 skips it).")
 @click.option("--max-tokens", type=click.IntRange(1), default=8, show_default=True)
 @click.option("--repeats", type=click.IntRange(1), default=2, show_default=True)
 @out_option
@@ -34,6 +34,8 @@ def vision_cmd(synth_layers, sizes, e2e_size, max_tokens, repeats, out) -> None:
     from edge_llm.config import ModelArgs
     from edge_llm.vision.model import VisionModel
 
+    if 0 < e2e_size < 32:
+        raise click.BadParameter("an image side is at least 32 pixels (0 skips it)", param_hint="--e2e-size")
     model_dir = synth_model(synth_layers, vision=True)
     res_dir = new_results_dir(out, "bench-vision")
     blas = ", ".join(f"{i.get('internal_api')} {i.get('architecture')} ({i.get('num_threads')} threads)"
@@ -49,6 +51,8 @@ def vision_cmd(synth_layers, sizes, e2e_size, max_tokens, repeats, out) -> None:
         vision = VisionModel.load(model_dir, args)
         res["encoder"], res["peak_gflops"] = V.encoder_rows(vision, int_list(sizes), repeats, step)
         del vision
+        step("tower memory (fresh process)")
+        res["memory"] = V.tower_memory(model_dir)
         if e2e_size:
             with tempfile.TemporaryDirectory(dir=res_dir) as kv:
                 res["e2e"] = V.end_to_end(model_dir, Path(kv), e2e_size, max_tokens, step)
