@@ -56,8 +56,21 @@ def _per_layer(model):
     return Off(model)
 
 
-def test_one_row_step_agrees_with_per_layer_path(model, record_property):
+class _Counted:
+    """The backend's row step, counting its calls (a one-row forward must go through it)."""
+
+    def __init__(self, step):
+        self.step, self.calls = step, 0
+
+    def __call__(self, *a, **kw):
+        self.calls += 1
+        return self.step(*a, **kw)
+
+
+def test_one_row_step_agrees_with_per_layer_path(model, record_property, monkeypatch):
     assert model.backend.row_step is not None
+    counted = _Counted(model.backend.row_step)
+    monkeypatch.setattr(model.backend, "row_step", counted)
     cache = model.new_cache(max_seq=128)
     model.prefill(PROMPT, cache, chunk=16)
     S = cache.length
@@ -76,7 +89,8 @@ def test_one_row_step_agrees_with_per_layer_path(model, record_property):
     record_property("logit_rel", worst_logit)
     record_property("row_rel", worst_row)
     print(f"fused vs per-layer: logits {worst_logit:.4f}, new K/V rows {worst_row:.4f} of max")
-    assert worst_logit <= LOGIT_REL and worst_row <= ROW_REL
+    assert counted.calls == 4  # each fused forward ran the row step; the per-layer ones did not
+    assert 0 < worst_logit <= LOGIT_REL and worst_row <= ROW_REL  # two graphs: close, not the same bits
 
     # greedy generation: the same tokens both ways
     def greedy(use_step: bool) -> list[int]:
@@ -92,7 +106,9 @@ def test_one_row_step_agrees_with_per_layer_path(model, record_property):
                     logits = model.forward([out[-1]], c)
         return out
 
+    before = counted.calls
     assert greedy(True) == greedy(False)
+    assert counted.calls == before + 16
 
 
 def test_cached_rows_are_read_in_place_and_never_written(model):

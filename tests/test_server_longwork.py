@@ -211,9 +211,6 @@ def test_sigterm_during_prefill_saves_completed_rows_and_a_restart_resumes(tiny_
         asked = cancel_requested_at(log, "shutdown grace period over")
         assert at_sigterm <= asked <= done <= asked + CHUNK, (at_sigterm, asked, done)
         assert done % CHUNK == 0 and done < len(prompt) - 1
-        # a tiny model's save may be done before the stop path looks; when it is not, the stop
-        # path says what it flushes
-        assert f"stop: flushing a {done}-token snapshot" in log or "stop: flushing" not in log
         saved = log.index(f"[KV-DISK] saved {done}-token KV")
         assert saved < log.index("=== edge-llm exit", saved)  # on disk before the process ended
     finally:

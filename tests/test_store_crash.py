@@ -58,6 +58,7 @@ def check_namespace(kv_dir: Path, last_saved: tuple[int, int] | None, seed: int)
             hit = store.lookup(W.tokens_for(seed, branch, n) + [0])
             assert hit is not None and hit.m == n, f"published snapshot {last_saved} lost"
         deltas = sum(e.base is not None for e in store.entries())
+        assert store.stats()["chains"] <= 3  # max_files caps conversations (chains), deltas included
         return len(store.entries()), deltas, rows
     finally:
         store.close()

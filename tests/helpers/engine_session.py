@@ -51,6 +51,13 @@ def main() -> None:
         eng.store.flush()
         json.dump(state, open(a.state, "w"))
     x = build_x(a.x, state["prompt"], state["completion"])
+    steps = {"n": 0}
+    real_step = eng.model.backend.row_step
+    if real_step is not None:  # count the one-row calls the continuation makes through it
+        def counted(*args, **kw):
+            steps["n"] += 1
+            return real_step(*args, **kw)
+        eng.model.backend.row_step = counted
     logits, t = eng.prefill_prompt(x)
     first_logits = logits.copy()
     toks = []
@@ -61,7 +68,7 @@ def main() -> None:
     np.savez(a.out, logits=first_logits, last_logits=logits, tokens=np.array(toks),
              k=eng.cache.data[:, 0, :n].copy(), v=eng.cache.data[:, 1, :n].copy(),
              source=t.cache_source, cached=t.ram_cached_tokens + t.disk_cached_tokens,
-             prefill_tokens=t.prefill_tokens, n=n, row_step=eng.model.backend.row_step is not None)
+             prefill_tokens=t.prefill_tokens, n=n, row_steps=steps["n"])
     if eng.store is not None:
         eng.store.close()
 
