@@ -38,3 +38,24 @@ def test_close_releases_the_backend_after_the_last_save(tiny_synth_dir, tmp_path
     state.close(grace=0)
     assert seen == [("store", 0), ("backend", 0)]  # flushed, closed, then the backend
     assert list((tmp_path / "kv").rglob("kv_*.kv")), "the request's snapshot was saved before the close"
+
+
+def test_a_stop_during_loading_releases_the_backend(tiny_synth_dir, tmp_path, monkeypatch):
+    import threading
+
+    monkeypatch.setenv("EDGE_LLM_HOME", str(tmp_path / "home"))
+    settings = Settings(model=str(tiny_synth_dir), disk_kv=str(tmp_path / "kv"), max_seq=512)
+    go, closed = threading.Event(), threading.Event()
+
+    def loader():
+        engine = load_runtime(settings)
+        engine.model.backend.close = closed.set
+        go.wait(60)  # still loading when the stop arrives
+        return engine
+
+    state = AppState(settings, loader=loader)
+    state.start_loading()
+    state.begin_shutdown("SIGTERM")
+    go.set()
+    assert closed.wait(60), "the engine loaded after the stop was never released"
+    assert state.engine is None and state.status == "stopping"
