@@ -192,9 +192,8 @@ def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], N
                          progress=(lambda s: progress(f"quantizing {s.name}")) if progress else None,
                          target=TARGET, dtype=qm.label)
     report = list(linear.report)
-    if progress:
-        progress("quantizing the decode graph")
-    e = export_decode(model_dir, out / "onnx", linear)  # the same weights again, in one graph
+    e = export_decode(model_dir, out / "onnx", linear,  # the same weights again, in one graph
+                      progress=(lambda s: progress(f"quantizing the decode graph: {s}")) if progress else None)
     linear.report = report  # ... so they are reported once
     m.graphs.append(GraphEntry(name=e.spec.name, kind=e.spec.kind, index=0, rows=list(e.spec.rows),
                                inputs=[list(i) for i in e.spec.inputs], outputs=[list(o) for o in e.spec.outputs],

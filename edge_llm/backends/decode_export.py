@@ -37,7 +37,14 @@ from onnx import helper
 
 from edge_llm.backends.cpu import DenseLayer, load_layer
 from edge_llm.backends.graphs import DECODE, decode_kv_names, decode_spec
-from edge_llm.backends.onnx_export import MS_DOMAIN, Exported, GraphBuilder, Linear, WeightKey, _digest
+from edge_llm.backends.onnx_export import (
+    MS_DOMAIN,
+    Exported,
+    GraphBuilder,
+    Linear,
+    WeightKey,
+    _digest,
+)
 from edge_llm.config import ModelArgs
 from edge_llm.weights import load_weights
 

@@ -41,8 +41,6 @@ class GraphBackend:
         self.specs = list(specs)
         self.qkv_g = {s.index: s for s in specs if s.kind == QKV}
         self.post_g = {s.index: s for s in specs if s.kind in (POST, STEP)}
-        # fused partition (graphs.py): step l also computed layer l+1's qkv of its output h
-        self.fused = any(s.kind == STEP for s in specs)
         self._next: tuple[int, np.ndarray, np.ndarray] | None = None  # (layer, h, qkv)
         self.head_g = sorted((s for s in specs if s.kind == HEAD), key=lambda s: s.vocab)
         self.chunk_sizes: tuple[int, ...] = self.qkv_g[0].rows if self.qkv_g else ()
@@ -76,7 +74,7 @@ class GraphBackend:
 
     # ---- the seam -------------------------------------------------------------------------
     def embed(self, tokens: np.ndarray) -> np.ndarray:
-        return self.table[tokens].astype(np.float32)
+        return self.table[tokens].astype(np.float32, copy=False)  # rows of a mapped table are fresh F32
 
     def qkv(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if layer in self.qkv_g:

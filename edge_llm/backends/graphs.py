@@ -56,9 +56,6 @@ class GraphSpec:
     outputs: tuple[tuple[str, int], ...]
     vocab: tuple[int, int] = (0, 0)  # head part: logits columns [lo, hi)
 
-    def input_shapes(self, rows: int) -> list[tuple[int, int]]:
-        return [(rows, w) for _, w in self.inputs]
-
 
 def layer_name(layer: int, kind: str) -> str:
     return f"layer{layer:02d}.{kind}"

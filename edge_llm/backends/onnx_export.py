@@ -278,7 +278,6 @@ def export_model(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
             L, nxt = held.pop(i), (layer(i + 1) if len(spec.outputs) > 1 else None)
             done.append(_export_one(spec, out, lambda g: build_step(g, L, nxt, eps, linear, i)))
         else:
-            ref.layers = []
             if head is None:
                 head = _head_tensors(args, weights)
             norm, lm = head

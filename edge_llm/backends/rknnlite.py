@@ -55,7 +55,6 @@ class RKNNLiteRunner:
     def __init__(self, specs: Sequence[GraphSpec], rknn_files: Mapping[str, Path],
                  layer_masks: Sequence[int] = LAYER_CORES, lite_cls=None, progress=None):
         cls = lite_cls or _lite_class()
-        self.masks: dict[str, int] = {}
         self.ctx = {}
         try:
             for spec in specs:
@@ -74,7 +73,6 @@ class RKNNLiteRunner:
                 # the process lifetime (3.4 GB for Qwen3-VL-2B)
                 lite.rknn_data = None
                 self.ctx[spec.name] = lite
-                self.masks[spec.name] = mask
             first = next(iter(self.ctx.values()), None)
             sdk = first.get_sdk_version() if first is not None else None
         except BaseException:
