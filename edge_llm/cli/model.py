@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 import click
 
@@ -149,6 +150,10 @@ def _quant_rows(model_dir, build: str | None) -> list[tuple[str, str]]:
             cpuq.ensure_quantized(model_dir, cpuq.mode(build), progress=lambda msg: cb(0, 0, msg))
     out = []
     for name, qm in cpuq.MODES.items():
+        # the directory name holds the weight digest: hash the checkpoint (seconds for GBs) only
+        # when a weight set of this model and mode exists at all
+        if not any(cpuq.quant_root().glob(f"{Path(model_dir).resolve().name}-*-{qm.name}/manifest.json")):
+            continue
         root = cpuq.quant_dir(model_dir, qm)
         if not (root / "manifest.json").is_file():
             continue
