@@ -44,6 +44,11 @@ class Catalog:
             for k, v in deltas.items():
                 self.counters[k] += v
 
+    def chain(self, entry: Entry) -> list[Entry]:
+        """The files to read for `entry`, root first (`chains.chain_of` under the lock)."""
+        with self.lock:
+            return chains.chain_of(self.index, entry)
+
     def entries(self) -> list[Entry]:
         """Indexed snapshots, most recently used first."""
         with self.lock:

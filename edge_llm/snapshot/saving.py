@@ -179,8 +179,8 @@ class Saver:
                      errno.EDQUOT: ("disk_full", "snapshot disk quota exceeded"),
                      errno.EIO: ("io_error", "snapshot disk I/O error")}.get(
             code, ("save_failed", f"snapshot save failed: {err}"))
+        self.catalog.count(save_failures=1)
         with self.catalog.lock:
-            self.catalog.counters["save_failures"] += 1
             self.catalog.degraded[kind] = msg
         log.error("[KV-DISK] save failed: %d-token KV -> %s: %s (%s)", n, name, err, msg)
 
@@ -199,8 +199,7 @@ class Saver:
         files below it that nothing else needs are removed. False if stopped or failed."""
         cat = self.catalog
         try:
-            with cat.lock:
-                chain = chains.chain_of(cat.index, tip)
+            chain = cat.chain(tip)
             reader = ChainRead(chain, tip.n_tokens, self.geometry, self.model_id, tip.n_tokens)
         except (SnapshotError, OSError) as err:
             log.warning("[KV-DISK] compaction of %s skipped: %s", tip.name, err)

@@ -115,8 +115,7 @@ class SnapshotStore:
 
     def chain(self, entry: Entry) -> list[Entry]:
         """The files a restore of `entry` reads, root first (SnapshotChainError if broken)."""
-        with self.catalog.lock:
-            return chains.chain_of(self.catalog.index, entry)
+        return self.catalog.chain(entry)
 
     # ---- lookup / restore ---------------------------------------------------------------------
     def lookup(self, tokens: Any) -> Hit | None:
