@@ -36,7 +36,7 @@ converter:
 
 venv: $(VENV)/.runtime-stamp
 
-test-deps: $(VENV)/.test-stamp converter
+test-deps: $(VENV)/.test-stamp
 	@# systemd-analyze / systemd-sysusers / systemctl --root for the unit and install.sh tests
 	@command -v systemd-analyze >/dev/null && command -v systemd-sysusers >/dev/null || \
 		if [ "$$(id -u)" = 0 ]; then (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd) || \
@@ -54,13 +54,13 @@ board-deps:
 	@if [ "$$(id -u)" = 0 ] && command -v mmdebstrap >/dev/null; then \
 		$(PY) tools/board_emu.py rootfs >/dev/null || echo "rootfs build failed: the board tests will retry it and fail"; fi
 
-board-test: test-deps board-deps
+board-test: test-deps converter board-deps
 	$(BIN)/python -m pytest -q -ra tests/test_board_emulated.py
 
 serve: venv
 	$(BIN)/edge-llm serve --model default --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-test: test-deps board-deps
+test: test-deps converter board-deps
 	$(BIN)/python -m pytest -q -ra tests
 
 # llama.cpp (llama-cpp-python, compiled: several minutes the first time) in its own venv, the

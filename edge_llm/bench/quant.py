@@ -221,7 +221,8 @@ def run(lengths=LENGTHS, threads: int = 2, repeats: int = 2, decode: int = 32, t
                 s.close()
             step("quality: teacher-forced logits on the fixed text")
             qids = tok.encode(QUALITY_TEXT)[:512]
-            ref = teacher_logits(models["cpu"] if f32 else Model.load(model_dir), qids)
+            f32_model = models["cpu"] if f32 else Model.load(model_dir)  # once, for both quality runs
+            ref = teacher_logits(f32_model, qids)
             out = Path(tmp) / "llama_logits.npy"
             peer.call(op="logits", ids=qids, out=str(out))
             res["quality"] = {"tokens": len(qids), "cpu": quality(ref, ref, qids),
@@ -229,7 +230,6 @@ def run(lengths=LENGTHS, threads: int = 2, repeats: int = 2, decode: int = 32, t
                               "llama.cpp": quality(ref, np.load(out), qids)}
             step("quality: greedy agreement over 100 tokens")
             chat = tok.apply_chat_template_ids([{"role": "user", "content": CHAT}])
-            f32_model = models["cpu"] if f32 else Model.load(model_dir)
             want = greedy(f32_model, chat, 100)
             forced = chat + want
             ref_l = teacher_logits(f32_model, forced)[len(chat) - 1:-1]
