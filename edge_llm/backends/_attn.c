@@ -1,25 +1,30 @@
-/* One query row of grouped-query attention over a layer's F32 KV rows (backend cpu-q's decode).
+/* One query row of grouped-query attention over a layer's F32 KV rows: the onnxruntime custom
+ * operator `ai.edge_llm.AttnRow` of backend cpu-q's decode graph (decode_export.py).
  *
  * Why by hand: the cache holds a layer's rows as (S, n_kv * D) F32, one row per token, and a
  * decode step reads every row once, so attention is bound by how fast those bytes stream.
  * onnxruntime's MatMul packs an operand per call (a copy of every row), its attention operators
- * want (n_kv, S, D) pasts (a transposed copy per token), and numpy needs ~20 calls per layer; no
- * library reads this layout in place. Measured in docs/quantization.md ("The attention kernel").
+ * want (n_kv, S, D) pasts (a transposed copy per token); no library reads this layout in place.
+ * docs/quantization.md ("The attention operator") has the measurements.
  *
  * The result depends only on the inputs and S, never on the thread count: the rows are cut into
  * fixed chunks of CHUNK rows, each chunk's partial softmax (its max, sum and weighted V rows) is
- * computed in one fixed order by whichever thread takes it, and the chunks are merged in order
- * on the calling thread (split-K "flash decoding"). The new token's own row, not yet in the
- * cache, is one more chunk of one row, so the cache is only read here.
+ * computed in one fixed order by whichever of onnxruntime's pool threads takes it
+ * (KernelContext_ParallelFor), and the chunks are merged in order on the calling thread (split-K
+ * "flash decoding"). The new token's own row, not yet in the cache, is one more chunk of one row,
+ * so the cache is only read here.
  *
  * Plain C with GCC vector extensions (no intrinsics): one source for x86-64 (AVX-512, AVX2 and
  * SSE2 clones picked at load time) and aarch64 (NEON). Common head shapes (D = 64 or 128, up to
- * 4 query heads per KV head) get a specialized body that keeps q and the accumulators in vector
- * registers; other shapes take the generic loop. No Python.h: loaded with ctypes
- * (attn_kernel.py), which releases the GIL for the call.
+ * 4 query heads per KV head) get a body that keeps q and the accumulators in vector registers;
+ * other shapes take the generic loop. Built by setup.py against the vendored C API header
+ * (third_party/onnxruntime); `edge_attn_row` is the same computation on one thread, for tests.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "onnxruntime_c_api.h"
 
 #define CHUNK 256  /* rows per chunk: changing it changes the bits (it is in the numerics) */
 #define PREFETCH 8 /* rows ahead */
@@ -164,42 +169,71 @@ int64_t edge_attn_work_size(int64_t S, int H, int D) {
     return ((S + CHUNK - 1) / CHUNK + 1) * (int64_t)H * (D + 2 + CHUNK);
 }
 
-/* out (H, D) = softmax(q K^T) V over the S cached rows k/v (row stride ld floats) and the new row
- * k_new/v_new. q (H, D) is already rotated and scaled by 1/sqrt(D); query head h reads KV head
- * h / (H / n_kv). work: edge_attn_work_size(S, H, D) floats. Returns 0, or -1 on bad sizes. */
-int edge_attn_row(const float *q, const float *k, const float *v, const float *k_new, const float *v_new,
-                  int64_t S, int64_t ld, int H, int n_kv, int D, float *out, float *work, int threads) {
+typedef struct {
+    const float *q, *k, *v, *k_new, *v_new;
+    int64_t S, ld, full, per;
+    int H, n_kv, D, rep;
+    group_fn fn;
+    float *work;
+} Job;
+
+static int job_init(Job *j, const float *q, const float *k, const float *v, const float *k_new,
+                    const float *v_new, int64_t S, int64_t ld, int H, int n_kv, int D, float *work) {
     if (S < 0 || H <= 0 || n_kv <= 0 || D <= 0 || H % n_kv != 0 || ld < (int64_t)n_kv * D) return -1;
-    const int rep = H / n_kv;
-    const group_fn fn = specialized(D, rep);
-    const int64_t full = (S + CHUNK - 1) / CHUNK, chunks = full + 1;
-    const int64_t per = (int64_t)H * (D + 2 + CHUNK);
-#pragma omp parallel for schedule(static) num_threads(threads) if (full > 1)
-    for (int64_t c = 0; c < chunks; c++) {
-        float *w = work + c * per, *m = w, *l = w + H, *o = w + 2 * H, *sc = o + (int64_t)H * D;
-        const int64_t s0 = c * CHUNK, rows = c < full ? (S - s0 < CHUNK ? S - s0 : CHUNK) : 1;
-        const float *kc = c < full ? k + s0 * ld : k_new, *vc = c < full ? v + s0 * ld : v_new;
-        for (int g = 0; g < n_kv; g++) {
-            const float *qg = q + (int64_t)g * rep * D, *kg = kc + (int64_t)g * D, *vg = vc + (int64_t)g * D;
-            float *og = o + (int64_t)g * rep * D, *scg = sc + (int64_t)g * rep * CHUNK;
-            if (fn)
-                fn(qg, kg, vg, rows, ld, m + g * rep, l + g * rep, og, scg, g == 0 && c < full);
-            else
-                group_any(qg, kg, vg, rows, ld, m + g * rep, l + g * rep, og, scg, D, rep);
-        }
+    j->q = q, j->k = k, j->v = v, j->k_new = k_new, j->v_new = v_new;
+    j->S = S, j->ld = ld, j->H = H, j->n_kv = n_kv, j->D = D, j->rep = H / n_kv;
+    j->fn = specialized(D, j->rep);
+    j->full = (S + CHUNK - 1) / CHUNK;
+    j->per = (int64_t)H * (D + 2 + CHUNK);
+    j->work = work;
+    return 0;
+}
+
+/* Chunk c of a job (c == full: the new row), into its own slice of the scratch. */
+static void job_chunk(void *arg, size_t c_) {
+    const Job *j = (const Job *)arg;
+    const int64_t c = (int64_t)c_, H = j->H, D = j->D, rep = j->rep, ld = j->ld;
+    float *w = j->work + c * j->per, *m = w, *l = w + H, *o = w + 2 * H, *sc = o + H * D;
+    const int64_t s0 = c * CHUNK, rows = c < j->full ? (j->S - s0 < CHUNK ? j->S - s0 : CHUNK) : 1;
+    const float *kc = c < j->full ? j->k + s0 * ld : j->k_new, *vc = c < j->full ? j->v + s0 * ld : j->v_new;
+    for (int g = 0; g < j->n_kv; g++) {
+        const float *qg = j->q + g * rep * D, *kg = kc + (int64_t)g * D, *vg = vc + (int64_t)g * D;
+        float *og = o + g * rep * D, *scg = sc + g * rep * CHUNK;
+        if (j->fn)
+            j->fn(qg, kg, vg, rows, ld, m + g * rep, l + g * rep, og, scg, g == 0 && c < j->full);
+        else
+            group_any(qg, kg, vg, rows, ld, m + g * rep, l + g * rep, og, scg, (int)D, (int)rep);
     }
-    for (int h = 0; h < H; h++) { /* merge the chunks in order */
-        float mx = work[h], denom = 0.0f, *oh = out + (int64_t)h * D;
+}
+
+/* Merge the chunks in order into out (H, D). */
+static void job_merge(const Job *j, float *out) {
+    const int64_t chunks = j->full + 1, per = j->per, H = j->H, D = j->D;
+    const float *work = j->work;
+    for (int64_t h = 0; h < H; h++) {
+        float mx = work[h], denom = 0.0f, *oh = out + h * D;
         for (int64_t c = 1; c < chunks; c++) mx = work[c * per + h] > mx ? work[c * per + h] : mx;
-        for (int d = 0; d < D; d++) oh[d] = 0.0f;
+        for (int64_t d = 0; d < D; d++) oh[d] = 0.0f;
         for (int64_t c = 0; c < chunks; c++) {
-            const float *w = work + c * per, a = exp_neg(w[h] - mx), *o = w + 2 * H + (int64_t)h * D;
+            const float *w = work + c * per, a = exp_neg(w[h] - mx), *o = w + 2 * H + h * D;
             denom += a * w[H + h];
-            for (int d = 0; d < D; d++) oh[d] += a * o[d];
+            for (int64_t d = 0; d < D; d++) oh[d] += a * o[d];
         }
         const float inv = 1.0f / denom;
-        for (int d = 0; d < D; d++) oh[d] *= inv;
+        for (int64_t d = 0; d < D; d++) oh[d] *= inv;
     }
+}
+
+/* out (H, D) = softmax(q K^T) V over the S cached rows k/v (row stride ld floats) and the new row
+ * k_new/v_new, on the calling thread. q (H, D) is already rotated and scaled by 1/sqrt(D); query
+ * head h reads KV head h / (H / n_kv). work: edge_attn_work_size(S, H, D) floats. Returns 0, or
+ * -1 on bad sizes. The operator below computes exactly this, its chunks spread over threads. */
+int edge_attn_row(const float *q, const float *k, const float *v, const float *k_new, const float *v_new,
+                  int64_t S, int64_t ld, int H, int n_kv, int D, float *out, float *work) {
+    Job j;
+    if (job_init(&j, q, k, v, k_new, v_new, S, ld, H, n_kv, D, work) != 0) return -1;
+    for (int64_t c = 0; c <= j.full; c++) job_chunk(&j, (size_t)c);
+    job_merge(&j, out);
     return 0;
 }
 
@@ -219,3 +253,127 @@ const char *edge_attn_isa(void) {
 
 /* CHUNK, for the numerics string. */
 int edge_attn_chunk(void) { return CHUNK; }
+
+/* ---- the onnxruntime operator ai.edge_llm.AttnRow ---------------------------------------------
+ * inputs  q (1, H * D), k (S, n_kv * D), v (S, n_kv * D), k_new (1, n_kv * D), v_new (1, n_kv * D)
+ * output  attn (1, H * D)                   attributes  num_heads = H, kv_heads = n_kv  (int64) */
+static const OrtApi *ort;
+
+typedef struct {
+    int64_t H, n_kv;
+} AttnRow;
+
+#define CHECK(expr)                    \
+    do {                               \
+        OrtStatusPtr st_ = (expr);     \
+        if (st_ != NULL) return st_;   \
+    } while (0)
+
+static OrtStatusPtr fail(const char *msg) { return ort->CreateStatus(ORT_INVALID_ARGUMENT, msg); }
+
+/* A 2-D float tensor's data and shape. */
+static OrtStatusPtr tensor2d(OrtKernelContext *ctx, size_t index, const float **data, int64_t dims[2]) {
+    const OrtValue *value;
+    OrtTensorTypeAndShapeInfo *info;
+    size_t n;
+    CHECK(ort->KernelContext_GetInput(ctx, index, &value));
+    CHECK(ort->GetTensorTypeAndShape(value, &info));
+    OrtStatusPtr st = ort->GetDimensionsCount(info, &n);
+    if (st == NULL && n != 2) st = fail("AttnRow: every input must be 2-D");
+    if (st == NULL) st = ort->GetDimensions(info, dims, 2);
+    ort->ReleaseTensorTypeAndShapeInfo(info);
+    CHECK(st);
+    return ort->GetTensorMutableData((OrtValue *)value, (void **)data);
+}
+
+static OrtStatusPtr op_create(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info, void **out) {
+    (void)op;
+    AttnRow *a = calloc(1, sizeof *a);
+    if (a == NULL) return api->CreateStatus(ORT_FAIL, "AttnRow: out of memory");
+    OrtStatusPtr st = api->KernelInfoGetAttribute_int64(info, "num_heads", &a->H);
+    if (st == NULL) st = api->KernelInfoGetAttribute_int64(info, "kv_heads", &a->n_kv);
+    if (st == NULL && (a->H <= 0 || a->n_kv <= 0 || a->H % a->n_kv != 0))
+        st = api->CreateStatus(ORT_INVALID_ARGUMENT, "AttnRow: num_heads must be a positive multiple of kv_heads");
+    if (st != NULL) {
+        free(a);
+        return st;
+    }
+    *out = a;
+    return NULL;
+}
+
+static OrtStatusPtr op_compute(void *kernel, OrtKernelContext *ctx) {
+    const AttnRow *a = (const AttnRow *)kernel;
+    const float *in[5];
+    int64_t dims[5][2];
+    for (size_t i = 0; i < 5; i++) CHECK(tensor2d(ctx, i, &in[i], dims[i]));
+    const int64_t H = a->H, n_kv = a->n_kv, S = dims[1][0], ld = dims[1][1];
+    if (dims[0][0] != 1 || dims[0][1] % H != 0) return fail("AttnRow: q must be (1, num_heads * D)");
+    const int64_t D = dims[0][1] / H;
+    if (ld != n_kv * D || dims[2][0] != S || dims[2][1] != ld) return fail("AttnRow: k, v must be (S, kv_heads * D)");
+    if (dims[3][0] != 1 || dims[3][1] != ld || dims[4][0] != 1 || dims[4][1] != ld)
+        return fail("AttnRow: k_new, v_new must be (1, kv_heads * D)");
+    OrtValue *out_value;
+    float *out;
+    CHECK(ort->KernelContext_GetOutput(ctx, 0, dims[0], 2, &out_value));
+    CHECK(ort->GetTensorMutableData(out_value, (void **)&out));
+    float *work = malloc(sizeof(float) * (size_t)edge_attn_work_size(S, (int)H, (int)D));
+    if (work == NULL) return ort->CreateStatus(ORT_FAIL, "AttnRow: out of memory");
+    Job j;
+    job_init(&j, in[0], in[1], in[2], in[3], in[4], S, ld, (int)H, (int)n_kv, (int)D, work);
+    OrtStatusPtr st = ort->KernelContext_ParallelFor(ctx, job_chunk, (size_t)j.full + 1, 0, &j);
+    if (st == NULL) job_merge(&j, out);
+    free(work);
+    return st;
+}
+
+static void op_destroy(void *kernel) { free(kernel); }
+static const char *op_name(const OrtCustomOp *op) { (void)op; return "AttnRow"; }
+static const char *op_provider(const OrtCustomOp *op) { (void)op; return NULL; }
+static ONNXTensorElementDataType op_type(const OrtCustomOp *op, size_t i) {
+    (void)op, (void)i;
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+static size_t op_inputs(const OrtCustomOp *op) { (void)op; return 5; }
+static size_t op_outputs(const OrtCustomOp *op) { (void)op; return 1; }
+static OrtCustomOpInputOutputCharacteristic op_required(const OrtCustomOp *op, size_t i) {
+    (void)op, (void)i;
+    return INPUT_OUTPUT_REQUIRED;
+}
+static OrtMemType op_memtype(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return OrtMemTypeDefault; }
+static int op_one(const OrtCustomOp *op) { (void)op; return 1; }
+static int op_since(const OrtCustomOp *op) { (void)op; return 1; }
+static int op_until(const OrtCustomOp *op) { (void)op; return 2147483647; }
+
+static OrtCustomOp attn_row_op = {
+    .version = ORT_API_VERSION,
+    .GetName = op_name,
+    .GetExecutionProviderType = op_provider,
+    .GetInputType = op_type,
+    .GetInputTypeCount = op_inputs,
+    .GetOutputType = op_type,
+    .GetOutputTypeCount = op_outputs,
+    .KernelDestroy = op_destroy,
+    .GetInputCharacteristic = op_required,
+    .GetOutputCharacteristic = op_required,
+    .GetInputMemoryType = op_memtype,
+    .GetVariadicInputMinArity = op_one,
+    .GetVariadicInputHomogeneity = op_one,
+    .GetVariadicOutputMinArity = op_one,
+    .GetVariadicOutputHomogeneity = op_one,
+    .CreateKernelV2 = op_create,
+    .KernelComputeV2 = op_compute,
+    .GetStartVersion = op_since,
+    .GetEndVersion = op_until,
+};
+
+/* Called by onnxruntime for SessionOptions.register_custom_ops_library(this file). */
+__attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options,
+                                                                    const OrtApiBase *api_base) {
+    ort = api_base->GetApi(ORT_API_VERSION);
+    if (ort == NULL) return NULL; /* an onnxruntime older than this header: the graph then fails to load */
+    OrtCustomOpDomain *domain;
+    CHECK(ort->CreateCustomOpDomain("ai.edge_llm", &domain)); /* lives as long as the process */
+    CHECK(ort->CustomOpDomain_Add(domain, &attn_row_op));
+    return ort->AddCustomOpDomain(options, domain);
+}

@@ -138,10 +138,8 @@ def _usable(root: Path, model_dir: Path, qm: QuantMode) -> Manifest | None:
         m.check_model(ModelArgs.from_dir(model_dir), weight_digest(model_dir))
         if (m.target, m.dtype) != (TARGET, qm.label):
             raise ConfigError(f"made as {m.target} {m.dtype}, wanted {TARGET} {qm.label}")
-        from edge_llm.backends.graphs import decode_specs
-
-        if {g.name for g in m.graphs if g.kind == DECODE} != {s.name for s in decode_specs(ModelArgs.from_dir(model_dir))}:
-            raise ConfigError("not the one-row decode graphs of this edge-llm (made by an older one)")
+        if not any(g.kind == DECODE for g in m.graphs):
+            raise ConfigError("no one-row decode graph (made by an older edge-llm)")
         return m
     except ConfigError as e:
         log.warning("%s is stale (%s): rebuilding", root, e)
@@ -194,13 +192,13 @@ def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], N
                          progress=(lambda s: progress(f"quantizing {s.name}")) if progress else None,
                          target=TARGET, dtype=qm.label)
     report = list(linear.report)
-    for e in export_decode(model_dir, out / "onnx", linear,  # the same weights again, cut per attention
-                           progress=(lambda s: progress(f"quantizing {s}")) if progress else None):
-        m.graphs.append(GraphEntry(name=e.spec.name, kind=e.spec.kind, index=e.spec.index, rows=list(e.spec.rows),
-                                   inputs=[list(i) for i in e.spec.inputs],
-                                   outputs=[list(o) for o in e.spec.outputs], vocab=list(e.spec.vocab),
-                                   onnx=str(e.onnx.relative_to(out)), input_key=e.input_key, onnx_bytes=e.nbytes))
+    e = export_decode(model_dir, out / "onnx", linear,  # the same weights again, in one graph
+                      progress=(lambda s: progress(f"quantizing the decode graph: {s}")) if progress else None)
     linear.report = report  # ... so they are reported once
+    m.graphs.append(GraphEntry(name=e.spec.name, kind=e.spec.kind, index=0, rows=list(e.spec.rows),
+                               inputs=[list(i) for i in e.spec.inputs], outputs=[list(o) for o in e.spec.outputs],
+                               vocab=list(e.spec.vocab), onnx=str(e.onnx.relative_to(out)),
+                               input_key=e.input_key, onnx_bytes=e.nbytes))
     s = summarize(report)
     m.build = {"quant": qm.name, "summary": s, "weights": report}  # informational, not hashed
     m.write(out)
@@ -213,8 +211,7 @@ def open_cpu_q(model_dir: str | Path, quant: str = "q4", threads: int | None = N
                progress: Callable[[str], None] | None = None, decode_graph: bool = True) -> GraphBackend:
     """Build or find the quantized graphs, start onnxruntime on them: a Backend to load.
     `decode_graph=False` runs one-row steps on the per-layer graphs too (what cpu-q did before the
-    decode graphs; `bench quant` compares both), and so does a package built without the C
-    attention kernel: other bits, so another `numerics`."""
+    decode graph; `bench quant` compares both): other bits, so another `numerics`."""
     from edge_llm.backends import attn_kernel
     from edge_llm.backends.decode_step import OrtDecodeStep
     from edge_llm.backends.runners import OrtRunner
@@ -227,17 +224,18 @@ def open_cpu_q(model_dir: str | Path, quant: str = "q4", threads: int | None = N
         os.sched_setaffinity(0, cores)
         log.info("cpu-q: pinned to the big cores %s (%d threads)", cores, n)
     files = m.onnx_files(root)
-    decode = {g.name: files.pop(g.name) for g in m.graphs if g.kind == DECODE}
-    args = ModelArgs.from_dir(model_dir)
-    kernel = attn_kernel.load(args.num_attention_heads, args.num_key_value_heads, args.head_dim, n) \
+    decode = files.pop(DECODE)
+    if decode_graph and attn_kernel.library_path() is None:
+        log.warning("cpu-q: the attention operator (_attn.c) was not built at install (no C compiler?): "
+                    "one-row steps run on the per-layer graphs (docs/quantization.md)")
+        decode_graph = False
+    step = OrtDecodeStep(decode, ModelArgs.from_dir(model_dir), n, DECODE_CONFIG, shared_arena=True) \
         if decode_graph else None
-    step = OrtDecodeStep(decode, args, n, kernel, DECODE_CONFIG, shared_arena=True) if kernel else None
     r = OrtRunner(files, threads=n, kind=qm.label, config=SESSION_CONFIG, shared_arena=True)
     # no thread count: these kernels give the same bits on 1, 2 or 3 threads (tests/test_cpu_q.py),
     # so changing `threads` keeps the snapshots; the CPU's kernel ISA does change them. The
-    # manifest identity covers the decode graphs (their bytes), so one-row steps are in it too,
-    # with the attention kernel's code path and chunk size.
+    # manifest identity covers the decode graph (its bytes), so one-row steps are in it too.
     numerics = f"cpu-q:{qm.name}:{m.identity()}:onnxruntime-{r.version}-{qm.label}-{kernel_isa()}"
-    numerics += f":attn-{kernel.isa}-c{kernel.chunk}" if kernel else ":per-layer-decode"
+    numerics += f":attn-{attn_kernel.isa()}" if decode_graph else ":per-layer-decode"
     return GraphBackend("cpu-q", [s for s in m.specs() if s.kind != DECODE], r, numerics,
                         mapped_embedding=True, row_step=step)

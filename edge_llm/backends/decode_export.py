@@ -1,28 +1,28 @@
-"""The one-row decode graphs of backend cpu-q: a token step in n + 1 onnxruntime calls.
+"""The one-row decode graph of backend cpu-q: a whole token step in one onnxruntime call.
 
 A decode step (and the last prompt token, which the engine computes alone) is one row. Run as
 the chunk path does (a graph per layer plus numpy for q/k norm, RoPE and attention) it costs
 ~30 runtime calls and ~600 small numpy operations per token, and that overhead, not the weight
-bytes, decided the speed. Here everything of a token but attention is in graphs, cut at each
-layer's attention (`graphs.decode_specs`):
+bytes, decided the speed. This graph holds every layer of the decoder and the head:
 
-    decode.00   x, cos, sin            -> q, knew, vnew      layer 0 up to its attention
-    decode.LL   attn, h, cos, sin      -> h', q, knew, vnew  layer LL-1 after its attention
-                                                             (o_proj, MLP), layer LL up to its own
-    decode.NN   attn, h                -> logits             the last layer after attention, the head
-
-    x, h (1, hidden)     the residual stream (h' = h + o + mlp, float32, in that order)
-    cos, sin (1, D / 2)  RoPE (or MRoPE) of the token's position, from numpy
-    q (1, H * D)         the layer's query heads, q/k-normed (Qwen3), rotated, scaled by 1/sqrt(D)
-    knew, vnew (1, kv)   the layer's new K (rotated) and V row: the model writes them with
-                         `KVCache.write`, the one writer of rows
-    attn (1, H * D)      attention of q over the cached rows and the new row: the C kernel
-                         (_attn.c), between two graphs, reading the cache's rows in place
+    inputs   x (1, hidden)                 the token's embedding row
+             cos, sin (1, head_dim / 2)    RoPE (or MRoPE) of the token's position, from numpy
+             kLL, vLL (S, kv_dim)          layer LL's cached K/V rows [0, S): the F32 cache rows
+                                           themselves, bound zero-copy (runners.DecodeRunner)
+    outputs  logits (1, vocab)
+             knewLL, vnewLL (1, kv_dim)    layer LL's new row (K rotated): the model writes them
+                                           with `KVCache.write`, the one writer of rows
 
 Per layer: RMSNorm (ONNX opset 23 `RMSNormalization`; after the first layer fused with the
 residual add as `SkipSimplifiedLayerNormalization`), the fused q/k/v `MatMulNBits`, per-head
-q/k RMSNorm, `RotaryEmbedding` (rotate-half, cos/sin given for the one position), o_proj, the
-SwiGLU MLP. docs/quantization.md ("Decode") has why attention is not an onnxruntime op.
+q/k RMSNorm (Qwen3), `RotaryEmbedding` (rotate-half, cos/sin given for the one position), GQA
+attention over S + 1 rows, o_proj, the SwiGLU MLP; the residual stream stays float32.
+
+Attention of the one query row over the S cached rows and the new row is one node of our own,
+`ai.edge_llm.AttnRow` (C, backends/_attn.c, loaded into the session by `attn_kernel`): it reads
+each layer's rows in place, in the cache's layout (S, n_kv * D), at close to streaming speed,
+splitting its work over onnxruntime's own pool threads. onnxruntime's operators would copy or
+pack every row per token (docs/quantization.md, "Attention").
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ import numpy as np
 from onnx import helper
 
 from edge_llm.backends.cpu import DenseLayer, load_layer
-from edge_llm.backends.graphs import ATTN, H_IN, H_OUT, KNEW, Q, VNEW, decode_specs
+from edge_llm.backends.attn_kernel import ATTN_DOMAIN, ATTN_OP
+from edge_llm.backends.graphs import DECODE, decode_kv_names, decode_spec
 from edge_llm.backends.onnx_export import (
     MS_DOMAIN,
     Exported,
@@ -59,16 +60,17 @@ class DecodeGraph:
     def __init__(self, g: GraphBuilder, args: ModelArgs, linear: Linear):
         self.g, self.args, self.linear = g, args, linear
         self.eps = float(args.rms_norm_eps)
+        self.scale = g.const("scale", np.array(1.0 / np.sqrt(args.head_dim), np.float32))
         self.pos0 = g.const("pos0", np.zeros((1, 1), np.int64))
 
     # ---- small pieces -----------------------------------------------------------------------
     def norm(self, x: str, w: np.ndarray) -> str:
         return self.g.op("RMSNormalization", [x, self.g.const("norm", w)], axis=-1, epsilon=self.eps)
 
-    def skip_norm(self, delta: str, h: str, w: np.ndarray, sum_out: str | None = None) -> tuple[str, str]:
+    def skip_norm(self, delta: str, h: str, w: np.ndarray) -> tuple[str, str]:
         """(RMSNorm(h + delta), h + delta): the residual add and the next norm in one node."""
         g = self.g
-        y, s = g.fresh("normed"), sum_out or g.fresh("h")
+        y, s = g.fresh("normed"), g.fresh("h")
         g.nodes.append(helper.make_node("SkipSimplifiedLayerNormalization", [delta, h, g.const("norm", w)],
                                         [y, "", "", s], domain=MS_DOMAIN, epsilon=self.eps))
         return y, s
@@ -82,24 +84,30 @@ class DecodeGraph:
         return g.op("RotaryEmbedding", [x3, self.pos0, "cos", "sin"], domain=MS_DOMAIN, interleaved=0,
                     num_heads=heads)
 
+    def attention(self, q3: str, k_new: str, v_new: str, k_past: str, v_past: str) -> str:
+        """(1, 1, H * D) rotated query -> (1, H * D): the `AttnRow` node over the cached rows + the new row."""
+        g, a = self.g, self.args
+        q = g.op("Mul", [g.op("Reshape", [q3, g.const("qrow", _i64(1, a.q_dim))]), self.scale])
+        return g.op(ATTN_OP, [q, k_past, v_past, k_new, v_new], domain=ATTN_DOMAIN,
+                    num_heads=a.num_attention_heads, kv_heads=a.num_key_value_heads)
+
     # ---- a layer ------------------------------------------------------------------------------
-    def qkv(self, i: int, L: DenseLayer, hn: str, q_norm: np.ndarray | None,
-            k_norm: np.ndarray | None) -> None:
-        """Layer i from its normed input hn to the outputs q (scaled), knew, vnew."""
+    def layer(self, i: int, L: DenseLayer, h: str, hn: str, q_norm: np.ndarray | None,
+              k_norm: np.ndarray | None) -> tuple[str, str]:
+        """Layer i on the residual stream h (hn = RMSNorm(h) with the layer's input norm); writes
+        the new K/V row outputs and returns (mlp delta, h after attention): the caller adds the
+        two and norms the sum for what follows (the next layer or the head), in one node."""
         g, a = self.g, self.args
         q_dim, kv = a.q_dim, a.kv_dim
+        k_past, v_past, k_out, v_out = decode_kv_names(i)
         qkv = self.linear(g, hn, L.w_qkv, L.b_qkv, None, WeightKey("qkv", i))
-        q, k = g.fresh("q"), g.fresh("k")
-        g.nodes.append(helper.make_node("Split", [qkv, g.const("qkv_split", _i64(q_dim, kv, kv))], [q, k, VNEW],
-                                        axis=1))
-        q = g.op("Reshape", [self.rope(q, a.num_attention_heads, q_norm), g.const("qrow", _i64(1, q_dim))])
-        g.op("Mul", [q, g.const("scale", np.array(1.0 / np.sqrt(a.head_dim), np.float32))], out=Q)
-        g.op("Reshape", [self.rope(k, a.num_key_value_heads, k_norm), g.const("kvrow", _i64(1, kv))], out=KNEW)
-
-    def post(self, i: int, L: DenseLayer, h: str) -> tuple[str, str]:
-        """Layer i after its attention (input ATTN) on the residual stream h: (mlp delta, h + o)."""
-        g = self.g
-        o = self.linear(g, ATTN, L.w_o, None, None, WeightKey("o", i))
+        q, k, v = g.fresh("q"), g.fresh("k"), v_out
+        g.nodes.append(helper.make_node("Split", [qkv, g.const("qkv_split", _i64(q_dim, kv, kv))], [q, k, v], axis=1))
+        q3 = self.rope(q, a.num_attention_heads, q_norm)
+        k_row = g.op("Reshape", [self.rope(k, a.num_key_value_heads, k_norm), g.const("kvrow", _i64(1, kv))],
+                     out=k_out)
+        attn = self.attention(q3, k_row, v, k_past, v_past)
+        o = self.linear(g, attn, L.w_o, None, None, WeightKey("o", i))
         hn2, h2 = self.skip_norm(o, h, L.post_norm)
         gu = self.linear(g, hn2, L.w_gu, None, None, WeightKey("gate_up", i))
         inter = L.w_down.shape[0]
@@ -110,39 +118,35 @@ class DecodeGraph:
 
 
 def export_decode(model_dir: str | Path, out_dir: Path, linear: Linear,
-                  progress: Callable[[str], None] | None = None) -> list[Exported]:
-    """Write the n + 1 graphs `decode.LL.onnx` + `.onnx.data` into out_dir (module docstring),
-    one layer's F32 tensors in RAM at a time."""
+                  progress: Callable[[str], None] | None = None) -> Exported:
+    """Write `decode.onnx` + `.onnx.data` into out_dir, one layer's F32 tensors in RAM at a time."""
     args = ModelArgs.from_dir(model_dir)
     weights = load_weights(model_dir, args)
-    specs = decode_specs(args)
+    spec = decode_spec(args)
+    path, data = out_dir / f"{DECODE}.onnx", out_dir / f"{DECODE}.onnx.data"
+    g = GraphBuilder(DECODE, data)
+    dg = DecodeGraph(g, args, linear)
     n, p = args.num_hidden_layers, args.weight_prefix
-    out: list[Exported] = []
-    prev: DenseLayer | None = None
-    for i, spec in enumerate(specs):
+    L = load_layer(args, weights, 0)
+    h, hn = "x", dg.norm("x", L.in_norm)
+    for i in range(n):
         if progress:
-            progress(spec.name)
-        path, data = out_dir / f"{spec.name}.onnx", out_dir / f"{spec.name}.onnx.data"
-        g = GraphBuilder(spec.name, data)
-        dg = DecodeGraph(g, args, linear)
-        L = load_layer(args, weights, i) if i < n else None
-        norm = L.in_norm if L is not None else weights.pop(f"{p}norm.weight")
-        if prev is None:
-            hn = dg.norm("x", norm)
-        else:
-            delta, h2 = dg.post(i - 1, prev, H_IN)
-            hn, _ = dg.skip_norm(delta, h2, norm, H_OUT if L is not None else None)
-        if L is not None:
-            qn = kn = None
-            if args.qk_norm:
-                qn = weights.pop(f"{p}layers.{i}.self_attn.q_norm.weight")
-                kn = weights.pop(f"{p}layers.{i}.self_attn.k_norm.weight")
-            dg.qkv(i, L, hn, qn, kn)
-        else:
-            lm = weights.pop(f"{p}embed_tokens.weight") if args.tie_word_embeddings else weights.pop(args.lm_head_name)
-            linear(g, hn, lm.T, None, "logits", WeightKey("head", 0, (0, args.vocab_size)))
-        g.write([(t, [1, w]) for t, w in spec.inputs], [(t, [1, w]) for t, w in spec.outputs], path,
-                opset=DECODE_OPSET)
-        out.append(Exported(spec, path, data, _digest(path, data)))
-        prev = L
-    return out
+            progress(f"layer {i}")
+        qn = kn = None
+        if args.qk_norm:
+            qn = weights.pop(f"{p}layers.{i}.self_attn.q_norm.weight")
+            kn = weights.pop(f"{p}layers.{i}.self_attn.k_norm.weight")
+        delta, h2 = dg.layer(i, L, h, hn, qn, kn)
+        L = load_layer(args, weights, i + 1) if i + 1 < n else None
+        hn, h = dg.skip_norm(delta, h2, L.in_norm if L is not None else weights.pop(f"{p}norm.weight"))
+    lm = weights.pop(f"{p}embed_tokens.weight") if args.tie_word_embeddings else weights.pop(args.lm_head_name)
+    linear(g, hn, lm.T, None, "logits", WeightKey("head", 0, (0, args.vocab_size)))
+    half, kv = args.head_dim // 2, args.kv_dim
+    ins = [("x", [1, args.hidden_size]), ("cos", [1, half]), ("sin", [1, half])]
+    outs = [("logits", [1, args.vocab_size])]
+    for i in range(n):
+        kp, vp, kn_, vn = decode_kv_names(i)
+        ins += [(kp, ["S", kv]), (vp, ["S", kv])]
+        outs += [(kn_, [1, kv]), (vn, [1, kv])]
+    g.write(ins, outs, path, opset=DECODE_OPSET)
+    return Exported(spec, path, data, _digest(path, data))

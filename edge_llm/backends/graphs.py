@@ -15,9 +15,9 @@ or, fused (the quantized CPU backend, docs/quantization.md: half the runtime cal
                   (the last layer's step has no qkv output)
 and one head (or `--head-split N` parts over vocab ranges):
 - `head` / `head.P`: x (T, hidden) -> logits (T, vocab part), final RMSNorm + lm_head
-The quantized CPU backend adds n + 1 graphs for one-row steps, cut at each layer's attention
-(decode_export.py, `decode_specs`): `decode.00` (x -> layer 0's q, new K/V row), `decode.LL`
-(attention output, h -> h', layer LL's q, new K/V row), `decode.NN` (-> logits).
+The quantized CPU backend adds one graph for one-row steps (decode_export.py):
+- `decode`:       x (1, hidden), cos, sin (1, head_dim/2), kLL, vLL (S, kv_dim) per layer ->
+                  logits (1, vocab), knewLL, vnewLL (1, kv_dim) per layer (`decode_kv_names`)
 
 The graphs return deltas, not the new residual stream: the caller adds them in float32
 (`x + attn_out + mlp_out`, in that order, as the CPU backend does), so on an fp16 NPU the
@@ -61,25 +61,17 @@ def layer_name(layer: int, kind: str) -> str:
     return f"layer{layer:02d}.{kind}"
 
 
-ATTN, H_IN, H_OUT, Q, KNEW, VNEW = "attn", "h", "h_out", "q", "knew", "vnew"  # decode tensors
+def decode_kv_names(layer: int) -> tuple[str, str, str, str]:
+    """The decode graph's tensors of one layer: (past K, past V, new K, new V)."""
+    return f"k{layer:02d}", f"v{layer:02d}", f"knew{layer:02d}", f"vnew{layer:02d}"
 
 
-def decode_name(index: int) -> str:
-    return f"{DECODE}.{index:02d}"
-
-
-def decode_specs(args: ModelArgs) -> list[GraphSpec]:
-    """The n + 1 one-row decode graphs, cut at each layer's attention (decode_export.py)."""
-    n, hidden, half = args.num_hidden_layers, args.hidden_size, args.head_dim // 2
-    row = ((Q, args.q_dim), (KNEW, args.kv_dim), (VNEW, args.kv_dim))
-    specs = [GraphSpec(decode_name(0), DECODE, 0, (1,), (("x", hidden), ("cos", half), ("sin", half)), row)]
-    for i in range(1, n):
-        specs.append(GraphSpec(decode_name(i), DECODE, i, (1,),
-                               ((ATTN, args.q_dim), (H_IN, hidden), ("cos", half), ("sin", half)),
-                               ((H_OUT, hidden), *row)))
-    specs.append(GraphSpec(decode_name(n), DECODE, n, (1,), ((ATTN, args.q_dim), (H_IN, hidden)),
-                           (("logits", args.vocab_size),), (0, args.vocab_size)))
-    return specs
+def decode_spec(args: ModelArgs) -> GraphSpec:
+    """The decode graph's manifest entry: one row in, the logits out; its per-layer K/V tensors
+    (`decode_kv_names`) are not listed (their row count S is the cache length)."""
+    half = args.head_dim // 2
+    return GraphSpec(DECODE, DECODE, 0, (1,), (("x", args.hidden_size), ("cos", half), ("sin", half)),
+                     (("logits", args.vocab_size),), (0, args.vocab_size))
 
 
 def head_name(part: int, parts: int) -> str:
