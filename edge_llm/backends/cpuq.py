@@ -54,11 +54,14 @@ class QuantMode:
 # closer to F32 than q4 with the GGUF's exact blocks
 MODES = {"q4": QuantMode("q4", 4, BLOCK, 4)}
 TARGET = "onnxruntime-cpu"
+# what a quantized graph directory holds; older directories are rebuilt on first use
+# (2: the decode graph's attention is the AttnRow operator, backends/_attn.c)
+QUANT_FORMAT = 2
 # onnxruntime's pool threads spin between runs by default; here numpy (attention) runs between
 # every two graph calls and would share its cores with spinning threads
 SESSION_CONFIG = {"session.intra_op.allow_spinning": "0"}
-# the decode graph is a whole token in one call: nothing of ours runs between its ~1300 nodes, so
-# its pool threads spin between them (a sleeping thread takes a futex wake per parallel node), for
+# the decode graph is a whole token in one call (our attention operator runs inside it, on the
+# same pool), so its pool threads spin between its nodes (a sleeping thread takes a futex wake per parallel node), for
 # at most 50 us at a time (less harm when another process holds a core), and stop spinning when
 # the call returns (docs/quantization.md: measured)
 DECODE_CONFIG = {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1",
@@ -138,8 +141,8 @@ def _usable(root: Path, model_dir: Path, qm: QuantMode) -> Manifest | None:
         m.check_model(ModelArgs.from_dir(model_dir), weight_digest(model_dir))
         if (m.target, m.dtype) != (TARGET, qm.label):
             raise ConfigError(f"made as {m.target} {m.dtype}, wanted {TARGET} {qm.label}")
-        if not any(g.kind == DECODE for g in m.graphs):
-            raise ConfigError("no one-row decode graph (made by an older edge-llm)")
+        if not any(g.kind == DECODE for g in m.graphs) or m.build.get("format") != QUANT_FORMAT:
+            raise ConfigError(f"quant format {m.build.get('format', 1)}, this edge-llm makes {QUANT_FORMAT}")
         return m
     except ConfigError as e:
         log.warning("%s is stale (%s): rebuilding", root, e)
@@ -200,7 +203,7 @@ def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], N
                                vocab=list(e.spec.vocab), onnx=str(e.onnx.relative_to(out)),
                                input_key=e.input_key, onnx_bytes=e.nbytes))
     s = summarize(report)
-    m.build = {"quant": qm.name, "summary": s, "weights": report}  # informational, not hashed
+    m.build = {"format": QUANT_FORMAT, "quant": qm.name, "summary": s, "weights": report}  # not hashed
     m.write(out)
     log.info("quantized %s: %d weights exact from GGUF blocks, %d re-quantized (%.1f MB)",
              model_dir.name, s["exact"], s["requantized"], s["bytes"] / 1e6)
