@@ -86,6 +86,13 @@ static inline __attribute__((always_inline)) void softmax_part(float *sc, int64_
     }
 }
 
+/* One row's nv vectors of one KV head into x; pf: first prefetch the whole row PREFETCH rows ahead. */
+static inline __attribute__((always_inline)) void load_row(const float *r, int64_t ld, int pf, int nv, vf x[8]) {
+    if (pf)
+        for (int64_t b = 0; b < ld; b += VL) __builtin_prefetch(r + PREFETCH * ld + b);
+    for (int j = 0; j < nv; j++) x[j] = load(r + j * VL);
+}
+
 /* One KV head's D columns of `rows` rows (row stride ld) against its `rep` query heads q
  * (rep, D): the chunk's partial softmax m, l (rep) and o (rep, D). D and rep are constants
  * after inlining, so q and the accumulators live in registers. pf: prefetch whole rows ahead
@@ -99,11 +106,8 @@ static inline __attribute__((always_inline)) void group_body(const float *q, con
     for (int r = 0; r < rep; r++)
         for (int j = 0; j < nv; j++) qv[r][j] = load(q + r * D + j * VL);
     for (int64_t s = 0; s < rows; s++) {
-        const float *kr = k + s * ld;
-        if (pf)
-            for (int64_t b = 0; b < ld; b += VL) __builtin_prefetch(kr + PREFETCH * ld + b);
         vf kv[8];
-        for (int j = 0; j < nv; j++) kv[j] = load(kr + j * VL);
+        load_row(k + s * ld, ld, pf, nv, kv);
         for (int r = 0; r < rep; r++) {
             vf a = qv[r][0] * kv[0];
             for (int j = 1; j < nv; j++) a += qv[r][j] * kv[j];
@@ -114,11 +118,8 @@ static inline __attribute__((always_inline)) void group_body(const float *q, con
     for (int r = 0; r < rep; r++)
         for (int j = 0; j < nv; j++) acc[r][j] = (vf){0};
     for (int64_t s = 0; s < rows; s++) {
-        const float *vr = v + s * ld;
-        if (pf)
-            for (int64_t b = 0; b < ld; b += VL) __builtin_prefetch(vr + PREFETCH * ld + b);
         vf vv[8];
-        for (int j = 0; j < nv; j++) vv[j] = load(vr + j * VL);
+        load_row(v + s * ld, ld, pf, nv, vv);
         for (int r = 0; r < rep; r++) {
             const float p = sc[(int64_t)r * CHUNK + s];
             for (int j = 0; j < nv; j++) acc[r][j] += p * vv[j];
