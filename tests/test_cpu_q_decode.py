@@ -185,3 +185,49 @@ def test_decode_graph_setting_off_has_its_own_numerics(model, tiny_synth_dir, ho
     on = make_backend(Settings(model=str(tiny_synth_dir), backend="cpu-q"), tiny_synth_dir)
     assert off.row_step is None and on.row_step is not None
     assert on.numerics == model.numerics and off.numerics != on.numerics
+
+
+def test_attention_is_the_attnrow_operator_and_old_directories_are_rebuilt(model, tiny_synth_dir, home, tmp_path,
+                                                                           monkeypatch):
+    """The decode graph's attention is one `ai.edge_llm.AttnRow` node per layer (backends/_attn.c)
+    and the numerics names its code path; a graph directory of the previous format (attention
+    as onnxruntime matmuls) is rebuilt on first use, not run under the new numerics."""
+    import json
+
+    import onnx
+
+    from edge_llm.backends import attn_kernel
+
+    root, m = cpuq.ensure_quantized(tiny_synth_dir, cpuq.mode("q4"))
+    graph = onnx.load(str(m.onnx_files(root)[DECODE]), load_external_data=False)
+    ops = [n.op_type for n in graph.graph.node]
+    assert ops.count(attn_kernel.ATTN_OP) == model.args.num_hidden_layers
+    assert "Softmax" not in ops and "Tile" not in ops
+    assert model.numerics.endswith(f":attn-{attn_kernel.isa()}")
+
+    old = tmp_path / "home"
+    shutil.copytree(home / "quant", old / "quant")
+    monkeypatch.setenv("EDGE_LLM_HOME", str(old))
+    old_root = cpuq.quant_dir(tiny_synth_dir, cpuq.mode("q4"))
+    manifest = json.loads((old_root / "manifest.json").read_text())
+    del manifest["build"]["format"]  # what an edge-llm before the operator wrote
+    (old_root / "manifest.json").write_text(json.dumps(manifest))
+    _, rebuilt = cpuq.ensure_quantized(tiny_synth_dir, cpuq.mode("q4"))
+    assert rebuilt.build["format"] == cpuq.QUANT_FORMAT
+    assert json.loads((old_root / "manifest.json").read_text())["build"]["format"] == cpuq.QUANT_FORMAT
+
+
+def test_without_the_built_operator_one_row_steps_use_the_layer_graphs(model, tiny_synth_dir, monkeypatch, caplog):
+    """A package installed without a C compiler has no `_attn` library: cpu-q still runs, one-row
+    steps on the per-layer graphs, under their own numerics, and says so in the log."""
+    from edge_llm.backends import attn_kernel
+
+    monkeypatch.setattr(attn_kernel, "library_path", lambda: None)
+    with caplog.at_level("WARNING"):
+        be = cpuq.open_cpu_q(tiny_synth_dir, "q4", threads=2)
+    assert be.row_step is None and be.numerics.endswith(":per-layer-decode")
+    assert "attention operator" in caplog.text and "not built" in caplog.text
+    m = Model.load(tiny_synth_dir, be)
+    cache = m.new_cache(max_seq=64)
+    m.prefill(PROMPT, cache, chunk=16)
+    assert np.isfinite(m.forward([5], cache)).all()

@@ -54,11 +54,14 @@ class QuantMode:
 # closer to F32 than q4 with the GGUF's exact blocks
 MODES = {"q4": QuantMode("q4", 4, BLOCK, 4)}
 TARGET = "onnxruntime-cpu"
+# what a quantized graph directory holds; older directories are rebuilt on first use
+# (2: the decode graph's attention is the AttnRow operator, backends/_attn.c)
+QUANT_FORMAT = 2
 # onnxruntime's pool threads spin between runs by default; here numpy (attention) runs between
 # every two graph calls and would share its cores with spinning threads
 SESSION_CONFIG = {"session.intra_op.allow_spinning": "0"}
-# the decode graph is a whole token in one call: nothing of ours runs between its ~1300 nodes, so
-# its pool threads spin between them (a sleeping thread takes a futex wake per parallel node), for
+# the decode graph is a whole token in one call (our attention operator runs inside it, on the
+# same pool), so its pool threads spin between its nodes (a sleeping thread takes a futex wake per parallel node), for
 # at most 50 us at a time (less harm when another process holds a core), and stop spinning when
 # the call returns (docs/quantization.md: measured)
 DECODE_CONFIG = {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1",
@@ -138,8 +141,8 @@ def _usable(root: Path, model_dir: Path, qm: QuantMode) -> Manifest | None:
         m.check_model(ModelArgs.from_dir(model_dir), weight_digest(model_dir))
         if (m.target, m.dtype) != (TARGET, qm.label):
             raise ConfigError(f"made as {m.target} {m.dtype}, wanted {TARGET} {qm.label}")
-        if not any(g.kind == DECODE for g in m.graphs):
-            raise ConfigError("no one-row decode graph (made by an older edge-llm)")
+        if not any(g.kind == DECODE for g in m.graphs) or m.build.get("format") != QUANT_FORMAT:
+            raise ConfigError(f"quant format {m.build.get('format', 1)}, this edge-llm makes {QUANT_FORMAT}")
         return m
     except ConfigError as e:
         log.warning("%s is stale (%s): rebuilding", root, e)
@@ -200,7 +203,7 @@ def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], N
                                vocab=list(e.spec.vocab), onnx=str(e.onnx.relative_to(out)),
                                input_key=e.input_key, onnx_bytes=e.nbytes))
     s = summarize(report)
-    m.build = {"quant": qm.name, "summary": s, "weights": report}  # informational, not hashed
+    m.build = {"format": QUANT_FORMAT, "quant": qm.name, "summary": s, "weights": report}  # not hashed
     m.write(out)
     log.info("quantized %s: %d weights exact from GGUF blocks, %d re-quantized (%.1f MB)",
              model_dir.name, s["exact"], s["requantized"], s["bytes"] / 1e6)
@@ -212,6 +215,7 @@ def open_cpu_q(model_dir: str | Path, quant: str = "q4", threads: int | None = N
     """Build or find the quantized graphs, start onnxruntime on them: a Backend to load.
     `decode_graph=False` runs one-row steps on the per-layer graphs too (what cpu-q did before the
     decode graph; `bench quant` compares both): other bits, so another `numerics`."""
+    from edge_llm.backends import attn_kernel
     from edge_llm.backends.decode_step import OrtDecodeStep
     from edge_llm.backends.runners import OrtRunner
     from edge_llm.config import ModelArgs
@@ -224,6 +228,10 @@ def open_cpu_q(model_dir: str | Path, quant: str = "q4", threads: int | None = N
         log.info("cpu-q: pinned to the big cores %s (%d threads)", cores, n)
     files = m.onnx_files(root)
     decode = files.pop(DECODE)
+    if decode_graph and attn_kernel.library_path() is None:
+        log.warning("cpu-q: the attention operator (_attn.c) was not built at install (no C compiler?): "
+                    "one-row steps run on the per-layer graphs (docs/quantization.md)")
+        decode_graph = False
     step = OrtDecodeStep(decode, ModelArgs.from_dir(model_dir), n, DECODE_CONFIG, shared_arena=True) \
         if decode_graph else None
     r = OrtRunner(files, threads=n, kind=qm.label, config=SESSION_CONFIG, shared_arena=True)
@@ -231,7 +239,6 @@ def open_cpu_q(model_dir: str | Path, quant: str = "q4", threads: int | None = N
     # so changing `threads` keeps the snapshots; the CPU's kernel ISA does change them. The
     # manifest identity covers the decode graph (its bytes), so one-row steps are in it too.
     numerics = f"cpu-q:{qm.name}:{m.identity()}:onnxruntime-{r.version}-{qm.label}-{kernel_isa()}"
-    if not decode_graph:
-        numerics += ":per-layer-decode"
+    numerics += f":attn-{attn_kernel.isa()}" if decode_graph else ":per-layer-decode"
     return GraphBackend("cpu-q", [s for s in m.specs() if s.kind != DECODE], r, numerics,
                         mapped_embedding=True, row_step=step)

@@ -18,13 +18,11 @@ residual add as `SkipSimplifiedLayerNormalization`), the fused q/k/v `MatMulNBit
 q/k RMSNorm (Qwen3), `RotaryEmbedding` (rotate-half, cos/sin given for the one position), GQA
 attention over S + 1 rows, o_proj, the SwiGLU MLP; the residual stream stays float32.
 
-Attention of one query row reads each cached row once, in the cache's own layout (S, n_kv * D):
-the query heads are laid out block-diagonally as Qbd (n_kv * D, H) (head h's query in the rows
-of its KV head, zeros elsewhere, 1/sqrt(D) folded in), so the scores are one plain matmul
-`K @ Qbd` (S, H) and the output `softmax @ V` (H, n_kv * D), of which each head keeps the D
-columns of its KV head (a Gather). The new row enters as one more score column and one more
-rank-1 term, so no cached row is copied. The multiply-adds wasted on the zero blocks are free:
-this is bandwidth-bound (docs/quantization.md).
+Attention of the one query row over the S cached rows and the new row is one node of our own,
+`ai.edge_llm.AttnRow` (C, backends/_attn.c, loaded into the session by `attn_kernel`): it reads
+each layer's rows in place, in the cache's layout (S, n_kv * D), at close to streaming speed,
+splitting its work over onnxruntime's own pool threads. onnxruntime's operators would copy or
+pack every row per token (docs/quantization.md, "Attention").
 """
 
 from __future__ import annotations
@@ -36,6 +34,7 @@ import numpy as np
 from onnx import helper
 
 from edge_llm.backends.cpu import DenseLayer, load_layer
+from edge_llm.backends.attn_kernel import ATTN_DOMAIN, ATTN_OP
 from edge_llm.backends.graphs import DECODE, decode_kv_names, decode_spec
 from edge_llm.backends.onnx_export import (
     MS_DOMAIN,
@@ -49,7 +48,6 @@ from edge_llm.config import ModelArgs
 from edge_llm.weights import load_weights
 
 DECODE_OPSET = 23  # RMSNormalization
-INT_MAX = np.iinfo(np.int64).max
 
 
 def _i64(*v: int) -> np.ndarray:
@@ -62,15 +60,7 @@ class DecodeGraph:
     def __init__(self, g: GraphBuilder, args: ModelArgs, linear: Linear):
         self.g, self.args, self.linear = g, args, linear
         self.eps = float(args.rms_norm_eps)
-        H, n_kv, D = args.num_attention_heads, args.num_key_value_heads, args.head_dim
-        rep = H // n_kv
-        scale = np.float32(1.0 / np.sqrt(D))
-        # Qbd = tile(q^T, n_kv) * mask: column h keeps rows of KV head h // rep, scaled
-        mask = np.zeros((n_kv * D, H), np.float32)
-        for h in range(H):
-            mask[(h // rep) * D:(h // rep + 1) * D, h] = scale
-        self.mask = g.const("qbd_mask", mask)
-        self.pick = g.const("head_cols", _i64(*[h * n_kv + h // rep for h in range(H)]))
+        self.scale = g.const("scale", np.array(1.0 / np.sqrt(args.head_dim), np.float32))
         self.pos0 = g.const("pos0", np.zeros((1, 1), np.int64))
 
     # ---- small pieces -----------------------------------------------------------------------
@@ -95,18 +85,11 @@ class DecodeGraph:
                     num_heads=heads)
 
     def attention(self, q3: str, k_new: str, v_new: str, k_past: str, v_past: str) -> str:
-        g = self.g
-        H, D = self.args.num_attention_heads, self.args.head_dim
-        qt = g.op("Transpose", [g.op("Reshape", [q3, g.const("hd", _i64(H, D))])], perm=[1, 0])
-        qbd = g.op("Mul", [g.op("Tile", [qt, g.const("reps", _i64(self.args.num_key_value_heads, 1))]), self.mask])
-        scores = g.op("Concat", [g.op("MatMul", [k_past, qbd]), g.op("MatMul", [k_new, qbd])], axis=0)  # (S+1, H)
-        p = g.op("Softmax", [g.op("Transpose", [scores], perm=[1, 0])], axis=-1)  # (H, S+1)
-        p_past = g.op("Slice", [p, g.const("s0", _i64(0)), g.const("s1", _i64(-1)), g.const("ax", _i64(1))])
-        p_new = g.op("Slice", [p, g.const("s2", _i64(-1)), g.const("s3", _i64(INT_MAX)), g.const("ax", _i64(1))])
-        out = g.op("Add", [g.op("MatMul", [p_past, v_past]), g.op("MatMul", [p_new, v_new])])  # (H, n_kv*D)
-        out = g.op("Reshape", [out, g.const("hkd", _i64(H * self.args.num_key_value_heads, D))])
-        heads = g.op("Gather", [out, self.pick], axis=0)  # (H, D): each head's own KV head
-        return g.op("Reshape", [heads, g.const("row", _i64(1, H * D))])
+        """(1, 1, H * D) rotated query -> (1, H * D): the `AttnRow` node over the cached rows + the new row."""
+        g, a = self.g, self.args
+        q = g.op("Mul", [g.op("Reshape", [q3, g.const("qrow", _i64(1, a.q_dim))]), self.scale])
+        return g.op(ATTN_OP, [q, k_past, v_past, k_new, v_new], domain=ATTN_DOMAIN,
+                    num_heads=a.num_attention_heads, kv_heads=a.num_key_value_heads)
 
     # ---- a layer ------------------------------------------------------------------------------
     def layer(self, i: int, L: DenseLayer, h: str, hn: str, q_norm: np.ndarray | None,

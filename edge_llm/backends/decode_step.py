@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_llm.backends import attn_kernel
 from edge_llm.backends.graphs import decode_kv_names
 from edge_llm.backends.runners import open_session, session_options
 from edge_llm.config import ModelArgs
@@ -30,7 +31,9 @@ class OrtDecodeStep:
             import onnxruntime as ort
         except ImportError:
             raise ConfigError("onnxruntime is not installed: pip install 'edge-llm[quant]'") from None
-        self.session = open_session(ort, onnx_path, session_options(ort, threads, config, shared_arena))
+        opts = session_options(ort, threads, config, shared_arena)
+        attn_kernel.register(opts)
+        self.session = open_session(ort, onnx_path, opts)
         n = args.num_hidden_layers
         self.names = [decode_kv_names(i) for i in range(n)]
         want = {"x", "cos", "sin"} | {t for names in self.names for t in names[:2]}

@@ -108,8 +108,8 @@ class GraphBuilder:
         outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in outputs]
         graph = helper.make_graph(self.nodes, self.name, ins, outs, self.inits)
         opsets = [helper.make_opsetid("", opset)]
-        if any(n.domain == MS_DOMAIN for n in self.nodes):  # MatMulNBits (quantized CPU backend)
-            opsets.append(helper.make_opsetid(MS_DOMAIN, 1))
+        for domain in sorted({n.domain for n in self.nodes} - {"", "ai.onnx"}):  # MatMulNBits, AttnRow (cpu-q)
+            opsets.append(helper.make_opsetid(domain, 1))
         model = helper.make_model(graph, opset_imports=opsets, producer_name="edge-llm")
         # 8: readable by onnx 1.12+ / onnxruntime 1.14+ / rknn-toolkit2; opset 23 needs 10
         model.ir_version = 8 if opset <= OPSET else 10

@@ -1,0 +1,380 @@
+/* One query row of grouped-query attention over a layer's F32 KV rows: the onnxruntime custom
+ * operator `ai.edge_llm.AttnRow` of backend cpu-q's decode graph (decode_export.py).
+ *
+ * Why by hand: the cache holds a layer's rows as (S, n_kv * D) F32, one row per token, and a
+ * decode step reads every row once, so attention is bound by how fast those bytes stream.
+ * onnxruntime's MatMul packs an operand per call (a copy of every row), its attention operators
+ * want (n_kv, S, D) pasts (a transposed copy per token); no library reads this layout in place.
+ * docs/quantization.md ("The attention operator") has the measurements.
+ *
+ * The result depends only on the inputs and S, never on the thread count: the rows are cut into
+ * fixed chunks of CHUNK rows, each chunk's partial softmax (its max, sum and weighted V rows) is
+ * computed in one fixed order by whichever of onnxruntime's pool threads takes it
+ * (KernelContext_ParallelFor), and the chunks are merged in order on the calling thread (split-K
+ * "flash decoding"). The new token's own row, not yet in the cache, is one more chunk of one row,
+ * so the cache is only read here.
+ *
+ * Plain C with GCC vector extensions (no intrinsics): one source for x86-64 (AVX-512, AVX2 and
+ * SSE2 clones picked at load time) and aarch64 (NEON). Common head shapes (D = 64 or 128, up to
+ * 4 query heads per KV head) get a body that keeps q and the accumulators in vector registers;
+ * other shapes take the generic loop. Built by setup.py against the vendored C API header
+ * (third_party/onnxruntime); `edge_attn_row` is the same computation on one thread, for tests.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "onnxruntime_c_api.h"
+
+#define CHUNK 256  /* rows per chunk: changing it changes the bits (it is in the numerics) */
+#define PREFETCH 8 /* rows ahead */
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
+#else
+#define CLONES
+#endif
+
+typedef float vf __attribute__((vector_size(64), aligned(4))); /* 16 floats, any alignment */
+typedef float vf8 __attribute__((vector_size(32), aligned(4)));
+typedef float vf4 __attribute__((vector_size(16), aligned(4)));
+#define VL 16
+
+static inline vf load(const float *p) { return *(const vf *)p; }
+
+static inline float hsum(vf v) {
+    vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* e^x for x <= 0, ~2 ulp (Cephes expf) in plain arithmetic the compiler vectorizes. */
+static inline float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    float n = (x * 1.44269504088896341f + magic) - magic;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* sc[r * CHUNK + s] (rows of one head contiguous) -> e^(score - max); m[r] = max, l[r] = sum. */
+static inline __attribute__((always_inline)) void softmax_part(float *sc, int64_t rows, int rep, float *m,
+                                                               float *l) {
+    for (int r = 0; r < rep; r++) {
+        float *sh = sc + (int64_t)r * CHUNK, mx = sh[0], sum = 0.0f;
+#pragma omp simd reduction(max : mx)
+        for (int64_t s = 0; s < rows; s++) mx = sh[s] > mx ? sh[s] : mx;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t s = 0; s < rows; s++) {
+            sh[s] = exp_neg(sh[s] - mx);
+            sum += sh[s];
+        }
+        m[r] = mx;
+        l[r] = sum;
+    }
+}
+
+/* One row's nv vectors of one KV head into x; pf: first prefetch the whole row PREFETCH rows ahead. */
+static inline __attribute__((always_inline)) void load_row(const float *r, int64_t ld, int pf, int nv, vf x[8]) {
+    if (pf)
+        for (int64_t b = 0; b < ld; b += VL) __builtin_prefetch(r + PREFETCH * ld + b);
+    for (int j = 0; j < nv; j++) x[j] = load(r + j * VL);
+}
+
+/* One KV head's D columns of `rows` rows (row stride ld) against its `rep` query heads q
+ * (rep, D): the chunk's partial softmax m, l (rep) and o (rep, D). D and rep are constants
+ * after inlining, so q and the accumulators live in registers. pf: prefetch whole rows ahead
+ * (set for the first KV head of a row; the others then find the row in cache). */
+static inline __attribute__((always_inline)) void group_body(const float *q, const float *k, const float *v,
+                                                             int64_t rows, int64_t ld, float *m, float *l,
+                                                             float *o, float *sc, int pf, const int D,
+                                                             const int rep) {
+    const int nv = D / VL;
+    vf qv[4][8], acc[4][8];
+    for (int r = 0; r < rep; r++)
+        for (int j = 0; j < nv; j++) qv[r][j] = load(q + r * D + j * VL);
+    for (int64_t s = 0; s < rows; s++) {
+        vf kv[8];
+        load_row(k + s * ld, ld, pf, nv, kv);
+        for (int r = 0; r < rep; r++) {
+            vf a = qv[r][0] * kv[0];
+            for (int j = 1; j < nv; j++) a += qv[r][j] * kv[j];
+            sc[(int64_t)r * CHUNK + s] = hsum(a);
+        }
+    }
+    softmax_part(sc, rows, rep, m, l);
+    for (int r = 0; r < rep; r++)
+        for (int j = 0; j < nv; j++) acc[r][j] = (vf){0};
+    for (int64_t s = 0; s < rows; s++) {
+        vf vv[8];
+        load_row(v + s * ld, ld, pf, nv, vv);
+        for (int r = 0; r < rep; r++) {
+            const float p = sc[(int64_t)r * CHUNK + s];
+            for (int j = 0; j < nv; j++) acc[r][j] += p * vv[j];
+        }
+    }
+    for (int r = 0; r < rep; r++)
+        for (int j = 0; j < nv; j++) *(vf *)(o + r * D + j * VL) = acc[r][j];
+}
+
+typedef void (*group_fn)(const float *, const float *, const float *, int64_t, int64_t, float *, float *,
+                         float *, float *, int);
+
+#define SPECIALIZE(D, REP)                                                                             \
+    CLONES static void group_##D##_##REP(const float *q, const float *k, const float *v, int64_t rows,  \
+                                         int64_t ld, float *m, float *l, float *o, float *sc, int pf) { \
+        group_body(q, k, v, rows, ld, m, l, o, sc, pf, D, REP);                                        \
+    }
+SPECIALIZE(64, 1) SPECIALIZE(64, 2) SPECIALIZE(64, 3) SPECIALIZE(64, 4)
+SPECIALIZE(128, 1) SPECIALIZE(128, 2) SPECIALIZE(128, 3) SPECIALIZE(128, 4)
+
+/* Any D and rep: the same order of operations per head, with loops instead of registers. */
+CLONES static void group_any(const float *q, const float *k, const float *v, int64_t rows, int64_t ld,
+                             float *m, float *l, float *o, float *sc, int D, int rep) {
+    for (int64_t s = 0; s < rows; s++)
+        for (int r = 0; r < rep; r++) {
+            float a = 0.0f;
+            for (int d = 0; d < D; d++) a += q[r * D + d] * k[s * ld + d];
+            sc[(int64_t)r * CHUNK + s] = a;
+        }
+    softmax_part(sc, rows, rep, m, l);
+    memset(o, 0, sizeof(float) * (size_t)rep * (size_t)D);
+    for (int64_t s = 0; s < rows; s++)
+        for (int r = 0; r < rep; r++) {
+            const float p = sc[(int64_t)r * CHUNK + s];
+            for (int d = 0; d < D; d++) o[r * D + d] += p * v[s * ld + d];
+        }
+}
+
+static group_fn specialized(int D, int rep) {
+    static const group_fn d64[] = {group_64_1, group_64_2, group_64_3, group_64_4};
+    static const group_fn d128[] = {group_128_1, group_128_2, group_128_3, group_128_4};
+    if (rep < 1 || rep > 4) return 0;
+    return D == 64 ? d64[rep - 1] : D == 128 ? d128[rep - 1] : 0;
+}
+
+/* Scratch floats edge_attn_row needs for S cached rows. */
+int64_t edge_attn_work_size(int64_t S, int H, int D) {
+    return ((S + CHUNK - 1) / CHUNK + 1) * (int64_t)H * (D + 2 + CHUNK);
+}
+
+typedef struct {
+    const float *q, *k, *v, *k_new, *v_new;
+    int64_t S, ld, full, per;
+    int H, n_kv, D, rep;
+    group_fn fn;
+    float *work;
+} Job;
+
+static int job_init(Job *j, const float *q, const float *k, const float *v, const float *k_new,
+                    const float *v_new, int64_t S, int64_t ld, int H, int n_kv, int D, float *work) {
+    if (S < 0 || H <= 0 || n_kv <= 0 || D <= 0 || H % n_kv != 0 || ld < (int64_t)n_kv * D) return -1;
+    j->q = q, j->k = k, j->v = v, j->k_new = k_new, j->v_new = v_new;
+    j->S = S, j->ld = ld, j->H = H, j->n_kv = n_kv, j->D = D, j->rep = H / n_kv;
+    j->fn = specialized(D, j->rep);
+    j->full = (S + CHUNK - 1) / CHUNK;
+    j->per = (int64_t)H * (D + 2 + CHUNK);
+    j->work = work;
+    return 0;
+}
+
+/* Chunk c of a job (c == full: the new row), into its own slice of the scratch. */
+static void job_chunk(void *arg, size_t c_) {
+    const Job *j = (const Job *)arg;
+    const int64_t c = (int64_t)c_, H = j->H, D = j->D, rep = j->rep, ld = j->ld;
+    float *w = j->work + c * j->per, *m = w, *l = w + H, *o = w + 2 * H, *sc = o + H * D;
+    const int64_t s0 = c * CHUNK, rows = c < j->full ? (j->S - s0 < CHUNK ? j->S - s0 : CHUNK) : 1;
+    const float *kc = c < j->full ? j->k + s0 * ld : j->k_new, *vc = c < j->full ? j->v + s0 * ld : j->v_new;
+    for (int g = 0; g < j->n_kv; g++) {
+        const float *qg = j->q + g * rep * D, *kg = kc + (int64_t)g * D, *vg = vc + (int64_t)g * D;
+        float *og = o + g * rep * D, *scg = sc + g * rep * CHUNK;
+        if (j->fn)
+            j->fn(qg, kg, vg, rows, ld, m + g * rep, l + g * rep, og, scg, g == 0 && c < j->full);
+        else
+            group_any(qg, kg, vg, rows, ld, m + g * rep, l + g * rep, og, scg, (int)D, (int)rep);
+    }
+}
+
+/* Merge the chunks in order into out (H, D). */
+static void job_merge(const Job *j, float *out) {
+    const int64_t chunks = j->full + 1, per = j->per, H = j->H, D = j->D;
+    const float *work = j->work;
+    for (int64_t h = 0; h < H; h++) {
+        float mx = work[h], denom = 0.0f, *oh = out + h * D;
+        for (int64_t c = 1; c < chunks; c++) mx = work[c * per + h] > mx ? work[c * per + h] : mx;
+        for (int64_t d = 0; d < D; d++) oh[d] = 0.0f;
+        for (int64_t c = 0; c < chunks; c++) {
+            const float *w = work + c * per, a = exp_neg(w[h] - mx), *o = w + 2 * H + h * D;
+            denom += a * w[H + h];
+            for (int64_t d = 0; d < D; d++) oh[d] += a * o[d];
+        }
+        const float inv = 1.0f / denom;
+        for (int64_t d = 0; d < D; d++) oh[d] *= inv;
+    }
+}
+
+/* out (H, D) = softmax(q K^T) V over the S cached rows k/v (row stride ld floats) and the new row
+ * k_new/v_new, on the calling thread. q (H, D) is already rotated and scaled by 1/sqrt(D); query
+ * head h reads KV head h / (H / n_kv). work: edge_attn_work_size(S, H, D) floats. Returns 0, or
+ * -1 on bad sizes. The operator below computes exactly this, its chunks spread over threads. */
+int edge_attn_row(const float *q, const float *k, const float *v, const float *k_new, const float *v_new,
+                  int64_t S, int64_t ld, int H, int n_kv, int D, float *out, float *work) {
+    Job j;
+    if (job_init(&j, q, k, v, k_new, v_new, S, ld, H, n_kv, D, work) != 0) return -1;
+    for (int64_t c = 0; c <= j.full; c++) job_chunk(&j, (size_t)c);
+    job_merge(&j, out);
+    return 0;
+}
+
+/* The code path this CPU runs (part of the backend's numerics: clones round differently). */
+const char *edge_attn_isa(void) {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return "x86_64-avx512f";
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "x86_64-avx2";
+    return "x86_64-sse2";
+#elif defined(__aarch64__)
+    return "aarch64-neon";
+#else
+    return "generic";
+#endif
+}
+
+/* CHUNK, for the numerics string. */
+int edge_attn_chunk(void) { return CHUNK; }
+
+/* ---- the onnxruntime operator ai.edge_llm.AttnRow ---------------------------------------------
+ * inputs  q (1, H * D), k (S, n_kv * D), v (S, n_kv * D), k_new (1, n_kv * D), v_new (1, n_kv * D)
+ * output  attn (1, H * D)                   attributes  num_heads = H, kv_heads = n_kv  (int64) */
+static const OrtApi *ort;
+
+typedef struct {
+    int64_t H, n_kv;
+} AttnRow;
+
+#define CHECK(expr)                    \
+    do {                               \
+        OrtStatusPtr st_ = (expr);     \
+        if (st_ != NULL) return st_;   \
+    } while (0)
+
+static OrtStatusPtr fail(const char *msg) { return ort->CreateStatus(ORT_INVALID_ARGUMENT, msg); }
+
+/* A 2-D float tensor's data and shape. */
+static OrtStatusPtr tensor2d(OrtKernelContext *ctx, size_t index, const float **data, int64_t dims[2]) {
+    const OrtValue *value;
+    OrtTensorTypeAndShapeInfo *info;
+    size_t n;
+    CHECK(ort->KernelContext_GetInput(ctx, index, &value));
+    CHECK(ort->GetTensorTypeAndShape(value, &info));
+    OrtStatusPtr st = ort->GetDimensionsCount(info, &n);
+    if (st == NULL && n != 2) st = fail("AttnRow: every input must be 2-D");
+    if (st == NULL) st = ort->GetDimensions(info, dims, 2);
+    ort->ReleaseTensorTypeAndShapeInfo(info);
+    CHECK(st);
+    return ort->GetTensorMutableData((OrtValue *)value, (void **)data);
+}
+
+static OrtStatusPtr op_create(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info, void **out) {
+    (void)op;
+    AttnRow *a = calloc(1, sizeof *a);
+    if (a == NULL) return api->CreateStatus(ORT_FAIL, "AttnRow: out of memory");
+    OrtStatusPtr st = api->KernelInfoGetAttribute_int64(info, "num_heads", &a->H);
+    if (st == NULL) st = api->KernelInfoGetAttribute_int64(info, "kv_heads", &a->n_kv);
+    if (st == NULL && (a->H <= 0 || a->n_kv <= 0 || a->H % a->n_kv != 0))
+        st = api->CreateStatus(ORT_INVALID_ARGUMENT, "AttnRow: num_heads must be a positive multiple of kv_heads");
+    if (st != NULL) {
+        free(a);
+        return st;
+    }
+    *out = a;
+    return NULL;
+}
+
+static OrtStatusPtr op_compute(void *kernel, OrtKernelContext *ctx) {
+    const AttnRow *a = (const AttnRow *)kernel;
+    const float *in[5];
+    int64_t dims[5][2];
+    for (size_t i = 0; i < 5; i++) CHECK(tensor2d(ctx, i, &in[i], dims[i]));
+    const int64_t H = a->H, n_kv = a->n_kv, S = dims[1][0], ld = dims[1][1];
+    if (dims[0][0] != 1 || dims[0][1] % H != 0) return fail("AttnRow: q must be (1, num_heads * D)");
+    const int64_t D = dims[0][1] / H;
+    if (ld != n_kv * D || dims[2][0] != S || dims[2][1] != ld) return fail("AttnRow: k, v must be (S, kv_heads * D)");
+    if (dims[3][0] != 1 || dims[3][1] != ld || dims[4][0] != 1 || dims[4][1] != ld)
+        return fail("AttnRow: k_new, v_new must be (1, kv_heads * D)");
+    OrtValue *out_value;
+    float *out;
+    CHECK(ort->KernelContext_GetOutput(ctx, 0, dims[0], 2, &out_value));
+    CHECK(ort->GetTensorMutableData(out_value, (void **)&out));
+    float *work = malloc(sizeof(float) * (size_t)edge_attn_work_size(S, (int)H, (int)D));
+    if (work == NULL) return ort->CreateStatus(ORT_FAIL, "AttnRow: out of memory");
+    Job j;
+    job_init(&j, in[0], in[1], in[2], in[3], in[4], S, ld, (int)H, (int)n_kv, (int)D, work);
+    OrtStatusPtr st = ort->KernelContext_ParallelFor(ctx, job_chunk, (size_t)j.full + 1, 0, &j);
+    if (st == NULL) job_merge(&j, out);
+    free(work);
+    return st;
+}
+
+static void op_destroy(void *kernel) { free(kernel); }
+static const char *op_name(const OrtCustomOp *op) { (void)op; return "AttnRow"; }
+static const char *op_provider(const OrtCustomOp *op) { (void)op; return NULL; }
+static ONNXTensorElementDataType op_type(const OrtCustomOp *op, size_t i) {
+    (void)op, (void)i;
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+static size_t op_inputs(const OrtCustomOp *op) { (void)op; return 5; }
+static size_t op_outputs(const OrtCustomOp *op) { (void)op; return 1; }
+static OrtCustomOpInputOutputCharacteristic op_required(const OrtCustomOp *op, size_t i) {
+    (void)op, (void)i;
+    return INPUT_OUTPUT_REQUIRED;
+}
+static OrtMemType op_memtype(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return OrtMemTypeDefault; }
+static int op_one(const OrtCustomOp *op) { (void)op; return 1; }
+static int op_since(const OrtCustomOp *op) { (void)op; return 1; }
+static int op_until(const OrtCustomOp *op) { (void)op; return 2147483647; }
+
+static OrtCustomOp attn_row_op = {
+    .version = ORT_API_VERSION,
+    .GetName = op_name,
+    .GetExecutionProviderType = op_provider,
+    .GetInputType = op_type,
+    .GetInputTypeCount = op_inputs,
+    .GetOutputType = op_type,
+    .GetOutputTypeCount = op_outputs,
+    .KernelDestroy = op_destroy,
+    .GetInputCharacteristic = op_required,
+    .GetOutputCharacteristic = op_required,
+    .GetInputMemoryType = op_memtype,
+    .GetVariadicInputMinArity = op_one,
+    .GetVariadicInputHomogeneity = op_one,
+    .GetVariadicOutputMinArity = op_one,
+    .GetVariadicOutputHomogeneity = op_one,
+    .CreateKernelV2 = op_create,
+    .KernelComputeV2 = op_compute,
+    .GetStartVersion = op_since,
+    .GetEndVersion = op_until,
+};
+
+/* Called by onnxruntime for SessionOptions.register_custom_ops_library(this file). */
+__attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options,
+                                                                    const OrtApiBase *api_base) {
+    ort = api_base->GetApi(ORT_API_VERSION);
+    if (ort == NULL) return NULL; /* an onnxruntime older than this header: the graph then fails to load */
+    OrtCustomOpDomain *domain;
+    CHECK(ort->CreateCustomOpDomain("ai.edge_llm", &domain)); /* lives as long as the process */
+    CHECK(ort->CustomOpDomain_Add(domain, &attn_row_op));
+    return ort->AddCustomOpDomain(options, domain);
+}

@@ -1,0 +1,58 @@
+"""The attention operator `ai.edge_llm.AttnRow` (backends/_attn.c): where it is, what it runs.
+
+`pip install` builds `_attn.c` (setup.py) into a shared library next to this file: an
+onnxruntime custom operator library, registered into the decode graph's session options
+(`register`). It is optional: without a C compiler at install time the package installs, and
+backend cpu-q runs one-row steps on its per-layer graphs instead (`library_path()` is None).
+The library also exports the same computation on one thread (`edge_attn_row`, used by the
+tests) and the code path it picked for this CPU (`isa()`, part of cpu-q's numerics).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+ATTN_DOMAIN, ATTN_OP = "ai.edge_llm", "AttnRow"
+
+
+def library_path() -> Path | None:
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        if (p := here / f"_attn{suffix}").is_file():
+            return p
+    return None
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The library through ctypes (the GIL is released during calls), or None if not built."""
+    path = library_path()
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.edge_attn_row.argtypes = [P, P, P, P, P, I64, I64, I, I, I, P, P]
+    lib.edge_attn_row.restype = I
+    lib.edge_attn_work_size.argtypes = [I64, I, I]
+    lib.edge_attn_work_size.restype = I64
+    lib.edge_attn_isa.restype = ctypes.c_char_p
+    lib.edge_attn_chunk.restype = I
+    return lib
+
+
+def isa() -> str:
+    """e.g. `x86_64-avx512f-c256`: the clone this CPU runs and the chunk size (both decide bits)."""
+    lib = library()
+    return "none" if lib is None else f"{lib.edge_attn_isa().decode()}-c{lib.edge_attn_chunk()}"
+
+
+def register(opts: Any) -> None:
+    """Make `AttnRow` available to sessions made with these onnxruntime SessionOptions."""
+    path = library_path()
+    if path is None:
+        raise FileNotFoundError("the attention operator (_attn.c) was not built at install")
+    opts.register_custom_ops_library(str(path))
