@@ -13,6 +13,8 @@ SERVE_ARGS ?=
 BENCH_ARGS ?=
 # the emulated arm64 board of tests/test_board_emulated.py (tools/board_emu.py)
 BOARD_DEBS := qemu-user-static binfmt-support mmdebstrap systemd-container zstd
+# the board's (aarch64) build of the attention operator, run under qemu-user (tests/test_attn_op.py)
+CROSS_DEBS := gcc-aarch64-linux-gnu libc6-dev-arm64-cross
 
 .PHONY: venv test-deps converter board-deps board-test serve test bench bench-peer clean
 
@@ -44,11 +46,12 @@ test-deps: $(VENV)/.test-stamp
 		else echo "systemd tools missing and not root: the unit/install tests will be skipped"; fi
 
 board-deps:
-	@# qemu-user + binfmt, mmdebstrap, systemd-nspawn for the emulated arm64 board
+	@# qemu-user + binfmt, mmdebstrap, systemd-nspawn for the emulated arm64 board, an aarch64 cross gcc
 	@if command -v mmdebstrap >/dev/null && command -v systemd-nspawn >/dev/null && command -v zstd >/dev/null \
-			&& command -v update-binfmts >/dev/null && [ -e /usr/libexec/qemu-binfmt/aarch64-binfmt-P ]; then :; \
-		elif [ "$$(id -u)" = 0 ]; then (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(BOARD_DEBS)) || \
-			echo "could not install $(BOARD_DEBS): the emulated board tests will be skipped"; \
+			&& command -v update-binfmts >/dev/null && [ -e /usr/libexec/qemu-binfmt/aarch64-binfmt-P ] \
+			&& command -v aarch64-linux-gnu-gcc >/dev/null; then :; \
+		elif [ "$$(id -u)" = 0 ]; then (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(BOARD_DEBS) $(CROSS_DEBS)) || \
+			echo "could not install $(BOARD_DEBS) $(CROSS_DEBS): the emulated board tests will be skipped"; \
 		else echo "emulated-board packages missing and not root: the emulated board tests will be skipped"; fi
 	@# the arm64 Debian rootfs: built once (minutes), then reused from the user's cache directory
 	@if [ "$$(id -u)" = 0 ] && command -v mmdebstrap >/dev/null; then \

@@ -92,3 +92,28 @@ def test_bad_shapes_are_refused_by_onnxruntime():
 def test_isa_names_the_code_path():
     isa = attn_kernel.isa()
     assert isa.endswith("-c256") and isa.split("-")[0] in ("x86_64", "aarch64", "generic")
+
+
+def test_aarch64_neon_build_under_qemu(tmp_path):
+    """The board's build of the operator: _attn.c cross-compiled for aarch64 (NEON; the x86
+    clones are not in it) with the same flags as setup.py, run under qemu-user against a float64
+    reference (tests/c/attn_check.c). The cross compiler and qemu come with `make board-deps`."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64-static")
+    if cc is None or qemu is None:
+        pytest.skip("no aarch64 cross compiler or qemu-user (`make board-deps` as root installs them)")
+    repo = Path(__file__).resolve().parents[1]
+    exe = tmp_path / "attn_check"
+    build = subprocess.run([cc, "-O3", "-fopenmp-simd", "-Wno-psabi", "-Wall", "-Werror",
+                            f"-I{repo / 'third_party/onnxruntime/include'}", "-o", str(exe),
+                            str(repo / "tests/c/attn_check.c"), str(repo / "edge_llm/backends/_attn.c"), "-lm"],
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    isa, _, worst = run.stdout.split()
+    assert isa == "aarch64-neon" and float(worst) < 5e-6
