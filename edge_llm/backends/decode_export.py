@@ -20,7 +20,7 @@ attention over S + 1 rows, o_proj, the SwiGLU MLP; the residual stream stays flo
 
 Attention of the one query row over the S cached rows and the new row is one node of our own,
 `ai.edge_llm.AttnRow` (C, backends/_attn.c, loaded into the session by `attn_kernel`): it reads
-each layer's rows in place, in the cache's layout (S, n_kv * D), at close to streaming speed,
+each layer's rows in place, in the cache's layout (S, n_kv * D), once per token (~18 GB/s here),
 splitting its work over onnxruntime's own pool threads. onnxruntime's operators would copy or
 pack every row per token (docs/quantization.md, "Attention").
 """
