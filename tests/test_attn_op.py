@@ -115,5 +115,6 @@ def test_aarch64_neon_build_under_qemu(tmp_path):
     run = subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe)], capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
+    print(run.stdout.strip())  # e.g. "aarch64-neon worst 9.06e-07"
     isa, _, worst = run.stdout.split()
     assert isa == "aarch64-neon" and float(worst) < 5e-6

@@ -61,9 +61,9 @@ QUANT_FORMAT = 2
 # every two graph calls and would share its cores with spinning threads
 SESSION_CONFIG = {"session.intra_op.allow_spinning": "0"}
 # the decode graph is a whole token in one call (our attention operator runs inside it, on the
-# same pool), so its pool threads spin between its nodes (a sleeping thread takes a futex wake per parallel node), for
-# at most 50 us at a time (less harm when another process holds a core), and stop spinning when
-# the call returns (docs/quantization.md: measured)
+# same pool), so its pool threads spin between its nodes (a sleeping thread takes a futex wake
+# per parallel node), for at most 50 us at a time (less harm when another process holds a
+# core), and stop spinning when the call returns (docs/quantization.md: measured)
 DECODE_CONFIG = {"session.intra_op.allow_spinning": "1", "session.force_spinning_stop": "1",
                  "session.intra_op.spin_duration_us": "50"}
 
@@ -141,7 +141,7 @@ def _usable(root: Path, model_dir: Path, qm: QuantMode) -> Manifest | None:
         m.check_model(ModelArgs.from_dir(model_dir), weight_digest(model_dir))
         if (m.target, m.dtype) != (TARGET, qm.label):
             raise ConfigError(f"made as {m.target} {m.dtype}, wanted {TARGET} {qm.label}")
-        if not any(g.kind == DECODE for g in m.graphs) or m.build.get("format") != QUANT_FORMAT:
+        if m.build.get("format") != QUANT_FORMAT:  # format 2 always holds the decode graph
             raise ConfigError(f"quant format {m.build.get('format', 1)}, this edge-llm makes {QUANT_FORMAT}")
         return m
     except ConfigError as e:

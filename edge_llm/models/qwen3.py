@@ -3,8 +3,9 @@
 Dense work (norms, projections, MLP, lm_head) runs in a backend; this module owns what touches
 positions and KV rows: per-head q/k RMSNorm, RoPE / MRoPE, and GQA attention over the F32 rows of
 `KVCache`. A backend with a `row_step` (cpu-q) runs one-row forwards after the first row whole,
-reading the cache rows in place; the model still writes every KV row (`KVCache.write`). Given the same tokens, the same cached rows and the same chunk shape, the logits are
-bitwise identical (no reduction depends on thread timing).
+reading the cache rows in place; the model still writes every KV row (`KVCache.write`). Given
+the same tokens, the same cached rows and the same chunk shape, the logits are bitwise identical
+(no reduction depends on thread timing).
 """
 
 from __future__ import annotations
