@@ -8,7 +8,7 @@ bytes, decided the speed. This graph holds every layer of the decoder and the he
     inputs   x (1, hidden)                 the token's embedding row
              cos, sin (1, head_dim / 2)    RoPE (or MRoPE) of the token's position, from numpy
              kLL, vLL (S, kv_dim)          layer LL's cached K/V rows [0, S): the F32 cache rows
-                                           themselves, bound zero-copy (runners.DecodeRunner)
+                                           themselves, bound zero-copy (decode_step.OrtDecodeStep)
     outputs  logits (1, vocab)
              knewLL, vnewLL (1, kv_dim)    layer LL's new row (K rotated): the model writes them
                                            with `KVCache.write`, the one writer of rows
