@@ -276,7 +276,7 @@ def test_npu_backend_without_npu(board, tmp_path):
     from edge_llm.backends.onnx_export import export_graph_set
 
     b = board
-    export_graph_set(b.path(MODEL), tmp_path / "graphs", samples=False)
+    export_graph_set(b.path(MODEL), tmp_path / "graphs")
     b.copy_in(tmp_path / "graphs", "/opt/edge-llm/models/tiny-rknn")
     port = free_port()
     serve = [f"{VENV}/edge-llm", "serve", "--model", MODEL, "--rknn-dir", "/opt/edge-llm/models/tiny-rknn",

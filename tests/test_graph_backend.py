@@ -48,7 +48,7 @@ def graphs(tmp_path_factory):
         key = (str(model_dir), head_split)
         if key not in made:
             out = tmp_path_factory.mktemp("graphs")
-            export_graph_set(model_dir, out, head_split=head_split, samples=False)
+            export_graph_set(model_dir, out, head_split=head_split)
             made[key] = out
         return made[key]
 
@@ -149,7 +149,7 @@ def test_manifest_checks_the_model(tiny_qwen3, tiny_model_dir, graphs):
 
 
 def test_partial_layer_graphs_cannot_serve(tiny_qwen3, tmp_path):
-    export_graph_set(tiny_qwen3, tmp_path, layers=1, samples=False)
+    export_graph_set(tiny_qwen3, tmp_path, layers=1)
     with pytest.raises(ConfigError, match="covers layers|cover layers"):
         Model.load(tiny_qwen3, backend=open_rknn(tmp_path, "onnxruntime"))
 
@@ -171,7 +171,7 @@ def test_snapshot_namespaces_are_per_numerics(tiny_synth_dir, tmp_path):
     from edge_llm.settings import Settings
 
     gdir = tmp_path / "g"
-    export_graph_set(tiny_synth_dir, gdir, samples=False)
+    export_graph_set(tiny_synth_dir, gdir)
     kv = tmp_path / "kv"
     prompt = list(range(100, 140))
 

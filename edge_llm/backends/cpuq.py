@@ -179,7 +179,7 @@ def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], N
     try:
         from edge_llm.backends.decode_export import export_decode
         from edge_llm.backends.manifest import GraphEntry
-        from edge_llm.backends.onnx_export import export_graph_set
+        from edge_llm.backends.onnx_export import export_graph_set, rms_norm_op
         from edge_llm.backends.quant_export import QuantLinear, summarize
     except ImportError as e:
         raise ConfigError(f"backend cpu-q needs onnx and onnxruntime ({e}): pip install 'edge-llm[quant]'") from None
@@ -191,7 +191,8 @@ def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], N
     linear = QuantLinear(args, model_dir, qm.bits, qm.block, qm.accuracy_level)
     log.info("quantizing %s (%s%s) into %s", model_dir.name, qm.label,
              f", GGUF blocks from {linear.source.name}" if linear.source else "", out)
-    m = export_graph_set(model_dir, out, chunks=None, samples=False, linear=linear, fused=True, unfused=deepstack,
+    # F32 arithmetic: the plain RMSNorm (the fp16-safe one only adds nodes here)
+    m = export_graph_set(model_dir, out, chunks=None, linear=linear, norm=rms_norm_op, fused=True, unfused=deepstack,
                          progress=(lambda s: progress(f"quantizing {s.name}")) if progress else None,
                          target=TARGET, dtype=qm.label)
     report = list(linear.report)

@@ -61,6 +61,18 @@ def layer_name(layer: int, kind: str) -> str:
     return f"layer{layer:02d}.{kind}"
 
 
+def capture_key(spec: GraphSpec) -> str:
+    """The seam call whose inputs a graph takes: `layerLL.qkv`, `layerLL.post` (a fused step takes
+    post's inputs) or `head` (every head part): how real activations are matched to graphs."""
+    if spec.kind == QKV:
+        return layer_name(spec.index, QKV)
+    if spec.kind in (POST, STEP):
+        return layer_name(spec.index, POST)
+    if spec.kind == HEAD:
+        return HEAD
+    raise ValueError(f"graph kind {spec.kind} takes no seam call's inputs")
+
+
 def decode_kv_names(layer: int) -> tuple[str, str, str, str]:
     """The decode graph's tensors of one layer: (past K, past V, new K, new V)."""
     return f"k{layer:02d}", f"v{layer:02d}", f"knew{layer:02d}", f"vnew{layer:02d}"

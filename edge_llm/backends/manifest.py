@@ -3,14 +3,14 @@
 Layout of the directory:
     manifest.json          this file
     onnx/<graph>.onnx      + <graph>.onnx.data (F32 weights), exported with the onnx helper API
-    onnx/<graph>.samples.npz   accuracy-check inputs and CPU-backend reference outputs
+    onnx/<graph>.samples.npz   accuracy-check inputs (real activations) and CPU-backend outputs
     rknn/<graph>-<key16>.rknn  fp16 build for rk3588; key = sha256 of the ONNX input + build
                                options + toolkit version, so an unchanged input is never rebuilt
     report.md              per-graph accuracy and compiler cost estimate
 
 Only the hashed part (`identity()`) decides the backend's numerics: the graph set with each
-graph's input key, the chunk sizes, the toolkit version and target. Timings, accuracy numbers
-and the `.rknn` bytes (which differ between builds of the same input) are not part of it.
+graph's input key, the chunk sizes, the toolkit version and target. Timings, accuracy numbers,
+tensor ranges and the `.rknn` bytes (which differ between builds of the same input) are not part of it.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class GraphEntry:
     accuracy: dict | None = None  # rows -> output -> {max_rel, mean_rel, cosine}
     cost: list | None = None  # compiler tables: one per static shape
     build_seconds: float | None = None
+    ranges: dict | None = None  # max |value| on real activations: inputs, outputs, intermediates
 
     def spec(self) -> GraphSpec:
         return GraphSpec(self.name, self.kind, self.index, tuple(self.rows),
@@ -68,6 +69,8 @@ class Manifest:
     dtype: str = "float16"
     toolkit: str | None = None  # rknn-toolkit2 version of the .rknn builds (None: ONNX only)
     build: dict[str, Any] = field(default_factory=dict)  # times, peak RSS: informational
+    # the converter's fp16 range check (source text, tokens, limit); empty: never checked
+    calibration: dict[str, Any] = field(default_factory=dict)
 
     def specs(self) -> list[GraphSpec]:
         return [g.spec() for g in self.graphs]
@@ -100,6 +103,14 @@ class Manifest:
         if weights_sha256 is not None and self.model.get("weights_sha256") != weights_sha256:
             raise ConfigError(f"graphs were converted from other weights ({self.model.get('name')}): "
                               "re-run `edge-llm convert rknn` for this model")
+
+    def check_fp16(self, root: Path) -> None:
+        """ConfigError unless the converter checked these graphs' fp16 range on real activations
+        (directories converted before that check can overflow on real weights)."""
+        if not self.calibration:
+            raise ConfigError(f"{root} was converted without the fp16 range check on real activations "
+                              "(an older edge-llm): its fp16 graphs can overflow on real weights; "
+                              "re-run `edge-llm convert rknn` (docs/npu.md, 'fp16 range')")
 
     # ---- files ----------------------------------------------------------------------------
     def write(self, root: Path) -> None:

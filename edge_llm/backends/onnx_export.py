@@ -8,9 +8,11 @@ rknn-toolkit2 both read it from beside the `.onnx` file.
 How a linear layer is written is a parameter (`linear`): F32 `MatMul` here; a quantized
 backend passes a function that writes e.g. `MatMulNBits` instead and reuses everything else.
 
-RMSNorm is written as x / sqrt(sum((x / sqrt(n))^2) + eps) * w: the same value as
-mean(x^2), but the squares of large residual-stream values (hundreds to thousands in some
-channels of real checkpoints) stay far below fp16's 65504 on the NPU.
+How an RMSNorm is written is a parameter too (`norm`). Graphs for an fp16 NPU use
+`rms_norm_fp16_op`, which scales each row by its own max |x| before squaring: real checkpoints
+carry massive activations in a few residual channels (22,545 in SmolLM2-135M from layer 12 on),
+whose squares overflow fp16's 65,504 in any plain form (docs/npu.md, "fp16 range"). F32 graphs
+(cpu-q, docs/quantization.md) keep the shorter `rms_norm_op`.
 
 The `onnx` package comes with the `convert` extra; nothing in the runtime imports this module
 unless it exports graphs.
@@ -129,6 +131,8 @@ class WeightKey:
 
 # linear(g, x, w (in, out) F32, bias or None, out name or None, key) -> output name
 Linear = Callable[[GraphBuilder, str, np.ndarray, "np.ndarray | None", "str | None", WeightKey], str]
+# norm(g, x, weight (hidden,), eps) -> output name
+Norm = Callable[[GraphBuilder, str, np.ndarray, float], str]
 
 
 def f32_linear(g: GraphBuilder, x: str, w: np.ndarray, bias: np.ndarray | None = None,
@@ -139,7 +143,8 @@ def f32_linear(g: GraphBuilder, x: str, w: np.ndarray, bias: np.ndarray | None =
 
 
 def rms_norm_op(g: GraphBuilder, x: str, weight: np.ndarray, eps: float) -> str:
-    """weight * x / sqrt(mean(x^2) + eps), mean(x^2) taken as sum((x / sqrt(n))^2) (module doc)."""
+    """weight * x / sqrt(mean(x^2) + eps), mean(x^2) taken as sum((x / sqrt(n))^2): for F32
+    graphs; its squares overflow fp16 once a channel passes ~256 sqrt(n) (module doc)."""
     n = weight.shape[0]
     xs = g.op("Mul", [x, g.const("inv_sqrt_n", np.array(1.0 / np.sqrt(n), np.float32))])
     ss = g.op("ReduceSum", [g.op("Mul", [xs, xs]), g.const("axes", np.array([-1], np.int64))],
@@ -148,17 +153,45 @@ def rms_norm_op(g: GraphBuilder, x: str, weight: np.ndarray, eps: float) -> str:
     return g.op("Mul", [g.op("Div", [x, denom]), g.const("norm", weight)])
 
 
-def build_qkv(g: GraphBuilder, L: DenseLayer, eps: float, linear: Linear, layer: int = 0,
+def _row_absmax(g: GraphBuilder, x: str, n: int) -> str:
+    """max |x| of each row, (T, 1), as GlobalMaxPool over (1, T, 1, n): rknn-toolkit2 2.5.0 keeps
+    GlobalMaxPool on the NPU for every row count, while it places ReduceMax on the CPU."""
+    grid = g.op("Reshape", [g.op("Abs", [x]), g.const("rows_grid", np.array([1, -1, 1, n], np.int64))])
+    return g.op("Reshape", [g.op("GlobalMaxPool", [grid]), g.const("rows_col", np.array([-1, 1], np.int64))])
+
+
+def rms_norm_fp16_op(g: GraphBuilder, x: str, weight: np.ndarray, eps: float) -> str:
+    """The same RMSNorm with every intermediate inside fp16's range for any finite fp16 row, and
+    every op on the RK3588 NPU (no CPU round trip inside the graph; docs/npu.md, "fp16 range").
+
+    s = max|x| + F per row with F = sqrt(n eps); u = x / s, so |u| < 1 and sum(u^2) < n.
+    sqrt(mean(x^2) + eps) = s * sqrt(mean(u^2) + (sqrt(eps) / s)^2) for any s > 0, and
+    sqrt(eps) / s = (F / s) / sqrt(n) = (1 - max|u|) / sqrt(n): no division of a constant by a
+    tensor, which the compiler would run on the CPU. out = weight * x / rms: x is divided by rms,
+    not by s, so the ordinary channels of a row with a massive activation (|x| ~ 1 next to
+    22,545) stay normal fp16 numbers instead of subnormals. A zero (padding) row gives 0."""
+    n = weight.shape[0]
+    s = g.op("Add", [_row_absmax(g, x, n), g.const("floor", np.array(np.sqrt(n * eps), np.float32))])
+    u = g.op("Div", [x, s])
+    ss = g.op("ReduceSum", [g.op("Mul", [u, u]), g.const("axes", np.array([-1], np.int64))], keepdims=1)
+    f = g.op("Sub", [g.const("one", np.array(1.0, np.float32)), _row_absmax(g, u, n)])  # F / s
+    t = g.op("Mul", [f, g.const("inv_sqrt_n", np.array(1.0 / np.sqrt(n), np.float32))])  # sqrt(eps) / s
+    var = g.op("Add", [g.op("Mul", [ss, g.const("inv_n", np.array(1.0 / n, np.float32))]), g.op("Mul", [t, t])])
+    rms = g.op("Mul", [g.op("Sqrt", [var]), s])
+    return g.op("Mul", [g.op("Div", [x, rms]), g.const("norm", weight)])
+
+
+def build_qkv(g: GraphBuilder, L: DenseLayer, eps: float, linear: Linear, norm: Norm, layer: int = 0,
               x: str = "x") -> None:
-    linear(g, rms_norm_op(g, x, L.in_norm, eps), L.w_qkv, L.b_qkv, OUTPUTS[QKV][0], WeightKey("qkv", layer))
+    linear(g, norm(g, x, L.in_norm, eps), L.w_qkv, L.b_qkv, OUTPUTS[QKV][0], WeightKey("qkv", layer))
 
 
-def _post_deltas(g: GraphBuilder, L: DenseLayer, eps: float, linear: Linear, layer: int,
+def _post_deltas(g: GraphBuilder, L: DenseLayer, eps: float, linear: Linear, norm: Norm, layer: int,
                  outs: tuple[str | None, str | None], fuse_gate_up: bool = False) -> tuple[str, str]:
     """attn_out = attn @ Wo; mlp_out = SwiGLU(RMSNorm(x + attn_out)); returns both names.
     `fuse_gate_up`: one (hidden, 2 inter) linear + Split instead of two (fewer kernel launches)."""
     o = linear(g, "attn", L.w_o, None, outs[0], WeightKey("o", layer))
-    hn = rms_norm_op(g, g.op("Add", ["x", o]), L.post_norm, eps)
+    hn = norm(g, g.op("Add", ["x", o]), L.post_norm, eps)
     inter = L.w_down.shape[0]
     if fuse_gate_up:
         gu = linear(g, hn, L.w_gu, None, None, WeightKey("gate_up", layer))
@@ -172,25 +205,25 @@ def _post_deltas(g: GraphBuilder, L: DenseLayer, eps: float, linear: Linear, lay
     return o, linear(g, act, L.w_down, None, outs[1], WeightKey("down", layer))
 
 
-def build_post(g: GraphBuilder, L: DenseLayer, eps: float, linear: Linear, layer: int = 0) -> None:
-    _post_deltas(g, L, eps, linear, layer, OUTPUTS[POST])
+def build_post(g: GraphBuilder, L: DenseLayer, eps: float, linear: Linear, norm: Norm, layer: int = 0) -> None:
+    _post_deltas(g, L, eps, linear, norm, layer, OUTPUTS[POST])
 
 
 def build_step(g: GraphBuilder, L: DenseLayer, nxt: DenseLayer | None, eps: float, linear: Linear,
-               layer: int) -> None:
+               norm: Norm, layer: int) -> None:
     """Fused step (graphs.py): h = (x + attn_out) + mlp_out in float32, then the next layer's qkv."""
-    o, m = _post_deltas(g, L, eps, linear, layer, (None, None), fuse_gate_up=True)
+    o, m = _post_deltas(g, L, eps, linear, norm, layer, (None, None), fuse_gate_up=True)
     h_name, qkv_name = OUTPUTS[STEP]
     g.op("Add", [g.op("Add", ["x", o]), m], out=h_name)
     if nxt is not None:
-        linear(g, rms_norm_op(g, h_name, nxt.in_norm, eps), nxt.w_qkv, nxt.b_qkv, qkv_name,
+        linear(g, norm(g, h_name, nxt.in_norm, eps), nxt.w_qkv, nxt.b_qkv, qkv_name,
                WeightKey("qkv", layer + 1))
 
 
-def build_head(g: GraphBuilder, norm: np.ndarray, lm_rows: np.ndarray, eps: float, linear: Linear,
-               part: int = 0, vocab: tuple[int, int] = (0, 0)) -> None:
+def build_head(g: GraphBuilder, final_norm: np.ndarray, lm_rows: np.ndarray, eps: float, linear: Linear,
+               norm: Norm, part: int = 0, vocab: tuple[int, int] = (0, 0)) -> None:
     """lm_rows: (vocab part, hidden) rows of lm_head."""
-    linear(g, rms_norm_op(g, "x", norm, eps), lm_rows.T, None, OUTPUTS[HEAD][0], WeightKey(HEAD, part, vocab))
+    linear(g, norm(g, "x", final_norm, eps), lm_rows.T, None, OUTPUTS[HEAD][0], WeightKey(HEAD, part, vocab))
 
 
 @dataclass(frozen=True)
@@ -225,21 +258,27 @@ def _export_one(spec: GraphSpec, out_dir: Path, build: Callable[[GraphBuilder], 
     return Exported(spec, path, data, _digest(path, data))
 
 
+# samples(spec) -> the graph's inputs (float32, rows x width each) for the accuracy check
+Samples = Callable[[GraphSpec], list[np.ndarray]]
+
+
 def sample_inputs(spec: GraphSpec, rows: int, seed: int = SAMPLE_SEED) -> list[np.ndarray]:
-    """Deterministic N(0, 1) inputs for one graph (accuracy checks and the reference outputs)."""
+    """Deterministic N(0, 1) inputs for one graph (tests, benchmarks of speed; the converter's
+    accuracy check uses real activations instead: `convert/calibration.py`)."""
     rng = np.random.default_rng([seed, spec.index, list(INPUTS).index(spec.kind)])
     return [rng.standard_normal((rows, w), dtype=np.float32) for _, w in spec.inputs]
 
 
 def export_model(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, ...] | None = DEFAULT_CHUNKS,
                  layers: int | None = None, head_split: int = 1, linear: Linear = f32_linear,
-                 samples: bool = False, progress: Callable[[GraphSpec], None] | None = None,
-                 fused: bool = False, unfused: int = 0) -> list[Exported]:
+                 samples: Samples | None = None, progress: Callable[[GraphSpec], None] | None = None,
+                 fused: bool = False, unfused: int = 0, norm: Norm = rms_norm_fp16_op) -> list[Exported]:
     """Write every graph of `graph_specs(...)` to `out_dir` as `<name>.onnx` + `.onnx.data`.
 
-    With `samples`, also writes `<name>.samples.npz`: inputs of max(rows) rows and the CPU
-    backend's F32 outputs for them (the reference the converter's accuracy report uses).
-    `fused`: the qkv + step partition (graphs.py); `chunks=None`: dynamic row counts.
+    With `samples`, also writes `<name>.samples.npz`: the inputs `samples(spec)` gives and the
+    CPU backend's F32 outputs for them (the reference the converter's accuracy report uses).
+    `fused`: the qkv + step partition (graphs.py); `chunks=None`: dynamic row counts; `norm`:
+    how RMSNorm is written (the fp16-safe form unless the graphs stay F32).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -264,27 +303,27 @@ def export_model(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
         i = spec.index
         if spec.kind == QKV:
             L = layer(i)
-            done.append(_export_one(spec, out, lambda g: build_qkv(g, L, eps, linear, i)))
-            if samples:
+            done.append(_export_one(spec, out, lambda g: build_qkv(g, L, eps, linear, norm, i)))
+            if samples is not None:
                 ref.layers = [L]
-                _write_samples(out, spec, lambda x: [ref.qkv_fused(0, x)])
+                _write_samples(out, spec, samples, lambda x: [ref.qkv_fused(0, x)])
         elif spec.kind == POST:
             L = held.pop(i)
-            done.append(_export_one(spec, out, lambda g: build_post(g, L, eps, linear, i)))
-            if samples:
+            done.append(_export_one(spec, out, lambda g: build_post(g, L, eps, linear, norm, i)))
+            if samples is not None:
                 ref.layers = [L]
-                _write_samples(out, spec, lambda a, x: list(ref.post_deltas(0, a, x)))
+                _write_samples(out, spec, samples, lambda a, x: list(ref.post_deltas(0, a, x)))
         elif spec.kind == STEP:
             L, nxt = held.pop(i), (layer(i + 1) if len(spec.outputs) > 1 else None)
-            done.append(_export_one(spec, out, lambda g: build_step(g, L, nxt, eps, linear, i)))
+            done.append(_export_one(spec, out, lambda g: build_step(g, L, nxt, eps, linear, norm, i)))
         else:
             if head is None:
                 head = _head_tensors(args, weights)
-            norm, lm = head
+            final_norm, lm = head
             lo, hi = spec.vocab
-            done.append(_export_one(spec, out, lambda g: build_head(g, norm, lm[lo:hi], eps, linear, i, (lo, hi))))
-            if samples:
-                _write_samples(out, spec, lambda x: [rms_norm(x, norm, np.float32(eps)) @ lm[lo:hi].T])
+            done.append(_export_one(spec, out, lambda g: build_head(g, final_norm, lm[lo:hi], eps, linear, norm, i, (lo, hi))))
+            if samples is not None:
+                _write_samples(out, spec, samples, lambda x: [rms_norm(x, final_norm, np.float32(eps)) @ lm[lo:hi].T])
         log.debug("exported %s (%.1f MB)", spec.name, done[-1].nbytes / 1e6)
     return done
 
@@ -296,8 +335,8 @@ def _head_tensors(args: ModelArgs, weights: Weights) -> tuple[np.ndarray, np.nda
     return weights.pop(f"{p}norm.weight"), lm
 
 
-def _write_samples(out: Path, spec: GraphSpec, fn) -> None:
-    xs = sample_inputs(spec, max(spec.rows))
+def _write_samples(out: Path, spec: GraphSpec, samples: Samples, fn) -> None:
+    xs = samples(spec)
     ys = fn(*xs)
     arrays = {f"in.{n}": x for (n, _), x in zip(spec.inputs, xs)}
     arrays |= {f"out.{n}": np.ascontiguousarray(y, dtype=np.float32) for (n, _), y in zip(spec.outputs, ys)}
@@ -305,9 +344,10 @@ def _write_samples(out: Path, spec: GraphSpec, fn) -> None:
 
 
 def export_graph_set(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, ...] | None = DEFAULT_CHUNKS,
-                     layers: int | None = None, head_split: int = 1, samples: bool = True,
+                     layers: int | None = None, head_split: int = 1, samples: Samples | None = None,
                      progress: Callable[[GraphSpec], None] | None = None, linear: Linear = f32_linear,
-                     fused: bool = False, unfused: int = 0, **manifest_fields) -> Manifest:
+                     fused: bool = False, unfused: int = 0, norm: Norm = rms_norm_fp16_op,
+                     **manifest_fields) -> Manifest:
     """Export all graphs to `out_dir/onnx/` and write `out_dir/manifest.json` (ONNX part).
 
     The manifest identity hashes each graph's ONNX bytes, so another `linear` (e.g. quantized
@@ -318,7 +358,7 @@ def export_graph_set(model_dir: str | Path, out_dir: str | Path, chunks: tuple[i
     root = Path(out_dir)
     args = ModelArgs.from_dir(model_dir)
     exported = export_model(model_dir, root / "onnx", chunks, layers, head_split, linear=linear,
-                            samples=samples, progress=progress, fused=fused, unfused=unfused)
+                            samples=samples, progress=progress, fused=fused, unfused=unfused, norm=norm)
     entries = [GraphEntry(name=e.spec.name, kind=e.spec.kind, index=e.spec.index, rows=list(e.spec.rows),
                           inputs=[list(i) for i in e.spec.inputs], outputs=[list(o) for o in e.spec.outputs],
                           vocab=list(e.spec.vocab), onnx=str(e.onnx.relative_to(root)),

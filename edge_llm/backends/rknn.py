@@ -61,9 +61,13 @@ def open_rknn(rknn_dir: str | Path, runner: str = "auto", model_dir: str | Path 
     if runner == "rknnlite":
         from edge_llm.backends.rknnlite import RKNNLiteRunner
 
-        r = RKNNLiteRunner(specs, m.rknn_files(root), progress=progress)
+        files = m.rknn_files(root)
+        m.check_fp16(root)
+        r = RKNNLiteRunner(specs, files, progress=progress)
     elif runner == "sim":
         from edge_llm.backends.runners import SimRunner
+
+        m.check_fp16(root)
 
         r = SimRunner(specs, m.onnx_files(root), python=converter_python, progress=progress)
     elif runner == "onnxruntime":
@@ -88,7 +92,9 @@ def resolve_auto(rknn_dir: str | Path | None, model_dir: str | Path) -> tuple[st
         from edge_llm.config import ModelArgs
         from edge_llm.weights import weight_digest
 
-        Manifest.read(rknn_dir).check_model(ModelArgs.from_dir(model_dir), weight_digest(model_dir))
+        m = Manifest.read(rknn_dir)
+        m.check_model(ModelArgs.from_dir(model_dir), weight_digest(model_dir))
+        m.check_fp16(Path(rknn_dir))
     except EdgeLLMError as e:
         return "cpu", f"NPU at {node} but {rknn_dir} does not match the model: {e}"
     return "rknn", f"NPU at {node} and a matching {MANIFEST} in {rknn_dir}"

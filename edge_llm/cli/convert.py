@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 import click
 
@@ -26,12 +27,20 @@ def convert() -> None:
               help="Split lm_head into N graphs over vocab ranges (less RAM while converting).")
 @click.option("--converter-python", envvar="EDGE_LLM_CONVERTER_PYTHON", default=None, metavar="PATH",
               help="python of the converter venv (tools/setup-converter.sh).  [default: .venv-converter]")
-@click.option("--no-accuracy", is_flag=True, help="Skip the simulator accuracy check.")
+@click.option("--no-accuracy", is_flag=True, help="Skip the simulator accuracy check (the range check stays).")
+@click.option("--calib-text", type=click.Path(exists=True, dir_okay=False), default=None, metavar="FILE",
+              help="UTF-8 text the F32 model runs on to capture real graph inputs.  [default: built-in English text]")
+@click.option("--calib-tokens", type=click.IntRange(8), default=256, show_default=True,
+              help="Calibration tokens (the text as a chat user message, cut to N).")
+@click.option("--fp16-headroom", type=click.FloatRange(1.0), default=2.0, show_default=True,
+              help="Refuse a graph whose largest tensor on the calibration text passes 65504 / this.")
 @click.option("-v", "--verbose", is_flag=True)
-def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, no_accuracy, verbose) -> None:
-    """Export ONNX graphs from MODEL_DIR's F32 weights, build fp16 .rknn files for rk3588 with
-    rknn-toolkit2 (in the converter venv), check each in the simulator; write OUT_DIR/manifest.json
-    and OUT_DIR/report.md. A full Qwen3-VL-2B takes tens of minutes."""
+def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, no_accuracy, calib_text,
+             calib_tokens, fp16_headroom, verbose) -> None:
+    """Export ONNX graphs from MODEL_DIR's F32 weights, check every tensor's range on real
+    activations, build fp16 .rknn files for rk3588 with rknn-toolkit2 (in the converter venv),
+    check each in the simulator; write OUT_DIR/manifest.json and OUT_DIR/report.md. A full
+    Qwen3-VL-2B takes tens of minutes."""
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -42,7 +51,7 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
     )
 
     from edge_llm.config import ModelArgs
-    from edge_llm.convert.report import FP16_REL_LIMIT, predicted_ms, worst
+    from edge_llm.convert.report import FP16_REL_LIMIT, predicted_ms, range_summary, worst
     from edge_llm.convert.rknn import convert_rknn
     from edge_llm.errors import EdgeLLMError
 
@@ -60,17 +69,26 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
     n_graphs = 2 * (layers or args.num_hidden_layers) + head_split
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as prog:
-        tasks = {"export": prog.add_task("export ONNX", total=n_graphs),
+        tasks = {"calibrate": prog.add_task("run the F32 model on the calibration text", total=1),
+                 "export": prog.add_task("export ONNX", total=n_graphs),
+                 "ranges": prog.add_task("fp16 range check", total=n_graphs),
                  "build": prog.add_task("build .rknn + simulate", total=n_graphs)}
+        done = {"calibrate": "run the F32 model on the calibration text", "export": "export ONNX",
+                "ranges": "fp16 range check"}
 
         def step(phase: str, name: str, i: int, total: int) -> None:
             prog.update(tasks[phase], completed=i, description=f"{phase} {name}")
-            if phase == "build" and i == 0:
-                prog.update(tasks["export"], completed=n_graphs, description="export ONNX")
+            if i == 0:  # the phase before this one is complete
+                order = list(tasks)
+                for before in order[:order.index(phase)]:
+                    prog.update(tasks[before], completed=1 if before == "calibrate" else n_graphs,
+                                description=done[before])
 
         try:
             m = convert_rknn(model_dir, out_dir, tuple(int_list(chunks)), layers=layers, head_split=head_split,
-                             converter_python=converter_python, accuracy=not no_accuracy, progress=step)
+                             converter_python=converter_python, accuracy=not no_accuracy, progress=step,
+                             calib_text=Path(calib_text).read_text(encoding="utf-8") if calib_text else None,
+                             calib_tokens=calib_tokens, headroom=fp16_headroom)
         except EdgeLLMError as e:
             raise click.ClickException(str(e)) from None
         prog.update(tasks["build"], completed=n_graphs, description="build .rknn + simulate")
@@ -85,6 +103,10 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
                f"{m.build['peak_rss_mb_toolkit']:.0f} MB (toolkit)")
     if est is not None:
         click.echo(f"compiler estimate: {est:.2f} ms per decode token for the converted graphs")
+    ranges = [(r["headroom"], g.name, r["worst"]) for g in m.graphs if (r := range_summary(g))]
+    if ranges:
+        head, name, where = min(ranges)
+        click.echo(f"fp16 range on real activations: smallest headroom {head:.2f}x ({name}, {where})")
     click.echo(f"report: {out_dir}/report.md")
     if bad:
         console.print(f"[yellow]above the fp16 expectation ({FP16_REL_LIMIT:g}): {'; '.join(bad)}[/yellow]")

@@ -1,4 +1,5 @@
-"""The converter's report: per-graph simulator accuracy and the compiler's cost estimate.
+"""The converter's report: per-graph fp16 range on real activations, simulator accuracy on the
+same activations, and the compiler's cost estimate.
 
 The estimate is the sum of the per-op `Cycles(DDR/NPU/Total)` column of rknn-toolkit2's layer
 table for one static shape, converted to time at the RK3588 NPU's 1 GHz clock. It is the
@@ -45,6 +46,39 @@ def predicted_ms(m: Manifest, rows: int) -> float | None:
     return total / NPU_HZ * 1e3
 
 
+def range_summary(g: GraphEntry) -> dict | None:
+    """max |input|, max |output|, the largest intermediate (tensor, op, value) and the headroom
+    to fp16's largest value of the graph's largest tensor."""
+    if not g.ranges:
+        return None
+    from edge_llm.convert.calibration import FP16_MAX, worst_tensor
+
+    inter = g.ranges["intermediates"][0] if g.ranges["intermediates"] else ["-", "-", 0.0]
+    where, top = worst_tensor(g.ranges)
+    return {"input": max(g.ranges["inputs"].values()), "output": max(g.ranges["outputs"].values()),
+            "intermediate": inter, "worst": where, "headroom": FP16_MAX / top if top > 0 else float("inf")}
+
+
+def range_lines(m: Manifest) -> list[str]:
+    c = m.calibration
+    if not c:
+        return ["Tensor ranges: not checked (converted by an edge-llm without the fp16 range check).", ""]
+    lines = [f"Tensor ranges on real activations ({c['source']}), F32 in onnxruntime; an fp16 graph must keep "
+             f"every tensor below {c['fp16_max']:.0f} / {c['headroom']:g}. Headroom = {c['fp16_max']:.0f} / "
+             "largest |value| of the graph.", "",
+             "| graph | max \|input\| | max \|output\| | largest intermediate (op) | headroom |",
+             "|---|---|---|---|---|"]
+    for g in m.graphs:
+        r = range_summary(g)
+        if r is None:
+            continue
+        name, op, v = r["intermediate"]
+        flag = " **over**" if r["headroom"] < c["headroom"] else ""
+        lines.append(f"| {g.name} | {r['input']:.4g} | {r['output']:.4g} | {v:.4g} `{name}` ({op}) | "
+                     f"{r['headroom']:.2f}x{flag} |")
+    return lines + [""]
+
+
 def cpu_ops(g: GraphEntry) -> list[str]:
     return sorted({op for t in (g.cost or []) for op in t.get("cpu_ops", [])})
 
@@ -61,8 +95,10 @@ def markdown_report(m: Manifest) -> str:
             what = "decode step (layers + head)" if rows == 1 else f"prefill chunk of {rows} rows (layers)"
             lines.append(f"- compiler estimate, {what}: {ms:.3f} ms per step, "
                          f"{per_tok:.3f} ms per token ({1e3 / per_tok:.1f} tok/s), NPU at {NPU_HZ / 1e9:.1f} GHz")
-    lines += ["", f"Simulator (fp16) vs CPU backend (F32, numpy) on N(0,1) sample inputs; expected "
-              f"max relative error <= {FP16_REL_LIMIT:g}.", "",
+    source = m.calibration.get("source", "N(0,1) samples") if m.calibration else "N(0,1) samples"
+    lines += [""] + range_lines(m)
+    lines += [f"Simulator (fp16) vs CPU backend (F32, numpy) on the first rows of the same activations "
+              f"({source}; row 0 is the first token); expected max relative error <= {FP16_REL_LIMIT:g}.", "",
               "| graph | shapes | max rel | mean rel | cosine | cycles per shape | CPU-placed ops | .rknn MB |",
               "|---|---|---|---|---|---|---|---|"]
     for g in m.graphs:

@@ -2,8 +2,10 @@
 
 Two processes, because the toolkit cannot share a venv with the runtime (rknn-toolkit2 2.5.0
 pins numpy 1.26, onnx <= 1.18, protobuf 4.25 and imports torch; docs/npu.md):
-1. here, in the runtime venv: export every graph to ONNX from the F32 weights, one layer at a
-   time, with sample inputs and the CPU backend's reference outputs (`onnx_export.py`);
+1. here, in the runtime venv: run the F32 model on a calibration text and keep every graph's
+   real inputs (`calibration.py`); export every graph to ONNX from the F32 weights, one layer at
+   a time, with those inputs and the CPU backend's reference outputs (`onnx_export.py`); measure
+   every tensor's range on them in onnxruntime and refuse graphs that would leave fp16's range;
 2. a `toolkit_worker.py` process in the converter venv: build each graph (all static shapes in
    one `.rknn` via `dynamic_input`), record the compiler's per-op cycle table, run the
    simulator on the samples and compare with the reference.
@@ -25,6 +27,7 @@ from pathlib import Path
 from edge_llm.backends.manifest import GraphEntry, Manifest
 from edge_llm.backends.onnx_export import export_graph_set
 from edge_llm.backends.runners import ToolkitWorker, compile_request
+from edge_llm.convert import calibration as C
 from edge_llm.convert.report import markdown_report
 
 log = logging.getLogger(__name__)
@@ -47,8 +50,11 @@ def _peak_rss_mb() -> float:
 
 def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, ...], layers: int | None = None,
                  head_split: int = 1, converter_python: str | None = None, accuracy: bool = True,
-                 progress: Progress | None = None) -> Manifest:
-    """Export + build every graph; write manifest.json and report.md. Returns the manifest."""
+                 progress: Progress | None = None, calib_text: str | None = None,
+                 calib_tokens: int = C.CALIB_TOKENS, headroom: float = C.HEADROOM) -> Manifest:
+    """Calibrate + export + range-check + build every graph; write manifest.json and report.md.
+    Returns the manifest. Raises `calibration.RangeError` (after writing the report) when a
+    graph's tensor passes FP16_MAX / headroom on the calibration text, before any build."""
     out = Path(out_dir)
     (out / "rknn").mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -59,9 +65,22 @@ def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
         step("export", spec.name, count["n"], -1)
         count["n"] += 1
 
-    m = export_graph_set(model_dir, out, chunks, layers, head_split, samples=accuracy, progress=on_export)
+    step("calibrate", "", 0, 1)
+    ids, source = C.calibration_ids(model_dir, calib_text, calib_tokens)
+    cap = C.capture(model_dir, ids, source)
+    t_calib = time.perf_counter() - t0
+    m = export_graph_set(model_dir, out, chunks, layers, head_split, samples=cap.samples() if accuracy else None,
+                         progress=on_export)
+    for i, g in enumerate(m.graphs):
+        step("ranges", g.name, i, len(m.graphs))
+        g.ranges = C.tensor_ranges(out / g.onnx, g.spec(), cap.for_spec(g.spec()))
+    m.calibration = {"source": source, "tokens": cap.tokens, "fp16_max": C.FP16_MAX, "headroom": headroom}
+    del cap
     t_export = time.perf_counter() - t0
     export_rss = _peak_rss_mb()
+    m.write(out)
+    (out / "report.md").write_text(markdown_report(m))  # a refused conversion still shows its ranges
+    C.check_ranges({g.name: g.ranges for g in m.graphs}, headroom)
     worker = ToolkitWorker(converter_python, log_file=out / "build.log")
     built = reused = 0
     try:
@@ -87,7 +106,7 @@ def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
     finally:
         worker.close()
     worker_rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    m.build = {"export_seconds": round(t_export, 2), "total_seconds": round(time.perf_counter() - t0, 2),
+    m.build = {"calibration_seconds": round(t_calib, 2), "export_seconds": round(t_export - t_calib, 2), "total_seconds": round(time.perf_counter() - t0, 2),
                "built": built, "reused": reused, "peak_rss_mb_export": round(export_rss, 1),
                "peak_rss_mb_toolkit": round(worker_rss, 1)}
     m.write(out)

@@ -1,0 +1,127 @@
+"""`edge-llm bench accuracy`: a backend against the exact CPU backend (F32 numpy) end to end, on
+real text and the real model: what a user of `--backend rknn` or `cpu-q` gets, not per-graph
+numbers on synthetic inputs.
+
+Three measures (docs/npu.md "Accuracy on real weights", docs/quantization.md):
+- last-token logits of several chat prompts (short questions and a ~200-token one): cosine,
+  max |difference|, same argmax;
+- teacher-forced over a fixed English text: top-1 agreement with the CPU backend, mean
+  KL(cpu || backend) per position, both perplexities;
+- the greedy chat answer to a factual question, token for token (until the first end token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from edge_llm.bench.quality_text import QUALITY_TEXT
+from edge_llm.bench.quant import quality, teacher_logits
+
+FACT = "What is the capital of France?"
+PROMPTS: tuple[str, ...] = (
+    FACT,
+    "Write one sentence about the sea.",
+    "Name three prime numbers and explain why each one is prime.",
+    "Summarize the following text in two sentences.\n\n" + QUALITY_TEXT.split("\n\n")[0],
+)
+TEACHER_TOKENS = 320
+ANSWER_TOKENS = 24
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def last_logits(model, ids: list[int]) -> np.ndarray:
+    cache = model.new_cache(len(ids) + 1, check_memory=False)
+    return model.prefill(ids, cache)
+
+
+def answer(model, ids: list[int], steps: int, stop: set[int]) -> list[int]:
+    """Greedy tokens after `ids`, up to and including the first token in `stop`."""
+    cache = model.new_cache(len(ids) + steps + 1, check_memory=False)
+    logits, out = model.prefill(ids, cache), []
+    for _ in range(steps):
+        out.append(int(np.argmax(logits)))
+        if out[-1] in stop:
+            break
+        logits = model.forward([out[-1]], cache)
+    return out
+
+
+def compare(ref, other, tok, step: Callable[[str], None] = lambda _m: None,
+            teacher_tokens: int = TEACHER_TOKENS, answer_tokens: int = ANSWER_TOKENS) -> dict:
+    """`ref` (the CPU backend) and `other` (two loaded `Model`s of one checkpoint), `tok` its
+    tokenizer -> the three measures of the module docstring."""
+    res: dict = {"prompts": []}
+    for p in PROMPTS:
+        step(f"last-token logits: {p[:40]!r}")
+        ids = tok.apply_chat_template_ids([{"role": "user", "content": p}])
+        a, b = last_logits(ref, ids), last_logits(other, ids)
+        res["prompts"].append({"prompt": p[:60], "tokens": len(ids), "cosine": cosine(a, b),
+                               "max_abs": float(np.abs(a - b).max()), "argmax_equal": int(a.argmax()) == int(b.argmax())})
+    step(f"teacher-forced over {teacher_tokens} tokens")
+    ids = tok.encode(QUALITY_TEXT)[:teacher_tokens]
+    lr, lo = teacher_logits(ref, ids), teacher_logits(other, ids)
+    q_ref, q = quality(lr, lr, ids), quality(lr, lo, ids)
+    res["teacher"] = {"tokens": len(ids), "top1": q["top1"], "kl": q["kl"], "ppl": q["ppl"], "ppl_ref": q_ref["ppl"]}
+    step("greedy chat answer")
+    ids = tok.apply_chat_template_ids([{"role": "user", "content": FACT}])
+    stop = {i for i in (tok.token_to_id(t) for t in (tok.eos_token, "<|im_end|>", "<|endoftext|>") if t) if i is not None}
+    ta, tb = answer(ref, ids, answer_tokens, stop), answer(other, ids, answer_tokens, stop)
+    res["answer"] = {"question": FACT, "ref": tok.decode(ta, skip_special_tokens=True),
+                     "other": tok.decode(tb, skip_special_tokens=True), "same_tokens": ta == tb}
+    res["min_cosine"] = min(p["cosine"] for p in res["prompts"])
+    return res
+
+
+def markdown(res: dict) -> str:
+    lines = [f"# Accuracy of backend {res.get('backend')} vs cpu (F32), {res.get('model')}", "",
+             f"numerics: `{res.get('numerics')}`", "",
+             "| prompt | tokens | logit cosine | max abs diff | same argmax |", "|---|---|---|---|---|"]
+    for p in res["prompts"]:
+        lines.append(f"| {p['prompt']!r} | {p['tokens']} | {p['cosine']:.6f} | {p['max_abs']:.3g} | "
+                     f"{'yes' if p['argmax_equal'] else '**no**'} |")
+    t, a = res["teacher"], res["answer"]
+    lines += ["", f"Teacher-forced over {t['tokens']} tokens of fixed English text: top-1 agreement "
+              f"{t['top1'] * 100:.1f} %, KL(cpu || backend) {t['kl']:.5f} per token, perplexity {t['ppl']:.3f} "
+              f"(cpu {t['ppl_ref']:.3f}).", "",
+              f"Greedy answer to {a['question']!r}: cpu {a['ref']!r}; backend {a['other']!r} "
+              f"({'the same tokens' if a['same_tokens'] else '**different tokens**'}).", ""]
+    return "\n".join(lines)
+
+
+def run(model: str, backend: str, rknn_dir: str | None = None, runner: str = "sim",
+        teacher_tokens: int = TEACHER_TOKENS, step: Callable[[str], None] = lambda _m: None) -> dict:
+    """Load the model twice (cpu, and `backend`: "rknn" over `rknn_dir` with `runner`, or
+    "cpu-q") and `compare` them."""
+    from edge_llm.errors import ConfigError
+    from edge_llm.models.default import resolve_model_dir
+    from edge_llm.models.qwen3 import Model
+    from edge_llm.tokenizer import Tokenizer
+
+    model_dir = resolve_model_dir(model)
+    if backend == "rknn":
+        if not rknn_dir:
+            raise ConfigError("backend rknn needs --rknn-dir (an `edge-llm convert rknn` output directory)")
+        from edge_llm.backends.rknn import open_rknn
+
+        step(f"starting the {runner} runner")
+        be = open_rknn(rknn_dir, runner, model_dir=model_dir, progress=lambda s: step(f"loading graph {s.name}"))
+    elif backend == "cpu-q":
+        from edge_llm.backends.cpuq import open_cpu_q
+
+        be = open_cpu_q(model_dir, progress=step)
+    else:
+        raise ConfigError(f"bench accuracy compares rknn or cpu-q with cpu, not {backend!r}")
+    try:
+        other, ref = Model.load(model_dir, backend=be), Model.load(model_dir)
+        res = compare(ref, other, Tokenizer.from_dir(model_dir), step, teacher_tokens)
+    finally:
+        be.close()
+    res.update(backend=backend if backend != "rknn" else f"rknn ({runner})", model=str(model_dir.name),
+               numerics=other.numerics)
+    return res

@@ -1,0 +1,37 @@
+"""`edge-llm bench accuracy`: rknn (simulator, onnxruntime or the board) or cpu-q against the
+exact CPU backend on the real model, end to end."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from edge_llm.cli.bench.common import bench, out_option, save_results, spinner
+
+
+@bench.command("accuracy")
+@click.option("--model", default="default", show_default=True, help="Model directory, or `default`.")
+@click.option("--backend", type=click.Choice(["rknn", "cpu-q"]), required=True)
+@click.option("--rknn-dir", default=None, metavar="DIR", help="`edge-llm convert rknn` output (backend rknn).")
+@click.option("--rknn-runner", type=click.Choice(["sim", "onnxruntime", "rknnlite"]), default="sim",
+              show_default=True, help="sim: the toolkit's fp16 simulator (converter venv); rknnlite: the board.")
+@click.option("--teacher-tokens", type=click.IntRange(16), default=320, show_default=True,
+              help="Tokens of the teacher-forced text (top-1 agreement, KL).")
+@out_option
+def accuracy_cmd(model, backend, rknn_dir, rknn_runner, teacher_tokens, out) -> None:
+    """Last-token logit cosine on several chat prompts, teacher-forced top-1 agreement and KL, and
+    the greedy answer to a factual question: BACKEND vs cpu (F32) on the same checkpoint."""
+    from edge_llm.bench import accuracy as B
+    from edge_llm.bench.disk import new_results_dir
+    from edge_llm.errors import EdgeLLMError
+
+    with spinner() as prog:
+        task = prog.add_task("accuracy", total=None)
+        try:
+            res = B.run(model, backend, rknn_dir, rknn_runner, teacher_tokens,
+                        step=lambda msg: prog.update(task, description=msg))
+        except EdgeLLMError as e:
+            raise click.ClickException(str(e)) from None
+    res["command"] = " ".join(sys.argv)
+    save_results(new_results_dir(out, "bench-accuracy"), "accuracy", res, B.markdown(res))

@@ -1,0 +1,192 @@
+"""Real activations for the converter: every graph's inputs captured from the F32 model on a
+calibration text, and the range of every tensor of every graph on them (docs/npu.md, "fp16 range").
+
+1. `capture`: the CPU backend runs the whole model on the calibration tokens (a chat-formatted
+   text, so the first rows are the attention-sink tokens that carry a checkpoint's massive
+   activations) behind a recording wrapper of the backend seam: what `qkv`, `post` and `logits`
+   are called with is exactly what the graphs get at run time.
+2. `tensor_ranges`: onnxruntime (F32) runs each exported graph on those inputs with every node's
+   output exposed, so the max |value| of inputs, intermediates and outputs is measured, not
+   modelled. An fp16 NPU stores every one of them in fp16 (matmuls accumulate wider inside).
+3. `check_ranges`: a tensor above FP16_MAX / HEADROOM fails the conversion with its graph,
+   tensor and op named; the accuracy table is then computed on the same real inputs
+   (`Capture.samples`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edge_llm.backends.cpu import CPUBackend
+from edge_llm.backends.graphs import HEAD, POST, QKV, GraphSpec, capture_key, layer_name
+from edge_llm.backends.onnx_export import Samples
+from edge_llm.bench.quality_text import QUALITY_TEXT
+from edge_llm.config import ModelArgs
+from edge_llm.errors import ConfigError, EdgeLLMError
+from edge_llm.weights import Weights
+
+log = logging.getLogger(__name__)
+
+FP16_MAX = 65504.0
+HEADROOM = 2.0  # a tensor must stay below FP16_MAX / HEADROOM on the calibration text
+CALIB_TOKENS = 256
+_SEED = 4321
+
+
+class RangeError(EdgeLLMError):
+    """A graph's tensor leaves fp16's range on real activations."""
+
+
+class _Recorder:
+    """The CPU backend behind the seam, keeping a copy of every graph input it is called with."""
+
+    name, numerics, chunk_sizes, row_step = "cpu", "cpu-f32", (), None
+
+    def __init__(self) -> None:
+        self.cpu = CPUBackend()
+        self.seen: dict[str, list[np.ndarray]] = {}
+
+    def _keep(self, key: str, *arrays: np.ndarray) -> None:
+        self.seen[key] = [np.array(a, dtype=np.float32) for a in arrays]
+
+    def load(self, args: ModelArgs, weights: Weights) -> None:
+        self.cpu.load(args, weights)
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        return self.cpu.embed(tokens)
+
+    def qkv(self, layer: int, x: np.ndarray):
+        self._keep(layer_name(layer, QKV), x)
+        return self.cpu.qkv(layer, x)
+
+    def post(self, layer: int, attn: np.ndarray, x: np.ndarray) -> np.ndarray:
+        self._keep(layer_name(layer, POST), attn, x)
+        return self.cpu.post(layer, attn, x)
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        self._keep(HEAD, x)
+        return self.cpu.logits(x)
+
+    def close(self) -> None:
+        self.cpu.close()
+
+
+@dataclass
+class Capture:
+    """The graphs' real inputs: `inputs[capture_key(spec)]` in the spec's input order."""
+
+    source: str  # what the tokens are (for the report)
+    tokens: int
+    inputs: dict[str, list[np.ndarray]]
+
+    def for_spec(self, spec: GraphSpec, rows: int | None = None) -> list[np.ndarray]:
+        return [np.ascontiguousarray(a[:rows]) for a in self.inputs[capture_key(spec)]]
+
+    def samples(self) -> Samples:
+        """The accuracy check's inputs: the first max(shape) rows (row 0 is the first token)."""
+        return lambda spec: self.for_spec(spec, max(spec.rows) if spec.rows else None)
+
+
+def calibration_ids(model_dir: str | Path, text: str | None = None, tokens: int = CALIB_TOKENS) -> tuple[list[int], str]:
+    """The calibration tokens and what they are: `text` (default: the built-in English text) as a
+    user message in the model's chat template, cut to `tokens`; fixed random ids for a model
+    without a tokenizer (tiny test models)."""
+    from edge_llm.tokenizer import Tokenizer
+
+    try:
+        tok = Tokenizer.from_dir(model_dir)
+    except EdgeLLMError:
+        tok = None
+    if tok is None:
+        vocab = ModelArgs.from_dir(model_dir).vocab_size
+        ids = np.random.default_rng(_SEED).integers(0, vocab, tokens).tolist()
+        return ids, f"{tokens} fixed random token ids (the model has no tokenizer)"
+    body = text if text is not None else QUALITY_TEXT
+    try:
+        ids = tok.apply_chat_template_ids([{"role": "user", "content": body}])
+        how = "as a chat user message"
+    except EdgeLLMError:
+        ids, how = tok.encode(body), "as plain text (no chat template)"
+    what = "the built-in English text" if text is None else "the given text"
+    if len(ids) < 8:
+        raise ConfigError(f"calibration text gives {len(ids)} tokens: give a longer text")
+    return ids[:tokens], f"{min(tokens, len(ids))} tokens of {what} {how}"
+
+
+def capture(model_dir: str | Path, ids: Sequence[int], source: str) -> Capture:
+    """Run the F32 model on `ids` in one chunk and keep every graph's inputs. Loads the whole
+    F32 model (4 bytes per weight) for as long as the forward takes."""
+    from edge_llm.models.qwen3 import Model
+
+    rec = _Recorder()
+    model = Model.load(model_dir, backend=rec)
+    cache = model.new_cache(len(ids), check_memory=False)
+    model.forward(np.asarray(ids, dtype=np.int64), cache, all_logits=True)
+    rec.close()
+    log.info("calibration: %d graph inputs captured from %s", len(rec.seen), source)
+    return Capture(source, len(ids), rec.seen)
+
+
+def tensor_ranges(onnx_path: Path, spec: GraphSpec, inputs: Sequence[np.ndarray]) -> dict:
+    """Max |value| of every input, node output and graph output of one exported graph on
+    `inputs`, run by onnxruntime in F32: {"inputs": {name: max}, "outputs": {...},
+    "intermediates": [[tensor, op, max], ...] largest first}."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    outs = {o.name for o in model.graph.output}
+    ops = {}
+    for node in model.graph.node:
+        for name in node.output:
+            ops[name] = node.op_type
+            if name not in outs:
+                model.graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
+    probe = onnx_path.with_name(f".{onnx_path.stem}.ranges.onnx")  # beside it: external data resolves
+    probe.write_bytes(model.SerializeToString())
+    try:
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep every node
+        opts.intra_op_num_threads = max(1, min(4, os.cpu_count() or 1))
+        sess = ort.InferenceSession(str(probe), opts, providers=["CPUExecutionProvider"])
+        names = [o.name for o in sess.get_outputs()]
+        values = sess.run(names, {n: x for (n, _), x in zip(spec.inputs, inputs)})
+    finally:
+        probe.unlink(missing_ok=True)
+    amax = {n: float(np.max(np.abs(v))) if np.size(v) else 0.0 for n, v in zip(names, values)}
+    return {"inputs": {n: float(np.max(np.abs(x))) for (n, _), x in zip(spec.inputs, inputs)},
+            "outputs": {n: amax[n] for n, _ in spec.outputs},
+            "intermediates": sorted(([n, ops[n], v] for n, v in amax.items() if n not in outs),
+                                    key=lambda t: -t[2])}
+
+
+def worst_tensor(r: dict) -> tuple[str, float]:
+    """The largest |value| of a graph's range record and where: 'input x', 'Mul_5 (ReduceSum)'."""
+    cands = [(f"input {n}", v) for n, v in r["inputs"].items()]
+    cands += [(f"output {n}", v) for n, v in r["outputs"].items()]
+    cands += [(f"{n} ({op})", v) for n, op, v in r["intermediates"]]
+    return max(cands, key=lambda c: c[1])
+
+
+def check_ranges(ranges: dict[str, dict], headroom: float = HEADROOM) -> None:
+    """Raise RangeError naming every graph whose largest tensor passes FP16_MAX / headroom."""
+    limit = FP16_MAX / headroom
+    bad = []
+    for name, r in ranges.items():
+        where, v = worst_tensor(r)
+        if not np.isfinite(v) or v > limit:
+            bad.append(f"{name}: {where} reaches {v:.4g}")
+    if bad:
+        raise RangeError(f"{len(bad)} graph(s) leave fp16's range on real activations (limit {limit:.0f} = "
+                         f"{FP16_MAX:.0f} / headroom {headroom:g}): " + "; ".join(bad[:8])
+                         + (f"; ... ({len(bad) - 8} more)" if len(bad) > 8 else "")
+                         + ". The fp16 graphs would compute inf/NaN or lose the answer: see report.md and "
+                         "docs/npu.md ('fp16 range')")
