@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -157,9 +158,12 @@ class ToolkitWorker:
             os.close(fd)
         self.log_file = Path(log_file)
         self._log = open(self.log_file, "ab")
+        # the toolkit writes check*.onnx dumps into its working directory (GBs for a 2B head):
+        # a scratch directory of its own, removed at close; every path it is sent is absolute
+        self._scratch = tempfile.mkdtemp(prefix="edge-llm-toolkit-")
         self.proc = subprocess.Popen([str(py), str(WORKER), str(r_req), str(w_rep)],
                                      pass_fds=(r_req, w_rep), stdin=subprocess.DEVNULL,
-                                     stdout=self._log, stderr=self._log)
+                                     stdout=self._log, stderr=self._log, cwd=self._scratch)
         os.close(r_req)
         os.close(w_rep)
         self._w = os.fdopen(w_req, "wb")
@@ -190,13 +194,14 @@ class ToolkitWorker:
                 self.proc.wait()
         for f in (self._w, self._r, self._log):
             f.close()
+        shutil.rmtree(self._scratch, ignore_errors=True)
         if self._temp_log and self.proc.returncode == 0:
             self.log_file.unlink(missing_ok=True)  # kept when the worker failed: errors point at it
 
 
 def compile_request(spec: GraphSpec, onnx_path: Path, **extra: Any) -> dict[str, Any]:
     """The worker's build/load request for one graph."""
-    return {"name": spec.name, "onnx": str(onnx_path), "rows": list(spec.rows),
+    return {"name": spec.name, "onnx": str(Path(onnx_path).resolve()), "rows": list(spec.rows),
             "inputs": [[n, w] for n, w in spec.inputs], "outputs": [n for n, _ in spec.outputs], **extra}
 
 

@@ -55,7 +55,7 @@ def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
     """Calibrate + export + range-check + build every graph; write manifest.json and report.md.
     Returns the manifest. Raises `calibration.RangeError` (after writing the report) when a
     graph's tensor passes FP16_MAX / headroom on the calibration text, before any build."""
-    out = Path(out_dir)
+    out = Path(out_dir).resolve()  # the toolkit worker runs in a directory of its own
     (out / "rknn").mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     step = progress or (lambda *a: None)
