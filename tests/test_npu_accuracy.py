@@ -29,7 +29,7 @@ except ConfigError as e:  # `make test` builds it; a bare pytest run may not hav
     pytestmark = pytest.mark.skip(reason=f"converter venv missing ({e}); run tools/setup-converter.sh")
 
 SIM_COSINE, SIM_TOP1, SIM_KL = 0.999, 0.98, 1e-3  # fp16 simulator vs F32 (measured: 0.99999+, 100 %, 2e-5)
-Q_TOP1, Q_KL = 0.9, 0.02  # cpu-q, 4-bit weights, vs F32 (docs/quantization.md)
+Q_COSINE, Q_TOP1, Q_KL = 0.998, 0.95, 0.005  # cpu-q vs F32 (measured: 0.99885, 98.0 %, 0.0029)
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +91,19 @@ def test_onnxruntime_runs_the_same_graphs_as_cpu(converted, default_dir):
 
 
 def test_cpu_q_agrees_with_cpu_on_the_default_model(default_dir, edge_home, monkeypatch):
+    """cpu-q's graphs come from the same exporter. With its int8 activations (MatMulNBits
+    accuracy level 4) it flips the first answer token, a near tie on the CPU (25.325 'The' vs
+    25.243 'L'); with float activations (level 0, a mode made here only for the check) the same
+    graphs give the CPU's answer token for token: the export is right, the flip is the int8
+    activations' (docs/quantization.md, "Quality")."""
+    from edge_llm.backends import cpuq
+
     monkeypatch.setenv("EDGE_LLM_HOME", str(edge_home))  # cpu-q's graph directory: the session's
     res = accuracy.run(str(default_dir), "cpu-q", teacher_tokens=256)
     print(accuracy.markdown(res))
-    assert res["teacher"]["top1"] >= Q_TOP1 and res["teacher"]["kl"] <= Q_KL
-    assert res["answer"]["same_tokens"] or "Paris" in res["answer"]["other"]
+    assert res["min_cosine"] >= Q_COSINE and res["teacher"]["top1"] >= Q_TOP1 and res["teacher"]["kl"] <= Q_KL
     json.dumps(res)  # what `bench accuracy` saves
+    monkeypatch.setitem(cpuq.MODES, "q4f", cpuq.QuantMode("q4f", 4, cpuq.BLOCK, 0))
+    f = accuracy.run(str(default_dir), "cpu-q", teacher_tokens=64, quant="q4f")
+    assert "acc0" in f["numerics"] and f["min_cosine"] >= 0.99999
+    assert f["answer"]["same_tokens"] and "Paris" in f["answer"]["other"]

@@ -321,9 +321,10 @@ def export_model(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
                 head = _head_tensors(args, weights)
             final_norm, lm = head
             lo, hi = spec.vocab
-            done.append(_export_one(spec, out, lambda g: build_head(g, final_norm, lm[lo:hi], eps, linear, norm, i, (lo, hi))))
+            rows = lm[lo:hi]
+            done.append(_export_one(spec, out, lambda g: build_head(g, final_norm, rows, eps, linear, norm, i, spec.vocab)))
             if samples is not None:
-                _write_samples(out, spec, samples, lambda x: [rms_norm(x, final_norm, np.float32(eps)) @ lm[lo:hi].T])
+                _write_samples(out, spec, samples, lambda x: [rms_norm(x, final_norm, np.float32(eps)) @ rows.T])
         log.debug("exported %s (%.1f MB)", spec.name, done[-1].nbytes / 1e6)
     return done
 

@@ -62,7 +62,8 @@ def compare(ref, other, tok, step: Callable[[str], None] = lambda _m: None,
         ids = tok.apply_chat_template_ids([{"role": "user", "content": p}])
         a, b = last_logits(ref, ids), last_logits(other, ids)
         res["prompts"].append({"prompt": p[:60], "tokens": len(ids), "cosine": cosine(a, b),
-                               "max_abs": float(np.abs(a - b).max()), "argmax_equal": int(a.argmax()) == int(b.argmax())})
+                               "max_abs": float(np.abs(a - b).max()),
+                               "argmax_equal": int(a.argmax()) == int(b.argmax())})
     step(f"teacher-forced over {teacher_tokens} tokens")
     ids = tok.encode(QUALITY_TEXT)[:teacher_tokens]
     lr, lo = teacher_logits(ref, ids), teacher_logits(other, ids)
@@ -70,7 +71,8 @@ def compare(ref, other, tok, step: Callable[[str], None] = lambda _m: None,
     res["teacher"] = {"tokens": len(ids), "top1": q["top1"], "kl": q["kl"], "ppl": q["ppl"], "ppl_ref": q_ref["ppl"]}
     step("greedy chat answer")
     ids = tok.apply_chat_template_ids([{"role": "user", "content": FACT}])
-    stop = {i for i in (tok.token_to_id(t) for t in (tok.eos_token, "<|im_end|>", "<|endoftext|>") if t) if i is not None}
+    ends = (tok.eos_token, "<|im_end|>", "<|endoftext|>")
+    stop = {i for i in (tok.token_to_id(t) for t in ends if t) if i is not None}
     ta, tb = answer(ref, ids, answer_tokens, stop), answer(other, ids, answer_tokens, stop)
     res["answer"] = {"question": FACT, "ref": tok.decode(ta, skip_special_tokens=True),
                      "other": tok.decode(tb, skip_special_tokens=True), "same_tokens": ta == tb}
@@ -95,9 +97,10 @@ def markdown(res: dict) -> str:
 
 
 def run(model: str, backend: str, rknn_dir: str | None = None, runner: str = "sim",
-        teacher_tokens: int = TEACHER_TOKENS, step: Callable[[str], None] = lambda _m: None) -> dict:
+        teacher_tokens: int = TEACHER_TOKENS, step: Callable[[str], None] = lambda _m: None,
+        quant: str = "q4") -> dict:
     """Load the model twice (cpu, and `backend`: "rknn" over `rknn_dir` with `runner`, or
-    "cpu-q") and `compare` them."""
+    "cpu-q" in mode `quant`) and `compare` them."""
     from edge_llm.errors import ConfigError
     from edge_llm.models.default import resolve_model_dir
     from edge_llm.models.qwen3 import Model
@@ -114,7 +117,7 @@ def run(model: str, backend: str, rknn_dir: str | None = None, runner: str = "si
     elif backend == "cpu-q":
         from edge_llm.backends.cpuq import open_cpu_q
 
-        be = open_cpu_q(model_dir, progress=step)
+        be = open_cpu_q(model_dir, quant, progress=step)
     else:
         raise ConfigError(f"bench accuracy compares rknn or cpu-q with cpu, not {backend!r}")
     try:

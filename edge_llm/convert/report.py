@@ -66,7 +66,7 @@ def range_lines(m: Manifest) -> list[str]:
     lines = [f"Tensor ranges on real activations ({c['source']}), F32 in onnxruntime; an fp16 graph must keep "
              f"every tensor below {c['fp16_max']:.0f} / {c['headroom']:g}. Headroom = {c['fp16_max']:.0f} / "
              "largest |value| of the graph.", "",
-             "| graph | max \|input\| | max \|output\| | largest intermediate (op) | headroom |",
+             "| graph | max \\|input\\| | max \\|output\\| | largest intermediate (op) | headroom |",
              "|---|---|---|---|---|"]
     for g in m.graphs:
         r = range_summary(g)
