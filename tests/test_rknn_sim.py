@@ -67,7 +67,7 @@ def test_convert_writes_rknn_manifest_and_report(converted, name, record_propert
     # the three shapes share one weight copy: the 3-shape layer file is far below 3x one shape
     qkv = next(g for g in man.graphs if g.kind == "qkv")
     weights_fp16 = (d / qkv.onnx.replace(".onnx", ".onnx.data")).stat().st_size / 2
-    assert qkv.rknn_bytes < 2 * weights_fp16 + 256 * 1024
+    assert qkv.rknn_bytes < 2 * weights_fp16 + 512 * 1024  # + the fp16-safe norm's command buffers per shape
 
 
 def test_reconvert_reuses_builds(converted):
