@@ -20,7 +20,16 @@ from edge_llm.backends.onnx_export import (
     rms_norm_fp16_op,
     rms_norm_op,
 )
-from edge_llm.convert.calibration import FP16_MAX, RangeError, check_ranges, tensor_ranges, worst_tensor
+from edge_llm.convert.calibration import (
+    FP16_MAX,
+    RangeError,
+    calibration_ids,
+    capture,
+    check_ranges,
+    record_ranges,
+    tensor_ranges,
+    worst_tensor,
+)
 
 HIDDEN, QKV_W, EPS = 576, 96, 1e-5  # SmolLM2-135M's width: its residual reaches 22,545 in one channel
 
@@ -113,6 +122,34 @@ def test_fp16_safe_norm_in_numpy_fp16_matches_f32(qkv_graphs):
     assert np.isfinite(safe).all()
     err = np.abs(safe - ref).max(axis=1) / np.abs(ref).max(axis=1).clip(1e-30)
     assert err[:5].max() < 4e-3 and np.abs(safe[5]).max() == 0  # fp16 rounding; zero row stays zero
+
+
+@pytest.fixture(scope="module")
+def default_capture(edge_home):
+    model = next(edge_home.glob("models/*/config.json")).parent
+    ids, source = calibration_ids(model)
+    return model, capture(model, ids, source)
+
+
+@pytest.mark.parametrize("norm", [rms_norm_op, rms_norm_fp16_op], ids=["plain", "fp16-safe"])
+def test_range_check_on_the_real_default_model(default_capture, tmp_path, norm):
+    """The real weights: the range check refuses the old norm's graphs (36 of 61 leave fp16's range,
+    layer 12 on, where row 0's residual carries ~24,900) and passes the fp16-safe norm's."""
+    from edge_llm.backends.onnx_export import export_graph_set
+
+    model, cap = default_capture
+    assert "chat user message" in cap.source and cap.tokens == 256
+    ranges = record_ranges(export_graph_set(model, tmp_path, norm=norm), tmp_path, cap)
+    over = sorted(n for n, r in ranges.items() if worst_tensor(r)[1] > FP16_MAX)
+    print(f"{norm.__name__}: {len(over)} of {len(ranges)} graphs over fp16's max: {over[:3]} ...")
+    if norm is rms_norm_op:
+        assert len(over) == 36 and "layer12.qkv" in over, over
+        with pytest.raises(RangeError, match=r"layer12\.qkv: .*\(ReduceSum\) reaches 1\.09e\+06"):
+            check_ranges(ranges)
+    else:
+        assert over == []
+        check_ranges(ranges)
+        assert 2e4 < ranges["layer12.qkv"]["inputs"]["x"] < FP16_MAX / 2
 
 
 def test_convert_refuses_a_graph_that_overflows(tiny_model_dir, tmp_path):

@@ -145,6 +145,9 @@ def test_manifest_checks_the_model(tiny_qwen3, tiny_model_dir, graphs):
         open_rknn(graphs(tiny_qwen3), "auto")
     with pytest.raises(ConfigError, match="no .rknn build"):
         open_rknn(graphs(tiny_qwen3), "rknnlite")
+    # an export without the converter's fp16 range check never runs in fp16 (no worker started)
+    with pytest.raises(ConfigError, match="without the fp16 range check"):
+        open_rknn(graphs(tiny_qwen3), "sim")
     assert resolve_auto(graphs(tiny_qwen3), tiny_qwen3) == ("cpu", "no RKNPU device node")
 
 

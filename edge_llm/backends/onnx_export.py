@@ -10,7 +10,8 @@ backend passes a function that writes e.g. `MatMulNBits` instead and reuses ever
 
 How an RMSNorm is written is a parameter too (`norm`). Graphs for an fp16 NPU use
 `rms_norm_fp16_op`, which scales each row by its own max |x| before squaring: real checkpoints
-carry massive activations in a few residual channels (22,545 in SmolLM2-135M from layer 12 on),
+carry massive activations in a few residual channels (about 24,900 in SmolLM2-135M's first row
+from layer 12 on),
 whose squares overflow fp16's 65,504 in any plain form (docs/npu.md, "fp16 range"). F32 graphs
 (cpu-q, docs/quantization.md) keep the shorter `rms_norm_op`.
 
@@ -169,7 +170,7 @@ def rms_norm_fp16_op(g: GraphBuilder, x: str, weight: np.ndarray, eps: float) ->
     sqrt(eps) / s = (F / s) / sqrt(n) = (1 - max|u|) / sqrt(n): no division of a constant by a
     tensor, which the compiler would run on the CPU. out = weight * x / rms: x is divided by rms,
     not by s, so the ordinary channels of a row with a massive activation (|x| ~ 1 next to
-    22,545) stay normal fp16 numbers instead of subnormals. A zero (padding) row gives 0."""
+    ~24,900) stay normal fp16 numbers instead of subnormals. A zero (padding) row gives 0."""
     n = weight.shape[0]
     s = g.op("Add", [_row_absmax(g, x, n), g.const("floor", np.array(np.sqrt(n * eps), np.float32))])
     u = g.op("Div", [x, s])
@@ -256,6 +257,22 @@ def _export_one(spec: GraphSpec, out_dir: Path, build: Callable[[GraphBuilder], 
     build(g)
     g.finish(spec, path)
     return Exported(spec, path, data, _digest(path, data))
+
+
+def write_probe(onnx_path: Path, probe: Path) -> dict[str, str]:
+    """Write a copy of the graph at `probe` (beside it, so its external data resolves) whose
+    outputs are every node's output, for the converter's range check (convert/calibration.py);
+    returns {tensor name: op type} of the node outputs."""
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    outs = {o.name for o in model.graph.output}
+    ops = {}
+    for node in model.graph.node:
+        for name in node.output:
+            ops[name] = node.op_type
+            if name not in outs:
+                model.graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
+    probe.write_bytes(model.SerializeToString())
+    return ops
 
 
 # samples(spec) -> the graph's inputs (float32, rows x width each) for the accuracy check

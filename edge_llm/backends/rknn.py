@@ -68,7 +68,6 @@ def open_rknn(rknn_dir: str | Path, runner: str = "auto", model_dir: str | Path 
         from edge_llm.backends.runners import SimRunner
 
         m.check_fp16(root)
-
         r = SimRunner(specs, m.onnx_files(root), python=converter_python, progress=progress)
     elif runner == "onnxruntime":
         from edge_llm.backends.runners import OrtRunner

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import numpy as np
 
 from edge_llm.bench.quality_text import QUALITY_TEXT
-from edge_llm.bench.quant import quality, teacher_logits
+from edge_llm.bench.quant import greedy, quality, teacher_logits
 
 FACT = "What is the capital of France?"
 PROMPTS: tuple[str, ...] = (
@@ -40,18 +40,6 @@ def last_logits(model, ids: list[int]) -> np.ndarray:
     return model.prefill(ids, cache)
 
 
-def answer(model, ids: list[int], steps: int, stop: set[int]) -> list[int]:
-    """Greedy tokens after `ids`, up to and including the first token in `stop`."""
-    cache = model.new_cache(len(ids) + steps + 1, check_memory=False)
-    logits, out = model.prefill(ids, cache), []
-    for _ in range(steps):
-        out.append(int(np.argmax(logits)))
-        if out[-1] in stop:
-            break
-        logits = model.forward([out[-1]], cache)
-    return out
-
-
 def compare(ref, other, tok, step: Callable[[str], None] = lambda _m: None,
             teacher_tokens: int = TEACHER_TOKENS, answer_tokens: int = ANSWER_TOKENS) -> dict:
     """`ref` (the CPU backend) and `other` (two loaded `Model`s of one checkpoint), `tok` its
@@ -67,13 +55,14 @@ def compare(ref, other, tok, step: Callable[[str], None] = lambda _m: None,
     step(f"teacher-forced over {teacher_tokens} tokens")
     ids = tok.encode(QUALITY_TEXT)[:teacher_tokens]
     lr, lo = teacher_logits(ref, ids), teacher_logits(other, ids)
-    q_ref, q = quality(lr, lr, ids), quality(lr, lo, ids)
-    res["teacher"] = {"tokens": len(ids), "top1": q["top1"], "kl": q["kl"], "ppl": q["ppl"], "ppl_ref": q_ref["ppl"]}
+    q = quality(lr, lo, ids)
+    res["teacher"] = {"tokens": len(ids), "top1": q["top1"], "kl": q["kl"], "ppl": q["ppl"],
+                      "ppl_ref": quality(lr, lr, ids)["ppl"]}
     step("greedy chat answer")
     ids = tok.apply_chat_template_ids([{"role": "user", "content": FACT}])
     ends = (tok.eos_token, "<|im_end|>", "<|endoftext|>")
-    stop = {i for i in (tok.token_to_id(t) for t in ends if t) if i is not None}
-    ta, tb = answer(ref, ids, answer_tokens, stop), answer(other, ids, answer_tokens, stop)
+    stop = frozenset(i for i in (tok.token_to_id(t) for t in ends if t) if i is not None)
+    ta, tb = greedy(ref, ids, answer_tokens, stop), greedy(other, ids, answer_tokens, stop)
     res["answer"] = {"question": FACT, "ref": tok.decode(ta, skip_special_tokens=True),
                      "other": tok.decode(tb, skip_special_tokens=True), "same_tokens": ta == tb}
     res["min_cosine"] = min(p["cosine"] for p in res["prompts"])

@@ -145,11 +145,14 @@ def quality(ref: np.ndarray, other: np.ndarray, ids: list[int]) -> dict:
             "top1": float((lr.argmax(1) == lo.argmax(1)).mean())}
 
 
-def greedy(model, ids: list[int], steps: int) -> list[int]:
+def greedy(model, ids: list[int], steps: int, stop: frozenset[int] = frozenset()) -> list[int]:
+    """Greedy tokens after `ids`: `steps` of them, or up to and including the first in `stop`."""
     cache = model.new_cache(len(ids) + steps + 8, check_memory=False)
     logits, out = model.prefill(ids, cache), []
     for _ in range(steps):
         out.append(int(np.argmax(logits)))
+        if out[-1] in stop:
+            break
         logits = model.forward([out[-1]], cache)
     return out
 

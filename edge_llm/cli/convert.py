@@ -69,20 +69,16 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
     n_graphs = 2 * (layers or args.num_hidden_layers) + head_split
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as prog:
-        tasks = {"calibrate": prog.add_task("run the F32 model on the calibration text", total=1),
-                 "export": prog.add_task("export ONNX", total=n_graphs),
-                 "ranges": prog.add_task("fp16 range check", total=n_graphs),
-                 "build": prog.add_task("build .rknn + simulate", total=n_graphs)}
-        done = {"calibrate": "run the F32 model on the calibration text", "export": "export ONNX",
-                "ranges": "fp16 range check"}
+        phases = {"calibrate": ("run the F32 model on the calibration text", 1), "export": ("export ONNX", n_graphs),
+                  "ranges": ("fp16 range check", n_graphs), "build": ("build .rknn + simulate", n_graphs)}
+        tasks = {k: prog.add_task(label, total=total) for k, (label, total) in phases.items()}
 
         def step(phase: str, name: str, i: int, total: int) -> None:
             prog.update(tasks[phase], completed=i, description=f"{phase} {name}")
-            if i == 0:  # the phase before this one is complete
-                order = list(tasks)
-                for before in order[:order.index(phase)]:
-                    prog.update(tasks[before], completed=1 if before == "calibrate" else n_graphs,
-                                description=done[before])
+            if i == 0:  # every phase before this one is complete
+                for before in list(phases)[:list(phases).index(phase)]:
+                    label, total_ = phases[before]
+                    prog.update(tasks[before], completed=total_, description=label)
 
         try:
             m = convert_rknn(model_dir, out_dir, tuple(int_list(chunks)), layers=layers, head_split=head_split,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,15 +25,16 @@ import numpy as np
 
 from edge_llm.backends.cpu import CPUBackend
 from edge_llm.backends.graphs import HEAD, POST, QKV, GraphSpec, capture_key, layer_name
+from edge_llm.backends.manifest import Manifest
 from edge_llm.backends.onnx_export import Samples
 from edge_llm.bench.quality_text import QUALITY_TEXT
 from edge_llm.config import ModelArgs
+from edge_llm.convert.report import FP16_MAX, worst_tensor
 from edge_llm.errors import ConfigError, EdgeLLMError
 from edge_llm.weights import Weights
 
 log = logging.getLogger(__name__)
 
-FP16_MAX = 65504.0
 HEADROOM = 2.0  # a tensor must stay below FP16_MAX / HEADROOM on the calibration text
 CALIB_TOKENS = 256
 _SEED = 4321
@@ -125,10 +126,12 @@ def capture(model_dir: str | Path, ids: Sequence[int], source: str) -> Capture:
     from edge_llm.models.qwen3 import Model
 
     rec = _Recorder()
-    model = Model.load(model_dir, backend=rec)
-    cache = model.new_cache(len(ids), check_memory=False)
-    model.forward(np.asarray(ids, dtype=np.int64), cache, all_logits=True)
-    rec.close()
+    try:
+        model = Model.load(model_dir, backend=rec)
+        model.forward(np.asarray(ids, dtype=np.int64), model.new_cache(len(ids), check_memory=False),
+                      all_logits=True)
+    finally:
+        rec.close()
     log.info("calibration: %d graph inputs captured from %s", len(rec.seen), source)
     return Capture(source, len(ids), rec.seen)
 
@@ -137,26 +140,18 @@ def tensor_ranges(onnx_path: Path, spec: GraphSpec, inputs: Sequence[np.ndarray]
     """Max |value| of every input, node output and graph output of one exported graph on
     `inputs`, run by onnxruntime in F32: {"inputs": {name: max}, "outputs": {...},
     "intermediates": [[tensor, op, max], ...] largest first}."""
-    import onnx
     import onnxruntime as ort
-    from onnx import TensorProto, helper
 
-    model = onnx.load(str(onnx_path), load_external_data=False)
-    outs = {o.name for o in model.graph.output}
-    ops = {}
-    for node in model.graph.node:
-        for name in node.output:
-            ops[name] = node.op_type
-            if name not in outs:
-                model.graph.output.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, None))
-    probe = onnx_path.with_name(f".{onnx_path.stem}.ranges.onnx")  # beside it: external data resolves
-    probe.write_bytes(model.SerializeToString())
+    from edge_llm.backends.onnx_export import write_probe
+    from edge_llm.backends.runners import open_session, session_options
+
+    probe = onnx_path.with_name(f".{onnx_path.stem}.ranges.onnx")
+    ops = write_probe(onnx_path, probe)
+    outs = {n for n, _ in spec.outputs}
     try:
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
+        opts = session_options(ort, max(1, min(4, os.cpu_count() or 1)))
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep every node
-        opts.intra_op_num_threads = max(1, min(4, os.cpu_count() or 1))
-        sess = ort.InferenceSession(str(probe), opts, providers=["CPUExecutionProvider"])
+        sess = open_session(ort, probe, opts)
         names = [o.name for o in sess.get_outputs()]
         values = sess.run(names, {n: x for (n, _), x in zip(spec.inputs, inputs)})
     finally:
@@ -168,12 +163,14 @@ def tensor_ranges(onnx_path: Path, spec: GraphSpec, inputs: Sequence[np.ndarray]
                                     key=lambda t: -t[2])}
 
 
-def worst_tensor(r: dict) -> tuple[str, float]:
-    """The largest |value| of a graph's range record and where: 'input x', 'Mul_5 (ReduceSum)'."""
-    cands = [(f"input {n}", v) for n, v in r["inputs"].items()]
-    cands += [(f"output {n}", v) for n, v in r["outputs"].items()]
-    cands += [(f"{n} ({op})", v) for n, op, v in r["intermediates"]]
-    return max(cands, key=lambda c: c[1])
+def record_ranges(m: Manifest, root: Path, cap: Capture,
+                  progress: Callable[[int, str], None] = lambda _i, _n: None) -> dict[str, dict]:
+    """`tensor_ranges` of every graph of `m` (ONNX under `root`) on the captured inputs, stored
+    in each graph's `ranges`; returns {graph name: ranges} for `check_ranges`."""
+    for i, g in enumerate(m.graphs):
+        progress(i, g.name)
+        g.ranges = tensor_ranges(root / g.onnx, g.spec(), cap.for_spec(g.spec()))
+    return {g.name: g.ranges for g in m.graphs}
 
 
 def check_ranges(ranges: dict[str, dict], headroom: float = HEADROOM) -> None:

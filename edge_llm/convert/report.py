@@ -14,6 +14,7 @@ from edge_llm.backends.manifest import GraphEntry, Manifest
 
 NPU_HZ = 1.0e9  # RK3588 NPU clock (max), cycles -> seconds
 FP16_REL_LIMIT = 3e-3  # what fp16 graphs are expected to stay within (max relative error)
+FP16_MAX = 65504.0  # fp16's largest finite value
 
 
 def worst(g: GraphEntry) -> dict[str, float] | None:
@@ -46,13 +47,19 @@ def predicted_ms(m: Manifest, rows: int) -> float | None:
     return total / NPU_HZ * 1e3
 
 
+def worst_tensor(r: dict) -> tuple[str, float]:
+    """The largest |value| of a graph's range record and where: 'input x', 'Mul_5 (ReduceSum)'."""
+    cands = [(f"input {n}", v) for n, v in r["inputs"].items()]
+    cands += [(f"output {n}", v) for n, v in r["outputs"].items()]
+    cands += [(f"{n} ({op})", v) for n, op, v in r["intermediates"]]
+    return max(cands, key=lambda c: c[1])
+
+
 def range_summary(g: GraphEntry) -> dict | None:
     """max |input|, max |output|, the largest intermediate (tensor, op, value) and the headroom
     to fp16's largest value of the graph's largest tensor."""
     if not g.ranges:
         return None
-    from edge_llm.convert.calibration import FP16_MAX, worst_tensor
-
     inter = g.ranges["intermediates"][0] if g.ranges["intermediates"] else ["-", "-", 0.0]
     where, top = worst_tensor(g.ranges)
     return {"input": max(g.ranges["inputs"].values()), "output": max(g.ranges["outputs"].values()),

@@ -71,9 +71,7 @@ def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
     t_calib = time.perf_counter() - t0
     m = export_graph_set(model_dir, out, chunks, layers, head_split, samples=cap.samples() if accuracy else None,
                          progress=on_export)
-    for i, g in enumerate(m.graphs):
-        step("ranges", g.name, i, len(m.graphs))
-        g.ranges = C.tensor_ranges(out / g.onnx, g.spec(), cap.for_spec(g.spec()))
+    C.record_ranges(m, out, cap, progress=lambda i, name: step("ranges", name, i, len(m.graphs)))
     m.calibration = {"source": source, "tokens": cap.tokens, "fp16_max": C.FP16_MAX, "headroom": headroom}
     del cap
     t_export = time.perf_counter() - t0
