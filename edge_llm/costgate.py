@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -123,8 +124,11 @@ class CostGate:
         first = min(rest, self.chunk) / tps
         return (max(read, first) + (rest - min(rest, self.chunk)) / tps) * 1e3
 
-    def decide(self, n: int, m_ram: int, m_disk: int, block: int, min_rows: int) -> Decision:
-        """How many of the m_disk rows a snapshot matches to load for an n-row prompt."""
+    def decide(self, n: int, m_ram: int, m_disk: int, block: int, min_rows: int, align: int = 1) -> Decision:
+        """How many of the m_disk rows a snapshot matches to load for an n-row prompt. m_ram and
+        m_disk are reuse points the engine already aligned; split candidates are multiples of
+        `align` too (the engine's alignment unit), so every row after them is recomputed in the
+        chunks a cold run uses and its cost is what is predicted."""
         with self._lock:
             bw, tps = self.read_bps, self.prefill_tps
         if not bw or not tps:
@@ -133,9 +137,10 @@ class CostGate:
             full = self.cost_ms(m_disk, n, m_ram, bw, tps)
             comp = self.cost_ms(0, n, m_ram, bw, tps)
             best, best_ms = (m_disk, full) if full < comp else (m_ram, comp)
-            if self.mode == SPLIT:  # any block boundary is a candidate (whole blocks are read)
-                for k in range(max(min_rows, m_ram + 1), m_disk, block):
-                    k = k // block * block
+            if self.mode == SPLIT:  # any aligned block boundary is a candidate (whole blocks are read)
+                step = math.lcm(block, align)
+                for k in range(max(min_rows, m_ram + 1), m_disk, step):
+                    k = k // step * step
                     if k > m_ram and (ms := self.cost_ms(k, n, m_ram, bw, tps)) < best_ms:
                         best, best_ms = k, ms
             action = "recompute" if best <= m_ram else ("restore" if best == m_disk else "split")

@@ -1,11 +1,18 @@
 """One request at a time: RAM prefix reuse, disk restore, tail prefill, decode, stop, timings.
 
-Bit-exactness rule: the last prompt token is always computed on its own (a one-row step, like a
-decode step), after the rest of the tail was prefilled in chunks. So the logits that pick the
-first generated token depend only on the KV rows before it, never on how many rows were
-prefilled together — a request restored from disk (rows [0, n-1) read back bitwise) produces
-bitwise the same text as the cold run that wrote the snapshot, and as a server that kept its
-RAM cache.
+Bit-exactness rule: every prompt row is computed in the batch a cold prefill of the whole prompt
+would put it in, on every CPU, whatever a kernel's per-row result does with its batch:
+- prefill chunks are cut at absolute multiples of the chunk size `align` (`Model.prefill`);
+- the last prompt token is computed on its own (a one-row step, like a decode step);
+- a prefix reused from RAM or disk is cut back to a multiple of `align` (`_aligned`), so the
+  tail after it is batched as in the cold run. The matched rows given up for this are recomputed
+  and reported (`Timings.align_rows`, `[PREFILL-TIMING] ... aligned=K`); the cost gate decides on
+  the aligned prefix. One unaligned reuse is exact as well: the same-length prompt again from RAM
+  (m = n - 1 is where the last prefill's chunks ended: `_chunk_end`).
+So a request restored from disk (rows read back bitwise) produces bitwise the logits and text of
+a cold run and of a server that kept its RAM cache. Rows that decode steps wrote (an answer
+resent as history) are reused as they are: exact against the run that wrote them, not against
+a cold prefill (docs/store.md, "Restore and recompute").
 
 Long work reports progress and honours cancellation between steps (`edge_llm/progress.py`): a
 prefill chunk, a restored layer, a layer of a pending save we wait for, a decode step. A request
@@ -100,6 +107,7 @@ class Timings:
     gate_recompute_ms: float = 0.0  # predicted: recompute from the RAM prefix
     gate_actual_ms: float = 0.0  # measured: restore + prefill of this request
     restore_files: int = 0  # files of the snapshot chain that were read
+    align_rows: int = 0  # matched rows recomputed so that chunks align with a cold run's (module docstring)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -135,10 +143,14 @@ class Engine:
         self.cache = cache
         self.store = store
         self.prefill_chunk = prefill_chunk
+        self.align = model.chunk_size(prefill_chunk)  # the alignment unit (module docstring)
         self.vision = vision
         self.restore_mode = restore_mode
-        self.gate = gate or CostGate(cache.geometry.kv_bytes_per_token, restore_mode, prefill_chunk)
+        self.gate = gate or CostGate(cache.geometry.kv_bytes_per_token, restore_mode, self.align)
         self._pending: PendingRestore | None = None  # a pipelined restore the tail computes behind
+        # k when the last prefill ended its last chunk at row k (then ran row k alone): the rows
+        # after its reuse point are batched as in a cold prefill of a (k + 1)-row prompt
+        self._chunk_end: int | None = None
         self.stop_ids = set(tokenizer.stop_token_ids)
         # what requests get for omitted temperature / top_p / top_k
         self.sampling_defaults = (model_sampling_defaults(model_dir) if model_dir is not None
@@ -162,28 +174,43 @@ class Engine:
         return self.vision.plan(tokens, images)
 
     # ---- prefix -------------------------------------------------------------------------
+    def _aligned(self, plan: PromptPlan, m: int, spans, ram: bool = False) -> int:
+        """The largest reuse point <= m that is a multiple of `align` and that `plan.reusable`
+        accepts (never inside an image run): a cold prefill starts a chunk there. From RAM, m =
+        n - 1 stays when the last prefill's chunks ended there (`_chunk_end`): same batching."""
+        if ram and m == plan.n - 1 == self._chunk_end:
+            return m
+        while (a := plan.reusable(m // self.align * self.align, spans)) != m:
+            m = a
+        return m
+
     def _reuse_prefix(self, plan: PromptPlan, t: Timings, work: Work) -> int:
         """Make cache rows [0, m) valid for the plan's first m keys from RAM or disk; return m
-        (<= len-1). `plan.reusable` decides for both sources how much of a match may be used; the
-        cost gate decides how much of a disk match is worth loading. A pipelined restore returns
-        at once (`self._pending`): the tail's layers wait for the rows (edge_llm/kvcache.py)."""
+        (<= len-1, aligned: module docstring). `plan.reusable` decides for both sources how much
+        of a match may be used; the cost gate decides how much of a disk match is worth loading.
+        A pipelined restore returns at once (`self._pending`): the tail's layers wait for the rows
+        (edge_llm/kvcache.py)."""
         keys = plan.keys
         limit = len(keys) - 1  # at least one token is computed: it yields the logits
-        m_ram = plan.reusable(min(self.cache.common_prefix(keys), limit), self.cache.spans)
+        raw_ram = plan.reusable(min(self.cache.common_prefix(keys), limit), self.cache.spans)
+        m_ram = self._aligned(plan, raw_ram, self.cache.spans, ram=True)
         hit = self.store.lookup(keys) if self.store is not None else None
         if hit is not None:
-            m_disk = plan.reusable(hit.m, hit.entry.spans)
+            raw_disk = plan.reusable(hit.m, hit.entry.spans)
+            m_disk = self._aligned(plan, raw_disk, hit.entry.spans)
             hit = Hit(hit.entry, m_disk) if m_disk >= self.store.min_lcp else None
         if hit is not None and hit.m > m_ram:
-            d = self.gate.decide(plan.n, m_ram, hit.m, self.cache.kv_bs, self.store.min_lcp)
-            k = plan.reusable(d.load_rows, hit.entry.spans) if d.load_rows < hit.m else d.load_rows
+            d = self.gate.decide(plan.n, m_ram, hit.m, self.cache.kv_bs, self.store.min_lcp, self.align)
+            k = self._aligned(plan, d.load_rows, hit.entry.spans)
             t.restore_mode, t.gate, t.gate_predicted_ms = self.restore_mode, d.action, d.predicted_ms
             t.gate_restore_ms, t.gate_recompute_ms = d.restore_ms, d.recompute_ms
             if k > m_ram:
+                t.align_rows = raw_disk - hit.m
                 return self._restore(Hit(hit.entry, k), t, work)
             log.info("cost gate: recomputing %d rows is faster than loading %d (%.0f ms vs %.0f ms predicted)",
                      plan.n - m_ram, hit.m, d.recompute_ms, d.restore_ms)
         self.cache.truncate(m_ram)  # rows >= m_ram are overwritten later, behind the write guard
+        t.align_rows = raw_ram - m_ram
         if m_ram > 0:
             t.cache_source, t.ram_cached_tokens = "ram", m_ram
         return m_ram
@@ -201,6 +228,7 @@ class Engine:
         except (SnapshotError, OSError) as e:
             log.warning("disk restore failed (%s): recomputing from scratch", e)
             self.cache.reset()
+            t.align_rows = 0
             return 0
 
     def _restored(self, res, t: Timings) -> None:
@@ -253,6 +281,7 @@ class Engine:
         t.images, t.image_tokens = len(plan.spans), plan.image_tokens
         w0, r0 = self.cache.write_wait_s, self.cache.restore_wait_s
         m = self._reuse_prefix(plan, t, work)
+        self._chunk_end = None  # set again once this prefill has completed
         t_pf = time.perf_counter()
         try:
             try:
@@ -268,7 +297,7 @@ class Engine:
                         pass
                 raise
             if not ok:  # the rows were never used: recompute everything, bitwise as a cold run
-                t_pf, m = time.perf_counter(), 0
+                t_pf, m, t.align_rows = time.perf_counter(), 0, 0
                 logits = self._prefill_tail(plan, 0, t, work)
         finally:
             t1 = time.perf_counter()
@@ -280,7 +309,10 @@ class Engine:
         waited = self.cache.restore_wait_s - r0  # pipelined: the tail waited for rows, not computing
         self.gate.observe_prefill(t.prefill_tokens, (t1 - t_pf) - waited - (self.cache.write_wait_s - w0))
         # total = restore/reuse + tail prefill: what a restart costs before the first token
-        timing_log.info("[PREFILL-TIMING] n=%d total=%.1fms", t.prefill_tokens, (t1 - t0) * 1e3)
+        # aligned: rows of the n that were matched but recomputed to batch as a cold run (docstring)
+        timing_log.info("[PREFILL-TIMING] n=%d total=%.1fms aligned=%d", t.prefill_tokens, (t1 - t0) * 1e3,
+                        t.align_rows)
+        self._chunk_end = plan.n - 1
         return logits, t
 
     # ---- one request ----------------------------------------------------------------------

@@ -93,7 +93,9 @@ def test_ttft_section_on_a_tiny_model(tiny_synth_dir, tmp_path, monkeypatch):
     t = json.loads((res / "restore.json").read_text())["ttft"]
     assert [(row["disk"], row["context"]) for row in t["rows"]] == [("disk", 128), ("disk", 300)]
     for row in t["rows"]:
-        assert row["bitwise_equal"] and row["all_sources_disk"] and row["restored_rows"] == row["context"]
+        # the matched rows, cut back to a multiple of the prefill chunk (128): 128 of 128, 256 of 300
+        assert row["bitwise_equal"] and row["all_sources_disk"]
+        assert row["restored_rows"] == row["context"] // 128 * 128 == row["context"] - row["align_rows"]
         assert len(row["runs"]["sequential"]) == len(row["runs"]["pipelined"]) == 2
         assert row["sum_ms"] == row["read_ms"] + row["tail_ms"] and row["bound_ms"] == max(row["read_ms"], row["tail_ms"])
         assert row["recompute_ms"] > 0 and row["est_read_mb_s"] > 0 and row["est_prefill_rows_s"] > 0
@@ -128,12 +130,14 @@ def test_forced_gate_loads_exactly_the_rows_asked(tiny_synth_dir, tmp_path):
     cache.truncate(160)
     store.save_async(cache)
     store.flush()
-    for load, want in ((None, 160), (64, 64), (0, 0)):
+    # the engine cuts what the gate asks for back to a multiple of its chunk (128 here)
+    for load, want in ((None, 128), (150, 128), (64, 0), (0, 0)):
         r, logits = runner.run(prompt, T.ForcedGate(live, load), "pipelined")
         assert r["loaded"] == want and r["computed"] == 180 - want
         assert r["source"] == ("disk" if want else "none")
-        if load is None:  # every row restored: bitwise the cold run's logits
-            assert np.array_equal(logits.view(np.uint32), cold.view(np.uint32))
+        assert r["aligned"] == (32 if want else 0)  # of the 160 matched: recomputed for alignment
+        # whatever was restored: bitwise the cold run's logits (the tail batched as in the cold run)
+        assert np.array_equal(logits.view(np.uint32), cold.view(np.uint32))
     assert live.read_bps > 0  # the restores fed the live gate
     store.close()
 

@@ -104,7 +104,7 @@ def test_cancel_during_prefill_keeps_complete_chunks_and_a_retry_resumes(tiny, t
 
 def test_corrupt_snapshot_during_restore_falls_back_and_quarantines(tiny, tmp_path):
     kv = tmp_path / "kv"
-    eng = engine(tiny, kv)
+    eng = engine(tiny, kv, prefill_chunk=16)  # a 60-token prompt restores 48 aligned rows
     cold_text, cold = run(eng, PROMPT, max_tokens=6)
     eng.store.close()
     (snap,) = list(kv.rglob("kv_*.kv"))
@@ -114,7 +114,7 @@ def test_corrupt_snapshot_during_restore_falls_back_and_quarantines(tiny, tmp_pa
         b = f.read(1)
         f.seek(64 + 4 * n + 100)
         f.write(bytes([b[0] ^ 0x10]))
-    eng2 = engine(tiny, kv)
+    eng2 = engine(tiny, kv, prefill_chunk=16)
     assert eng2.store.stats()["files"] == 1  # the scan reads no payload, so it cannot see the flip
     text, last = run(eng2, PROMPT, max_tokens=6)
     assert last.timings.cache_source == "none" and last.usage.cached_tokens == 0

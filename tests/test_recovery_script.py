@@ -26,8 +26,9 @@ def resp(cached=0, source="none", ttft=100.0, prompt=356, prefill=None, text="To
                       wall_ms=ttft)
 
 
-def prefill(n):
-    return f"x INFO edge_llm.prefill: [PREFILL-TIMING] n={n} total=12.5ms\n"
+def prefill(n, aligned=None):
+    tail = "" if aligned is None else f" aligned={aligned}"
+    return f"x INFO edge_llm.prefill: [PREFILL-TIMING] n={n} total=12.5ms{tail}\n"
 
 
 # ---- pure checks: each passes on good evidence and fails on each kind of bad evidence ------------
@@ -85,7 +86,12 @@ def test_follow_up_tail_only():
     assert any("n=372" in f for f in C.check_follow_up(ok, LOADED + prefill(372), 356))
     assert any("expected one" in f for f in C.check_follow_up(ok, LOADED + prefill(16) + prefill(1), 356))
     partial = resp(cached=300, source="disk", prompt=372)
-    assert any("only 300 of the 356" in f for f in C.check_follow_up(partial, LOADED + prefill(72), 356))
+    assert any("only 300 (+0 recomputed for alignment) of the 356" in f
+               for f in C.check_follow_up(partial, LOADED + prefill(72), 356))
+    # a prefix cut back to a chunk multiple: 100 history rows recomputed, reported as aligned
+    aligned = resp(cached=256, source="disk", prompt=372)
+    assert C.check_follow_up(aligned, LOADED + prefill(116, aligned=100), 356) == []
+    assert any("+99 recomputed" in f for f in C.check_follow_up(aligned, LOADED + prefill(116, aligned=99), 356))
 
 
 def test_markers_only_count_lines_after_the_offset(tmp_path):

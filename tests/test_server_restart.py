@@ -18,6 +18,7 @@ import pytest
 from serverutil import ServerProc, wait_for
 
 from edge_llm.kvcache import lcp
+from edge_llm.settings import DEFAULTS
 from edge_llm.snapshot.format import read_header, verify_file
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant. Answer briefly."}
@@ -56,9 +57,11 @@ def tokenizer(edge_home, monkeypatch):
 
 
 def expected_prefill(tok, messages: list[dict], stored: dict[str, list[int]]) -> tuple[int, int]:
-    """(prompt tokens, tokens left to prefill after the best restore) computed independently."""
+    """(prompt tokens, tokens left to prefill after the best restore) computed independently: the
+    match, cut back to a multiple of the prefill chunk (the engine's alignment rule)."""
     ids = tok.apply_chat_template_ids(messages, add_generation_prompt=True)
     m = min(max(lcp(s, ids) for s in stored.values()), len(ids) - 1)
+    m = m // DEFAULTS.prefill_chunk * DEFAULTS.prefill_chunk
     return len(ids), len(ids) - m
 
 
@@ -93,7 +96,9 @@ def test_sigterm_restore_then_sigkill_mid_save(edge_home, tmp_path, tokenizer):
     t2 = r2["timings"]
     assert t2["cache_source"] == "disk" and r2["usage"]["prompt_tokens"] == n_prompt
     assert t2["prefill_tokens"] == tail and t2["disk_cached_tokens"] == n_prompt - tail
-    assert t2["disk_cached_tokens"] >= r1["usage"]["prompt_tokens"]  # the whole first prompt came from disk
+    # the whole first prompt came from disk, but for the rows recomputed for alignment
+    assert t2["disk_cached_tokens"] + t2["align_rows"] >= r1["usage"]["prompt_tokens"]
+    assert 0 <= t2["align_rows"] < DEFAULTS.prefill_chunk
     assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == n_prompt - tail
     assert t2["restore_bytes"] > 0
     after = srv.log(mark)

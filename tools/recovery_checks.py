@@ -112,17 +112,21 @@ def check_follow_up(resp, log_text: str, history_tokens: int) -> list[str]:
     fails = []
     if not LOADED_RE.search(log_text):
         fails.append("follow-up after restart: no '[KV-DISK] loaded ... from disk file' line after the marker")
-    pre = [int(m.group(1)) for m in PREFILL_RE.finditer(log_text)]
+    pre = [(int(m.group(1)), int(m.group(3) or 0)) for m in PREFILL_RE.finditer(log_text)]
     if len(pre) != 1:
         fails.append(f"follow-up after restart: expected one [PREFILL-TIMING] line after the marker, found {len(pre)}")
         return fails
-    n, tail = pre[0], resp.prompt_tokens - resp.cached_tokens
+    (n, aligned), tail = pre[0], resp.prompt_tokens - resp.cached_tokens
     if n != tail:
         fails.append(f"follow-up: [PREFILL-TIMING] n={n} but prompt_tokens - cached_tokens = "
                      f"{resp.prompt_tokens} - {resp.cached_tokens} = {tail}")
-    if resp.cached_tokens < history_tokens:
-        fails.append(f"follow-up: only {resp.cached_tokens} of the {history_tokens} history tokens reused; "
-                     f"{n} prefilled instead of the {resp.prompt_tokens - history_tokens} new tokens")
+    # the reused prefix ends at a multiple of the prefill chunk: `aligned` matched rows are recomputed
+    if resp.cached_tokens + aligned < history_tokens:
+        fails.append(f"follow-up: only {resp.cached_tokens} (+{aligned} recomputed for alignment) of the "
+                     f"{history_tokens} history tokens reused; {n} prefilled instead of the "
+                     f"{resp.prompt_tokens - history_tokens} new tokens")
+    if resp.timings.get("align_rows") not in (None, aligned):
+        fails.append(f"follow-up: timings.align_rows {resp.timings.get('align_rows')} != log aligned={aligned}")
     if resp.timings.get("prefill_tokens") not in (None, n):
         fails.append(f"follow-up: timings.prefill_tokens {resp.timings.get('prefill_tokens')} != log n={n}")
     return fails

@@ -28,7 +28,8 @@ SAVED_RE = re.compile(r"\[KV-DISK\] saved (\d+)-token KV -> (kv_[0-9a-f]{16}\.kv
 LOADED_RE = re.compile(r"\[KV-DISK\] loaded (\d+)-token KV prefix from disk file (kv_[0-9a-f]{16}\.kv)"
                        r" \((\d+) bytes, ([\d.]+) ms, ([\d.]+) MB/s\)")
 SKIPPED_RE = re.compile(r"\[KV-DISK\] skipped (\d+)-token KV -> (kv_[0-9a-f]{16}\.kv)")
-PREFILL_RE = re.compile(r"\[PREFILL-TIMING\] n=(\d+) total=([\d.]+)ms")
+# aligned=K: rows of the n that matched but were recomputed (docs/store.md); absent in older logs
+PREFILL_RE = re.compile(r"\[PREFILL-TIMING\] n=(\d+) total=([\d.]+)ms(?: aligned=(\d+))?")
 
 
 # ---- log file ------------------------------------------------------------------------------------

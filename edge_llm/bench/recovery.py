@@ -55,7 +55,7 @@ def _s2(model: str, kv_dir: Path, saved: Path, work: Path, ctx: int, mode: str, 
         srv.stop(signal.SIGTERM)
     t = warm.timings
     return {"ready_s": ready, "completion": warm, "loaded": bool(S.LOADED_RE.search(text)),
-            "prefill_n": [int(n) for n, _ in S.PREFILL_RE.findall(text)], "ttft_ms": t.get("ttft_ms"),
+            "prefill_n": [int(m[1]) for m in S.PREFILL_RE.finditer(text)], "ttft_ms": t.get("ttft_ms"),
             "restore_ms": t.get("restore_ms", 0.0), "tail_ms": t.get("prefill_ms", 0.0), "gate": t.get("gate", ""),
             "gate_predicted_ms": t.get("gate_predicted_ms", 0.0), "restore_mode": t.get("restore_mode", "")}
 

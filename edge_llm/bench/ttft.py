@@ -67,7 +67,7 @@ class ForcedGate(CostGate):
     def observe_prefill(self, rows: int, seconds: float) -> None:
         self.live.observe_prefill(rows, seconds)
 
-    def decide(self, n: int, m_ram: int, m_disk: int, block: int, min_rows: int) -> Decision:
+    def decide(self, n: int, m_ram: int, m_disk: int, block: int, min_rows: int, align: int = 1) -> Decision:
         k = m_disk if self.load is None else min(self.load, m_disk)
         action = "recompute" if k <= m_ram else ("restore" if k == m_disk else "split")
         return Decision(action, k if k > m_ram else 0, n - max(k, m_ram), 0.0, 0.0, 0.0)
@@ -101,7 +101,7 @@ class Runner:
         logits, t = eng.prefill_prompt(prompt)
         ms = (time.perf_counter() - t0) * 1e3
         return {"ttft_ms": ms, "restore_ms": t.restore_ms, "tail_ms": t.prefill_ms, "loaded": t.disk_cached_tokens,
-                "computed": t.prefill_tokens, "source": t.cache_source}, logits.copy()
+                "computed": t.prefill_tokens, "aligned": t.align_rows, "source": t.cache_source}, logits.copy()
 
 
 def run_model(model_dir: Path, label: str, disks: list[Disk], contexts: list[int], tail: int, repeats: int,
@@ -156,9 +156,10 @@ def _disk_rows(runner: Runner, disk: Disk, label: str, bytes_per_token: int, pre
     for n, prompt in prompts.items():
         min_lcp = runner.store.min_lcp
         est = {"est_read_mb_s": (live.read_bps or 0) / MB, "est_prefill_rows_s": live.prefill_tps or 0.0}
-        gate = live.decide(len(prompt), 0, n, kv_bs, min_lcp)
-        split_gate = CostGate(bytes_per_token, SPLIT, DEFAULTS.prefill_chunk, read_bps=live.read_bps,
-                              prefill_tps=live.prefill_tps).decide(len(prompt), 0, n, kv_bs, min_lcp)
+        align = runner.engine.align
+        gate = live.decide(len(prompt), 0, n, kv_bs, min_lcp, align)
+        split_gate = CostGate(bytes_per_token, SPLIT, align, read_bps=live.read_bps,
+                              prefill_tps=live.prefill_tps).decide(len(prompt), 0, n, kv_bs, min_lcp, align)
         runs: dict[str, list[dict]] = {SEQUENTIAL: [], PIPELINED: [], SPLIT: [], RECOMPUTE: []}
         logits: dict[str, list[np.ndarray]] = {SEQUENTIAL: [], PIPELINED: []}
         # a close call is measured as carefully as the restores, in the same rotation; a recompute
@@ -180,7 +181,7 @@ def _disk_rows(runner: Runner, disk: Disk, label: str, bytes_per_token: int, pre
         read, tail_ms = _median([r["restore_ms"] for r in seq]), _median([r["tail_ms"] for r in seq])
         best_read, best_tail = min(r["restore_ms"] for r in seq), min(r["tail_ms"] for r in seq)
         row = {"disk": disk.label, "model": label, "context": n, "tail": tail, "prompt": len(prompt),
-               "restored_rows": seq[0]["loaded"], "read_ms": read, "tail_ms": tail_ms, "sum_ms": read + tail_ms,
+               "restored_rows": seq[0]["loaded"], "align_rows": seq[0]["aligned"], "read_ms": read, "tail_ms": tail_ms, "sum_ms": read + tail_ms,
                "bound_ms": max(read, tail_ms), "sequential_ms": _median([r["ttft_ms"] for r in seq]),
                "pipelined_ms": _median([r["ttft_ms"] for r in pipe]),
                # the fastest run of each: closest to the undisturbed cost on a shared machine

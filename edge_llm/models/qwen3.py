@@ -73,6 +73,15 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int,
     return out.reshape(n_kv, rep, T, D).transpose(2, 0, 1, 3).reshape(T, H * D)
 
 
+def chunk_bounds(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
+    """Rows [start, stop) cut at the absolute multiples of `chunk`: the first piece may be short
+    (it ends at the next multiple), the last one too (it ends at `stop`)."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    edges = [start, *range((start // chunk + 1) * chunk, stop, chunk), stop]
+    return list(zip(edges[:-1], edges[1:]))
+
+
 class Model:
     """A loaded text decoder: `forward` appends KV rows to a cache and returns logits."""
 
@@ -111,6 +120,11 @@ class Model:
     def numerics(self) -> str:
         return self.backend.numerics
 
+    def chunk_size(self, requested: int) -> int:
+        """The prefill chunk `prefill` uses for `requested` (a static-shape backend's nearest size):
+        also the unit a reused prefix is aligned to (the engine's `align`)."""
+        return pick_chunk(self.backend, requested)
+
     def new_cache(self, max_seq: int = DEFAULTS.max_seq, **kw) -> KVCache:
         """A KV cache with this model's geometry."""
         return KVCache(self.args.geometry, max_seq=max_seq, **kw)
@@ -135,20 +149,24 @@ class Model:
         None with `logits=False` (rows only: the engine computes the last prompt token alone).
         `positions` (3, T) and `visual` describe the whole run and are sliced per chunk.
 
+        Chunks are cut at absolute row multiples of `chunk` (`chunk_bounds`), not relative to where
+        the run starts: a run that starts at an aligned row batches its rows exactly as a run from
+        row 0 does, which is what makes a restored prefix + tail bitwise a cold prefill on kernels
+        whose per-row result depends on the batch (docs/store.md, "Alignment").
+
         After each chunk `work` gets a prefill report (rows valid / rows when done) and may
         cancel: `Cancelled` then leaves the cache valid up to the last complete chunk."""
         ids = np.asarray(tokens, dtype=np.int64)
         if ids.size == 0:
             raise ValueError("prefill needs at least one token")
-        chunk = pick_chunk(self.backend, chunk)
-        target = cache.length + ids.size
+        start = cache.length
         out = None
-        for a in range(0, ids.size, chunk):
-            part = ids[a:a + chunk]
-            pos = None if positions is None else positions[..., a:a + chunk]
-            vis = None if visual is None else visual.slice(a, a + part.size)
-            out = self._run(part, cache, "last" if logits and a + chunk >= ids.size else "none", pos, work, vis)
-            work.report(PREFILL, cache.length, target)
+        for a, b in chunk_bounds(start, start + ids.size, self.chunk_size(chunk)):
+            a, b = a - start, b - start
+            pos = None if positions is None else positions[..., a:b]
+            vis = None if visual is None else visual.slice(a, b)
+            out = self._run(ids[a:b], cache, "last" if logits and b == ids.size else "none", pos, work, vis)
+            work.report(PREFILL, cache.length, start + ids.size)
         return out
 
     def _run(self, tokens, cache: KVCache, want: str, positions: np.ndarray | None, work: Work = NO_WORK,

@@ -116,6 +116,8 @@ class Timings(BaseModel):
                                                        "(the others' rows were reused).")
     vision_ms: float = Field(default=0.0, description="Vision encoder time.")
     restore_files: int = Field(default=0, description="Files of the snapshot chain that were read.")
+    align_rows: int = Field(default=0, description="Matched rows recomputed so that the tail is batched "
+                                                   "as in a cold prefill (docs/store.md).")
     restore_mode: Literal["", "pipelined", "sequential", "split"] = Field(
         default="", description="How a matching disk snapshot was restored (empty: no disk match).")
     gate: Literal["", "restore", "split", "recompute", "unmeasured"] = Field(
