@@ -109,6 +109,8 @@ def test_row_plan_and_chunks():
     assert row_plan(32, DEFAULT_CHUNKS) == [(0, 32, 32)]
     assert row_plan(33, DEFAULT_CHUNKS) == [(0, 33, 128)]
     assert row_plan(300, DEFAULT_CHUNKS) == [(0, 128, 128), (128, 256, 128), (256, 300, 128)]
+    assert row_plan(300, ()) == [(0, 300, 300)]  # dynamic: one call, or calls of at most `cap` rows
+    assert row_plan(257, (), cap=128) == [(0, 128, 128), (128, 256, 128), (256, 257, 1)]
     assert check_chunks([128, 1, 32, 32]) == (1, 32, 128)
     with pytest.raises(ConfigError, match="include 1"):
         check_chunks([32, 128])

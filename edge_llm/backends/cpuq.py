@@ -60,6 +60,11 @@ QUANT_FORMAT = 2
 # onnxruntime's pool threads spin between runs by default; here numpy (attention) runs between
 # every two graph calls and would share its cores with spinning threads
 SESSION_CONFIG = {"session.intra_op.allow_spinning": "0"}
+# onnxruntime's MatMulNBits (MlasQNBitGemmBatch) cuts M into 128-row pieces when it has a thread
+# pool, and a 1-row piece takes the one-row kernel (other rounding on AVX2 and at accuracy 0):
+# with more rows per call, the thread count would decide which rows run alone. So no call
+# gets more than 128 rows (docs/quantization.md, "Bits and batches").
+MLAS_STRIDE_M = 128
 # the decode graph is a whole token in one call (our attention operator runs inside it, on the
 # same pool), so its pool threads spin between its nodes (a sleeping thread takes a futex wake
 # per parallel node), for at most 50 us at a time (less harm when another process holds a
@@ -239,7 +244,8 @@ def open_cpu_q(model_dir: str | Path, quant: str = "q4", threads: int | None = N
     # no thread count: these kernels give the same bits on 1, 2 or 3 threads (tests/test_cpu_q.py),
     # so changing `threads` keeps the snapshots; the CPU's kernel ISA does change them. The
     # manifest identity covers the decode graph (its bytes), so one-row steps are in it too.
+    # Calls of at most MLAS_STRIDE_M rows keep the thread count out of the bits for any chunk.
     numerics = f"cpu-q:{qm.name}:{m.identity()}:onnxruntime-{r.version}-{qm.label}-{kernel_isa()}"
     numerics += f":attn-{attn_kernel.isa()}" if decode_graph else ":per-layer-decode"
     return GraphBackend("cpu-q", [s for s in m.specs() if s.kind != DECODE], r, numerics,
-                        mapped_embedding=True, row_step=step)
+                        mapped_embedding=True, row_step=step, max_rows=MLAS_STRIDE_M)

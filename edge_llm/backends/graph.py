@@ -29,11 +29,13 @@ class GraphBackend:
     """A `Backend` (see `edge_llm.backends`) over graphs; `numerics` names graphs + runner."""
 
     def __init__(self, name: str, specs: Sequence[GraphSpec], runner: GraphRunner, numerics: str,
-                 mapped_embedding: bool = False, row_step: RowStep | None = None):
+                 mapped_embedding: bool = False, row_step: RowStep | None = None, max_rows: int | None = None):
         """`mapped_embedding`: gather embedding rows from the checkpoint file (mmap, exact F32)
         instead of holding the table in RAM; `row_step`: one-row forwards in one call (cpu-q's
-        decode graph; `numerics` must cover it)."""
+        decode graph; `numerics` must cover it); `max_rows`: rows per call of a dynamic graph
+        (None: all rows in one call)."""
         self.name = name
+        self.max_rows = max_rows
         self.row_step = row_step
         self.mapped_embedding = mapped_embedding
         self.runner = runner
@@ -107,7 +109,7 @@ class GraphBackend:
         """Run `spec` over T rows: split/pad onto its static shapes, drop the padding."""
         T = inputs[0].shape[0]
         pieces = []
-        for a, b, rows in row_plan(T, spec.rows):
+        for a, b, rows in row_plan(T, spec.rows, self.max_rows):
             xs = []
             for x in inputs:
                 if b - a == rows:

@@ -145,16 +145,18 @@ def graph_specs(args: ModelArgs, chunks: tuple[int, ...] | None = DEFAULT_CHUNKS
     return out
 
 
-def row_plan(T: int, rows: tuple[int, ...]) -> list[tuple[int, int, int]]:
+def row_plan(T: int, rows: tuple[int, ...], cap: int | None = None) -> list[tuple[int, int, int]]:
     """Cover T rows with static shapes: a list of (start, stop, shape) with stop - start <= shape.
 
     Full pieces of the largest shape first; the remainder goes into the smallest shape that
-    holds it (padded). The one place where rows meet static shapes.
+    holds it (padded). A dynamic graph (`rows == ()`) takes the rows in calls of at most `cap`
+    rows (None: one call), unpadded. The one place where rows meet graph shapes.
     """
     if T < 1:
         raise ValueError("need at least one row")
-    if not rows:  # dynamic graph: one call, no padding
-        return [(0, T, T)]
+    if not rows:
+        step = T if cap is None else cap
+        return [(a, min(a + step, T), min(a + step, T) - a) for a in range(0, T, step)]
     big = max(rows)
     plan = [(a, a + big, big) for a in range(0, T - T % big, big)]
     rest = T % big
