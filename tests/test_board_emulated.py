@@ -322,6 +322,33 @@ def test_restore_is_bitwise_on_aarch64(board, x):
     assert restored["tokens"].tolist() == warm["tokens"].tolist()
 
 
+def test_restore_is_a_cold_run_on_aarch64(board):
+    """tests/test_restore_recompute.py's property with the installed venv (arm64 numpy, NEON
+    kernels): a snapshot of m unaligned rows restored in a new process + the tail is bitwise a
+    cold prefill of the whole prompt in a third."""
+    from edge_llm.tokenizer import Tokenizer
+
+    b, work = board, "/root/restore-cold"
+    tok = Tokenizer.from_dir(b.path(MODEL))
+    ids = tok.encode(" ".join(f"Line {i}: crate {i * 11 % 97} holds {i * 7 % 13} pears." for i in range(40)))[:150]
+    b.write(f"{work}/prompt.json", json.dumps(ids))
+
+    def run(mode: str, m: int = 0) -> dict | None:
+        out = f"{work}/{mode}{m}.npz"
+        b.run([f"{VENV}/python", f"{b.CHECKOUT}/tests/helpers/restore_cold.py", "--model", MODEL, "--mode", mode,
+               "--prompt", f"{work}/prompt.json", "--chunk", "32", "--m", str(m), "--kv-dir", f"{work}/kv{m}",
+               "--out", out, "--steps", "4"], timeout=900)
+        return None if mode == "save" else dict(np.load(b.path(out)))
+
+    cold = run("cold")
+    for m in (45, 100):
+        run("save", m)
+        got = run("restore", m)
+        assert str(got["source"]) == "disk" and int(got["disk"]) == m // 32 * 32 and int(got["align"]) == m % 32
+        assert np.array_equal(got["logits"].view(np.uint32), cold["logits"].view(np.uint32)), m
+        assert got["tokens"].tolist() == cold["tokens"].tolist(), m
+
+
 def test_reboot_starts_the_service_and_restores(board):
     """A power cycle: the enabled service starts at boot (before `is-system-running` returns),
     restores from the snapshots on disk, and the journal still has the previous boot."""

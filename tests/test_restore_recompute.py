@@ -53,9 +53,9 @@ def prompt_file(model_dir, path: Path, n: int = N) -> Path:
     return path
 
 
-def check_restores(model, tmp, ms, backend="cpu", chunk=None, env=None, **kw) -> list[dict]:
-    """Cold once, then save m rows + restore the whole prompt in new processes, for each m."""
-    prompt = prompt_file(model, tmp / "prompt.json")
+def check_restores(model, tmp, ms, backend="cpu", chunk=None, env=None, n=N, **kw) -> list[dict]:
+    """Cold once, then save m rows + restore the whole n-token prompt in new processes, for each m."""
+    prompt = prompt_file(model, tmp / "prompt.json", n)
     n = len(json.loads(prompt.read_text()))
     cold = session(model, "cold", prompt, tmp / "cold.npz", backend=backend, chunk=chunk, env=env, **kw)
     align = int(cold["chunk"])

@@ -155,3 +155,13 @@ def test_restore_is_bitwise_within_simulator_numerics(converted, tmp_path):
     cpu = _session(model, kv, "restored", tmp_path, state, backend="cpu")
     assert str(cpu["source"]) == "none"
     assert len(list(kv.iterdir())) == 2  # two namespaces side by side
+
+
+def test_restore_is_a_cold_run_in_the_simulator(converted, tmp_path):
+    """tests/test_restore_recompute.py's property under the simulator's fp16 numerics: a snapshot
+    of m unaligned rows restored in a new process + the tail is bitwise a cold prefill."""
+    from test_restore_recompute import check_restores
+
+    model, d, _ = converted["qwen3_vl"]
+    rows = check_restores(model, tmp_path, (45, 100), backend="rknn", chunk=32, n=150, rknn_dir=d, runner="sim")
+    assert [r["restored"] for r in rows] == [32, 96]
