@@ -323,7 +323,7 @@ class Doctor:
             from edge_llm.snapshot.identity import (
                 Identity,  # lazy: hashes the weights once (cached)
             )
-            ident = Identity.for_model(d, args)
+            ident = Identity.for_model(d, args, prefill_chunk=self.o.prefill_chunk)
         except Exception as e:
             return Check("model", WARN, detail + f"; identity not computed: {e}")
         if self.o.backend == "cpu":

@@ -75,7 +75,8 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
         from edge_llm.snapshot.identity import Identity
         from edge_llm.snapshot.store import SnapshotStore
 
-        identity = Identity.for_model(model_dir, model.args, model.backend.numerics, progress=say)
+        identity = Identity.for_model(model_dir, model.args, model.backend.numerics, progress=say,
+                                      prefill_chunk=model.chunk_size(s.prefill_chunk))
         say("scanning snapshots")
         store = SnapshotStore(
             Path(s.disk_kv), identity, model.args.geometry,

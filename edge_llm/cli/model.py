@@ -185,4 +185,5 @@ def digest_cmd(model_dir: str) -> None:
         _fail(e)
     click.echo(f"weights    {ident.weights_digest}")
     click.echo(f"tokenizer  {ident.tokenizer_digest}")
-    click.echo(f"model_id   {ident.model_id:016x}  (backend cpu-f32; namespace {ident.namespace})")
+    click.echo(f"model_id   {ident.model_id:016x}  (backend cpu-f32, prefill chunk {ident.prefill_chunk}; "
+               f"namespace {ident.namespace})")

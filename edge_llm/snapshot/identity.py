@@ -2,7 +2,8 @@
 per-identity namespace directory `<kv-dir>/<model_id as 16 hex>/` with its `identity.json`.
 
 Everything that determines the KV values of a token sequence goes into the digest: the text-model
-config fields, the weight bytes, the tokenizer, the snapshot layout and the backend numerics.
+config fields, the weight bytes, the tokenizer, the snapshot layout, the backend numerics and the
+prefill chunk (the batches prompt rows are computed in).
 Changing any of them yields a new namespace; old namespaces are left alone (isolated, not
 deleted) and are found again when the same configuration comes back.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_llm.config import ModelArgs
+from edge_llm.settings import DEFAULTS
 from edge_llm.snapshot.writer import Modes, write_atomic
 from edge_llm.weights import sha256_file, weight_digest
 
@@ -48,6 +50,9 @@ class Identity:
     tokenizer_digest: str = NO_TOKENIZER
     layout: str = LAYOUT_VERSION
     backend_numerics: str = "cpu-f32"
+    # prompt rows are computed in chunks of this many rows, cut at its multiples: it decides the
+    # bits of the KV rows as the numerics do (docs/store.md, "Restore and recompute")
+    prefill_chunk: int = DEFAULTS.prefill_chunk
     # informational only (not hashed): where the model was loaded from
     model_dir: str = field(default="", compare=False)
 
@@ -59,6 +64,7 @@ class Identity:
             "tokenizer_sha256": self.tokenizer_digest,
             "layout": self.layout,
             "backend_numerics": self.backend_numerics,
+            "prefill_chunk": self.prefill_chunk,
         }
 
     def canonical_json(self) -> str:
@@ -92,12 +98,14 @@ class Identity:
             tokenizer_digest=doc.get("tokenizer_sha256", NO_TOKENIZER),
             layout=doc.get("layout", LAYOUT_VERSION),
             backend_numerics=doc.get("backend_numerics", "cpu-f32"),
+            prefill_chunk=doc.get("prefill_chunk", DEFAULTS.prefill_chunk),
             model_dir=doc.get("model_dir", ""),
         )
 
     @classmethod
     def for_model(cls, model_dir: str | Path, args: ModelArgs, backend_numerics: str = "cpu-f32",
-                  progress: Callable[[str], None] | None = None) -> "Identity":
+                  progress: Callable[[str], None] | None = None,
+                  prefill_chunk: int = DEFAULTS.prefill_chunk) -> "Identity":
         """Identity of a loaded HF model directory (weight digest is cached by edge_llm.weights;
         `progress(text)` while a first start hashes the weights)."""
         model_dir = Path(model_dir)
@@ -107,6 +115,7 @@ class Identity:
             weights_digest=weight_digest(model_dir, progress),
             tokenizer_digest=sha256_file(tok) if tok.is_file() else NO_TOKENIZER,
             backend_numerics=backend_numerics,
+            prefill_chunk=prefill_chunk,
             model_dir=str(model_dir.resolve()),
         )
 
