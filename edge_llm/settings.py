@@ -82,7 +82,10 @@ class Settings:
     kv_bs: int = _opt(64, "KV rows per snapshot block (the unit of CRC checks and partial restore).",
                       minimum=1)
     prefill_chunk: int = _opt(128, "Prompt rows computed per prefill step (cancel, progress and "
-                              "watchdog granularity).", minimum=1)
+                              "watchdog granularity); chunks start at its multiples, and a reused "
+                              "prefix is cut back to one so that a restore is bitwise a recompute "
+                              "(up to chunk-1 matched rows recomputed). Part of the snapshot identity.",
+                              minimum=1)
     # ---- disk KV snapshots ----------------------------------------------------------------------
     disk_kv: str | None = _opt(AUTO, "Snapshot directory, or 'off'.", "dir-or-off", metavar="DIR|off",
                                shown_default="$STATE_DIRECTORY/kv, else $EDGE_LLM_HOME/kv")

@@ -7,18 +7,22 @@ logits, then greedy decoding of `max_tokens` tokens) along
 - the bitwise path: every matched row restored (what a server that kept its RAM cache computes,
   bitwise: docs/architecture.md), the reference;
 - split paths: only the first k rows loaded (k = a quarter, a half, three quarters of the match,
-  block-aligned), rows [k, n) recomputed behind them, as the split-mode gate would do;
+  cut back to a multiple of the prefill chunk and of the block, as the engine and the split-mode
+  gate do), rows [k, n) recomputed behind them;
 - recompute: no row loaded (k = 0), the whole prompt computed from scratch.
 
 Reported per path: the largest absolute logit difference from the reference at the prompt's last
 token, the same relative to the reference's largest |logit|, whether the argmax (the first greedy
 token) agrees, and the greedy agreement: tokens equal to the reference's before the first
-difference, out of `max_tokens`.
+difference, out of `max_tokens`. The history's rows are all prefill rows, so every path is
+expected to be bitwise the reference (docs/store.md, "Restore and recompute"): a difference
+means a batch that differs from the cold run's.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -84,7 +88,8 @@ def run_model(model_dir: Path, label: str, contexts: list[int], max_tokens: int,
                 store.save_async(cache)
                 store.flush()
                 m = len(history)
-                loads = [None] + [int(m * f) // kv_bs * kv_bs for f in FRACTIONS] + [0]
+                unit = math.lcm(kv_bs, runner.engine.align)
+                loads = [None] + sorted({int(m * f) // unit * unit for f in FRACTIONS} - {0}) + [0]
                 step(f"{label}, {n}: the bitwise path")
                 _, ref = runner.run(prompt, ForcedGate(live, None), PIPELINED)
                 ref_ids = _greedy(runner, prompt, ForcedGate(live, None), max_tokens)

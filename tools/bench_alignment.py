@@ -1,0 +1,150 @@
+"""What restore == recompute costs and where it ends (docs/store.md, "Restore and recompute").
+
+    python tools/bench_alignment.py chunks --model DIR [--backend cpu|cpu-q] [--rows 2048] [--chunks 32,64,128]
+    python tools/bench_alignment.py align  --model DIR [--backend cpu|cpu-q] [--contexts 2048,8192]
+    python tools/bench_alignment.py decode --model DIR [--backend cpu|cpu-q] [--tokens 64]
+
+chunks: prefill rows/s of --rows random tokens per chunk size: the alignment unit is the chunk,
+        so this is what a smaller unit costs every prefill.
+align:  the rows a reused prefix gives up so that the tail is batched as in a cold run are
+        recomputed: the time of r of them (r = the mean 64 and the worst 127 of a 128-row chunk)
+        at context c, next to the time of a whole chunk there. The cache rows before c are random
+        (attention costs the same), so an 8K context needs no 8K prefill.
+decode: rows an answer wrote one at a time (decode steps), resent as history, reused from the
+        cache vs a cold prefill of the same prompt: the largest logit difference at the prompt's
+        last token and the greedy agreement over --tokens tokens.
+Prints one JSON line per measurement, with the BLAS kernel family (threadpoolctl) and the CPU's
+ISA. For a benchmark, run it with OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from threadpoolctl import threadpool_info
+
+from edge_llm.engine import GenerationRequest
+from edge_llm.runtime import load_runtime
+from edge_llm.settings import Settings
+
+
+def blas() -> str:
+    info = [i for i in threadpool_info() if i.get("user_api") == "blas"]
+    return f"{info[0].get('internal_api')} {info[0].get('architecture')}" if info else "none"
+
+
+def isa() -> str:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine()
+    for name in ("avx512f", "avx2", "asimddp", "asimd"):
+        if f" {name}" in flags:
+            return f"{platform.machine()}-{name}"
+    return platform.machine()
+
+
+def align(a) -> None:
+    eng = load_runtime(Settings(model=a.model, backend=a.backend, disk_kv=None, max_seq=max(a.contexts) + 256))
+    model, cache, chunk = eng.model, eng.cache, eng.align
+    rng = np.random.default_rng(0)
+    ids = rng.integers(100, min(model.args.vocab_size, 20000), size=max(a.contexts) + chunk).tolist()
+    def at(c: int, r: int) -> float:
+        """Best-of seconds to prefill r rows after c random cache rows."""
+        times = []
+        for _ in range(a.repeats):
+            cache.truncate(0)
+            for layer in range(cache.geometry.n_layers):
+                for kv in (0, 1):
+                    rows = cache.rows(layer, kv, 0, c)
+                    rows[...] = rng.standard_normal(rows.shape, dtype=np.float32)
+            cache.set_tokens(ids[:c])
+            t0 = time.perf_counter()
+            model.prefill(ids[c:c + r], cache, chunk=chunk, logits=False)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    for c in a.contexts:
+        full = at(c, chunk)
+        for r in (64, chunk - 1):
+            ms = at(c, r) * 1e3
+            print(json.dumps({"what": "align", "model": eng.model_dir.name, "backend": a.backend, "context": c,
+                              "chunk": chunk, "rows": r, "ms": round(ms, 1), "chunk_ms": round(full * 1e3, 1),
+                              "blas": blas(), "isa": isa()}), flush=True)
+
+
+def chunks(a) -> None:
+    eng = load_runtime(Settings(model=a.model, backend=a.backend, disk_kv=None, max_seq=a.rows + 8))
+    ids = np.random.default_rng(0).integers(100, min(eng.model.args.vocab_size, 20000), size=a.rows).tolist()
+    for c in a.chunks:
+        times = []
+        for _ in range(a.repeats):
+            eng.cache.truncate(0)
+            t0 = time.perf_counter()
+            eng.model.prefill(ids, eng.cache, chunk=c, logits=False)
+            times.append(time.perf_counter() - t0)
+        print(json.dumps({"what": "chunks", "model": eng.model_dir.name, "backend": a.backend, "rows": a.rows,
+                          "chunk": c, "rows_per_s": round(a.rows / min(times), 1), "blas": blas(), "isa": isa()}),
+              flush=True)
+
+
+def decode(a) -> None:
+    """Turn 1 answered greedily (decode rows), turn 2 = turn 1 + answer + follow-up from RAM vs cold."""
+    from edge_llm.models.default import resolve_model_dir
+    from edge_llm.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(resolve_model_dir(a.model))
+    text = " ".join(f"Line {i}: the crate labelled {i * 11 % 97} holds {i * 7 % 13} green pears." for i in range(60))
+    p1 = tok.encode(text)[:a.prompt]
+    eng = load_runtime(Settings(model=a.model, backend=a.backend, disk_kv=None, max_seq=2048))
+    answer = list(eng.generate(GenerationRequest(p1, max_tokens=a.tokens)))[-1].completion_ids
+    x = p1 + answer + tok.encode(" Which crate holds the most pears?")
+
+    def continue_(logits):
+        toks = []
+        for _ in range(a.tokens):
+            toks.append(int(np.argmax(logits)))
+            logits = eng.model.forward([toks[-1]], eng.cache)
+        return toks
+
+    warm, t = eng.prefill_prompt(x)
+    warm = warm.copy()
+    warm_toks = continue_(warm)
+    reused = t.ram_cached_tokens
+    eng.cache.reset()
+    cold, _ = eng.prefill_prompt(x)
+    cold = cold.copy()
+    cold_toks = continue_(cold)
+    agree = next((i for i, (p, q) in enumerate(zip(warm_toks, cold_toks)) if p != q), len(cold_toks))
+    decoded = max(0, reused - (len(p1) - 1))  # reused rows that decode steps (or the last prompt token) wrote
+    print(json.dumps({"what": "decode", "model": eng.model_dir.name, "backend": a.backend, "prompt": len(x),
+                      "reused": reused, "decode_rows_reused": decoded, "chunk": eng.align,
+                      "max_abs_logit_diff": float(np.abs(warm - cold).max()), "logit_scale": float(np.abs(cold).max()),
+                      "bitwise": bool(np.array_equal(warm.view(np.uint32), cold.view(np.uint32))),
+                      "greedy_agree": agree, "greedy_n": len(cold_toks), "blas": blas(), "isa": isa()}), flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("what", choices=["chunks", "align", "decode"])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--contexts", type=lambda v: [int(x) for x in v.split(",")], default=[2048, 8192])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rows", type=int, default=2048, help="chunks: prompt rows")
+    ap.add_argument("--chunks", type=lambda v: [int(x) for x in v.split(",")], default=[32, 64, 128])
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=200, help="decode: turn 1's prompt tokens")
+    a = ap.parse_args()
+    {"chunks": chunks, "align": align, "decode": decode}[a.what](a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
