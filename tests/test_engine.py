@@ -46,6 +46,19 @@ def test_ram_reuse_recomputes_only_last_token(tiny):
     assert last2.completion_ids == last1.completion_ids and text2 == text1
 
 
+def test_ram_reuse_is_cut_back_to_the_chunk_and_equals_a_cold_run(tiny):
+    """A longer prompt reuses the RAM prefix only up to a multiple of the chunk: the rows after it
+    are batched as in a cold run, so the logits are bitwise a fresh engine's (docs/store.md)."""
+    eng = engine(tiny, prefill_chunk=16)
+    run(eng, PROMPT, max_tokens=3)
+    longer = PROMPT + list(range(2000, 2010))
+    logits, t = eng.prefill_prompt(longer)
+    assert t.cache_source == "ram" and t.ram_cached_tokens == 48 and t.align_rows == len(PROMPT) - 48
+    assert t.prefill_tokens == len(longer) - 48
+    cold, tc = engine(tiny, prefill_chunk=16).prefill_prompt(longer)
+    assert tc.cache_source == "none" and np.array_equal(logits.view(np.uint32), cold.view(np.uint32))
+
+
 def test_stop_string_truncates_output(tiny):
     eng = engine(tiny)
     full, _ = run(eng, PROMPT, max_tokens=24)

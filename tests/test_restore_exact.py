@@ -1,6 +1,7 @@
-"""Bit-exact restore across processes (issue 3): rows read back from disk are bitwise the saved
-rows, and logits + greedy text after "save -> new process -> restore -> prefill tail" are bitwise
-those of a server that kept its RAM cache. Real processes, real files, real models."""
+"""Bit-exact restore across processes: rows read back from disk are bitwise the saved rows, and
+logits + greedy text after "save -> new process -> restore -> prefill tail" are bitwise those of
+a server that kept its RAM cache, and of a one-shot recompute. Real processes, real files, real
+models."""
 
 import json
 import os
@@ -80,10 +81,9 @@ def test_restore_is_bitwise_ram_continuation(which, backend, x, request, tmp_pat
     assert np.array_equal(restored["logits"].view(np.uint32), warm["logits"].view(np.uint32))
     assert np.array_equal(restored["last_logits"].view(np.uint32), warm["last_logits"].view(np.uint32))
     assert restored["tokens"].tolist() == warm["tokens"].tolist()
-    # against a one-shot recompute, rows produced by decode steps and by batched prefill may
-    # round differently: report the difference, bound it loosely (cpu-q: those tiny differences
-    # reach the int8 rounding of the activations, so its bound is its per-layer tolerance)
-    scale = float(np.abs(oneshot["logits"]).max())
-    diff = float(np.abs(oneshot["logits"] - restored["logits"]).max())
-    print(f"\n[{which}/{backend}/{x}] restored vs one-shot recompute: max |dlogit| = {diff:.3g} (scale {scale:.3g})")
-    assert diff <= (0.04 if backend == "cpu-q" else 1e-3) * max(scale, 1.0)
+    # against a one-shot recompute: the reused prefix was cut back to a multiple of the chunk
+    # (128), which holds prefill rows only here, so the tail is batched as in the cold run: bitwise
+    # (docs/store.md, "Restore and recompute"; rows written by decode steps are not covered)
+    assert m % 128 == 0 and int(restored["n"]) - m > 6
+    assert np.array_equal(oneshot["logits"].view(np.uint32), restored["logits"].view(np.uint32))
+    assert oneshot["tokens"].tolist() == restored["tokens"].tolist()

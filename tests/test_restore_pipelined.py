@@ -129,6 +129,9 @@ def test_cost_gate_decisions_with_injected_estimates():
     d = s.decide(4000, 0, 3968, 64, 16)
     assert d.action == "split" and 0 < d.load_rows < 3968 and d.load_rows % 64 == 0
     assert d.predicted_ms < min(d.restore_ms, d.recompute_ms)
+    # with the engine's alignment unit, split points are multiples of it too (and of the block)
+    a = s.decide(4000, 0, 3968, 64, 16, align=384)
+    assert a.action == "split" and a.load_rows % 384 == 0 and a.predicted_ms >= d.predicted_ms
     seq = CostGate(bytes_per_token=229_376, mode="sequential", read_bps=200e6, prefill_tps=300.0)
     assert seq.decide(2100, 0, 2048, 64, 16).predicted_ms == pytest.approx(2048 * 229_376 / 200e6 * 1e3 + 52 / 0.3)
 
