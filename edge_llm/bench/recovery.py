@@ -115,7 +115,8 @@ def run_context(model: str, geometry, ctx: int, work: Path, max_tokens: int, rea
         "cache_source": t.get("cache_source"), "cached_tokens": warm.cached_tokens,
         "disk_read_line": main["loaded"], "restore_ms": t.get("restore_ms"), "restore_bytes": t.get("restore_bytes"),
         "restore_mb_s": t.get("restore_bytes", 0) / MB / restore_s if restore_s else None,
-        "tail_tokens": t.get("prefill_tokens"), "tail_prefill_ms": t.get("prefill_ms"),
+        "tail_tokens": t.get("prefill_tokens"), "align_rows": t.get("align_rows", 0),
+        "tail_prefill_ms": t.get("prefill_ms"),
         "prefill_timing_n": main["prefill_n"][-1] if main["prefill_n"] else None,
         "raw_write_mb_s": raw.write.mb_s, "raw_cold_read_mb_s": raw.read.mb_s,
         "lower_bound_ms": bound_ms, "restored_vs_bound": t["ttft_ms"] / bound_ms if bound_ms else None,
@@ -139,7 +140,8 @@ def markdown(res: dict) -> str:
     lines = [f"Model: `{res['model']}` ({g['n_layers']} layers x {g['n_kv_heads']} KV heads x {g['head_dim']} "
              f"dims = {g['bytes_per_token']:,} B/token of F32 KV), {res['max_tokens']} generated tokens.", "",
              "| context | S1 prompt | cold TTFT ms | S2 prompt | restored TTFT ms | speed-up | snapshot bytes "
-             "(formula) | save ms (MB/s) | restore ms (MB/s) | raw cold read MB/s | tail tokens | tail prefill ms "
+             "(formula) | save ms (MB/s) | restore ms (MB/s) | raw cold read MB/s | tail tokens (recomputed for "
+             "alignment) | tail prefill ms "
              "| lower bound ms | restored / bound |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
@@ -148,7 +150,8 @@ def markdown(res: dict) -> str:
             f"| {r['context']} | {r['prompt_tokens_s1']} | {r['cold_ttft_ms']:.0f} | {r['prompt_tokens_s2']} "
             f"| {r['restored_ttft_ms']:.0f} | {r['speedup']:.1f}x | {r['snapshot_bytes']:,} ({ok}) "
             f"| {r['save_ms']:.0f} ({r['save_mb_s']:.0f}) | {r['restore_ms']:.0f} ({r['restore_mb_s'] or 0:.0f}) "
-            f"| {r['raw_cold_read_mb_s']:.0f} | {r['tail_tokens']} | {r['tail_prefill_ms']:.0f} "
+            f"| {r['raw_cold_read_mb_s']:.0f} | {r['tail_tokens']} ({r.get('align_rows', 0)}) "
+            f"| {r['tail_prefill_ms']:.0f} "
             f"| {r['lower_bound_ms']:.0f} | {r['restored_vs_bound']:.2f} |")
     lines += ["", "Lower bound = restore_bytes / raw cold-read bandwidth of the kv directory (measured in the "
               "same run, page cache dropped) + the tail's prefill time. S1 is killed with SIGKILL after its "
