@@ -45,11 +45,12 @@ _ALL = (SERVE, GENERATE, DOCTOR)
 def _opt(default: Any, help: str, kind: type | str = int, commands: tuple[str, ...] = _ALL,
          minimum: float | None = None, maximum: float | None = None,
          choices: tuple[str, ...] | None = None, nullable: bool = False, metavar: str | None = None,
-         shown_default: str | None = None) -> Any:
-    """A settings field: default + the metadata the CLI, env and TOML readers need."""
+         shown_default: str | None = None, null_word: str = "none") -> Any:
+    """A settings field: default + the metadata the CLI, env and TOML readers need. A nullable
+    field reads `null_word` (and "none", and an empty value) as None, in every channel."""
     return field(default=default, metadata=dict(
         help=help, kind=kind, commands=commands, minimum=minimum, maximum=maximum, choices=choices,
-        nullable=nullable, metavar=metavar, shown_default=shown_default))
+        nullable=nullable, metavar=metavar, shown_default=shown_default, null_word=null_word))
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class Settings:
     threads: int | None = _opt(None, "Compute threads of backend cpu-q (onnxruntime); auto: one per core, "
                                "on a big.LITTLE CPU one per big core with the process pinned to them "
                                "(RK3588: the four Cortex-A76).", minimum=1, nullable=True,
-                               shown_default="auto")
+                               shown_default="auto", null_word="auto")
     decode_graph: bool = _opt(True, "Backend cpu-q runs each one-row step (decode, the last prompt token) as "
                               "one onnxruntime call over the whole decoder (faster decode; about +1.4 GiB "
                               "RAM for Qwen3-VL-2B: a second copy of the quantized weights). false: "
@@ -216,7 +217,7 @@ def convert(key: str, value: Any, source: str) -> Any:
             return str(expand_path(text))
         what = "a directory" if kind == "dir-or-off" else "a file"
         raise ConfigError(f"{source}: {key} must be {what} or false/off, got {value!r}")
-    if meta["nullable"] and (value is None or (text is not None and text.lower() in ("", "none"))):
+    if meta["nullable"] and (value is None or (text is not None and text.lower() in ("", "none", meta["null_word"]))):
         return None
     if kind == "path":
         if text is None:

@@ -152,3 +152,63 @@ def test_cli_flags_come_from_the_declaration():
                 assert flag in out and describe_default(key) in out, (command, key)
             else:
                 assert flag + " " not in out, (command, key)
+
+
+def _via_flag(key: str, value: str):
+    """The value as `--key value` on a command decorated like serve/generate/doctor."""
+    import click
+    from click.testing import CliRunner
+
+    from edge_llm.cli.options import settings_options
+
+    got = {}
+
+    @click.command()
+    @settings_options("serve")
+    def probe(settings):
+        got["s"] = settings
+
+    r = CliRunner().invoke(probe, [f"--{key.replace('_', '-')}", value])
+    assert r.exit_code == 0, (key, value, r.output)
+    return getattr(got["s"], key)
+
+
+def _spellings():
+    """Every documented spelling of a 'no value' setting: its null word (threads: auto) and none."""
+    from edge_llm.settings import FIELDS
+
+    for key, f in FIELDS.items():
+        if f.metadata["nullable"] and "serve" in f.metadata["commands"]:
+            for word in sorted({f.metadata.get("null_word", "none"), "none"} | ({"auto"} if key == "threads" else set())):
+                yield key, word
+
+
+@pytest.mark.parametrize("key,word", list(_spellings()))
+def test_documented_spellings_in_every_channel(key, word, tmp_path):
+    """`--threads auto`, `EDGE_LLM_THREADS=auto`, `threads = "auto"` all mean the default None
+    (and `none` for every optional setting), as the help promises."""
+    from edge_llm.settings import env_name
+
+    env = {"EDGE_LLM_HOME": str(tmp_path)}
+    assert _via_flag(key, word) is None
+    assert getattr(load_settings({}, env={**env, env_name(key): word}), key) is None
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'{key} = "{word}"\n')
+    assert getattr(load_settings({}, config_file=cfg, env=env), key) is None
+
+
+def test_numbers_still_checked_through_the_flag():
+    assert _via_flag("threads", "3") == 3
+    import click
+    from click.testing import CliRunner
+
+    from edge_llm.cli.options import settings_options
+
+    @click.command()
+    @settings_options("serve")
+    def probe(settings):
+        pass
+
+    for bad in ("0", "many"):
+        r = CliRunner().invoke(probe, ["--threads", bad])
+        assert r.exit_code != 0 and "threads must be" in r.output, r.output

@@ -22,6 +22,8 @@ def _click_type(meta: dict[str, Any]) -> Any:
     kind = meta["kind"]
     if meta["choices"]:
         return click.Choice(list(meta["choices"]))
+    if meta["nullable"]:  # a number or its null word ("auto", "none"): settings.convert checks both
+        return str
     if kind is int:
         return click.IntRange(meta["minimum"], meta["maximum"])
     if kind is float:
