@@ -77,8 +77,9 @@ class CostGate:
         ok = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e15  # noqa: E731
         self.read_bps = float(rb) if ok(rb) else None
         self.prefill_tps = float(tps) if ok(tps) else None
-        log.info("cost gate: estimates from the last run: read %.0f MB/s, prefill %.1f rows/s",
-                 (self.read_bps or 0) / 1e6, self.prefill_tps or 0)
+        log.info("cost gate: estimates from the last run: read %s, prefill %s",
+                 f"{self.read_bps / 1e6:.0f} MB/s" if self.read_bps else "not measured yet",
+                 f"{self.prefill_tps:.1f} rows/s" if self.prefill_tps else "not measured yet")
 
     def changed_state(self) -> bytes | None:
         """The estimates as gate.json bytes when they moved by more than SAVE_CHANGE since they
