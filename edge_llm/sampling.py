@@ -33,6 +33,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -50,7 +52,10 @@ class Sampler:
         p = self.params
         if p.greedy:
             return int(np.argmax(logits))
-        x = logits.astype(np.float64) / p.temperature
+        with np.errstate(over="ignore"):
+            x = logits.astype(np.float64) / p.temperature
+        if not np.isfinite(x.max()):  # a temperature so small that it overflows: the limit is greedy
+            return int(np.argmax(logits))
         if 0 < p.top_k < x.size:
             kth = np.partition(x, -p.top_k)[-p.top_k]
             x = np.where(x < kth, -np.inf, x)

@@ -60,11 +60,34 @@ COMP = "/v1/completions"
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages"),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    # a seed numpy cannot take is refused at the door, not inside the job after a 200
+    (COMP, {"prompt": "x", "seed": -1}, "seed"),
+    (COMP, {"prompt": "x", "seed": 2 ** 64}, "seed"),
 ])
 def test_invalid_fields_are_400_naming_the_param(srv, path, body, param):
     e = err(post(srv, path, json=body), 400)
     assert e["type"] == "invalid_request_error"
     assert (e["param"] or "").startswith(param), e
+
+
+@pytest.mark.parametrize("path,raw,param", [
+    (COMP, b'{"prompt": "a \\ud800 b", "max_tokens": 1}', "prompt"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 1}', "messages.0.content"),
+    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}', "messages.0.content"),
+    (COMP, b'{"prompt": "x", "stop": ["\\ud800"], "max_tokens": 1}', "stop"),
+])
+def test_lone_surrogates_are_400_not_500(srv, path, raw, param):
+    """JSON can carry a lone UTF-16 surrogate that is no Unicode text: refused, naming the field."""
+    e = err(post(srv, path, content=raw, headers={"Content-Type": "application/json"}), 400)
+    assert "lone surrogate" in e["message"] and (e["param"] or "").startswith(param), e
+
+
+def test_temperature_that_underflows_is_greedy(srv):
+    """1e-300 makes logits / temperature overflow: the answer is the greedy one, not a NaN error."""
+    body = {"prompt": "one two three", "max_tokens": 4}
+    tiny = post(srv, COMP, json={**body, "temperature": 1e-300, "seed": 3})
+    greedy = post(srv, COMP, json={**body, "temperature": 0})
+    assert tiny.status_code == 200 and tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
 
 
 @pytest.mark.parametrize("raw", [b'{"prompt": "x",', b"\xff\xfe garbage", b'{"prompt": NaN}', b"[1, 2]", b""])

@@ -76,6 +76,8 @@ def test_bad_image_inputs_are_400_and_the_server_keeps_serving(tiny_synth_dir, e
         "outside image dir": (str(tmp_path / "secret.png"), "image_path", "outside"),
         "escape image dir": ("../secret.png", "image_path", "outside"),
         "missing file": ("nothere.png", "image_path", "not found"),
+        "NUL in the path": ("a.png\x00.txt", "image_path", "NUL"),
+        "name too long": ("x" * 5000 + ".png", "image_path", "cannot be opened"),
     }
     args = ("--model", str(tiny_synth_dir), "--max-seq", "1024", "--image-dir", str(images),
             "--max-image-bytes", "300000", "--max-image-pixels", "20000000")

@@ -62,7 +62,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
     errs = exc.errors()
     if not errs:
         return "invalid request", None, "invalid_request"
-    e = errs[0]
+    # a field that is a union (content: str | parts) reports one error per branch: a validator's
+    # own message (value_error: "lone surrogate ...") says more than "Input should be a valid string"
+    e = next((x for x in errs if x.get("type") == "value_error"), errs[0])
     if e.get("type") == "json_invalid":
         ctx = e.get("ctx") or {}
         return f"invalid JSON body: {ctx.get('error', e.get('msg'))}", None, "invalid_json"

@@ -60,6 +60,8 @@ def _local_file(path: str, image_dir: str | None, max_bytes: int) -> bytes:
     if not image_dir:
         raise _image_error("local image files are disabled on this server (the operator can allow a "
                            "directory with --image-dir); send a data: URL", "image_dir_disabled")
+    if "\0" in path:
+        raise _image_error("image path contains a NUL character", "image_path")
     root = Path(os.path.realpath(image_dir))
     target = Path(os.path.realpath(root / path))  # an absolute path replaces root: checked below
     if target != root and root not in target.parents:
@@ -75,6 +77,8 @@ def _local_file(path: str, image_dir: str | None, max_bytes: int) -> bytes:
         raise _image_error("image file not found in the server's image directory", "image_path") from None
     except PermissionError:
         raise _image_error("image file is not readable by the server", "image_path") from None
+    except OSError as e:  # e.g. a name longer than the file system allows
+        raise _image_error(f"image file cannot be opened: {e.strerror or e}", "image_path") from None
 
 
 def chat_prompt(engine: Engine, messages: list[ChatMessage], image_dir: str | None, max_image_bytes: int

@@ -9,14 +9,37 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 StopField = Annotated[str | list[str] | None, Field(default=None, description="Up to 4 stop strings.")]
 
 
+def _unicode_text(value: object) -> None:
+    """Raise ValueError for a string JSON let through that is not Unicode text: a lone surrogate
+    (`"\\ud800"`) cannot be encoded, tokenized or echoed back."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"not valid Unicode text: lone surrogate {value[e.start]!r} at character {e.start}") from None
+    elif isinstance(value, list | tuple):
+        for v in value:
+            _unicode_text(v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _unicode_text(k)
+            _unicode_text(v)
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _text_is_unicode(cls, value: object) -> object:
+        _unicode_text(value)  # nested request models check their own fields
+        return value
 
 
 class StreamOptions(_Request):
@@ -28,7 +51,7 @@ class _Sampling(_Request):
     temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=0, le=2**64 - 1)] | None = None
     stop: StopField
     stream: bool = False
     stream_options: StreamOptions | None = None
