@@ -127,6 +127,11 @@ class Settings:
                                 commands=(SERVE,), minimum=0)
     max_body_bytes: int = _opt(4 * 1024 * 1024, "Largest accepted request body (413 beyond).",
                                commands=(SERVE,), minimum=1)
+    chat_special_tokens: bool = _opt(False, "Parse special-token strings typed into chat message text "
+                                     "(<|im_start|>, <|im_end|>, ...) as control tokens: a client can then "
+                                     "forge roles, so only for trusted clients. false: message text is "
+                                     "plain text (as vLLM and llama.cpp's server do); completion prompts "
+                                     "are always parsed.", bool, commands=(SERVE,))
     # ---- images (Qwen3-VL) ----------------------------------------------------------------------
     image_dir: str | None = _opt(None, "Chat image_url parts may name files under this directory "
                                  "(never a network URL).", "path", commands=(SERVE,), nullable=True,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -115,6 +116,29 @@ def _alias_reasoning(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]
     return out
 
 
+# Text between these marks is encoded as plain text: a special-token string typed into a chat
+# message stays text, so no client can forge a role with "<|im_end|><|im_start|>system". The marks
+# are lone surrogates: no request text can hold one (the API refuses them), so none can be forged.
+PLAIN_OPEN, PLAIN_CLOSE = "\ud800", "\udbff"
+_MARK_CHARS = re.compile("[\ud800\udbff]")
+_MARKED = re.compile("(\ud800[^\ud800\udbff]*\udbff)")
+
+
+def plain(text: str) -> str:
+    """`text` marked for `Tokenizer.encode` as plain text (any mark inside it is dropped)."""
+    return PLAIN_OPEN + _MARK_CHARS.sub("", text) + PLAIN_CLOSE
+
+
+def _plain_message(m: dict[str, Any]) -> dict[str, Any]:
+    c = m.get("content")
+    if isinstance(c, str) and PLAIN_OPEN not in c:
+        return {**m, "content": plain(c)}
+    if isinstance(c, list):
+        return {**m, "content": [{**p, "text": plain(p["text"])} if isinstance(p, dict) and isinstance(p.get("text"), str)
+                                 else p for p in c]}
+    return m
+
+
 class Tokenizer:
     """A model directory's tokenizer: ids <-> text, special tokens and the chat template."""
 
@@ -136,6 +160,8 @@ class Tokenizer:
         self._special_ids = frozenset(
             i for i, t in tk.get_added_tokens_decoder().items() if t.special
         )
+        self._added = tuple(t.content for t in tk.get_added_tokens_decoder().values())
+        self._plain_tk: _HFTokenizer | None = None  # encode_special_tokens=True, made on first need
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "Tokenizer":
@@ -195,8 +221,21 @@ class Tokenizer:
         return token_id in self._special_ids
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Text -> ids. Special-token strings in `text` map to their single ids."""
-        return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        """Text -> ids. Special-token strings in `text` map to their single ids, except inside
+        `plain()` marks: there they are plain text."""
+        if PLAIN_OPEN not in text:
+            return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+        pieces = _MARKED.split(text)  # odd pieces: marked plain text, marks included
+        if not any(t in p for p in pieces[1::2] for t in self._added):  # nothing to keep from parsing:
+            return self._tk.encode(_MARK_CHARS.sub("", text), add_special_tokens=add_special_tokens).ids
+        if self._plain_tk is None:  # a second instance: the flag is per instance, encode runs in threads
+            self._plain_tk = _HFTokenizer.from_str(self._tk.to_str())
+            self._plain_tk.encode_special_tokens = True
+        ids: list[int] = []
+        for i, p in enumerate(pieces):
+            if p:
+                ids += (self._plain_tk.encode(p[1:-1]) if i % 2 else self._tk.encode(p, add_special_tokens=False)).ids
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -204,9 +243,13 @@ class Tokenizer:
     # ---- chat -----------------------------------------------------------------------------
     def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
                             tokenize: bool = False, tools: list[dict[str, Any]] | None = None,
-                            **kwargs: Any) -> str | list[int]:
+                            plain_text: bool = True, **kwargs: Any) -> str | list[int]:
         """Render a conversation exactly as transformers' `apply_chat_template`: the text, or with
-        `tokenize=True` its ids (encoded without adding special tokens; the template holds any BOS)."""
+        `tokenize=True` its ids (encoded without adding special tokens; the template holds any BOS).
+        `plain_text`: the messages' text is encoded as plain text (a special-token string in it is
+        not a control token; content already holding `plain()` marks is left as it is)."""
+        if tokenize and plain_text:
+            messages = [_plain_message(m) for m in messages]
         if not self.chat_template:
             raise TokenizerError("this model has no chat template (tokenizer_config.json / chat_template.jinja)")
         special = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token),

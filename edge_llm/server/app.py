@@ -186,7 +186,8 @@ def create_app(settings: Settings, notifier: Notifier | None = None, loader: Cal
         params, stop = sampling(body)
         try:
             tokens, images = await run_in_threadpool(chat_prompt, state.engine, body.messages,
-                                                     settings.image_dir, settings.max_image_bytes)
+                                                     settings.image_dir, settings.max_image_bytes,
+                                                     settings.chat_special_tokens)
         except EdgeLLMError as e:  # e.g. the template raises on a role order it does not accept
             raise bad_request(f"messages: {e}", "messages") from None
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"

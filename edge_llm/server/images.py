@@ -14,6 +14,7 @@ from edge_llm.engine import Engine
 from edge_llm.errors import ImageError
 from edge_llm.server.errors import APIError, bad_request
 from edge_llm.server.schemas import ChatMessage
+from edge_llm.tokenizer import plain
 from edge_llm.vision.preprocess import PreparedImage
 
 PARAM = "messages"
@@ -81,8 +82,8 @@ def _local_file(path: str, image_dir: str | None, max_bytes: int) -> bytes:
         raise _image_error(f"image file cannot be opened: {e.strerror or e}", "image_path") from None
 
 
-def chat_prompt(engine: Engine, messages: list[ChatMessage], image_dir: str | None, max_image_bytes: int
-                ) -> tuple[list[int], list[PreparedImage]]:
+def chat_prompt(engine: Engine, messages: list[ChatMessage], image_dir: str | None, max_image_bytes: int,
+                special_tokens: bool = False) -> tuple[list[int], list[PreparedImage]]:
     """Chat messages (pydantic) -> (prompt ids with each image's pad run, PreparedImages).
 
     Runs in the thread pool: decoding and preprocessing images is CPU work. Image problems are
@@ -100,9 +101,12 @@ def chat_prompt(engine: Engine, messages: list[ChatMessage], image_dir: str | No
         except ImageError as e:
             raise bad_request(f"image {i + 1}: {e}", PARAM, e.reason) from None
     # OpenAI's newer "developer" role is what chat templates call "system"
-    rendered = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(placeholder),
+    # the text parts are plain text (special-token strings stay text) unless the operator trusts
+    # the clients; the image placeholders between them are the real control tokens
+    wrap = str if special_tokens else plain
+    rendered = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(placeholder, wrap),
                  **({"name": m.name} if m.name else {})} for m in messages]
-    tokens = engine.tokenizer.apply_chat_template_ids(rendered, True)
+    tokens = engine.tokenizer.apply_chat_template_ids(rendered, True, plain_text=False)
     try:
         if images:
             tokens = vision.expand(tokens, images)

@@ -7,6 +7,7 @@ producing something different from what was asked.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
@@ -101,13 +102,14 @@ class ChatMessage(_Request):
         return [p.image_url if isinstance(p.image_url, str) else p.image_url.url
                 for p in self.content if isinstance(p, ImagePart)]
 
-    def text(self, image_placeholder: str = "") -> str:
-        """The content as one string; each image part becomes `image_placeholder`."""
+    def text(self, image_placeholder: str = "", wrap: Callable[[str], str] = str) -> str:
+        """The content as one string: each text part through `wrap`, each image part becomes
+        `image_placeholder`."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text if isinstance(p, TextPart) else image_placeholder for p in self.content)
+            return wrap(self.content)
+        return "".join(wrap(p.text) if isinstance(p, TextPart) else image_placeholder for p in self.content)
 
 
 class ChatCompletionRequest(_Sampling):
