@@ -127,6 +127,10 @@ class Settings:
                                 commands=(SERVE,), minimum=0)
     max_body_bytes: int = _opt(4 * 1024 * 1024, "Largest accepted request body (413 beyond).",
                                commands=(SERVE,), minimum=1)
+    default_max_tokens: int | None = _opt(1024, "Completion tokens of a chat request that sets no "
+                                          "max_tokens (at most what the context window leaves); shown "
+                                          "in /v1/models. none: the rest of the context window.",
+                                          commands=(SERVE,), minimum=1, nullable=True)
     chat_special_tokens: bool = _opt(False, "Parse special-token strings typed into chat message text "
                                      "(<|im_start|>, <|im_end|>, ...) as control tokens: a client can then "
                                      "forge roles, so only for trusted clients. false: message text is "

@@ -165,3 +165,21 @@ def test_special_tokens_in_chat_text_are_plain_text(srv, tiny_synth_dir, tmp_pat
                     "--chat-special-tokens", "true").start() as trusting:
         r = httpx.post(trusting.url + CHAT, json=body, timeout=120)
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(as_tokens)
+
+
+def test_chat_without_max_tokens_is_capped_and_the_cap_is_shown(srv, tiny_synth_dir, tmp_path):
+    """A chat request that sets no max_tokens stops at default_max_tokens (it used to run to the
+    end of the context window); /v1/models says what a request gets."""
+    card = httpx.get(srv.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()["data"][0]
+    assert card["default_max_tokens"] == 1024 and card["max_model_len"] == MAX_SEQ
+    with ServerProc(tmp_path / "home", tmp_path, "--model", str(tiny_synth_dir), "--max-seq", "512",
+                    "--default-max-tokens", "5").start() as capped:
+        card = httpx.get(capped.url + "/v1/models", timeout=30).json()["data"][0]
+        assert card["default_max_tokens"] == 5 and card["max_model_len"] == 512
+        r = httpx.post(capped.url + CHAT, json={"messages": [{"role": "user", "content": "count"}],
+                                                "temperature": 1.0, "seed": 1}, timeout=120).json()
+        n, finish = r["usage"]["completion_tokens"], r["choices"][0]["finish_reason"]
+        assert n <= 5 and (finish == "stop" or n == 5), r
+        r = httpx.post(capped.url + CHAT, json={"messages": [{"role": "user", "content": "count"}], "max_tokens": 9,
+                                                "temperature": 1.0, "seed": 1}, timeout=120).json()
+        assert r["usage"]["completion_tokens"] <= 9  # an explicit max_tokens wins

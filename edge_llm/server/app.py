@@ -96,8 +96,9 @@ def create_app(settings: Settings, notifier: Notifier | None = None, loader: Cal
     @app.get("/v1/models", response_model=S.ModelList, responses=ERRORS, dependencies=[Depends(auth)])
     def models() -> S.ModelList:
         defaults = state.engine.sampling_defaults.to_dict() if state.engine is not None else None
-        return S.ModelList(data=[S.ModelCard(id=state.model_id, created=state.created,
-                                             sampling_defaults=defaults)])
+        return S.ModelList(data=[S.ModelCard(id=state.model_id, created=state.created, sampling_defaults=defaults,
+                                             max_model_len=settings.max_seq,
+                                             default_max_tokens=settings.default_max_tokens)])
 
     # ---- generation ---------------------------------------------------------------------------
     def sampling(body: S._Sampling) -> tuple[SamplingParams, list[str]]:
@@ -192,8 +193,9 @@ def create_app(settings: Settings, notifier: Notifier | None = None, loader: Cal
             raise bad_request(f"messages: {e}", "messages") from None
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         max_tokens = body.max_completion_tokens or body.max_tokens
-        if max_tokens is None:  # OpenAI chat default: whatever the context leaves
-            max_tokens = max(1, settings.max_seq - len(tokens))
+        if max_tokens is None:  # the configured cap, at most whatever the context leaves (OpenAI's default)
+            left = max(1, settings.max_seq - len(tokens))
+            max_tokens = min(left, settings.default_max_tokens or left)
         check_length(len(tokens), max_tokens, param)
         return await respond(request, body, GenerationRequest(tokens, max_tokens, params, stop, images=images),
                              chat=True)

@@ -115,7 +115,8 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = Field(
-        default=None, description="Default: the rest of the context window.")
+        default=None, description="Default: the server's default_max_tokens, at most the rest of the "
+                                  "context window.")
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -250,6 +251,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "edge-llm"
     sampling_defaults: SamplingDefaultsInfo | None = None
+    max_model_len: int | None = Field(default=None, description="Context window: prompt + completion tokens.")
+    default_max_tokens: int | None = Field(default=None, description="Completion tokens of a chat request "
+                                           "without max_tokens (null: the rest of the context window).")
 
 
 class ModelList(BaseModel):
