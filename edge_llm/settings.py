@@ -125,7 +125,8 @@ class Settings:
     grace_seconds: float = _opt(30.0, "How long a running request may continue after SIGTERM before it "
                                 "is cancelled (its completed rows are then saved).", float,
                                 commands=(SERVE,), minimum=0)
-    max_body_bytes: int = _opt(4 * 1024 * 1024, "Largest accepted request body (413 beyond).",
+    max_body_bytes: int = _opt(32 * 1024 * 1024, "Largest accepted request body (413 beyond); the default "
+                               "holds an image of max_image_bytes as a base64 data: URL.",
                                commands=(SERVE,), minimum=1)
     default_max_tokens: int | None = _opt(1024, "Completion tokens of a chat request that sets no "
                                           "max_tokens (at most what the context window leaves); shown "

@@ -125,7 +125,7 @@ def test_api_key(srv):
 def test_body_limit_413(srv):
     big = {"prompt": "word " * LIMIT}
     e = err(post(srv, COMP, json=big), 413)
-    assert e["code"] == "body_too_large" and str(LIMIT) in e["message"]
+    assert e["code"] == "body_too_large" and str(LIMIT) in e["message"] and "max_body_bytes" in e["message"]
 
     def chunks():  # no Content-Length: the limit is enforced while the body streams in
         for _ in range(4):
@@ -183,3 +183,11 @@ def test_chat_without_max_tokens_is_capped_and_the_cap_is_shown(srv, tiny_synth_
         r = httpx.post(capped.url + CHAT, json={"messages": [{"role": "user", "content": "count"}], "max_tokens": 9,
                                                 "temperature": 1.0, "seed": 1}, timeout=120).json()
         assert r["usage"]["completion_tokens"] <= 9  # an explicit max_tokens wins
+
+
+def test_default_body_limit_holds_the_default_image_as_a_data_url():
+    """A phone photo at the image limit must not hit the body limit first (both are defaults)."""
+    from edge_llm.settings import DEFAULTS
+
+    data_url = len("data:image/jpeg;base64,") + 4 * -(-DEFAULTS.max_image_bytes // 3)
+    assert DEFAULTS.max_body_bytes >= data_url + 64 * 1024  # + the rest of a chat body

@@ -155,7 +155,8 @@ class BodyLimitMiddleware:
                 return
 
     async def _reject(self, send: Send) -> None:
-        body = json.dumps(error_body(f"request body exceeds the limit of {self.limit} bytes",
+        body = json.dumps(error_body(f"request body exceeds the limit of {self.limit} bytes (setting "
+                                     "max_body_bytes; an image sent as a data: URL takes 4/3 of its size)",
                                      "invalid_request_error", code="body_too_large")).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),

@@ -16,6 +16,7 @@ import io
 import json
 import logging
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,6 +132,12 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
+
+
+# Pillow warns (once per process, into the logs) about images over its own pixel threshold before
+# we can refuse them: `decode_image` checks `max_source_pixels` right after the header, so the
+# warning says nothing the clean refusal does not. (Its DecompressionBombError is still caught.)
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 
 def decode_image(data: bytes, limits: ImageLimits = ImageLimits()) -> tuple[Image.Image, str]:
