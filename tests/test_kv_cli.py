@@ -140,3 +140,34 @@ def test_rm_by_name_and_all(kv_dir):
     r = invoke("rm", "--kv-dir", kv_dir, "--namespace", IDENT.namespace, "--all")
     assert r.exit_code == 0 and files(kv_dir) == [] and not list(big.parent.glob("*.tmp"))
     assert (big.parent / "identity.json").exists()
+
+
+def test_commands_default_to_the_settings_kv_dir(kv_dir, tmp_path):
+    """Without --kv-dir every command works on the directory `serve` would use: $EDGE_LLM_HOME/kv,
+    or EDGE_LLM_DISK_KV; `kv ls` says which, and never cuts a name on a narrow terminal."""
+    home = tmp_path / "home"
+    (home / "kv").parent.mkdir(parents=True)
+    kv_dir.rename(home / "kv")
+    env = {"EDGE_LLM_HOME": str(home), "COLUMNS": "60"}
+    r = CliRunner().invoke(cli, ["kv", "ls"], env=env, catch_exceptions=False)
+    assert r.exit_code == 0 and f"kv dir {home / 'kv'}" in r.output.replace("\n", ""), r.output
+    names = [p.name for p in files(home / "kv")]
+    assert all(n in r.output for n in names), r.output  # whole, on a 60-column terminal
+    r = CliRunner().invoke(cli, ["kv", "verify"], env=env, catch_exceptions=False)
+    assert r.exit_code == 0 and "3 file(s), 0 bad" in r.output
+    moved = tmp_path / "elsewhere"
+    (home / "kv").rename(moved)
+    r = CliRunner().invoke(cli, ["kv", "ls"], env={**env, "EDGE_LLM_DISK_KV": str(moved)}, catch_exceptions=False)
+    assert r.exit_code == 0 and all(n in r.output for n in names)
+    r = CliRunner().invoke(cli, ["kv", "ls"], env={**env, "EDGE_LLM_DISK_KV": "off"})
+    assert r.exit_code != 0 and "give --kv-dir" in r.output
+
+
+def test_inspect_takes_what_ls_prints_and_the_default_tokenizer(kv_dir, edge_home):
+    name = files(kv_dir)[0].name  # a bare name, as `kv ls` prints it
+    r = CliRunner().invoke(cli, ["kv", "inspect", name, "--kv-dir", str(kv_dir), "--tokenizer", "default",
+                                 "--tokens", "3"], env={"COLUMNS": "220", "EDGE_LLM_HOME": str(edge_home)},
+                           catch_exceptions=False)
+    assert r.exit_code == 0 and "text of the first 3 tokens" in r.output, r.output
+    r = invoke("inspect", "kv_0000000000000000.kv", "--kv-dir", kv_dir)
+    assert r.exit_code == 2 and "no namespace" in r.output

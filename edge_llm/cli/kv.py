@@ -110,14 +110,48 @@ def kv() -> None:
     out = Console(highlight=False, soft_wrap=True)
 
 
-kv_dir_option = click.option("--kv-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
-                             help="Snapshot directory (the service's --disk-kv).")
+kv_dir_option = click.option("--kv-dir", default=None, type=click.Path(file_okay=False, path_type=Path),
+                             help="Snapshot directory. Default: the service's disk_kv as the settings "
+                                  "resolve it (EDGE_LLM_DISK_KV, EDGE_LLM_CONFIG, else $EDGE_LLM_HOME/kv), "
+                                  "as `serve` does.")
+
+
+def resolve_kv_dir(kv_dir: Path | None) -> Path:
+    """--kv-dir, else the location `serve` would use with the same environment."""
+    if kv_dir is not None:
+        return kv_dir
+    from edge_llm.errors import ConfigError
+    from edge_llm.settings import load_settings
+
+    try:
+        disk_kv = load_settings({}).disk_kv
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    if disk_kv is None:
+        raise click.ClickException("disk KV is off in the settings (disk_kv = off): give --kv-dir DIR")
+    return Path(disk_kv)
+
+
+def find_snapshot(name: str, kv_dir: Path | None) -> Path:
+    """A path, or a bare file name as `kv ls` prints it, looked up in the kv dir's namespaces."""
+    p = Path(name)
+    if p.is_file() or "/" in name:
+        if not p.is_file():
+            raise click.BadParameter(f"{name}: no such file", param_hint="FILE")
+        return p
+    root = resolve_kv_dir(kv_dir)
+    hits = [ns / name for ns in namespaces(root) if (ns / name).is_file()]
+    if not hits:
+        raise click.BadParameter(f"{name}: not a file, and no namespace of {root} holds it", param_hint="FILE")
+    return hits[0]
 
 
 @kv.command("ls")
 @kv_dir_option
-def ls(kv_dir: Path) -> None:
+def ls(kv_dir: Path | None) -> None:
     """Namespaces (with their identity) and their snapshots: tokens, bytes, age, last use."""
+    kv_dir = resolve_kv_dir(kv_dir)
+    out.print(f"kv dir {kv_dir}")
     spaces = namespaces(kv_dir)
     if not spaces:
         out.print(f"no namespaces in {kv_dir}")
@@ -133,7 +167,9 @@ def ls(kv_dir: Path) -> None:
             out.print(w)
         table = Table(show_edge=False)
         for col in ("file", "tokens", "bytes", "rows held", "age", "last use", "status"):
-            table.add_column(col, justify="right" if col in ("tokens", "bytes") else "left")
+            # the file name is what `kv inspect` / `kv rm` take: never cut it
+            table.add_column(col, justify="right" if col in ("tokens", "bytes") else "left",
+                             no_wrap=col == "file", min_width=len("kv_0123456789abcdef.kv") if col == "file" else None)
         total = 0
         for path in snapshot_files(ns):
             st = path.stat()
@@ -164,15 +200,18 @@ def ls(kv_dir: Path) -> None:
 
 
 @kv.command("inspect")
-@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--tokenizer", "tokenizer_dir", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Model directory whose tokenizer.json decodes the token ids.")
+@click.argument("file")
+@kv_dir_option
+@click.option("--tokenizer", "tokenizer_dir", default=None,
+              help="Model directory whose tokenizer.json decodes the token ids, or 'default'.")
 @click.option("--tokens", "n_show", default=16, show_default=True, type=click.IntRange(0),
               help="How many token ids to show.")
 @click.option("--blocks", "n_blocks", default=8, show_default=True, type=click.IntRange(0),
               help="How many block-map entries to show.")
-def inspect(file: Path, tokenizer_dir: Path | None, n_show: int, n_blocks: int) -> None:
-    """Dissect one snapshot file, byte by byte (a walkthrough of the VLKV v1 layout)."""
+def inspect(file: str, kv_dir: Path | None, tokenizer_dir: str | None, n_show: int, n_blocks: int) -> None:
+    """Dissect one snapshot FILE, byte by byte (a walkthrough of the VLKV v1 layout). FILE is a
+    path or a name as `kv ls` prints it (found in the kv dir's namespaces)."""
+    file = find_snapshot(file, kv_dir)
     d = inspect_file(file, max_blocks=n_blocks)
     out.print(f"[bold]{file}[/bold]  {d['file_size']:,} bytes")
     if d["header"]:
@@ -245,14 +284,17 @@ def _field_value(h: dict, d: dict) -> str:
     return str(v)
 
 
-def _print_tokens(tokens: list[int], n_show: int, tokenizer_dir: Path | None) -> None:
+def _print_tokens(tokens: list[int], n_show: int, tokenizer_dir: str | None) -> None:
     tok = None
-    if tokenizer_dir is not None:
-        from edge_llm.tokenizer import (
-            Tokenizer,  # lazy: only inspect --tokenizer needs it
-        )
+    if tokenizer_dir is not None:  # lazy: only inspect --tokenizer needs these
+        from edge_llm.errors import EdgeLLMError
+        from edge_llm.models.default import resolve_model_dir
+        from edge_llm.tokenizer import Tokenizer
 
-        tok = Tokenizer.from_dir(tokenizer_dir)
+        try:
+            tok = Tokenizer.from_dir(resolve_model_dir(tokenizer_dir))
+        except EdgeLLMError as e:
+            raise click.ClickException(f"--tokenizer {tokenizer_dir}: {e}") from None
     t = Table(title=f"token ids (first {min(n_show, len(tokens))} of {len(tokens)}, u32 at offset 64)",
               show_edge=False)
     for col in ("#", "offset", "raw bytes", "id") + (("text",) if tok else ()):
@@ -272,10 +314,11 @@ def _print_tokens(tokens: list[int], n_show: int, tokenizer_dir: Path | None) ->
               help="Verify every snapshot of every namespace in this directory.")
 @click.argument("files", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 def verify(kv_dir: Path | None, files: tuple[Path, ...]) -> None:
-    """Check every field and every block CRC; exit status 1 if any file is bad."""
-    if (kv_dir is None) == (not files):
-        raise click.UsageError("give either --kv-dir DIR or FILE...")
-    paths = list(files) if files else [p for ns in namespaces(kv_dir) for p in snapshot_files(ns)]
+    """Check every field and every block CRC; exit status 1 if any file is bad. Without FILEs:
+    every snapshot of the kv dir (--kv-dir, default the settings' disk_kv)."""
+    if kv_dir is not None and files:
+        raise click.UsageError("give either --kv-dir DIR or FILE..., not both")
+    paths = list(files) if files else [p for ns in namespaces(resolve_kv_dir(kv_dir)) for p in snapshot_files(ns)]
     bad = 0
     for path in paths:
         # a file inside a namespace must carry that namespace's model_id
@@ -300,7 +343,7 @@ def verify(kv_dir: Path | None, files: tuple[Path, ...]) -> None:
 @click.option("--namespace", default=None, help="Only this namespace (16 hex digits).")
 @click.option("--all", "all_", is_flag=True, help="Remove every snapshot (and quarantined file).")
 @click.argument("names", nargs=-1)
-def rm(kv_dir: Path, namespace: str | None, all_: bool, names: tuple[str, ...]) -> None:
+def rm(kv_dir: Path | None, namespace: str | None, all_: bool, names: tuple[str, ...]) -> None:
     """Remove snapshots by name (kv_<hash>.kv), or --all. identity.json is kept.
 
     Removing a file also removes the deltas written on it (they cannot be restored without it),
@@ -311,7 +354,7 @@ def rm(kv_dir: Path, namespace: str | None, all_: bool, names: tuple[str, ...]) 
         if not NAME_RE.match(n):
             raise click.BadParameter(f"{n!r} is not a snapshot name (kv_<16 hex>.kv)", param_hint="NAME")
     removed, wanted = 0, set(names)
-    for ns in namespaces(kv_dir, namespace):
+    for ns in namespaces(resolve_kv_dir(kv_dir), namespace):
         victims = _with_dependents(ns, [p for p in snapshot_files(ns) if all_ or p.name in wanted])
         if all_:
             victims += [p for p in ns.iterdir() if p.name.endswith(TMP_SUFFIX)]
@@ -354,13 +397,13 @@ def _with_dependents(ns: Path, named: list[Path]) -> list[Path]:
               help="Conversations (a snapshot and its deltas) per namespace.")
 @click.option("--max-bytes", default=None, type=_Bytes(), help="Bytes per namespace (e.g. 4G).")
 @click.option("--dry-run", is_flag=True, help="Only show what would be removed.")
-def gc(kv_dir: Path, namespace: str | None, max_files: int, max_bytes: int | None, dry_run: bool) -> None:
+def gc(kv_dir: Path | None, namespace: str | None, max_files: int, max_bytes: int | None, dry_run: bool) -> None:
     """Apply the caps: remove least recently used conversations until each namespace fits.
 
     A delta chain is one unit, as in the server's own eviction (docs/store.md): it goes as a
     whole, deltas before their base, so no delta is ever left without its base."""
     total = 0
-    for ns in namespaces(kv_dir, namespace):
+    for ns in namespaces(resolve_kv_dir(kv_dir), namespace):
         index = {p.name: _gc_entry(ns, p) for p in snapshot_files(ns)}
         for unit, reason in chains.unit_victims(index, max_files, max_bytes):
             for e in chains.removal_order(unit.members):
