@@ -201,3 +201,16 @@ def test_snapshot_namespaces_are_per_numerics(tiny_synth_dir, tmp_path):
     for e in (ort, cpu, again):
         e.store.close()
     assert OrtRunner.name in ort.model.numerics and "cpu-f32" == cpu.model.numerics
+
+
+def test_convert_without_the_convert_extra_says_which_extra(tiny_qwen3, tmp_path):
+    """A real `edge-llm convert rknn` process with onnx made unimportable (as without the extra)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['onnx'] = None; from edge_llm.cli import main; "
+            f"sys.argv = ['edge-llm', 'convert', 'rknn', {str(tiny_qwen3)!r}, {str(tmp_path / 'out')!r}]; main()")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "needs the Python package onnx" in r.stderr and "edge-llm[convert]" in r.stderr
+    assert not (tmp_path / "out").exists()

@@ -50,6 +50,15 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
         TimeElapsedColumn,
     )
 
+    try:  # before anything that needs them: a clear line, not a traceback from deep inside
+        import onnx  # noqa: F401
+        import onnxruntime  # noqa: F401
+    except ImportError as e:
+        raise click.ClickException(
+            f"`convert rknn` needs the Python package {e.name or 'onnx'}, from the 'convert' extra: "
+            "pip install 'edge-llm[convert]' (in a checkout: .venv/bin/pip install -e '.[convert]'; "
+            "`make test` installs it)") from None
+
     from edge_llm.config import ModelArgs
     from edge_llm.convert.report import FP16_REL_LIMIT, predicted_ms, range_summary, worst
     from edge_llm.convert.rknn import convert_rknn
