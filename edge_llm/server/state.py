@@ -104,8 +104,9 @@ class AppState:
         self.worker = worker
         self.status = "ok"
         snap = self.snapshot_summary()
-        log.info("ready: model=%s backend=%s namespace=%s index=%d checkpoint(s) %d bytes "
-                 "max_seq=%d queue_size=%d load=%.1fs", self.model_id, self.backend,
+        log.info("ready: url=http://%s:%d model=%s backend=%s namespace=%s index=%d checkpoint(s) %d bytes "
+                 "max_seq=%d queue_size=%d load=%.1fs", self.settings.host, self.settings.port, self.model_id,
+                 self.backend,
                  self.namespace, snap["count"], snap["bytes"], self.settings.max_seq,
                  self.settings.queue_size, time.monotonic() - t0)
         if self.notifier is not None:
