@@ -224,3 +224,24 @@ def test_sigterm_during_prefill_saves_completed_rows_and_a_restart_resumes(tiny_
     assert f"[PREFILL-TIMING] n={len(prompt) - done} " in log
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == done
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
+
+
+def test_long_prefill_is_logged_outside_systemd(tiny_synth_dir, tmp_path):
+    """No NOTIFY_SOCKET (a terminal, a container): the log still shows the job, its prompt size and
+    its progress every PROGRESS_LOG_EVERY seconds, so a long prefill is not minutes of silence."""
+    from edge_llm.server.worker import PROGRESS_LOG_EVERY
+
+    with server(tmp_path, tiny_synth_dir, None, env={"WATCHDOG_USEC": ""}) as srv:
+        srv.start()
+        prompt = long_prompt(LONG, seed=4)
+        t = complete(srv, prompt, max_tokens=2)["timings"]
+        log = srv.log()
+    m = re.search(rf"job (\d+) started \(completion\): prompt {LONG} token\(s\), max_tokens 2", log)
+    assert m, log[-3000:]
+    lines = re.findall(rf"job {m.group(1)}: prefill (\d+)/{LONG - 1}", log)
+    if t["prefill_ms"] < 2 * PROGRESS_LOG_EVERY * 1e3:
+        pytest.skip(f"the prefill took {t['prefill_ms']:.0f} ms: too fast here for a progress line every "
+                    f"{PROGRESS_LOG_EVERY} s")
+    rows = [int(x) for x in lines]
+    assert rows and rows == sorted(rows) and rows[-1] < LONG - 1, log[-3000:]
+    assert len(rows) <= t["prefill_ms"] / 1e3 / PROGRESS_LOG_EVERY + 1  # a sane rate, not a line per chunk

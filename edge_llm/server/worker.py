@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 _DONE = object()
 _ids = itertools.count(1)
 STATUS_EVERY = 1.0  # seconds between STATUS= lines of decode steps
+PROGRESS_LOG_EVERY = 5.0  # seconds between INFO progress lines of a long job (prefill, restore, decode)
 _STAGES = {"prefill": "prefill {done}/{total}", "restore": "restoring layer {done}/{total}",
            "save-wait": "waiting for the previous snapshot save (layer {done}/{total} written)",
            "decode": "decode {done}/{total}"}
@@ -99,6 +100,7 @@ class Worker:
         self._lock = threading.Lock()
         self._accepting = True
         self._last_status = 0.0
+        self._last_log = 0.0  # when the running job's last progress line was logged
         self.current: Job | None = None
         self._thread = threading.Thread(target=self._run, name="edge-llm-worker", daemon=True)
 
@@ -180,12 +182,15 @@ class Worker:
     def _progress(self, stage: str, done: int, total: int) -> None:
         """Engine progress (worker thread): ping the watchdog, say what is happening."""
         job = self.current
+        now = time.monotonic()
         if job is not None:
             job.at = status_text(stage, done, total)
+            if now - self._last_log >= PROGRESS_LOG_EVERY and done < total:  # the log shows long work too
+                self._last_log = now
+                log.info("job %d: %s", job.id, job.at)
         if self.notifier is None:
             return
         self.notifier.watchdog()
-        now = time.monotonic()
         # prefill chunks, restored layers and save waits are slow steps: each gets its line;
         # decode steps can be hundreds a second, so those lines are thinned out
         if stage != DECODE or now - self._last_status >= STATUS_EVERY or done == total:
@@ -213,7 +218,10 @@ class Worker:
             self._deliver(job, _DONE)
             return
         self.current = job
-        wait_ms = (time.monotonic() - job.enqueued) * 1e3
+        self._last_log = time.monotonic()
+        wait_ms = (self._last_log - job.enqueued) * 1e3
+        log.info("job %d started (%s): prompt %d token(s), max_tokens %d", job.id, job.label,
+                 len(job.request.prompt_tokens), job.request.max_tokens)
         last: GenerationEvent | None = None
         n = 0
         try:
