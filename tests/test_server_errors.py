@@ -60,6 +60,17 @@ COMP = "/v1/completions"
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages"),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    # one rule for every OpenAI field the server does not honour: a 400 naming it, never ignored
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}},
+     "response_format"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "auto"}, "tool_choice"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]}, "functions"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]}, "modalities"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "high"}, "reasoning_effort"),
+    (COMP, {"prompt": "x", "logprobs": 0}, "logprobs"),
+    (COMP, {"prompt": "x", "best_of": 2}, "best_of"),
     # a seed numpy cannot take is refused at the door, not inside the job after a 200
     (COMP, {"prompt": "x", "seed": -1}, "seed"),
     (COMP, {"prompt": "x", "seed": 2 ** 64}, "seed"),
@@ -191,3 +202,14 @@ def test_default_body_limit_holds_the_default_image_as_a_data_url():
 
     data_url = len("data:image/jpeg;base64,") + 4 * -(-DEFAULTS.max_image_bytes // 3)
     assert DEFAULTS.max_body_bytes >= data_url + 64 * 1024  # + the rest of a chat body
+
+
+def test_default_values_of_unhonoured_fields_are_accepted(srv):
+    """What asks for nothing is served: the defaults of the fields the server does not honour, and
+    fields that change no output."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "response_format": {"type": "text"},
+            "tool_choice": "none", "tools": [], "logprobs": False, "modalities": ["text"], "user": "u1",
+            "store": False, "metadata": {"k": "v"}, "service_tier": "auto", "parallel_tool_calls": True}
+    assert post(srv, CHAT, json=chat).status_code == 200
+    comp = {"prompt": "x", "max_tokens": 1, "echo": False, "best_of": 1, "suffix": "", "presence_penalty": 0}
+    assert post(srv, COMP, json=comp).status_code == 200

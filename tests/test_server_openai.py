@@ -135,7 +135,7 @@ def test_error_statuses_through_the_client(server, client):
         client.completions.create(model="default", prompt="x", max_tokens=1, echo=True)
     assert e.value.body["param"] == "echo"
     with pytest.raises(openai.APIStatusError) as e:
-        client.completions.create(model="default", prompt="x" * (5 * 1024 * 1024), max_tokens=1)
+        client.completions.create(model="default", prompt="x" * (33 * 1024 * 1024), max_tokens=1)  # > max_body_bytes
     assert e.value.status_code == 413
     r = httpx.post(server.url + "/v1/chat/completions", content=b'{"messages": [', timeout=60,
                    headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})

@@ -101,14 +101,13 @@ def create_app(settings: Settings, notifier: Notifier | None = None, loader: Cal
                                              default_max_tokens=settings.default_max_tokens)])
 
     # ---- generation ---------------------------------------------------------------------------
-    def sampling(body: S._Sampling) -> tuple[SamplingParams, list[str]]:
+    def sampling(body: S._Sampling, endpoint: str) -> tuple[SamplingParams, list[str]]:
         if body.n not in (None, 1):
             raise bad_request("only n=1 is supported", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(body, name):
-                raise bad_request(f"{name} is not supported (must be 0 or omitted)", name)
-        if body.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
+        for name, is_default in S.NOT_HONOURED[endpoint].items():  # one rule: schemas.NOT_HONOURED
+            if not is_default(getattr(body, name)):
+                raise bad_request(f"{name} is not supported by this server (omit it, or send its default "
+                                  f"value)", name)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > 4:
             raise bad_request(f"at most 4 stop sequences are allowed, got {len(stop)}", "stop")
@@ -150,15 +149,7 @@ def create_app(settings: Settings, notifier: Notifier | None = None, loader: Cal
               dependencies=[Depends(auth)])
     async def completions(body: S.CompletionRequest, request: Request):
         require_ready(body.model)
-        if body.echo:
-            raise bad_request("echo is not supported (must be false)", "echo")
-        if body.logprobs is not None:
-            raise bad_request("logprobs is not supported", "logprobs")
-        if body.best_of not in (None, 1):
-            raise bad_request("best_of is not supported", "best_of")
-        if body.suffix:
-            raise bad_request("suffix is not supported", "suffix")
-        params, stop = sampling(body)
+        params, stop = sampling(body, "completion")
         engine = state.engine
         if isinstance(body.prompt, str):
             tokens = await run_in_threadpool(engine.tokenizer.encode, body.prompt)
@@ -180,11 +171,7 @@ def create_app(settings: Settings, notifier: Notifier | None = None, loader: Cal
               dependencies=[Depends(auth)])
     async def chat_completions(body: S.ChatCompletionRequest, request: Request):
         require_ready(body.model)
-        if body.logprobs:
-            raise bad_request("logprobs is not supported", "logprobs")
-        if body.tools:
-            raise bad_request("tools are not supported", "tools")
-        params, stop = sampling(body)
+        params, stop = sampling(body, "chat")
         try:
             tokens, images = await run_in_threadpool(chat_prompt, state.engine, body.messages,
                                                      settings.image_dir, settings.max_image_bytes,

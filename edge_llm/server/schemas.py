@@ -112,15 +112,48 @@ class ChatMessage(_Request):
         return "".join(wrap(p.text) if isinstance(p, TextPart) else image_placeholder for p in self.content)
 
 
+_NOT_HONOURED = "Not honoured: only its default value is accepted (docs/api.md)."
+
+
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = Field(
         default=None, description="Default: the server's default_max_tokens, at most the rest of the "
                                   "context window.")
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[dict] | None = None
+    logprobs: bool | None = Field(default=None, description=_NOT_HONOURED)
+    top_logprobs: int | None = Field(default=None, description=_NOT_HONOURED)
+    tools: list[dict] | None = Field(default=None, description=_NOT_HONOURED)
+    tool_choice: str | dict | None = Field(default=None, description=_NOT_HONOURED)
+    functions: list[dict] | None = Field(default=None, description=_NOT_HONOURED)
+    function_call: str | dict | None = Field(default=None, description=_NOT_HONOURED)
+    response_format: dict | None = Field(default=None, description=_NOT_HONOURED + " ({'type': 'text'})")
+    modalities: list[str] | None = Field(default=None, description=_NOT_HONOURED + " (['text'])")
+    audio: dict | None = Field(default=None, description=_NOT_HONOURED)
+    prediction: dict | None = Field(default=None, description=_NOT_HONOURED)
+    web_search_options: dict | None = Field(default=None, description=_NOT_HONOURED)
+    reasoning_effort: str | None = Field(default=None, description=_NOT_HONOURED)
+
+
+def _off(v: object) -> bool:
+    return v is None or v is False or v == 0 or v == [] or v == {} or v == ""
+
+
+# The one rule for OpenAI request fields this server does not honour: the value that asks for
+# nothing (the default) is accepted, any other is a 400 naming the field, never silently ignored.
+# Fields that change no output (`user`, `store`, `metadata`, `service_tier`, image `detail`) are
+# accepted; fields OpenAI does not define are ignored. (docs/api.md, "Fields not honoured")
+_SAMPLING_NOT_HONOURED = {"logit_bias": _off, "presence_penalty": _off, "frequency_penalty": _off}
+NOT_HONOURED: dict[str, dict[str, object]] = {
+    "completion": {**_SAMPLING_NOT_HONOURED, "echo": _off, "logprobs": lambda v: v is None, "suffix": _off,
+                   "best_of": lambda v: v in (None, 1)},
+    "chat": {**_SAMPLING_NOT_HONOURED, "logprobs": _off, "top_logprobs": _off, "tools": _off,
+             "tool_choice": lambda v: v in (None, "none"), "functions": _off,
+             "function_call": lambda v: v in (None, "none"),
+             "response_format": lambda v: v is None or v == {"type": "text"},
+             "modalities": lambda v: v in (None, ["text"]), "audio": _off, "prediction": _off,
+             "web_search_options": _off, "reasoning_effort": _off},
+}
 
 
 # ---- responses -----------------------------------------------------------------------------
