@@ -128,6 +128,9 @@ class Settings:
     max_body_bytes: int = _opt(32 * 1024 * 1024, "Largest accepted request body (413 beyond); the default "
                                "holds an image of max_image_bytes as a base64 data: URL.",
                                commands=(SERVE,), minimum=1)
+    metrics_public: bool = _opt(False, "Serve /metrics without the API key (for a Prometheus scraper "
+                                "that sends none); without api_key_file it is public anyway.", bool,
+                                commands=(SERVE,))
     default_max_tokens: int | None = _opt(1024, "Completion tokens of a chat request that sets no "
                                           "max_tokens (at most what the context window leaves); shown "
                                           "in /v1/models. none: the rest of the context window.",

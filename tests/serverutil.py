@@ -125,8 +125,11 @@ class ServerProc:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0,
                              timeout=READY_TIMEOUT, **kw)
 
+    api_key: str | None = None  # sent by health(): with a key configured, the details need it
+
     def health(self) -> httpx.Response:
-        return httpx.get(self.url + "/health", timeout=30)
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.get(self.url + "/health", timeout=30, headers=headers)
 
     def __enter__(self) -> "ServerProc":
         return self

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from serverutil import ServerProc
@@ -16,7 +18,9 @@ def srv(tiny_synth_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("srv-errors")
     (work / "keys").write_text(f"{KEY}\nsecond-key\n")
     s = ServerProc(work / "home", work, "--model", str(tiny_synth_dir), "--max-seq", str(MAX_SEQ),
-                   "--api-key-file", str(work / "keys"), "--max-body-bytes", str(LIMIT)).start()
+                   "--api-key-file", str(work / "keys"), "--max-body-bytes", str(LIMIT))
+    s.api_key = KEY
+    s.start()
     yield s
     assert s.stop() == 0
 
@@ -213,3 +217,25 @@ def test_default_values_of_unhonoured_fields_are_accepted(srv):
     assert post(srv, CHAT, json=chat).status_code == 200
     comp = {"prompt": "x", "max_tokens": 1, "echo": False, "best_of": 1, "suffix": "", "presence_penalty": 0}
     assert post(srv, COMP, json=comp).status_code == 200
+
+
+def test_with_a_key_only_liveness_is_public(srv, tiny_synth_dir, tmp_path):
+    """With api_key_file, anyone learns whether the server is up; the details (kv path, namespace),
+    the counters and the API schema need the key. metrics_public opens /metrics for a scraper."""
+    h = httpx.get(srv.url + "/health", timeout=30)
+    assert h.status_code == 200 and h.json() == {"status": "ok"}
+    full = httpx.get(srv.url + "/health", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    assert full["status"] == "ok" and "namespace" in json.dumps(full) and len(full) > 1
+    assert err(httpx.get(srv.url + "/metrics", timeout=30), 401)["code"] == "missing_api_key"
+    ok = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert ok.status_code == 200 and "edge_llm_requests_total" in ok.text
+    for path in ("/docs", "/redoc"):
+        assert httpx.get(srv.url + path, timeout=30).status_code == 404
+    assert err(httpx.get(srv.url + "/openapi.json", timeout=30), 401)["code"] == "missing_api_key"
+    doc = httpx.get(srv.url + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert doc.status_code == 200 and "/v1/chat/completions" in doc.json()["paths"]
+    (tmp_path / "keys").write_text(f"{KEY}\n")
+    with ServerProc(tmp_path / "home", tmp_path, "--model", str(tiny_synth_dir), "--max-seq", str(MAX_SEQ),
+                    "--api-key-file", str(tmp_path / "keys"), "--metrics-public", "true").start() as scraped:
+        assert httpx.get(scraped.url + "/metrics", timeout=30).status_code == 200
+        assert httpx.get(scraped.url + "/health", timeout=30).json() == {"status": "ok"}

@@ -61,8 +61,11 @@ def create_app(settings: Settings, notifier: Notifier | None = None, loader: Cal
             # the worker join and snapshot flush block: keep them off the event loop
             await run_in_threadpool(state.close)
 
+    keyed = settings.api_key_file is not None
+    # with an API key, the interactive docs are off and the schema is behind the key (docs/api.md)
     app = FastAPI(title="edge-llm", version=__version__, lifespan=lifespan,
-                  description="OpenAI-compatible API with bit-exact disk KV snapshots.")
+                  description="OpenAI-compatible API with bit-exact disk KV snapshots.",
+                  **({"docs_url": None, "redoc_url": None, "openapi_url": None} if keyed else {}))
     app.state.edge = state
     install_handlers(app)
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
@@ -84,14 +87,30 @@ def create_app(settings: Settings, notifier: Notifier | None = None, loader: Cal
                            "invalid_request_error", "model", "model_not_found")
 
     # ---- introspection ----------------------------------------------------------------------
-    @app.get("/health", response_model=S.Health, responses={503: {"model": S.Health}})
-    def health() -> JSONResponse:
-        h = state.health()
-        return JSONResponse(h, status_code=200 if h["status"] == "ok" else 503)
+    def authorized(request: Request) -> bool:
+        try:
+            auth(request)
+            return True
+        except APIError:
+            return False
 
-    @app.get("/metrics", response_class=Response)
+    @app.get("/health", response_model=S.Health, responses={503: {"model": S.Health}})
+    def health(request: Request) -> JSONResponse:
+        """Liveness for anyone ({"status"}); the details (paths, namespace, counters) need the key
+        when one is configured."""
+        h = state.health()
+        code = 200 if h["status"] == "ok" else 503
+        return JSONResponse(h if authorized(request) else {"status": h["status"]}, status_code=code)
+
+    @app.get("/metrics", response_class=Response,
+             dependencies=[] if settings.metrics_public else [Depends(auth)])
     def metrics() -> Response:
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
+
+    if keyed:
+        @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(auth)])
+        def openapi() -> JSONResponse:
+            return JSONResponse(app.openapi())
 
     @app.get("/v1/models", response_model=S.ModelList, responses=ERRORS, dependencies=[Depends(auth)])
     def models() -> S.ModelList:
