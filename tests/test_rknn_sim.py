@@ -143,8 +143,9 @@ def test_restore_is_bitwise_within_simulator_numerics(converted, tmp_path):
 
     model, d, _ = converted["qwen3_vl"]
     kv, state = tmp_path / "kv", tmp_path / "state.json"
-    text = " ".join(f"Item {i} costs {i * 3} coins." for i in range(30))
-    state.write_text(json.dumps({"prompt": Tokenizer.from_dir(model).encode(text)[:120]}))
+    text = " ".join(f"Item {i} costs {i * 3} coins." for i in range(60))
+    # over one prefill chunk (128): the reused prefix is cut back to a chunk multiple (docs/store.md)
+    state.write_text(json.dumps({"prompt": Tokenizer.from_dir(model).encode(text)[:200]}))
     warm = _session(model, kv, "warm", tmp_path, state, rknn_dir=d)
     restored = _session(model, kv, "restored", tmp_path, state, rknn_dir=d)
     assert str(warm["source"]) == "ram" and str(restored["source"]) == "disk"
