@@ -88,3 +88,11 @@ def test_evidence_is_read_after_a_marker_and_names_its_file():
         for line in block.splitlines():
             assert not re.search(r"grep[^|]*\"\$LOG\"", line), f"greps the whole log: {line}"
             assert "| head -n 1\" " not in line and not re.search(r"ls [^|]*\*\.kv\"? *\| *head", line), line
+
+
+def test_lab_folder_is_ignored_by_git():
+    """docs/lab-a.md runs in the checkout with LAB=$PWD/lab: its snapshots and logs never show up
+    as changes to commit."""
+    assert 'LAB="${LAB:-$PWD/lab}"' in (ROOT / "docs" / "lab-a.md").read_text()
+    r = subprocess.run(["git", "check-ignore", "-q", "lab/kv/x/kv_0000000000000000.kv"], cwd=ROOT, timeout=60)
+    assert r.returncode == 0, "lab/ is not ignored by .gitignore"
