@@ -179,3 +179,29 @@ def test_image_conversation_restored_after_sigkill(tiny_synth_dir, edge_home, tm
         assert t4["images_encoded"] == 1 and t4["cache_source"] == "disk"
         assert t4["disk_cached_tokens"] == run_start
         assert r4["choices"][0]["message"]["content"] == r3["choices"][0]["message"]["content"]
+
+
+def test_cli_image_prompt_and_errors_name_the_file(tiny_synth_dir, edge_home, tmp_path):
+    """`edge-llm generate --image`: the image's 64 rows are in the prompt (its placeholders stay
+    control tokens while the typed text is plain text), and a bad file is named in the error."""
+    import os
+    import subprocess
+    import sys
+
+    photo, bad = tmp_path / "photo.png", tmp_path / "notes.png"
+    photo.write_bytes(PHOTO_A)
+    bad.write_bytes(b"not an image at all")
+    env = {**os.environ, "EDGE_LLM_HOME": str(edge_home)}
+    base = [sys.executable, "-m", "edge_llm", "generate", "--model", str(tiny_synth_dir), "--no-disk-kv",
+            "--max-tokens", "2", "--temperature", "0"]
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(base + list(args), capture_output=True, text=True, timeout=600, env=env)
+
+    text_only = run("-p", QUESTION)
+    with_image = run("--image", str(photo), "-p", QUESTION)
+    assert text_only.returncode == 0 and with_image.returncode == 0, with_image.stderr
+    n0, n1 = (int(re.search(r"prefill (\d+) tok", r.stderr)[1]) for r in (text_only, with_image))
+    assert n1 - n0 == 64 + 2  # the image's rows + vision_start/vision_end
+    r = run("--image", str(bad), "-p", QUESTION)
+    assert r.returncode == 1 and f"--image {bad}" in r.stderr and "not a recognisable image" in r.stderr, r.stderr

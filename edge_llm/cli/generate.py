@@ -35,8 +35,9 @@ def generate(settings: Settings, prompt, chat, system, max_tokens, temperature, 
     from rich.console import Console
 
     from edge_llm.engine import GenerationRequest
-    from edge_llm.errors import EdgeLLMError
+    from edge_llm.errors import EdgeLLMError, ImageError
     from edge_llm.runtime import load_runtime
+    from edge_llm.tokenizer import plain
 
     err = Console(stderr=True)
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
@@ -51,12 +52,18 @@ def generate(settings: Settings, prompt, chat, system, max_tokens, temperature, 
         if images:
             if engine.vision is None:
                 raise click.ClickException(f"{settings.model}: this model has no vision encoder (--image)")
-            prepared = [engine.vision.prepare(open(path, "rb").read()) for path in images]
+            for path in images:
+                try:
+                    with open(path, "rb") as f:
+                        prepared.append(engine.vision.prepare(f.read()))
+                except (ImageError, OSError) as e:
+                    raise click.ClickException(f"--image {path}: {e}") from None
             shown = engine.vision.placeholder(engine.tokenizer.id_to_token) * len(images)
-        if chat:
-            messages = ([{"role": "system", "content": system}] if system else [])
-            messages.append({"role": "user", "content": shown + prompt})
-            ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if chat:  # the typed text is plain text; the image placeholders are control tokens
+            messages = ([{"role": "system", "content": plain(system)}] if system else [])
+            messages.append({"role": "user", "content": shown + plain(prompt)})
+            ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       plain_text=False)
         else:
             ids = engine.tokenizer.encode(shown + prompt)
         if prepared:
