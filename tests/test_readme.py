@@ -53,3 +53,17 @@ def test_every_make_variable_is_documented():
                          text=True, timeout=60)
     assert "--backend cpu-q" in dry.stdout and "--port 9000" in dry.stdout, dry.stdout
     assert ".[quant]" in dry.stdout or (REPO / ".venv" / ".quant-stamp").exists()
+
+
+def test_one_convention_for_commands_in_the_docs():
+    """README: literal .venv/bin/ commands; the other pages: installed-package commands, and the
+    pages that start with commands say how to run them from a checkout."""
+    assert "### Commands in the docs" in README and ". .venv/bin/activate" in README
+    for b in blocks("sh"):
+        for line in b.splitlines():
+            word = line.split()[0] if line.split() else ""
+            assert word not in ("edge-llm", "pip"), f"README runs a bare {word!r}: {line}"
+    for page in ("npu.md", "quantization.md"):
+        text = (REPO / "docs" / page).read_text()
+        first = re.search(r"```sh\n(.*?)```", text, re.S).group(1)
+        assert first.startswith("# in a checkout: . .venv/bin/activate"), page
