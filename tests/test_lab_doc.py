@@ -60,6 +60,10 @@ def test_lab_walkthrough_runs(edge_home, tmp_path):
     saved = re.search(r"\[KV-DISK\] saved (\d+)-token KV -> (kv_[0-9a-f]{16}\.kv)", out)
     loaded = re.search(r"\[KV-DISK\] loaded (\d+)-token KV prefix from disk file (kv_[0-9a-f]{16}\.kv)", out)
     assert saved and loaded and saved[2] == loaded[2], out  # S2 read S1's file
+    from edge_llm.snapshot.layout import snapshot_size
+
+    size = int(re.search(r"\[KV-DISK\] saved \d+-token KV -> kv_[0-9a-f]{16}\.kv \((\d+) bytes", out)[1])
+    assert size == snapshot_size(30, int(saved[1]), 3 * 64, 64)  # a real run gives the formula's bytes
     assert "[KV-DISK] index: 1 checkpoint(s)" in out
     n, aligned = map(int, re.search(r"\[PREFILL-TIMING\] n=(\d+) total=[\d.]+ms aligned=(\d+)", out).groups())
     m = re.search(r"S2 prompt (\d+) tokens, cached (\d+) from disk \| prefilled (\d+)", out)
@@ -96,3 +100,16 @@ def test_lab_folder_is_ignored_by_git():
     assert 'LAB="${LAB:-$PWD/lab}"' in (ROOT / "docs" / "lab-a.md").read_text()
     r = subprocess.run(["git", "check-ignore", "-q", "lab/kv/x/kv_0000000000000000.kv"], cwd=ROOT, timeout=60)
     assert r.returncode == 0, "lab/ is not ignored by .gitignore"
+
+
+def test_the_docs_example_numbers_follow_the_size_formula():
+    """Every example size in docs/lab-a.md is what the formula (and so the store) produces."""
+    from edge_llm.snapshot.layout import snapshot_size
+
+    text = (ROOT / "docs" / "lab-a.md").read_text()
+    m = re.search(r"saved (\d+)-token KV -> kv_\S+ \((\d+) bytes, ([\d.]+) ms, ([\d.]+) MB/s\)", text)
+    n, size, ms, mbs = int(m[1]), int(m[2]), float(m[3]), float(m[4])
+    assert size == snapshot_size(30, n, 3 * 64, 64)  # the default model: 30 layers, 3 KV heads x 64
+    assert abs(size / 1e6 / (ms / 1e3) - mbs) < 0.1
+    m = re.search(r"a (\d+)-token snapshot is ([\d,]+) bytes", text)
+    assert int(m[2].replace(",", "")) == snapshot_size(28, int(m[1]), 8 * 128, 64)  # Qwen3-VL-2B

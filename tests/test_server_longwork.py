@@ -4,6 +4,7 @@ prefill from the rows it had completed (docs/board.md, "Long requests and the st
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import socket
@@ -245,3 +246,37 @@ def test_long_prefill_is_logged_outside_systemd(tiny_synth_dir, tmp_path):
     rows = [int(x) for x in lines]
     assert rows and rows == sorted(rows) and rows[-1] < LONG - 1, log[-3000:]
     assert len(rows) <= t["prefill_ms"] / 1e3 / PROGRESS_LOG_EVERY + 1  # a sane rate, not a line per chunk
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_sigterm_past_the_grace_period_answers_cancelled(tiny_synth_dir, tmp_path, stream):
+    """A request still running when the grace period ends gets a proper answer: a JSON body (or
+    the stream's last chunk and [DONE]) with finish_reason "cancelled", never a bare 500 or a cut
+    stream (its completed rows are saved as well)."""
+    listener = NotifyListener(tmp_path / "n.sock")
+    got: dict = {}
+    try:
+        srv = server(tmp_path, tiny_synth_dir, listener, "--grace-seconds", "1", name="g", kv_dir=tmp_path / "kv")
+        srv.start()
+
+        def run() -> None:
+            body = {"prompt": long_prompt(12000, seed=5), "max_tokens": 4, "temperature": 0, "stream": stream}
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=600) as r:
+                got["status"], got["type"] = r.status_code, r.headers.get("content-type", "")
+                got["body"] = r.read().decode()
+
+        t = threading.Thread(target=run)
+        t.start()
+        wait_for(lambda: prefill_rows(listener) >= 1024, timeout=300, what="prefill progress")
+        assert srv.stop(signal.SIGTERM) == 0
+        t.join(60)
+    finally:
+        listener.close()
+    assert got["status"] == 200, got
+    if stream:
+        events = [ln[6:] for ln in got["body"].splitlines() if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]", got["body"][-500:]
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "cancelled"
+    else:
+        assert got["type"].startswith("application/json")
+        assert json.loads(got["body"])["choices"][0]["finish_reason"] == "cancelled", got["body"][:500]

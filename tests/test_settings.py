@@ -212,3 +212,31 @@ def test_numbers_still_checked_through_the_flag():
     for bad in ("0", "many"):
         r = CliRunner().invoke(probe, ["--threads", bad])
         assert r.exit_code != 0 and "threads must be" in r.output, r.output
+
+
+def _word_spellings():
+    """The other documented words: true/false (and on/off, yes/no, 1/0) for every switch, off for
+    the disk_kv / log_file locations."""
+    from edge_llm.settings import FIELDS
+
+    for key, f in FIELDS.items():
+        if "serve" not in f.metadata["commands"]:
+            continue
+        if f.metadata["kind"] is bool:
+            for word, value in (("true", True), ("false", False), ("on", True), ("off", False), ("yes", True),
+                                ("no", False), ("1", True), ("0", False)):
+                yield key, word, value
+        elif f.metadata["kind"] in ("dir-or-off", "file-or-off"):
+            yield key, "off", None
+
+
+@pytest.mark.parametrize("key,word,value", list(_word_spellings()))
+def test_switch_and_off_spellings_in_every_channel(key, word, value, tmp_path):
+    from edge_llm.settings import env_name
+
+    env = {"EDGE_LLM_HOME": str(tmp_path)}
+    assert _via_flag(key, word) is value
+    assert getattr(load_settings({}, env={**env, env_name(key): word}), key) is value
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'{key} = "{word}"\n')
+    assert getattr(load_settings({}, config_file=cfg, env=env), key) is value

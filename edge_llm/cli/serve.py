@@ -18,6 +18,7 @@ from edge_llm.cli.options import settings_options
 from edge_llm.cli.progress import import_default_model_in_terminal
 
 log = logging.getLogger("edge_llm.lifecycle")
+RESPONSE_DRAIN_S = 10.0  # after the grace period: time for the cancelled job's answer to be sent
 
 
 @click.command("serve")
@@ -74,8 +75,12 @@ def run_server(settings) -> int:
             # leave signal context: begin_shutdown takes locks and sends a datagram
             threading.Thread(target=state.begin_shutdown, args=(name,), daemon=True).start()
 
+    # uvicorn cancels the request tasks when its graceful-shutdown timeout ends. At grace_seconds
+    # our worker cancels the running job, which then ends with finish_reason "cancelled"; uvicorn
+    # waits RESPONSE_DRAIN_S longer, so that this answer reaches the client (a whole JSON body, a
+    # stream's last chunk and [DONE]) instead of a bare 500 or a cut stream.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
-                            timeout_graceful_shutdown=settings.grace_seconds, lifespan="on",
+                            timeout_graceful_shutdown=settings.grace_seconds + RESPONSE_DRAIN_S, lifespan="on",
                             timeout_keep_alive=5, server_header=False)
     server = holder["server"] = _Server(config)
     # uvicorn re-raises the caught signal after shutdown; with a no-op handler underneath, the
