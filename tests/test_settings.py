@@ -183,20 +183,6 @@ def _spellings():
                 yield key, word
 
 
-@pytest.mark.parametrize("key,word", list(_spellings()))
-def test_documented_spellings_in_every_channel(key, word, tmp_path):
-    """`--threads auto`, `EDGE_LLM_THREADS=auto`, `threads = "auto"` all mean the default None
-    (and `none` for every optional setting), as the help promises."""
-    from edge_llm.settings import env_name
-
-    env = {"EDGE_LLM_HOME": str(tmp_path)}
-    assert _via_flag(key, word) is None
-    assert getattr(load_settings({}, env={**env, env_name(key): word}), key) is None
-    cfg = tmp_path / "c.toml"
-    cfg.write_text(f'{key} = "{word}"\n')
-    assert getattr(load_settings({}, config_file=cfg, env=env), key) is None
-
-
 def test_numbers_still_checked_through_the_flag():
     assert _via_flag("threads", "3") == 3
     import click
@@ -230,8 +216,11 @@ def _word_spellings():
             yield key, "off", None
 
 
-@pytest.mark.parametrize("key,word,value", list(_word_spellings()))
-def test_switch_and_off_spellings_in_every_channel(key, word, value, tmp_path):
+@pytest.mark.parametrize("key,word,value", [(k, w, None) for k, w in _spellings()] + list(_word_spellings()))
+def test_documented_spellings_in_every_channel(key, word, value, tmp_path):
+    """Every documented spelling means the same through the flag, the variable and TOML:
+    `--threads auto` / `EDGE_LLM_THREADS=auto` / `threads = "auto"` are the default None (and
+    `none` for every optional setting), true/false/on/off/... set a switch, off a location."""
     from edge_llm.settings import env_name
 
     env = {"EDGE_LLM_HOME": str(tmp_path)}
