@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import sys
 from pathlib import Path
@@ -9,6 +10,13 @@ from pathlib import Path
 import click
 
 from edge_llm.cli.bench.common import int_list
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ValueError:  # in sys.modules as None: blocked
+        return False
 
 
 @click.group("convert")
@@ -50,14 +58,14 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
         TimeElapsedColumn,
     )
 
-    try:  # before anything that needs them: a clear line, not a traceback from deep inside
-        import onnx  # noqa: F401
-        import onnxruntime  # noqa: F401
-    except ImportError as e:
+    # before anything that needs them: a clear line, not a traceback from deep inside (looked
+    # up, not imported: only the exporters import onnx, tests/test_layering.py)
+    missing = next((m for m in ("onnx", "onnxruntime") if not _importable(m)), None)
+    if missing:
         raise click.ClickException(
-            f"`convert rknn` needs the Python package {e.name or 'onnx'}, from the 'convert' extra: "
+            f"`convert rknn` needs the Python package {missing}, from the 'convert' extra: "
             "pip install 'edge-llm[convert]' (in a checkout: .venv/bin/pip install -e '.[convert]'; "
-            "`make test` installs it)") from None
+            "`make test` installs it)")
 
     from edge_llm.config import ModelArgs
     from edge_llm.convert.report import FP16_REL_LIMIT, predicted_ms, range_summary, worst
