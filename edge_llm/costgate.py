@@ -125,11 +125,11 @@ class CostGate:
         first = min(rest, self.chunk) / tps
         return (max(read, first) + (rest - min(rest, self.chunk)) / tps) * 1e3
 
-    def decide(self, n: int, m_ram: int, m_disk: int, block: int, min_rows: int, align: int = 1) -> Decision:
+    def decide(self, n: int, m_ram: int, m_disk: int, block: int, min_rows: int) -> Decision:
         """How many of the m_disk rows a snapshot matches to load for an n-row prompt. m_ram and
-        m_disk are reuse points the engine already aligned; split candidates are multiples of
-        `align` too (the engine's alignment unit), so every row after them is recomputed in the
-        chunks a cold run uses and its cost is what is predicted."""
+        m_disk are reuse points the engine already aligned to the prefill chunk; split candidates
+        are multiples of the chunk too (and of the block), so every row after them is recomputed
+        in the chunks a cold run uses and its cost is what is predicted."""
         with self._lock:
             bw, tps = self.read_bps, self.prefill_tps
         if not bw or not tps:
@@ -139,7 +139,7 @@ class CostGate:
             comp = self.cost_ms(0, n, m_ram, bw, tps)
             best, best_ms = (m_disk, full) if full < comp else (m_ram, comp)
             if self.mode == SPLIT:  # any aligned block boundary is a candidate (whole blocks are read)
-                step = math.lcm(block, align)
+                step = math.lcm(block, self.chunk)
                 for k in range(max(min_rows, m_ram + 1), m_disk, step):
                     k = k // step * step
                     if k > m_ram and (ms := self.cost_ms(k, n, m_ram, bw, tps)) < best_ms:

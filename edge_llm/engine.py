@@ -142,8 +142,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.cache = cache
         self.store = store
-        self.prefill_chunk = prefill_chunk
-        self.align = model.chunk_size(prefill_chunk)  # the alignment unit (module docstring)
+        self.align = model.chunk_size(prefill_chunk)  # the chunk, and the alignment unit (module docstring)
         self.vision = vision
         self.restore_mode = restore_mode
         self.gate = gate or CostGate(cache.geometry.kv_bytes_per_token, restore_mode, self.align)
@@ -200,7 +199,7 @@ class Engine:
             m_disk = self._aligned(plan, raw_disk, hit.entry.spans)
             hit = Hit(hit.entry, m_disk) if m_disk >= self.store.min_lcp else None
         if hit is not None and hit.m > m_ram:
-            d = self.gate.decide(plan.n, m_ram, hit.m, self.cache.kv_bs, self.store.min_lcp, self.align)
+            d = self.gate.decide(plan.n, m_ram, hit.m, self.cache.kv_bs, self.store.min_lcp)
             k = self._aligned(plan, d.load_rows, hit.entry.spans)
             t.restore_mode, t.gate, t.gate_predicted_ms = self.restore_mode, d.action, d.predicted_ms
             t.gate_restore_ms, t.gate_recompute_ms = d.restore_ms, d.recompute_ms
@@ -258,7 +257,7 @@ class Engine:
             self.cache.add_spans([s for s in plan.spans if s.start >= m])
         pos = plan.positions_for(m, n)
         if n - 1 > m:
-            self.model.prefill(keys[m:n - 1], self.cache, chunk=self.prefill_chunk, work=work,
+            self.model.prefill(keys[m:n - 1], self.cache, chunk=self.align, work=work,
                                positions=None if pos is None else pos[:, :-1],
                                visual=None if vis is None else vis.slice(0, n - 1 - m), logits=False)
         logits = self.model.forward(keys[n - 1:], self.cache, work=work,

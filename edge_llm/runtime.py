@@ -70,13 +70,14 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
     tokenizer = Tokenizer.from_dir(model_dir)
     say("allocating the KV cache")
     cache = KVCache(model.args.geometry, max_seq=s.max_seq, kv_bs=s.kv_bs)
+    chunk = model.chunk_size(s.prefill_chunk)  # the chunk rows are batched in: identity, gate, engine
     store = None
     if s.disk_kv is not None:
         from edge_llm.snapshot.identity import Identity
         from edge_llm.snapshot.store import SnapshotStore
 
         identity = Identity.for_model(model_dir, model.args, model.backend.numerics, progress=say,
-                                      prefill_chunk=model.chunk_size(s.prefill_chunk))
+                                      prefill_chunk=chunk)
         say("scanning snapshots")
         store = SnapshotStore(
             Path(s.disk_kv), identity, model.args.geometry,
@@ -89,7 +90,7 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
     if store is not None:  # estimates persist per namespace: same disk, same backend numerics
         from edge_llm.costgate import GATE_FILE, CostGate
 
-        gate = CostGate(cache.geometry.kv_bytes_per_token, s.disk_kv_restore, s.prefill_chunk,
+        gate = CostGate(cache.geometry.kv_bytes_per_token, s.disk_kv_restore, chunk,
                         state_file=store.ns / GATE_FILE)
     engine = Engine(model, tokenizer, cache, store=store, prefill_chunk=s.prefill_chunk,
                     model_dir=model_dir, vision=vision, restore_mode=s.disk_kv_restore, gate=gate)

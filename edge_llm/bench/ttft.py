@@ -67,7 +67,7 @@ class ForcedGate(CostGate):
     def observe_prefill(self, rows: int, seconds: float) -> None:
         self.live.observe_prefill(rows, seconds)
 
-    def decide(self, n: int, m_ram: int, m_disk: int, block: int, min_rows: int, align: int = 1) -> Decision:
+    def decide(self, n: int, m_ram: int, m_disk: int, block: int, min_rows: int) -> Decision:
         k = m_disk if self.load is None else min(self.load, m_disk)
         action = "recompute" if k <= m_ram else ("restore" if k == m_disk else "split")
         return Decision(action, k if k > m_ram else 0, n - max(k, m_ram), 0.0, 0.0, 0.0)
@@ -121,8 +121,8 @@ def run_model(model_dir: Path, label: str, disks: list[Disk], contexts: list[int
     for s in stores:
         s.scan()
     prompts = {n: prompt_ids(model.args.vocab_size, n, tail, seed) for n in contexts}
-    backend = CostGate(g.kv_bytes_per_token, PIPELINED, DEFAULTS.prefill_chunk)
     compute = Runner(model, tokenizer, cache, None)
+    backend = CostGate(g.kv_bytes_per_token, PIPELINED, compute.engine.align)
     recompute = {}
     step(f"{label}: warm-up prefill")
     compute.run(prompt_ids(model.args.vocab_size, 64, 0, seed + 1), ForcedGate(CostGate(g.kv_bytes_per_token), 0),
@@ -148,7 +148,7 @@ def run_model(model_dir: Path, label: str, disks: list[Disk], contexts: list[int
 def _disk_rows(runner: Runner, disk: Disk, label: str, bytes_per_token: int, prefill_tps: float | None,
                prompts: dict[int, list[int]], recompute: dict[int, dict], tail: int, repeats: int, kv_bs: int,
                step: Callable[[str], None]) -> list[dict]:
-    live = CostGate(bytes_per_token, PIPELINED, DEFAULTS.prefill_chunk, prefill_tps=prefill_tps)
+    live = CostGate(bytes_per_token, PIPELINED, runner.engine.align, prefill_tps=prefill_tps)
     first = min(prompts)
     step(f"{label}, {disk.label}: warm-up restore (the gate's read bandwidth)")
     runner.run(prompts[first], ForcedGate(live, None), PIPELINED)
@@ -156,10 +156,9 @@ def _disk_rows(runner: Runner, disk: Disk, label: str, bytes_per_token: int, pre
     for n, prompt in prompts.items():
         min_lcp = runner.store.min_lcp
         est = {"est_read_mb_s": (live.read_bps or 0) / MB, "est_prefill_rows_s": live.prefill_tps or 0.0}
-        align = runner.engine.align
-        gate = live.decide(len(prompt), 0, n, kv_bs, min_lcp, align)
-        split_gate = CostGate(bytes_per_token, SPLIT, align, read_bps=live.read_bps,
-                              prefill_tps=live.prefill_tps).decide(len(prompt), 0, n, kv_bs, min_lcp, align)
+        gate = live.decide(len(prompt), 0, n, kv_bs, min_lcp)
+        split_gate = CostGate(bytes_per_token, SPLIT, live.chunk, read_bps=live.read_bps,
+                              prefill_tps=live.prefill_tps).decide(len(prompt), 0, n, kv_bs, min_lcp)
         runs: dict[str, list[dict]] = {SEQUENTIAL: [], PIPELINED: [], SPLIT: [], RECOMPUTE: []}
         logits: dict[str, list[np.ndarray]] = {SEQUENTIAL: [], PIPELINED: []}
         # a close call is measured as carefully as the restores, in the same rotation; a recompute
