@@ -1,9 +1,18 @@
 """What restore == recompute costs and where it ends (docs/store.md, "Restore and recompute").
 
+    python tools/bench_alignment.py rows   --model DIR [--backend cpu|cpu-q]
+    python tools/bench_alignment.py reuse  --model DIR [--backend cpu|cpu-q]
     python tools/bench_alignment.py chunks --model DIR [--backend cpu|cpu-q] [--rows 2048] [--chunks 32,64,128]
     python tools/bench_alignment.py align  --model DIR [--backend cpu|cpu-q] [--contexts 2048,8192]
     python tools/bench_alignment.py decode --model DIR [--backend cpu|cpu-q] [--tokens 64]
 
+rows:   why the rule is needed, on the real weights: layer 0's qkv of the first rows of a
+        200-row batch, computed in batches of 1..128 rows, bitwise equal to the rows inside the
+        200-row batch or not (numpy's BLAS for cpu, MatMulNBits for cpu-q); and attention of
+        rows [100, 200) computed as one chunk from row 0 or as a chunk that starts at row 100.
+        Run it again under OPENBLAS_CORETYPE=Haswell, or `qemu-x86_64-static -cpu Haswell`.
+reuse:  a reused prefix of m unaligned rows + the tail vs a cold prefill, with the rule and
+        without it (the prefix not cut back): bitwise or the largest logit difference.
 chunks: prefill rows/s of --rows random tokens per chunk size: the alignment unit is the chunk,
         so this is what a smaller unit costs every prefill.
 align:  the rows a reused prefix gives up so that the tail is batched as in a cold run are
@@ -21,14 +30,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 from threadpoolctl import threadpool_info
 
+from edge_llm.bench.restore import fill_random
 from edge_llm.engine import GenerationRequest
 from edge_llm.runtime import load_runtime
 from edge_llm.settings import Settings
@@ -40,14 +48,9 @@ def blas() -> str:
 
 
 def isa() -> str:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.machine()
-    for name in ("avx512f", "avx2", "asimddp", "asimd"):
-        if f" {name}" in flags:
-            return f"{platform.machine()}-{name}"
-    return platform.machine()
+    from edge_llm.backends.cpuq import kernel_isa  # the CPU features that pick the kernels
+
+    return kernel_isa()
 
 
 def align(a) -> None:
@@ -60,11 +63,7 @@ def align(a) -> None:
         times = []
         for _ in range(a.repeats):
             cache.truncate(0)
-            for layer in range(cache.geometry.n_layers):
-                for kv in (0, 1):
-                    rows = cache.rows(layer, kv, 0, c)
-                    rows[...] = rng.standard_normal(rows.shape, dtype=np.float32)
-            cache.set_tokens(ids[:c])
+            fill_random(cache, c, rng)
             t0 = time.perf_counter()
             model.prefill(ids[c:c + r], cache, chunk=chunk, logits=False)
             times.append(time.perf_counter() - t0)
@@ -77,6 +76,61 @@ def align(a) -> None:
             print(json.dumps({"what": "align", "model": eng.model_dir.name, "backend": a.backend, "context": c,
                               "chunk": chunk, "rows": r, "ms": round(ms, 1), "chunk_ms": round(full * 1e3, 1),
                               "blas": blas(), "isa": isa()}), flush=True)
+
+
+def rows(a) -> None:
+    from edge_llm.models.qwen3 import attention
+
+    eng = load_runtime(Settings(model=a.model, backend=a.backend, disk_kv=None, max_seq=256))
+    be, args = eng.model.backend, eng.model.args
+    ids = np.random.default_rng(0).integers(100, min(args.vocab_size, 20000), size=200)
+    x = np.ascontiguousarray(be.embed(ids), dtype=np.float32)
+    ref = np.concatenate(be.qkv(0, x), axis=1)
+    differ = []
+    for m in (1, 2, 3, 4, 8, 9, 16, 32, 64, 128):
+        got = np.concatenate(be.qkv(0, np.ascontiguousarray(x[:m])), axis=1)
+        if not np.array_equal(got.view(np.uint32), ref[:m].view(np.uint32)):
+            differ.append([m, float(np.abs(got - ref[:m]).max())])
+    # attention of queries [100, 200): in one chunk from row 0, or in a chunk that starts at row 100
+    H, n_kv, D = args.num_attention_heads, args.num_key_value_heads, args.head_dim
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((200, H, D), dtype=np.float32)
+    k, v = (rng.standard_normal((200, n_kv * D), dtype=np.float32) for _ in range(2))
+    whole = attention(q, k, v, 0, n_kv)[100:]
+    tail = attention(np.ascontiguousarray(q[100:]), k, v, 100, n_kv)
+    print(json.dumps({"what": "rows", "model": eng.model_dir.name, "backend": a.backend,
+                      "qkv_batches_differing_from_200": differ,
+                      "attention_tail_chunk_bitwise": bool(np.array_equal(whole.view(np.uint32), tail.view(np.uint32))),
+                      "attention_max_abs": float(np.abs(whole - tail).max()), "blas": blas(), "isa": isa()}),
+          flush=True)
+
+
+def reuse(a) -> None:
+    """The rule's effect, in one process on the real model: the first m rows of a 300-token
+    prompt in the cache, then the whole prompt; against a cold prefill of it. With the rule (the
+    engine as it is) and without it (the reused prefix not cut back: `Engine._aligned` replaced
+    for this measurement only), for unaligned m."""
+    from edge_llm.engine import Engine
+
+    eng = load_runtime(Settings(model=a.model, backend=a.backend, disk_kv=None, max_seq=512))
+    ids = eng.tokenizer.encode(" ".join(f"Line {i}: the crate labelled {i * 11 % 97} holds {i * 7 % 13} green "
+                                        "pears." for i in range(80)))[:300]
+    eng.cache.reset()
+    cold = eng.prefill_prompt(ids)[0].copy()
+    keep = Engine._aligned
+    for rule in (True, False):
+        if not rule:
+            Engine._aligned = lambda self, plan, m, spans, ram=False: m  # noqa: E731
+        for m in (37, 161, 250):
+            eng.cache.reset()
+            eng.prefill_prompt(ids[:m])
+            got, t = eng.prefill_prompt(ids)
+            print(json.dumps({"what": "reuse", "model": eng.model_dir.name, "backend": a.backend, "rule": rule,
+                              "m": m, "reused": t.ram_cached_tokens, "chunk": eng.align,
+                              "bitwise": bool(np.array_equal(got.view(np.uint32), cold.view(np.uint32))),
+                              "max_abs_logit_diff": float(np.abs(got - cold).max()), "blas": blas(),
+                              "isa": isa()}), flush=True)
+    Engine._aligned = keep
 
 
 def chunks(a) -> None:
@@ -132,7 +186,7 @@ def decode(a) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["chunks", "align", "decode"])
+    ap.add_argument("what", choices=["rows", "reuse", "chunks", "align", "decode"])
     ap.add_argument("--model", default="default")
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--contexts", type=lambda v: [int(x) for x in v.split(",")], default=[2048, 8192])
@@ -142,7 +196,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=200, help="decode: turn 1's prompt tokens")
     a = ap.parse_args()
-    {"chunks": chunks, "align": align, "decode": decode}[a.what](a)
+    {"rows": rows, "reuse": reuse, "chunks": chunks, "align": align, "decode": decode}[a.what](a)
     return 0
 
 
