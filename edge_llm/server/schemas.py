@@ -144,7 +144,7 @@ def _off(v: object) -> bool:
 # Fields that change no output (`user`, `store`, `metadata`, `service_tier`, image `detail`) are
 # accepted; fields OpenAI does not define are ignored. (docs/api.md, "Fields not honoured")
 _SAMPLING_NOT_HONOURED = {"logit_bias": _off, "presence_penalty": _off, "frequency_penalty": _off}
-NOT_HONOURED: dict[str, dict[str, object]] = {
+NOT_HONOURED: dict[str, dict[str, Callable[[object], bool]]] = {
     "completion": {**_SAMPLING_NOT_HONOURED, "echo": _off, "logprobs": lambda v: v is None, "suffix": _off,
                    "best_of": lambda v: v in (None, 1)},
     "chat": {**_SAMPLING_NOT_HONOURED, "logprobs": _off, "top_logprobs": _off, "tools": _off,
