@@ -121,7 +121,7 @@ def reuse(a) -> None:
     for rule in (True, False):
         if not rule:
             Engine._aligned = lambda self, plan, m, spans, ram=False: m  # noqa: E731
-        for m in (37, 161, 250):
+        for m in a.ms:
             eng.cache.reset()
             eng.prefill_prompt(ids[:m])
             got, t = eng.prefill_prompt(ids)
@@ -192,6 +192,8 @@ def main() -> int:
     ap.add_argument("--contexts", type=lambda v: [int(x) for x in v.split(",")], default=[2048, 8192])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rows", type=int, default=2048, help="chunks: prompt rows")
+    ap.add_argument("--ms", type=lambda v: [int(x) for x in v.split(",")], default=[37, 161, 250],
+                    help="reuse: rows in the cache before the whole prompt")
     ap.add_argument("--chunks", type=lambda v: [int(x) for x in v.split(",")], default=[32, 64, 128])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=200, help="decode: turn 1's prompt tokens")
