@@ -331,19 +331,19 @@ def test_restore_is_a_cold_run_on_aarch64(board):
     b, work = board, "/root/restore-cold"
     tok = Tokenizer.from_dir(b.path(MODEL))
     ids = tok.encode(" ".join(f"Line {i}: crate {i * 11 % 97} holds {i * 7 % 13} pears." for i in range(40)))[:150]
-    b.write(f"{work}/prompt.json", json.dumps(ids))
+    b.write(f"{work}/prompt.json", json.dumps({"prompt": ids}))
 
     def run(mode: str, m: int = 0) -> dict | None:
         out = f"{work}/{mode}{m}.npz"
-        b.run([f"{VENV}/python", f"{b.CHECKOUT}/tests/helpers/restore_cold.py", "--model", MODEL, "--mode", mode,
-               "--prompt", f"{work}/prompt.json", "--chunk", "32", "--m", str(m), "--kv-dir", f"{work}/kv{m}",
-               "--out", out, "--steps", "4"], timeout=900)
+        b.run([f"{VENV}/python", f"{b.CHECKOUT}/tests/helpers/engine_session.py", "--model", MODEL, "--mode", mode,
+               "--x", "whole", "--state", f"{work}/prompt.json", "--chunk", "32", "--m", str(m),
+               "--kv-dir", f"{work}/kv{m}", "--out", out, "--steps", "4"], timeout=900)
         return None if mode == "save" else dict(np.load(b.path(out)))
 
-    cold = run("cold")
+    cold = run("oneshot")
     for m in (45, 100):
         run("save", m)
-        got = run("restore", m)
+        got = run("restored", m)
         assert str(got["source"]) == "disk" and int(got["disk"]) == m // 32 * 32 and int(got["align"]) == m % 32
         assert np.array_equal(got["logits"].view(np.uint32), cold["logits"].view(np.uint32)), m
         assert got["tokens"].tolist() == cold["tokens"].tolist(), m

@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-HELPER = Path(__file__).parent / "helpers" / "restore_cold.py"
+HELPER = Path(__file__).parent / "helpers" / "engine_session.py"
 N = 300
+MODES = {"save": "save", "restore": "restored", "cold": "oneshot"}  # this test's words -> the helper's
 
 
 def avx512() -> bool:
@@ -31,10 +32,9 @@ def avx512() -> bool:
 
 def session(model, mode, prompt_file, out=None, kv=None, m=0, backend="cpu", chunk=None, env=None, rknn_dir=None,
             runner="auto"):
-    cmd = [sys.executable, str(HELPER), "--model", str(model), "--mode", mode, "--prompt", str(prompt_file),
-           "--backend", backend, "--m", str(m)]
-    cmd += ["--kv-dir", str(kv)] if kv else []
-    cmd += ["--out", str(out)] if out else []
+    cmd = [sys.executable, str(HELPER), "--model", str(model), "--mode", MODES[mode], "--x", "whole",
+           "--state", str(prompt_file), "--backend", backend, "--m", str(m), "--kv-dir", str(kv or prompt_file.parent),
+           "--out", str(out or prompt_file.parent / "unused.npz")]
     cmd += ["--chunk", str(chunk)] if chunk else []
     cmd += ["--rknn-dir", str(rknn_dir), "--rknn-runner", runner] if rknn_dir else []
     full = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **(env or {})}
@@ -49,17 +49,17 @@ def prompt_file(model_dir, path: Path, n: int = N) -> Path:
     text = " ".join(f"Line {i}: the crate labelled {i * 11 % 97} holds {i * 7 % 13} green pears." for i in range(80))
     ids = Tokenizer.from_dir(model_dir).encode(text)[:n]
     assert len(ids) == n
-    path.write_text(json.dumps(ids))
+    path.write_text(json.dumps({"prompt": ids}))
     return path
 
 
 def check_restores(model, tmp, ms, backend="cpu", chunk=None, env=None, n=N, **kw) -> list[dict]:
     """Cold once, then save m rows + restore the whole n-token prompt in new processes, for each m."""
     prompt = prompt_file(model, tmp / "prompt.json", n)
-    n = len(json.loads(prompt.read_text()))
+    n = len(json.loads(prompt.read_text())["prompt"])
     cold = session(model, "cold", prompt, tmp / "cold.npz", backend=backend, chunk=chunk, env=env, **kw)
     align = int(cold["chunk"])
-    assert str(cold["source"]) == "none" and int(cold["prefill"]) == n
+    assert str(cold["source"]) == "none" and int(cold["prefill_tokens"]) == n
     rows = []
     for m in ms:
         assert m % align, f"m={m} is aligned: not the case under test"
@@ -69,7 +69,7 @@ def check_restores(model, tmp, ms, backend="cpu", chunk=None, env=None, n=N, **k
                       env=env, **kw)
         k = m // align * align
         assert str(got["source"]) == "disk" and int(got["disk"]) == k, (m, got["source"], got["disk"])
-        assert int(got["align"]) == m - k and int(got["prefill"]) == n - k
+        assert int(got["align"]) == m - k and int(got["prefill_tokens"]) == n - k
         assert np.array_equal(got["logits"].view(np.uint32), cold["logits"].view(np.uint32)), \
             f"m={m}: max |dlogit| {np.abs(got['logits'] - cold['logits']).max():.3g}"
         assert got["tokens"].tolist() == cold["tokens"].tolist(), m
