@@ -57,7 +57,7 @@ def restore_rows(s, tokens, m=None):
     hit = s.lookup(list(tokens) + [0])
     assert hit is not None, "no hit"
     if m is not None:
-        from edge_llm.snapshot.index import Hit
+        from edge_llm.snapshot.entries import Hit
 
         hit = Hit(hit.entry, m)
     dst = KVCache(G, max_seq=400, kv_bs=KV_BS, check_memory=False)
@@ -184,16 +184,16 @@ def test_delta_is_not_published_without_its_base(tmp_path, monkeypatch):
     s = new_store(tmp_path)
     save(s, cache_for(conv(40)))
     base = s.entries()[0]
-    from edge_llm.snapshot import saving as saving_mod
+    from edge_llm.snapshot import saver as saver_mod
 
-    real = saving_mod.publish_file
+    real = saver_mod.publish_file
 
     def racing(*a, **kw):
         out = real(*a, **kw)
         s.catalog.drop_quarantined(s.catalog.index[base.name], "block-crc: simulated")
         return out
 
-    monkeypatch.setattr(saving_mod, "publish_file", racing)
+    monkeypatch.setattr(saver_mod, "publish_file", racing)
     save(s, cache_for(conv(80)))
     assert s.stats()["files"] == 0 and not list(s.ns.glob("kv_*.kv"))
     s.close()

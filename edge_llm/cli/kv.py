@@ -22,7 +22,8 @@ from edge_llm.settings import DEFAULTS
 from edge_llm.snapshot import chains
 from edge_llm.snapshot import format as fmt
 from edge_llm.snapshot.identity import read_identity
-from edge_llm.snapshot.index import QUARANTINE, Entry, IOStats
+from edge_llm.snapshot.catalog import QUARANTINE, IOStats
+from edge_llm.snapshot.entries import Entry
 from edge_llm.snapshot.inspect import describe as inspect_file
 from edge_llm.snapshot.store import read_entry
 from edge_llm.snapshot.writer import TMP_SUFFIX, fsync_dir
