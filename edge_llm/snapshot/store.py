@@ -34,7 +34,7 @@ from edge_llm.snapshot.identity import Identity, ensure_namespace
 from edge_llm.snapshot.chain_read import READ_MAX_TOKENS, ChainRead, ChainReadError
 from edge_llm.snapshot.entries import Entry, Hit, lcp
 from edge_llm.snapshot.saver import Saver
-from edge_llm.snapshot.writer import TMP_SUFFIX, Modes, orphaned_temp, write_atomic
+from edge_llm.snapshot.writer import TMP_SUFFIX, Modes, orphaned_temp
 
 log = logging.getLogger("edge_llm.kvdisk")
 
@@ -204,14 +204,6 @@ class SnapshotStore:
     def compact(self, tip: Entry, should_stop: Callable[[], bool] = lambda: False) -> bool:
         """Rewrite a chain's tip as one full file (`Saver.compact`)."""
         return self.saver.compact(tip, should_stop)
-
-    def write_meta(self, name: str, data: bytes) -> None:
-        """A small namespace file (e.g. the cost gate's gate.json), atomically, with the
-        snapshots' file modes. Best effort: a failure is logged, never raised."""
-        try:
-            write_atomic(self.ns / name, data, self.modes)
-        except OSError as e:
-            log.warning("could not write %s: %s", self.ns / name, e)
 
     def close(self, timeout: float | None = None) -> bool:
         """Finish the pending save and stop the writer thread."""

@@ -4,7 +4,7 @@ The request path only enqueues (`submit`): the KV payload is never copied, the w
 it from the cache's rows through the job's `RowLease`, layer by layer, and reports each finished
 layer on the lease. The lease (taken when the job is queued, released when it ends or is
 superseded) is what makes a following request wait before overwriting rows the save still needs:
-the rules live in `edge_llm/kvcache.py`.
+the rules live in `edge_llm/kvcache/cache.py`.
 """
 
 from __future__ import annotations
@@ -70,6 +70,22 @@ class Modes:
                 if p != path:
                     continue
             os.chmod(p, self.dir)  # mkdir's mode is filtered by the umask; chmod is not
+
+    def too_open(self, kv_dir: Path) -> tuple[list[str], int]:
+        """The rule `edge-llm doctor` checks: under a kv dir nothing may be readable by others,
+        and a snapshot by the group only where `group_read` allows it. Returns ("path (mode)" of
+        each offender, paths checked)."""
+        bad, n = [], 0
+        for q in [kv_dir, *sorted(kv_dir.glob("*")), *sorted(kv_dir.glob("*/*")),
+                  *sorted(kv_dir.glob("*/quarantine/*"))]:
+            try:
+                mode = q.stat().st_mode & 0o777
+            except OSError:
+                continue
+            n += 1
+            if mode & 0o007 or (mode & 0o070 and not self.group_read and q.name.startswith("kv_")):
+                bad.append(f"{q} ({mode:o})")
+        return bad, n
 
     def open_new(self, path: Path) -> BinaryIO:
         """A new file (never clobbering), buffered, with the file mode."""
