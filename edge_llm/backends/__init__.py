@@ -5,9 +5,15 @@ The model owns everything that touches KV rows or positions (qk-norm, RoPE, atte
 F32 cache) and sampling. All arrays crossing the seam are float32, C-contiguous, rows = tokens.
 
 A layer is two calls: `qkv` (input RMSNorm + fused projections) and `post` (o_proj, residual,
-post-attention RMSNorm, SwiGLU MLP, residual). The CPU backend runs `post` as its two steps
-`attn_out` + `mlp`; a graph backend (`graph.py`: onnxruntime, the rknn simulator, the NPU) runs
-it as one fused graph that returns the two deltas and adds them to the F32 residual stream.
+post-attention RMSNorm, SwiGLU MLP, residual), which returns the new residual stream h and, when
+the backend computed it in the same call, the next layer's q/k/v of that h (else None: the model
+then calls `qkv`). The CPU backend runs `post` as its two steps `attn_out` + `mlp` and never
+fuses. A graph backend (`graph.py`: onnxruntime, the rknn simulator, the NPU) runs it as one
+graph: a `post` graph returns the two deltas, which it adds to the F32 residual stream; cpu-q's
+fused `step` graph returns h itself (added in F32 inside the graph) and, for most layers, the
+next layer's qkv of it. Fusion is asked for, never inferred: the model passes `fuse_next=False`
+when it will change h before the next layer (Qwen3-VL's DeepStack adds image features to image
+rows), and the backend then returns None. Nothing is kept between calls.
 
 A static-shape backend (an NPU running precompiled graphs) reports the chunk sizes it was built
 for in `chunk_sizes`; the model prefills in one of those sizes and the backend pads a shorter
@@ -34,6 +40,9 @@ from edge_llm.errors import ConfigError
 from edge_llm.weights import Weights
 
 
+QKVArrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # q (T, q_dim), k, v (T, kv_dim) of one layer
+
+
 class RowStep(Protocol):
     def __call__(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                  past: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -56,12 +65,15 @@ class Backend(Protocol):
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """(T,) token ids -> (T, hidden) embeddings."""
 
-    def qkv(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def qkv(self, layer: int, x: np.ndarray) -> QKVArrays:
         """input RMSNorm + q/k/v projections (+bias): (T, hidden) -> q (T, q_dim), k, v (T, kv_dim)."""
 
-    def post(self, layer: int, attn: np.ndarray, x: np.ndarray) -> np.ndarray:
+    def post(self, layer: int, attn: np.ndarray, x: np.ndarray,
+             fuse_next: bool = True) -> tuple[np.ndarray, QKVArrays | None]:
         """The rest of the layer: h = x + attn @ Wo; h + MLP(RMSNorm(h)). attn (T, q_dim),
-        x (T, hidden) -> (T, hidden). The residual additions happen in float32."""
+        x (T, hidden) -> (h (T, hidden), next); the residual additions happen in float32. next is
+        layer + 1's (q, k, v) of this h when this call computed them (a fused graph), else None.
+        `fuse_next=False`: the caller changes h before layer + 1, so next must be None."""
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """Final RMSNorm + lm_head: (T, hidden) -> (T, vocab)."""

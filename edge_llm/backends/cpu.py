@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edge_llm.backends import QKVArrays
 from edge_llm.config import ModelArgs
 from edge_llm.weights import Weights
 
@@ -118,7 +119,7 @@ class CPUBackend:
             y += L.b_qkv
         return y
 
-    def qkv(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def qkv(self, layer: int, x: np.ndarray) -> QKVArrays:
         y = self.qkv_fused(layer, x)
         q, kv = self.q_dim, self.kv_dim
         return y[:, :q], y[:, q:q + kv], y[:, q + kv:]
@@ -128,8 +129,9 @@ class CPUBackend:
         out += x
         return out
 
-    def post(self, layer: int, attn: np.ndarray, x: np.ndarray) -> np.ndarray:
-        return self.mlp(layer, self.attn_out(layer, attn, x))
+    def post(self, layer: int, attn: np.ndarray, x: np.ndarray, fuse_next: bool = True) -> tuple[np.ndarray, None]:
+        # never fused: qkv is a separate sgemm either way, so fusing would save no call
+        return self.mlp(layer, self.attn_out(layer, attn, x)), None
 
     def post_deltas(self, layer: int, attn: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """What the `post` graph computes: (attn @ Wo, MLP(RMSNorm(x + attn @ Wo)))."""

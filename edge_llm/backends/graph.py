@@ -2,7 +2,9 @@
 
 The same orchestration for every runner (onnxruntime F32, rknn simulator fp16, NPU fp16):
 embedding lookup on the CPU (table kept in the runner's activation dtype and widened per row),
-`qkv` and `post` graphs per layer, the head graph(s) per row, residual additions in float32.
+`qkv` and `post` graphs per layer (or cpu-q's fused `step` graphs: `post` of layer l and, when
+built so, layer l+1's qkv in one call, returned by `post` unless the caller says it will change h
+first), the head graph(s) per row, residual additions in float32. Stateless between calls.
 Row counts are mapped onto the graphs' static shapes in `_call` through `graphs.row_plan`:
 padding rows are zeros and are dropped from the outputs; rows never mix inside a graph, so a
 real row's result does not depend on the padding (tests/test_graph_backend.py checks it).
@@ -15,8 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from edge_llm.backends import RowStep
-from edge_llm.backends.graphs import HEAD, POST, QKV, STEP, GraphSpec, row_plan
+from edge_llm.backends import QKVArrays, RowStep
+from edge_llm.backends.graphs import HEAD, POST, QKV, STEP, GraphSpec, layer_name, row_plan
 from edge_llm.backends.runners import GraphRunner
 from edge_llm.config import ModelArgs
 from edge_llm.errors import ConfigError
@@ -43,7 +45,6 @@ class GraphBackend:
         self.specs = list(specs)
         self.qkv_g = {s.index: s for s in specs if s.kind == QKV}
         self.post_g = {s.index: s for s in specs if s.kind in (POST, STEP)}
-        self._next: tuple[int, np.ndarray, np.ndarray] | None = None  # (layer, h, qkv)
         self.head_g = sorted((s for s in specs if s.kind == HEAD), key=lambda s: s.vocab)
         self.chunk_sizes: tuple[int, ...] = self.qkv_g[0].rows if self.qkv_g else ()
         self.calls: dict[tuple[str, int], int] = {}  # (graph, rows) -> count, for benchmarks
@@ -78,27 +79,30 @@ class GraphBackend:
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         return self.table[tokens].astype(np.float32, copy=False)  # rows of a mapped table are fresh F32
 
-    def qkv(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if layer in self.qkv_g:
-            (y,) = self._call(self.qkv_g[layer], [x])
-        else:  # fused: the previous step computed it from this very array
-            if self._next is None or self._next[0] != layer or self._next[1] is not x:
-                raise RuntimeError(f"fused graphs: qkv({layer}) must follow post({layer - 1}) on its output")
-            y = self._next[2]
-            self._next = None
-        q, kv = self.q_dim, self.kv_dim
-        return y[:, :q], y[:, q:q + kv], y[:, q + kv:]
+    def qkv(self, layer: int, x: np.ndarray) -> QKVArrays:
+        spec = self.qkv_g.get(layer)
+        if spec is None:  # load() checked that step layer-1 computes it: only post(fuse_next=True) has it
+            raise ConfigError(f"layer {layer}'s qkv is computed only inside {layer_name(layer - 1, STEP)}; a "
+                              "caller that changes h between the two layers (DeepStack image rows) needs graphs "
+                              "with a qkv graph of its own there (graph_specs(unfused=N)): rebuild them")
+        (y,) = self._call(spec, [x])
+        return self._split(y)
 
-    def post(self, layer: int, attn: np.ndarray, x: np.ndarray) -> np.ndarray:
+    def post(self, layer: int, attn: np.ndarray, x: np.ndarray,
+             fuse_next: bool = True) -> tuple[np.ndarray, QKVArrays | None]:
         spec = self.post_g[layer]
         if spec.kind == STEP:  # h = x + attn_out + mlp_out in the graph (float32 there too)
             outs = self._call(spec, [attn, x])
-            self._next = (layer + 1, outs[0], outs[1]) if len(outs) > 1 else None
-            return outs[0]
+            # a step with a qkv output computes it whether or not the caller will use it
+            return outs[0], (self._split(outs[1]) if fuse_next and len(outs) > 1 else None)
         o, m = self._call(spec, [attn, x])
         out = x + o  # the residual stream stays float32: (x + o) + m, as the CPU backend adds
         out += m
-        return out
+        return out, None
+
+    def _split(self, y: np.ndarray) -> QKVArrays:
+        q, kv = self.q_dim, self.kv_dim
+        return y[:, :q], y[:, q:q + kv], y[:, q + kv:]
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         parts = [self._call(spec, [x])[0] for spec in self.head_g]

@@ -19,9 +19,13 @@ The quantized CPU backend adds one graph for one-row steps (decode_export.py):
 - `decode`:       x (1, hidden), cos, sin (1, head_dim/2), kLL, vLL (S, kv_dim) per layer ->
                   logits (1, vocab), knewLL, vnewLL (1, kv_dim) per layer (`decode_kv_names`)
 
-The graphs return deltas, not the new residual stream: the caller adds them in float32
-(`x + attn_out + mlp_out`, in that order, as the CPU backend does), so on an fp16 NPU the
-stream is not rounded to fp16 at every layer.
+A `post` graph returns deltas, not the new residual stream: `GraphBackend.post` adds them in
+float32 (`x + attn_out + mlp_out`, in that order, as the CPU backend does), so on an fp16 NPU the
+stream is not rounded to fp16 at every layer. A `step` graph (F32 only) returns h itself, added in
+that order inside the graph, and layer LL+1's qkv of that h; `GraphBackend.post` hands the qkv to
+the model only when the model says it will not change h first (`fuse_next`). Qwen3-VL changes h
+after its first N layers (DeepStack), so its steps there stop at h and the next layer's qkv is a
+graph of its own (`graph_specs(unfused=N)`).
 
 NPU graphs are static-shape: layer graphs are built for the row counts `chunks` (default 1, 32,
 128), the head for 1 row. `row_plan` is the one place that maps T rows onto those shapes.
@@ -117,8 +121,9 @@ def graph_specs(args: ModelArgs, chunks: tuple[int, ...] | None = DEFAULT_CHUNKS
                 head_split: int = 1, fused: bool = False, unfused: int = 0) -> list[GraphSpec]:
     """Every graph of a model in execution order: qkv/post per layer (or qkv + fused steps),
     then the head part(s). `chunks=None`: dynamic row counts. `unfused`: the first N layers'
-    steps leave the next qkv to a graph of its own, because the decoder changes h after them
-    (Qwen3-VL adds DeepStack image rows after layers 0..N-1)."""
+    steps leave the next qkv to a graph of its own, because the decoder may change h after them
+    (Qwen3-VL adds DeepStack image rows after layers 0..N-1, and then calls post with
+    fuse_next=False and qkv for the next layer: that qkv needs a graph)."""
     chunks = () if chunks is None else check_chunks(chunks)
     head_rows = HEAD_ROWS if chunks else ()
     n = args.num_hidden_layers if layers is None else layers

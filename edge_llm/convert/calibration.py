@@ -66,9 +66,9 @@ class _Recorder:
         self._keep(layer_name(layer, QKV), x)
         return self.cpu.qkv(layer, x)
 
-    def post(self, layer: int, attn: np.ndarray, x: np.ndarray) -> np.ndarray:
+    def post(self, layer: int, attn: np.ndarray, x: np.ndarray, fuse_next: bool = True):
         self._keep(layer_name(layer, POST), attn, x)
-        return self.cpu.post(layer, attn, x)
+        return self.cpu.post(layer, attn, x, fuse_next)
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         self._keep(HEAD, x)

@@ -199,8 +199,9 @@ class Model:
         if visual is not None:
             x = np.array(x, dtype=np.float32)  # own the buffer before writing image rows into it
             x[visual.rows] = visual.embeds
+        fused = None  # this layer's q/k/v if the previous post computed them (a fused graph)
         for layer in range(args.num_hidden_layers):
-            q, k, v = be.qkv(layer, x)
+            q, k, v = fused if fused is not None else be.qkv(layer, x)
             q = q.reshape(T, H, D)
             k = k.reshape(T, n_kv, D)
             if args.qk_norm:
@@ -211,8 +212,10 @@ class Model:
             cache.write(layer, start, apply_rope(k, cos, sin).reshape(T, n_kv * D), v, work)
             keys, values = cache.valid(layer, start + T, work)
             attn = attention(q, keys, values, start, n_kv)
-            x = be.post(layer, attn, x)
-            if visual is not None and layer < len(visual.deepstack):
+            # DeepStack changes h after this layer: a next qkv fused into post would be of the old h
+            deepstack = visual is not None and layer < len(visual.deepstack)
+            x, fused = be.post(layer, attn, x, fuse_next=not deepstack)
+            if deepstack:
                 x[visual.rows] += visual.deepstack[layer]
         cache.append_tokens(ids.tolist())
         if want == "none":
