@@ -308,10 +308,10 @@ class Doctor:
             return Check("model", WARN, "no model configured", "set model = \"DIR\" in /etc/edge-llm/edge-llm.toml"), None
         d = Path(self.o.model)
         if self.o.model == "default":
-            from edge_llm.models import (
+            from edge_llm.checkpoints import (
                 default as dm,  # lazy: the importer pulls in gguf
             )
-            from edge_llm.models.gguf_header import gguf_sizes
+            from edge_llm.checkpoints.gguf_header import gguf_sizes
 
             if not dm.default_model_ready():
                 try:

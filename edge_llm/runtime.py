@@ -64,8 +64,10 @@ def make_backend(s: Settings, model_dir: Path, say: Callable[[str], None] = lamb
         log.info("backend auto -> %s (%s)", name, why)
     if name == "cpu-q":
         from edge_llm.backends.cpuq import open_cpu_q
+        from edge_llm.checkpoints.gguf_blocks import gguf_blocks
 
-        return open_cpu_q(model_dir, s.quant, s.threads, progress=say, decode_graph=s.decode_graph)
+        return open_cpu_q(model_dir, s.quant, s.threads, progress=say, decode_graph=s.decode_graph,
+                          blocks=gguf_blocks(model_dir))
     if name != "rknn":
         return get_backend(name)
     if not s.rknn_dir:
@@ -81,7 +83,7 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
     """Load model + tokenizer, allocate the KV cache, open and scan the snapshot store.
 
     `import_progress(done, total, what)`: byte progress of a first-use default-model import."""
-    from edge_llm.models.default import resolve_model_dir
+    from edge_llm.checkpoints.default import resolve_model_dir
     from edge_llm.models.qwen3 import Model
     from edge_llm.tokenizer import Tokenizer
 

@@ -247,7 +247,7 @@ def test_gguf_header_walk_matches_gguf_reader(tmp_path: Path) -> None:
     """Our header walk (used for the not-yet-imported default model) against gguf's own reader."""
     import gguf
 
-    from edge_llm.models.gguf_header import gguf_sizes
+    from edge_llm.checkpoints.gguf_header import gguf_sizes
 
     path = tmp_path / "tiny.gguf"
     w = gguf.GGUFWriter(str(path), "llama")

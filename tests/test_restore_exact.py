@@ -27,7 +27,7 @@ def run(model, kv, mode, x, state, out, backend="cpu", home=None):
 
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory):
-    from edge_llm.models.synth import synth_checkpoint
+    from edge_llm.checkpoints.synth import synth_checkpoint
 
     d = tmp_path_factory.mktemp("tiny") / "model"
     synth_checkpoint(d, preset="tiny", seed=3)

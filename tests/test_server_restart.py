@@ -49,7 +49,7 @@ def snapshots(ns: Path) -> dict[str, list[int]]:
 
 @pytest.fixture()
 def tokenizer(edge_home, monkeypatch):
-    from edge_llm.models.default import resolve_model_dir
+    from edge_llm.checkpoints.default import resolve_model_dir
     from edge_llm.tokenizer import Tokenizer
 
     monkeypatch.setenv("EDGE_LLM_HOME", str(edge_home))

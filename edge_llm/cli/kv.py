@@ -288,8 +288,8 @@ def _field_value(h: dict, d: dict) -> str:
 def _print_tokens(tokens: list[int], n_show: int, tokenizer_dir: str | None) -> None:
     tok = None
     if tokenizer_dir is not None:  # lazy: only inspect --tokenizer needs these
+        from edge_llm.checkpoints.default import resolve_model_dir
         from edge_llm.errors import EdgeLLMError
-        from edge_llm.models.default import resolve_model_dir
         from edge_llm.tokenizer import Tokenizer
 
         try:

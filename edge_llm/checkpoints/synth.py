@@ -17,10 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from edge_llm.config import VisionArgs
-from edge_llm.errors import ModelImportError
-from edge_llm.models.packaged import qwen3_tokenizer_dir
-from edge_llm.models.safetensors_writer import (
+from edge_llm.checkpoints.packaged import qwen3_tokenizer_dir
+from edge_llm.checkpoints.safetensors_writer import (
     DEFAULT_SHARD_BYTES,
     Progress,
     TensorPlan,
@@ -28,6 +26,8 @@ from edge_llm.models.safetensors_writer import (
     write_checkpoint,
     write_json_atomic,
 )
+from edge_llm.config import VisionArgs
+from edge_llm.errors import ModelImportError
 from edge_llm.weights import vision_tensors
 
 log = logging.getLogger(__name__)

@@ -16,14 +16,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from edge_llm.errors import ConfigError, ModelImportError
-from edge_llm.models.packaged import (
+from edge_llm.checkpoints.packaged import (
     SMOLLM2_GGUF,
     SMOLLM2_PIP,
     SMOLLM2_SHA256,
     default_gguf_path,
 )
-from edge_llm.models.safetensors_writer import Progress
+from edge_llm.checkpoints.safetensors_writer import Progress
+from edge_llm.errors import ConfigError, ModelImportError
 from edge_llm.settings import expand_path, models_dir
 from edge_llm.weights import sha256_file
 
@@ -69,7 +69,7 @@ def default_model_dir(progress: Progress | None = None) -> Path:
         if digest != SMOLLM2_SHA256:
             raise ModelImportError(f"{gguf_path}: sha256 {digest} does not match the expected "
                                    f"{SMOLLM2_SHA256}; reinstall with: {SMOLLM2_PIP}")
-        from edge_llm.models.gguf_import import import_gguf
+        from edge_llm.checkpoints.gguf_import import import_gguf
 
         log.info("importing the default model %s into %s (first use)", SMOLLM2_GGUF, target)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{DEFAULT_MODEL_NAME}-", dir=models))

@@ -14,13 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from edge_llm.errors import ModelImportError
-from edge_llm.models.safetensors_writer import (
+from edge_llm.checkpoints.safetensors_writer import (
     Progress,
     TensorPlan,
     write_checkpoint,
     write_json_atomic,
 )
+from edge_llm.errors import ModelImportError
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ _PRE_FAMILY = {
     "gpt-2": "gpt2", "gpt2": "gpt2", "default": "gpt2",
 }
 TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
+# what an imported directory records about its source (gguf_blocks.py finds the GGUF by it)
+IMPORT_RECORD = "edge_llm_import.json"
 
 
 def hf_name(gguf_name: str) -> str:
@@ -297,7 +299,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress |
     # them bitwise against these F32 tensors first, so a moved or changed file is only slower)
     src = {"source": path.name, "source_path": str(path.resolve()), "architecture": arch, "tensors": len(plans),
            "file_types": sorted({t.tensor_type.name for t in reader.tensors})}
-    write_json_atomic(out / "edge_llm_import.json", src)
+    write_json_atomic(out / IMPORT_RECORD, src)
     log.info("imported %s (%s, %d tensors) -> %s", path.name, arch, len(plans), out)
     return out
 
