@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge_llm.backends import QKVArrays
 from edge_llm.config import ModelArgs
 from edge_llm.weights import Weights
 
@@ -119,7 +118,7 @@ class CPUBackend:
             y += L.b_qkv
         return y
 
-    def qkv(self, layer: int, x: np.ndarray) -> QKVArrays:
+    def qkv(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # QKVArrays
         y = self.qkv_fused(layer, x)
         q, kv = self.q_dim, self.kv_dim
         return y[:, :q], y[:, q:q + kv], y[:, q + kv:]
