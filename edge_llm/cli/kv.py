@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from edge_llm.errors import SnapshotError
+from edge_llm.files import TMP_SUFFIX, fsync_dir
 from edge_llm.settings import DEFAULTS
 from edge_llm.snapshot import chains
 from edge_llm.snapshot import format as fmt
@@ -25,7 +26,6 @@ from edge_llm.snapshot.identity import read_identity
 from edge_llm.snapshot.index import QUARANTINE, Entry, IOStats
 from edge_llm.snapshot.inspect import describe as inspect_file
 from edge_llm.snapshot.store import read_entry
-from edge_llm.snapshot.writer import TMP_SUFFIX, fsync_dir
 
 NS_RE = re.compile(r"^[0-9a-f]{16}$")
 NAME_RE = re.compile(r"^kv_[0-9a-f]{16}\.kv$")

@@ -16,9 +16,10 @@ import threading
 import time
 from pathlib import Path
 
+from edge_llm.files import fsync_dir
 from edge_llm.snapshot import chains
 from edge_llm.snapshot.index import Entry, IOStats, quarantine_file
-from edge_llm.snapshot.writer import Modes, fsync_dir
+from edge_llm.snapshot.writer import Modes
 
 log = logging.getLogger("edge_llm.kvdisk")
 

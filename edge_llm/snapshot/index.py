@@ -14,9 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_llm.files import fsync_dir
 from edge_llm.kvcache import ImageSpan
 from edge_llm.snapshot.layout import BaseRef
-from edge_llm.snapshot.writer import Modes, fsync_dir, write_atomic
+from edge_llm.snapshot.writer import Modes, write_atomic
 
 log = logging.getLogger("edge_llm.kvdisk")
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from edge_llm.config import Geometry
 from edge_llm.errors import SnapshotChainError, SnapshotError
+from edge_llm.files import TMP_SUFFIX, orphaned_temp
 from edge_llm.kvcache import KVCache
 from edge_llm.progress import NO_WORK, RESTORE, Cancelled, Work
 from edge_llm.settings import DEFAULTS
@@ -38,7 +39,7 @@ from edge_llm.snapshot.restore import (
     PipelinedRestore,
 )
 from edge_llm.snapshot.saving import Saver
-from edge_llm.snapshot.writer import TMP_SUFFIX, Modes, orphaned_temp, write_atomic
+from edge_llm.snapshot.writer import Modes, write_atomic
 
 log = logging.getLogger("edge_llm.kvdisk")
 
