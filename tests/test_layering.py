@@ -32,7 +32,7 @@ ORDER = {
                  "runners", "rknnlite", "graph", "rknn", "onnx_export", "quant", "quant_export", "attn_kernel",
                  "decode_export", "decode_step", "cpuq"],
     "snapshot": ["writer", "layout", "encode", "decode", "format", "inspect", "index", "chains", "catalog",
-                 "restore", "saving", "identity", "store", "__init__"],
+                 "restore", "saving", "identity", "store", "maintenance", "__init__"],
     "models": ["rope", "qwen3", "__init__"],
     "checkpoints": ["packaged", "gguf_header", "safetensors_writer", "gguf_import", "synth", "default",
                     "gguf_blocks", "__init__"],

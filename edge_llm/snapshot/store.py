@@ -83,7 +83,7 @@ class SnapshotStore:
             if orphaned_temp(tmp, self.saver.writer.busy):
                 self.catalog.unlink(tmp, "leftover temp file")
         entries, rejected = {}, 0
-        for path in sorted(self.ns.glob("kv_*.kv")):
+        for path in sorted(self.ns.glob(fmt.SNAPSHOT_GLOB)):
             try:
                 entry = self._read_entry(path)
             except (SnapshotError, OSError) as e:
