@@ -30,6 +30,7 @@ import psutil
 from edge_llm.config import ModelArgs
 from edge_llm.runtime import estimate_memory
 from edge_llm.settings import Settings, models_dir, resolve
+from edge_llm.snapshot.layout import SNAPSHOT_GLOB
 
 if TYPE_CHECKING:
     from edge_llm.snapshot.identity import Identity
@@ -342,7 +343,7 @@ class Doctor:
             return Check("model", WARN, detail + f"; identity not computed: {e}"), sizes
         if self.o.backend == "cpu":
             ns = Path(self.o.disk_kv or "") / ident.namespace
-            n = len(list(ns.glob("kv_*.kv"))) if self.o.disk_kv and ns.is_dir() else 0
+            n = len(list(ns.glob(SNAPSHOT_GLOB))) if self.o.disk_kv and ns.is_dir() else 0
             return Check("model", PASS, detail + f"; model_id {ident.namespace} ({n} snapshot(s) in its namespace)"), sizes
         # another backend's numerics (graph manifest, runtime version, threads) are known only once
         # it is loaded: name the namespaces this model already has instead of guessing one
@@ -361,7 +362,7 @@ class Doctor:
             doc = read_identity(ns) or {}
             if {k: doc.get(k) for k in want} == want:
                 found.append(f"{ns.name} ({doc.get('backend_numerics', '?')}, "
-                             f"{len(list(ns.glob('kv_*.kv')))} snapshot(s))")
+                             f"{len(list(ns.glob(SNAPSHOT_GLOB)))} snapshot(s))")
         return "namespaces of this model: " + ", ".join(found) if found else "no namespace of this model yet"
 
     def memory(self, sizes: ModelSizes | None) -> Check:

@@ -13,7 +13,6 @@ import hashlib
 import json
 import logging
 import mmap
-import os
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from safetensors import safe_open
 
 from edge_llm.config import ModelArgs, VisionArgs
 from edge_llm.errors import WeightsError
+from edge_llm.files import write_atomic
 from edge_llm.settings import digest_cache_path
 
 log = logging.getLogger(__name__)
@@ -391,9 +391,9 @@ def weight_digest(model_dir: str | Path, progress: Callable[[str], None] | None 
     if dirty:
         try:
             cache_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache_path.with_name(f"{cache_path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-            os.replace(tmp, cache_path)  # atomic: concurrent processes never see half a file
+            # atomic: concurrent processes never see half a file; a cache, so no fsync (a lost
+            # update costs one more hash)
+            write_atomic(cache_path, json.dumps(cache, indent=1, sort_keys=True), durable=False)
         except OSError as e:
             log.warning("could not write digest cache %s: %s", cache_path, e)
     return total.hexdigest()

@@ -32,7 +32,7 @@ ORDER = {
                  "runners", "rknnlite", "graph", "rknn", "onnx_export", "quant", "quant_export", "attn_kernel",
                  "decode_export", "decode_step", "cpuq"],
     "snapshot": ["writer", "layout", "encode", "decode", "format", "inspect", "entries", "chains", "catalog",
-                 "chain_read", "saver", "identity", "store", "__init__"],
+                 "chain_read", "saver", "identity", "store", "maintenance", "__init__"],
     "kvcache": ["records", "cache", "__init__"],
     "models": ["rope", "qwen3", "__init__"],
     "checkpoints": ["packaged", "gguf_header", "safetensors_writer", "gguf_import", "synth", "default",

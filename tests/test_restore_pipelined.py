@@ -77,7 +77,7 @@ def test_crc_failure_mid_pipeline_recomputes_cleanly(tiny, tmp_path):
     prompt = snapshot_of_history(tiny, kv)
     cold = engine(tiny, tmp_path / "cold-kv")
     want_logits, _ = cold.prefill_prompt(prompt)
-    (snap,) = kv.rglob("kv_*.kv")
+    (snap,) = kv.rglob(fmt.SNAPSHOT_GLOB)
     hdr, _ = fmt.read_header(open(snap, "rb"), None, None, None)
     last_layer = hdr.n_layers - 1  # the reader fails late: the tail has already used earlier layers
     with open(snap, "r+b") as f:

@@ -61,7 +61,7 @@ def seq(n, start=1000):
 
 
 def kv_files(store):
-    return sorted(p.name for p in store.ns.glob("kv_*.kv"))
+    return sorted(p.name for p in store.ns.glob(fmt.SNAPSHOT_GLOB))
 
 
 def name_of(tokens):

@@ -8,7 +8,7 @@ plus the head, instead of 61). Shapes are dynamic (no padding). Embedding rows a
 the checkpoint file (mmap), attention/RoPE/the F32 KV rows stay in numpy (models/qwen3.py).
 
 Quantized graphs are built on first use into `$EDGE_LLM_HOME/quant/<model>-<weights
-digest>-<mode>/` (a temp directory renamed into place under a lock) and reused while the
+digest>-<mode>/` (a temp directory renamed into place under a lock: files.publish_dir) and reused while the
 model's weight digest is unchanged. `numerics` = `cpu-q:<mode>:<manifest identity>:<runner>`:
 the manifest identity hashes the ONNX bytes (bits, block size, accuracy level, which weights
 are exact), the last part names onnxruntime's version, the kernel and the CPU features that pick
@@ -17,12 +17,9 @@ its code path (not the thread count: the bits do not depend on it). See docs/qua
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import platform
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +29,7 @@ from edge_llm.backends.graphs import DECODE
 from edge_llm.backends.manifest import MANIFEST, Manifest
 from edge_llm.backends.quant import BlockSource
 from edge_llm.errors import ConfigError
+from edge_llm.files import publish_dir
 
 log = logging.getLogger(__name__)
 
@@ -163,23 +161,8 @@ def ensure_quantized(model_dir: str | Path, qm: QuantMode, progress: Callable[[s
     defaulted: the directory is shared by every caller, so all must build it from the same source."""
     model_dir = Path(model_dir)
     root = quant_dir(model_dir, qm)
-    if (m := _usable(root, model_dir, qm)) is not None:
-        return root, m
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.parent / f".{root.name}.lock", "a+") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
-        if (m := _usable(root, model_dir, qm)) is not None:  # another process built it meanwhile
-            return root, m
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{root.name}-", dir=root.parent))
-        try:
-            os.chmod(tmp, 0o755)  # mkdtemp makes it private; the service user may differ from ours
-            m = build(model_dir, tmp, qm, progress, blocks=blocks)
-            if root.exists():
-                shutil.rmtree(root)
-            os.replace(tmp, root)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    m = publish_dir(root, lambda tmp: build(model_dir, tmp, qm, progress, blocks=blocks),
+                    lambda d: _usable(d, model_dir, qm))
     return root, m
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_llm.quality_text import QUALITY_TEXT
+from edge_llm.snapshot.layout import SNAPSHOT_GLOB
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ def ours_speed(model, store, ids: list[int], decode: int, tail: int) -> dict:
     model.prefill(ids[:-tail], cache)
     store.save_async(cache)
     store.flush()
-    for f in store.ns.glob("kv_*.kv"):
+    for f in store.ns.glob(SNAPSHOT_GLOB):
         drop_file_cache(f)
     cache.reset()
     t0 = time.perf_counter()

@@ -21,6 +21,7 @@ from edge_llm.checkpoints.safetensors_writer import (
     write_json_atomic,
 )
 from edge_llm.errors import ModelImportError
+from edge_llm.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -225,8 +226,7 @@ def _write_tokenizer_files(meta: _Meta, bos_id: int | None, out: Path) -> list[i
     """tokenizer.json, tokenizer_config.json and generation_config.json; returns the eos ids."""
     tok_json, tcfg, eos_ids = build_tokenizer(meta)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tokenizer.json.tmp").write_text(tok_json, encoding="utf-8")
-    (out / "tokenizer.json.tmp").replace(out / "tokenizer.json")
+    write_atomic(out / "tokenizer.json", tok_json)
     write_json_atomic(out / "tokenizer_config.json", tcfg)
     gen: dict[str, Any] = {}
     if eos_ids:

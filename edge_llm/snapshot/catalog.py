@@ -18,9 +18,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from edge_llm.files import fsync_dir
 from edge_llm.snapshot import chains
 from edge_llm.snapshot.entries import Entry
-from edge_llm.snapshot.writer import Modes, fsync_dir, write_atomic
+from edge_llm.snapshot.writer import Modes, write_atomic
 
 log = logging.getLogger("edge_llm.kvdisk")
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from edge_llm.config import Geometry
 from edge_llm.errors import SnapshotError
+from edge_llm.files import TMP_SUFFIX, orphaned_temp
 from edge_llm.kvcache import KVCache, Restored
 from edge_llm.progress import NO_WORK, Work
 from edge_llm.settings import DEFAULTS
@@ -34,7 +35,7 @@ from edge_llm.snapshot.identity import Identity, ensure_namespace
 from edge_llm.snapshot.chain_read import READ_MAX_TOKENS, ChainRead, ChainReadError
 from edge_llm.snapshot.entries import Entry, Hit, lcp
 from edge_llm.snapshot.saver import Saver
-from edge_llm.snapshot.writer import TMP_SUFFIX, Modes, orphaned_temp
+from edge_llm.snapshot.writer import Modes
 
 log = logging.getLogger("edge_llm.kvdisk")
 
@@ -78,7 +79,7 @@ class SnapshotStore:
             if orphaned_temp(tmp, self.saver.writer.busy):
                 self.catalog.unlink(tmp, "leftover temp file")
         entries, rejected = {}, 0
-        for path in sorted(self.ns.glob("kv_*.kv")):
+        for path in sorted(self.ns.glob(fmt.SNAPSHOT_GLOB)):
             try:
                 entry = self._read_entry(path)
             except (SnapshotError, OSError) as e:
