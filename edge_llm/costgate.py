@@ -26,6 +26,8 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from edge_llm.files import write_atomic
+
 log = logging.getLogger(__name__)
 
 EWMA = 0.3  # weight of the newest measurement
@@ -53,15 +55,18 @@ class CostGate:
 
     def __init__(self, bytes_per_token: int, mode: str = PIPELINED, chunk: int = 128,
                  read_bps: float | None = None, prefill_tps: float | None = None,
-                 state_file: Path | None = None):
+                 state_dir: Path | None = None, file_mode: int = 0o600):
         if mode not in (PIPELINED, SEQUENTIAL, SPLIT):
             raise ValueError(f"unknown restore mode {mode!r}")
         self.bytes_per_token, self.mode, self.chunk = bytes_per_token, mode, chunk
         self.read_bps, self.prefill_tps = read_bps, prefill_tps
         self._lock = threading.Lock()
         self.counts = {"restore": 0, "split": 0, "recompute": 0, "unmeasured": 0}
-        if state_file is not None and read_bps is None and prefill_tps is None:
-            self._load(state_file)
+        # the estimates persist in the snapshot namespace (same disk, same backend numerics)
+        self.state_file = None if state_dir is None else Path(state_dir) / GATE_FILE
+        self.file_mode = file_mode
+        if self.state_file is not None and read_bps is None and prefill_tps is None:
+            self._load(self.state_file)
         self._saved = (self.read_bps, self.prefill_tps)  # what gate.json holds (or was given)
 
     # ---- persistence (the namespace's gate.json) -------------------------------------------------
@@ -81,16 +86,23 @@ class CostGate:
                  f"{self.read_bps / 1e6:.0f} MB/s" if self.read_bps else "not measured yet",
                  f"{self.prefill_tps:.1f} rows/s" if self.prefill_tps else "not measured yet")
 
-    def changed_state(self) -> bytes | None:
-        """The estimates as gate.json bytes when they moved by more than SAVE_CHANGE since they
-        were last handed out (or were never), else None. The caller writes them after a request,
-        not on its way to the first token; the running estimates converge, so writes get rare."""
+    def persist(self) -> None:
+        """Write the estimates to `state_file` (atomically, with `file_mode`) when they moved by
+        more than SAVE_CHANGE since they were last written. Called after a request, not on its
+        way to the first token; the running estimates converge, so writes get rare. Best
+        effort: a failure is logged, never raised."""
+        if self.state_file is None:
+            return
         with self._lock:
             now = (self.read_bps, self.prefill_tps)
             if all(_close(a, b) for a, b in zip(now, self._saved)):
-                return None
+                return
             self._saved = now
-        return json.dumps({"read_bytes_per_s": now[0], "prefill_rows_per_s": now[1]}).encode()
+        doc = json.dumps({"read_bytes_per_s": now[0], "prefill_rows_per_s": now[1]}) + "\n"
+        try:
+            write_atomic(self.state_file, doc, mode=self.file_mode)
+        except OSError as e:
+            log.warning("cost gate: could not write %s: %s", self.state_file, e)
 
     # ---- estimates ----------------------------------------------------------------------------
     def observe_read(self, nbytes: int, seconds: float) -> None:

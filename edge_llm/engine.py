@@ -38,14 +38,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from edge_llm.costgate import GATE_FILE, SEQUENTIAL, CostGate
-from edge_llm.errors import (
-    ContextOverflowError,
-    ImageError,
-    RestoreFailed,
-    SnapshotError,
-)
-from edge_llm.kvcache import KVCache
+from edge_llm.costgate import SEQUENTIAL, CostGate
+from edge_llm.errors import ContextOverflowError, ImageError, SnapshotError
+from edge_llm.kvcache import KVCache, Restore
 from edge_llm.progress import DECODE, NO_WORK, PREFILL, Cancelled, OnProgress, Work
 from edge_llm.sampling import (
     OPENAI_DEFAULTS,
@@ -54,7 +49,7 @@ from edge_llm.sampling import (
     model_sampling_defaults,
 )
 from edge_llm.settings import DEFAULTS
-from edge_llm.snapshot.index import Hit
+from edge_llm.snapshot.entries import Hit
 from edge_llm.tokenizer import StopMatcher
 from edge_llm.vision.model import VisionModel
 from edge_llm.vision.positions import PromptPlan, plan_prompt
@@ -62,7 +57,7 @@ from edge_llm.vision.preprocess import PreparedImage
 
 if TYPE_CHECKING:  # annotations only: the engine is handed these, it never builds them
     from edge_llm.models.qwen3 import Model
-    from edge_llm.snapshot.store import PendingRestore, SnapshotStore
+    from edge_llm.snapshot.store import SnapshotStore
     from edge_llm.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -98,7 +93,7 @@ class Timings:
     images_encoded: int = 0  # images that ran through the vision encoder (the others were cached)
     vision_ms: float = 0.0  # vision encoder time
     # the cost gate (edge_llm/costgate.py): what it chose for a disk hit and why
-    restore_mode: str = ""  # pipelined | sequential | split (empty: no disk hit)
+    restore_mode: str = ""  # pipelined | sequential: the restore that ran (empty: none)
     gate: str = ""  # restore | split | recompute | unmeasured (restore, no estimates yet)
     gate_rows_loaded: int = 0
     gate_rows_recomputed: int = 0
@@ -146,7 +141,6 @@ class Engine:
         self.vision = vision
         self.restore_mode = restore_mode
         self.gate = gate or CostGate(cache.geometry.kv_bytes_per_token, restore_mode, self.align)
-        self._pending: PendingRestore | None = None  # a pipelined restore the tail computes behind
         # k when the last prefill ended its last chunk at row k (then ran row k alone): the rows
         # after its reuse point are batched as in a cold prefill of a (k + 1)-row prompt
         self._chunk_end: int | None = None
@@ -154,6 +148,16 @@ class Engine:
         # what requests get for omitted temperature / top_p / top_k
         self.sampling_defaults = (model_sampling_defaults(model_dir) if model_dir is not None
                                   else OPENAI_DEFAULTS)
+
+    def close(self, timeout: float | None = None) -> None:
+        """At shutdown, once the last request ran: finish the pending save and stop the store's
+        writer (the caller may flush first, e.g. with progress), then release the backend (NPU
+        contexts, the simulator's worker). Nothing is called after it."""
+        try:
+            if self.store is not None:
+                self.store.close(timeout)
+        finally:
+            self.model.close()
 
     @property
     def max_seq(self) -> int:
@@ -183,12 +187,11 @@ class Engine:
             m = a
         return m
 
-    def _reuse_prefix(self, plan: PromptPlan, t: Timings, work: Work) -> int:
-        """Make cache rows [0, m) valid for the plan's first m keys from RAM or disk; return m
-        (<= len-1, aligned: module docstring). `plan.reusable` decides for both sources how much
-        of a match may be used; the cost gate decides how much of a disk match is worth loading.
-        A pipelined restore returns at once (`self._pending`): the tail's layers wait for the rows
-        (edge_llm/kvcache.py)."""
+    def _reuse_prefix(self, plan: PromptPlan, t: Timings, work: Work) -> tuple[int, Restore | None]:
+        """Make cache rows [0, m) valid for the plan's first m keys from RAM, or start restoring
+        them from disk; return m (<= len-1, aligned: module docstring) and the restore to finish
+        (None: the rows are in RAM). `plan.reusable` decides for both sources how much of a match
+        may be used; the cost gate decides how much of a disk match is worth loading."""
         keys = plan.keys
         limit = len(keys) - 1  # at least one token is computed: it yields the logits
         raw_ram = plan.reusable(min(self.cache.common_prefix(keys), limit), self.cache.spans)
@@ -201,52 +204,25 @@ class Engine:
         if hit is not None and hit.m > m_ram:
             d = self.gate.decide(plan.n, m_ram, hit.m, self.cache.kv_bs, self.store.min_lcp)
             k = self._aligned(plan, d.load_rows, hit.entry.spans)
-            t.restore_mode, t.gate, t.gate_predicted_ms = self.restore_mode, d.action, d.predicted_ms
+            t.gate, t.gate_predicted_ms = d.action, d.predicted_ms
             t.gate_restore_ms, t.gate_recompute_ms = d.restore_ms, d.recompute_ms
             if k > m_ram:
-                t.align_rows = raw_disk - hit.m
-                return self._restore(Hit(hit.entry, k), t, work)
-            log.info("cost gate: recomputing %d rows is faster than loading %d (%.0f ms vs %.0f ms predicted)",
-                     plan.n - m_ram, hit.m, d.recompute_ms, d.restore_ms)
+                try:  # header reads only: a bad file is quarantined, the RAM rows are untouched
+                    source = self.store.open(Hit(hit.entry, k), self.cache.max_seq)
+                except SnapshotError as e:
+                    log.warning("disk restore failed (%s): using the RAM prefix", e)
+                else:
+                    t.align_rows = raw_disk - hit.m
+                    t.cache_source, t.disk_cached_tokens = "disk", source.m
+                    return source.m, self.cache.restore(source, pipelined=self.restore_mode != SEQUENTIAL, work=work)
+            else:
+                log.info("cost gate: recomputing %d rows is faster than loading %d (%.0f ms vs %.0f ms predicted)",
+                         plan.n - m_ram, hit.m, d.recompute_ms, d.restore_ms)
         self.cache.truncate(m_ram)  # rows >= m_ram are overwritten later, behind the write guard
         t.align_rows = raw_ram - m_ram
         if m_ram > 0:
             t.cache_source, t.ram_cached_tokens = "ram", m_ram
-        return m_ram
-
-    def _restore(self, hit: Hit, t: Timings, work: Work) -> int:
-        """Restore rows [0, hit.m) (pipelined: start it); 0 if the snapshot turned out bad."""
-        try:  # per layer, the cache waits for a pending save of the rows being rewritten
-            if self.restore_mode == SEQUENTIAL:
-                res = self.store.restore(hit, self.cache, work)
-                self._restored(res, t)
-                return res.n_tokens
-            self._pending = self.store.restore_pipelined(hit, self.cache, work)
-            t.cache_source, t.disk_cached_tokens = "disk", self._pending.m
-            return self._pending.m
-        except (SnapshotError, OSError) as e:
-            log.warning("disk restore failed (%s): recomputing from scratch", e)
-            self.cache.reset()
-            t.align_rows = 0
-            return 0
-
-    def _restored(self, res, t: Timings) -> None:
-        t.cache_source, t.disk_cached_tokens = "disk", res.n_tokens
-        t.restore_ms, t.restore_bytes, t.restore_files = res.ms, res.nbytes, res.files
-        self.gate.observe_read(res.nbytes, res.ms / 1e3)
-
-    def _finish_pending(self, t: Timings) -> bool:
-        """Join a pipelined restore; False if it failed (the cache was reset, the file quarantined)."""
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return True
-        try:
-            self._restored(pending.finish(), t)
-            return True
-        except (SnapshotError, OSError) as e:
-            log.warning("disk restore failed (%s): recomputing from scratch", e)
-            t.cache_source, t.disk_cached_tokens = "none", 0
-            return False
+        return m_ram, None
 
     def _prefill_tail(self, plan: PromptPlan, m: int, t: Timings, work: Work):
         """Chunked prefill of rows [m, n-1), then the last token alone (see module docstring)."""
@@ -279,25 +255,29 @@ class Engine:
         plan = self.plan(tokens, list(images))
         t.images, t.image_tokens = len(plan.spans), plan.image_tokens
         w0, r0 = self.cache.write_wait_s, self.cache.restore_wait_s
-        m = self._reuse_prefix(plan, t, work)
+        m, restore = self._reuse_prefix(plan, t, work)
         self._chunk_end = None  # set again once this prefill has completed
         t_pf = time.perf_counter()
+
+        def tail():  # the prefill's time starts here (after a sequential restore's reads)
+            nonlocal t_pf
+            t_pf = time.perf_counter()
+            return self._prefill_tail(plan, m, t, work)
+
         try:
-            try:
-                logits = self._prefill_tail(plan, m, t, work)
-                ok = self._finish_pending(t)
-            except RestoreFailed:  # the reader failed at a layer the tail was waiting for
-                ok = self._finish_pending(t)
-            except Cancelled:
-                if self._pending is not None:
-                    try:
-                        self._finish_pending(t)
-                    except Cancelled:
-                        pass
-                raise
-            if not ok:  # the rows were never used: recompute everything, bitwise as a cold run
-                t_pf, m, t.align_rows = time.perf_counter(), 0, 0
-                logits = self._prefill_tail(plan, 0, t, work)
+            if restore is None:
+                logits = tail()
+            else:
+                try:  # pipelined: the tail computes behind the reader, layer by layer
+                    logits = restore.finish(behind=tail)
+                    r = restore.restored
+                    t.restore_mode, t.restore_ms, t.restore_bytes, t.restore_files = r.mode, r.ms, r.nbytes, r.files
+                    self.gate.observe_read(r.nbytes, r.ms / 1e3)
+                except SnapshotError as e:  # the rows were never used: recompute, bitwise as a cold run
+                    log.warning("disk restore failed (%s): recomputing from scratch", e)
+                    t.cache_source, t.disk_cached_tokens, t.align_rows = "none", 0, 0
+                    m = 0
+                    logits = tail()
         finally:
             t1 = time.perf_counter()
             t.save_wait_ms += (self.cache.write_wait_s - w0) * 1e3  # restore and prefill waits alike
@@ -367,8 +347,7 @@ class Engine:
         tail = "" if finish == "cancelled" or stops.stopped else stops.feed(detok.flush())[0] + stops.flush()
         if req.save_snapshot and self.store is not None:
             self.store.save_async(self.cache)  # a cancelled decode keeps its prompt rows too
-        if self.store is not None and (state := self.gate.changed_state()) is not None:
-            self.store.write_meta(GATE_FILE, state)  # after the answer, only when it moved
+        self.gate.persist()  # after the answer, only when the estimates moved
         yield self._last_event(tail, finish, t, len(tokens), generated)
 
     def _save_interrupted(self, req: GenerationRequest, c: Cancelled) -> None:

@@ -27,11 +27,6 @@ class KVCacheError(EdgeLLMError):
     """The KV cache cannot be allocated or an operation exceeds its capacity."""
 
 
-class RestoreFailed(KVCacheError):
-    """A pipelined restore failed while the model was waiting for one of its layers: the cache's
-    rows are garbage, the engine resets it and recomputes."""
-
-
 class ContextOverflowError(KVCacheError):
     """prompt + max_tokens does not fit into the context window."""
 

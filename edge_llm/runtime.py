@@ -1,14 +1,16 @@
-"""Build a ready Engine from settings: model dir -> model, tokenizer, KV cache, snapshot store.
+"""Build a ready Engine from settings: model dir -> model, tokenizer, KV cache, snapshot store;
+and what that configuration will hold in memory (`estimate_memory`).
 
-Shared by `edge-llm generate`, `edge-llm serve` and the benchmarks so all three load a model the
-same way. `progress(text)` is called as loading advances (the server turns it into systemd
-STATUS= and EXTEND_TIMEOUT_USEC= messages).
+Shared by `edge-llm generate`, `edge-llm serve`, `edge-llm doctor` and the benchmarks so all load
+(and size) a model the same way. `progress(text)` is called as loading advances (the server turns
+it into systemd STATUS= and EXTEND_TIMEOUT_USEC= messages).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from edge_llm.engine import Engine
@@ -16,6 +18,37 @@ from edge_llm.kvcache import KVCache
 from edge_llm.settings import Settings, resolve
 
 log = logging.getLogger(__name__)
+
+Q4_BYTES_PER_F32_BYTE = 0.75 / 4  # backend cpu-q: 4-bit + F32 scale + zp (+ Q4_1 remainder) per 32
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What a configuration holds resident once loaded: weights in the backend's format and the
+    KV cache for `max_seq` (docs/quantization.md for cpu-q's bytes per weight)."""
+
+    weights: int
+    what: str  # how the weights are held, e.g. "weights" (F32) or "q4 weights x2 (decode_graph)"
+    kv: int
+    max_seq: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv
+
+    def describe(self) -> str:
+        return (f"{self.what} {self.weights / 2**30:.2f} GiB + KV {self.kv / 2**30:.2f} GiB (max_seq "
+                f"{self.max_seq}) = {self.total / 2**30:.2f} GiB")
+
+
+def estimate_memory(s: Settings, weights_f32: int, kv_bytes_per_token: int) -> MemoryEstimate:
+    """The resident memory of the backend `s` names for a model of `weights_f32` bytes as F32."""
+    weights, what = weights_f32, "weights"
+    if s.backend == "cpu-q":  # 4-bit blocks: ~0.7 byte per weight
+        weights, what = int(weights_f32 * Q4_BYTES_PER_F32_BYTE), "q4 weights"
+        if s.decode_graph:  # its own onnxruntime session prepacks a second copy
+            weights, what = 2 * weights, "q4 weights x2 (decode_graph)"
+    return MemoryEstimate(weights, what, s.max_seq * kv_bytes_per_token, s.max_seq)
 
 
 def make_backend(s: Settings, model_dir: Path, say: Callable[[str], None] = lambda _t: None):
@@ -31,8 +64,10 @@ def make_backend(s: Settings, model_dir: Path, say: Callable[[str], None] = lamb
         log.info("backend auto -> %s (%s)", name, why)
     if name == "cpu-q":
         from edge_llm.backends.cpuq import open_cpu_q
+        from edge_llm.checkpoints.gguf_blocks import gguf_blocks
 
-        return open_cpu_q(model_dir, s.quant, s.threads, progress=say, decode_graph=s.decode_graph)
+        return open_cpu_q(model_dir, s.quant, s.threads, progress=say, decode_graph=s.decode_graph,
+                          blocks=gguf_blocks(model_dir))
     if name != "rknn":
         return get_backend(name)
     if not s.rknn_dir:
@@ -48,7 +83,7 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
     """Load model + tokenizer, allocate the KV cache, open and scan the snapshot store.
 
     `import_progress(done, total, what)`: byte progress of a first-use default-model import."""
-    from edge_llm.models.default import resolve_model_dir
+    from edge_llm.checkpoints.default import resolve_model_dir
     from edge_llm.models.qwen3 import Model
     from edge_llm.tokenizer import Tokenizer
 
@@ -88,10 +123,10 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
         store.scan()
     gate = None
     if store is not None:  # estimates persist per namespace: same disk, same backend numerics
-        from edge_llm.costgate import GATE_FILE, CostGate
+        from edge_llm.costgate import CostGate
 
         gate = CostGate(cache.geometry.kv_bytes_per_token, s.disk_kv_restore, chunk,
-                        state_file=store.ns / GATE_FILE)
+                        state_dir=store.ns, file_mode=store.modes.file)
     engine = Engine(model, tokenizer, cache, store=store, prefill_chunk=s.prefill_chunk,
                     model_dir=model_dir, vision=vision, restore_mode=s.disk_kv_restore, gate=gate)
     log.info("runtime ready: model %s (%s), KV cache %d MiB (max_seq %d)", model_dir.name,

@@ -14,6 +14,7 @@ which `load_settings`/`resolve` turn into a directory below systemd's `STATE_DIR
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -93,7 +94,8 @@ class Settings:
     disk_kv_min_lcp: int = _opt(16, "Shortest common prefix (tokens) worth restoring from disk; also "
                                 "the fewest rows an interrupted prefill saves.", minimum=1)
     disk_kv_max_files: int = _opt(8, "Conversations kept per model namespace: a snapshot and its deltas count as one (LRU eviction).", minimum=1)
-    disk_kv_max_bytes: int | None = _opt(None, "Byte cap of a namespace's snapshots.", minimum=1,
+    disk_kv_max_bytes: int | None = _opt(None, "Byte cap of a namespace's snapshots (bytes, or with a "
+                                         "binary unit: 512MiB, 4G).", "bytes", minimum=1,
                                          nullable=True, shown_default="no cap")
     disk_kv_max_tokens: int = _opt(8192, "Tokens stored per snapshot (longer conversations are cut).",
                                    minimum=1)
@@ -216,6 +218,20 @@ def resolve(s: Settings, env: Mapping[str, str] | None = None) -> Settings:
 
 
 # ---- reading values -------------------------------------------------------------------------------
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """A byte size: '1500000', '512M', '512MiB', '1.5G' (units are binary: K = 1024) -> bytes.
+    ValueError if `text` is not one. Read for settings of kind "bytes" (disk_kv_max_bytes) and by
+    `kv gc --max-bytes`, so both spell a size alike."""
+    m = _SIZE.fullmatch(text)
+    if not m:
+        raise ValueError(f"{text!r} is not a size (e.g. 1500000, 512M, 1.5GiB)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+
+
 def convert(key: str, value: Any, source: str) -> Any:
     """Coerce a raw value (TOML type, env string or flag) to the field's type; ConfigError if bad."""
     meta = FIELDS[key].metadata
@@ -242,15 +258,18 @@ def convert(key: str, value: Any, source: str) -> Any:
         if text is not None and text.lower() in _OFF | _ON - {AUTO}:
             return text.lower() in _ON
         raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
-    typ = {int: int, float: float, str: str}[kind]
+    typ = {int: int, float: float, str: str, "bytes": int}[kind]
     try:
+        if kind == "bytes" and text is not None:
+            text = str(parse_size(text))
         if isinstance(value, bool) or (typ is str and not isinstance(value, str)):
             raise ValueError
         if typ is int and isinstance(value, float):
             raise ValueError
         out = typ(text) if text is not None else typ(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{source}: {key} must be {typ.__name__}, got {value!r}") from None
+        what = "a size in bytes (e.g. 4294967296, 4GiB)" if kind == "bytes" else typ.__name__
+        raise ConfigError(f"{source}: {key} must be {what}, got {value!r}") from None
     lo, hi = meta["minimum"], meta["maximum"]
     if lo is not None and out < lo:
         rel = "> 0" if lo == 1 and typ is int else f">= {lo}"

@@ -1,8 +1,10 @@
 """safetensors checkpoints: tensor index, name/shape checks against ModelArgs, F32 loading, digest.
 
-Files are validated with the `safetensors` library (header bounds, offsets) and each tensor is then
-read through its own `np.memmap` so a tensor's pages are unmapped as soon as it is converted: peak
-RSS stays near the F32 weights, not weights + file. BF16 and F16 widen to F32 exactly.
+Files are validated with the `safetensors` library (header bounds, offsets). A tensor is read
+from an `mmap.mmap` of its file and widened to F32 piece by piece, each piece's file pages dropped
+(`MADV_DONTNEED`) once converted: peak RSS stays near the F32 weights, not weights + file. Tensors
+used only in bursts or gathered from stay in the file (`MappedRows`, `MappedMatrix`: one shared
+map per file). BF16 and F16 widen to F32 exactly.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import hashlib
 import json
 import logging
 import mmap
-import os
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from safetensors import safe_open
 
 from edge_llm.config import ModelArgs, VisionArgs
 from edge_llm.errors import WeightsError
+from edge_llm.files import write_atomic
 from edge_llm.settings import digest_cache_path
 
 log = logging.getLogger(__name__)
@@ -389,9 +391,9 @@ def weight_digest(model_dir: str | Path, progress: Callable[[str], None] | None 
     if dirty:
         try:
             cache_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache_path.with_name(f"{cache_path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-            os.replace(tmp, cache_path)  # atomic: concurrent processes never see half a file
+            # atomic: concurrent processes never see half a file; a cache, so no fsync (a lost
+            # update costs one more hash)
+            write_atomic(cache_path, json.dumps(cache, indent=1, sort_keys=True), durable=False)
         except OSError as e:
             log.warning("could not write digest cache %s: %s", cache_path, e)
     return total.hexdigest()

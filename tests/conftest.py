@@ -141,6 +141,6 @@ def edge_home(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_synth_dir(tmp_path_factory) -> Path:
     """A tiny random qwen3_vl checkpoint with the real Qwen3 tokenizer: fast to run."""
-    from edge_llm.models.synth import synth_checkpoint
+    from edge_llm.checkpoints.synth import synth_checkpoint
 
     return synth_checkpoint(tmp_path_factory.mktemp("tiny-synth") / "tiny-qwen3vl", preset="tiny")

@@ -33,6 +33,7 @@ from edge_llm.bench.client import (
     wait_for_line,
     wait_ready,
 )
+from edge_llm.snapshot.layout import SNAPSHOT_GLOB, SNAPSHOT_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
@@ -400,7 +401,7 @@ def test_lab_board_blocks_run_on_the_board(board):
     assert denied.returncode != 0  # read, never write
     reader = b.run(["runuser", "-u", "student", "--", "bash", "-c",
                     "tail -n 2 /var/log/edge-llm/edge-llm.log && "
-                    f"{VENV}/edge-llm kv inspect \"$(ls /var/lib/edge-llm/kv/*/kv_*.kv | head -n 1)\" --blocks 1"],
+                    f"{VENV}/edge-llm kv inspect \"$(ls /var/lib/edge-llm/kv/*/{SNAPSHOT_GLOB} | head -n 1)\" --blocks 1"],
                    check=False)
     assert reader.returncode == 0 and "trailer CRC valid" in reader.stdout, reader.stdout + reader.stderr
     script = f"set -euo pipefail\ncd {b.CHECKOUT}\n" + "\n".join(board_walkthrough())
@@ -411,7 +412,7 @@ def test_lab_board_blocks_run_on_the_board(board):
     saved = SAVED_RE.search(out)
     loaded = LOADED_RE.search(out)
     assert saved and loaded and saved[2] == loaded[2], out  # S2 read the file S1 wrote
-    inspected = re.search(r"(kv_[0-9a-f]{16}\.kv)\s+[\d,]+ bytes", out)  # kv inspect's title line
+    inspected = re.search(rf"({SNAPSHOT_NAME})\s+[\d,]+ bytes", out)  # kv inspect's title line
     assert inspected and inspected[1] == saved[2], out  # step 2 looked at that same file
     assert re.search(r"\[KV-DISK\] index: \d+ checkpoint\(s\)", out)
     n = int(re.search(r"\[PREFILL-TIMING\] n=(\d+)", out)[1])

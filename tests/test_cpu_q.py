@@ -18,6 +18,7 @@ from edge_llm.backends import quant as Q
 from edge_llm.backends.graphs import DECODE, GraphSpec
 from edge_llm.backends.onnx_export import GraphBuilder, sample_inputs
 from edge_llm.backends.quant_export import write_nbits
+from edge_llm.checkpoints.gguf_blocks import gguf_blocks, gguf_source
 
 # measured on the default model (SmolLM2-135M Q4_1, int8 activations), N(0,1) graph inputs:
 # worst max|diff|/max|ref| 0.021, worst cosine 0.99986 over all 32 graphs
@@ -47,7 +48,7 @@ def home_env(edge_home):
 
 @pytest.fixture(scope="module")
 def cpu_q(default_dir, home_env):
-    return cpuq.open_cpu_q(default_dir, "q4")
+    return cpuq.open_cpu_q(default_dir, "q4", blocks=gguf_blocks(default_dir))
 
 
 # ---- layout ----------------------------------------------------------------------------------
@@ -74,8 +75,6 @@ def test_gguf_blocks_are_held_exactly(type_name):
 
 def test_default_gguf_tensors_are_exact(default_dir):
     import gguf
-
-    from edge_llm.backends.quant_export import gguf_source
 
     reader = gguf.GGUFReader(gguf_source(default_dir))
     for name in ("blk.0.attn_q.weight", "token_embd.weight"):
@@ -231,7 +230,7 @@ def test_bits_do_not_depend_on_threads_or_neighbours(cpu_q, default_dir, quant, 
 
     # q4f: accuracy level 0 (test_npu_accuracy.py builds it too), its one-row kernel differs on every ISA
     monkeypatch.setitem(cpuq.MODES, "q4f", cpuq.QuantMode("q4f", 4, cpuq.BLOCK, 0))
-    root, m = cpuq.ensure_quantized(default_dir, cpuq.mode(quant))
+    root, m = cpuq.ensure_quantized(default_dir, cpuq.mode(quant), blocks=gguf_blocks(default_dir))
     files = {n: p for n, p in m.onnx_files(root).items() if n != DECODE}  # test_cpu_q_decode.py
     specs = [s for s in m.specs() if s.kind != DECODE]
     one, two = (GraphBackend("cpu-q", specs, OrtRunner(files, threads=t, config=cpuq.SESSION_CONFIG), "t",
@@ -258,7 +257,7 @@ def test_graph_cache_and_model_info(cpu_q, default_dir, home_env):
     assert m["build"]["summary"]["exact"] == 30 * 4 + 1  # qkv, o, gate+up, down per layer + head
     # a second open reuses the directory (same identity, nothing rebuilt)
     mtime = (root / "manifest.json").stat().st_mtime_ns
-    again = cpuq.open_cpu_q(default_dir, "q4")
+    again = cpuq.open_cpu_q(default_dir, "q4", blocks=gguf_blocks(default_dir))
     assert again.numerics == cpu_q.numerics and (root / "manifest.json").stat().st_mtime_ns == mtime
     r = subprocess.run([sys.executable, "-m", "edge_llm", "model", "info", str(default_dir), "--quant", "q4"],
                        capture_output=True, text=True, timeout=300, env={**os.environ})

@@ -36,7 +36,7 @@ def home(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(tiny_synth_dir, home):
-    return Model.load(tiny_synth_dir, cpuq.open_cpu_q(tiny_synth_dir, "q4", threads=2))
+    return Model.load(tiny_synth_dir, cpuq.open_cpu_q(tiny_synth_dir, "q4", threads=2, blocks=None))
 
 
 PROMPT = list(range(1000, 1037))
@@ -141,7 +141,7 @@ def test_cached_rows_are_read_in_place_and_never_written(model):
 
 def test_bits_do_not_depend_on_threads_or_repeats(model, tiny_synth_dir):
     """cpu-q's numerics leaves the thread count out: the decode graph must give the same bits."""
-    root, m = cpuq.ensure_quantized(tiny_synth_dir, cpuq.mode("q4"))
+    root, m = cpuq.ensure_quantized(tiny_synth_dir, cpuq.mode("q4"), blocks=None)
     path = m.onnx_files(root)[DECODE]
     rng = np.random.default_rng(1)
     a = model.args
@@ -165,14 +165,14 @@ def test_missing_or_broken_decode_graph_is_a_clear_error(model, tiny_synth_dir, 
     graph = root / "onnx" / f"{DECODE}.onnx"
     graph.write_bytes(b"not an onnx file")
     with pytest.raises(ConfigError, match=r"decode\.onnx cannot be loaded .*rebuild"):
-        cpuq.open_cpu_q(tiny_synth_dir, "q4")
+        cpuq.open_cpu_q(tiny_synth_dir, "q4", blocks=None)
     graph.unlink()
     with pytest.raises(ConfigError, match=r"decode\.onnx is missing"):
-        cpuq.open_cpu_q(tiny_synth_dir, "q4")
+        cpuq.open_cpu_q(tiny_synth_dir, "q4", blocks=None)
     # a graph of another geometry (here: a layer graph) is refused before any call
     shutil.copy(root / "onnx" / "head.onnx", graph)
     with pytest.raises(ConfigError, match="not a decode graph of this model"):
-        cpuq.open_cpu_q(tiny_synth_dir, "q4")
+        cpuq.open_cpu_q(tiny_synth_dir, "q4", blocks=None)
 
 
 def test_decode_graph_setting_off_has_its_own_numerics(model, tiny_synth_dir, home):
@@ -198,7 +198,7 @@ def test_attention_is_the_attnrow_operator_and_old_directories_are_rebuilt(model
 
     from edge_llm.backends import attn_kernel
 
-    root, m = cpuq.ensure_quantized(tiny_synth_dir, cpuq.mode("q4"))
+    root, m = cpuq.ensure_quantized(tiny_synth_dir, cpuq.mode("q4"), blocks=None)
     graph = onnx.load(str(m.onnx_files(root)[DECODE]), load_external_data=False)
     ops = [n.op_type for n in graph.graph.node]
     assert ops.count(attn_kernel.ATTN_OP) == model.args.num_hidden_layers
@@ -212,7 +212,7 @@ def test_attention_is_the_attnrow_operator_and_old_directories_are_rebuilt(model
     manifest = json.loads((old_root / "manifest.json").read_text())
     del manifest["build"]["format"]  # what an edge-llm before the operator wrote
     (old_root / "manifest.json").write_text(json.dumps(manifest))
-    _, rebuilt = cpuq.ensure_quantized(tiny_synth_dir, cpuq.mode("q4"))
+    _, rebuilt = cpuq.ensure_quantized(tiny_synth_dir, cpuq.mode("q4"), blocks=None)
     assert rebuilt.build["format"] == cpuq.QUANT_FORMAT
     assert json.loads((old_root / "manifest.json").read_text())["build"]["format"] == cpuq.QUANT_FORMAT
 
@@ -224,7 +224,7 @@ def test_without_the_built_operator_one_row_steps_use_the_layer_graphs(model, ti
 
     monkeypatch.setattr(attn_kernel, "library_path", lambda: None)
     with caplog.at_level("WARNING"):
-        be = cpuq.open_cpu_q(tiny_synth_dir, "q4", threads=2)
+        be = cpuq.open_cpu_q(tiny_synth_dir, "q4", threads=2, blocks=None)
     assert be.row_step is None and be.numerics.endswith(":per-layer-decode")
     assert "attention operator" in caplog.text and "not built" in caplog.text
     m = Model.load(tiny_synth_dir, be)

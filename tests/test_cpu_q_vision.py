@@ -70,10 +70,10 @@ def models(vl_dir, home, tmp_path_factory):
     """cpu: F32; cpuq: the cpu-q backend as built; fused: every step fused, plus layers 1 and 2's
     qkv graphs of cpu-q's set; fused_only: every step fused and no qkv graph after layer 0."""
     cpu = Model.load(vl_dir)
-    cpuq_model = Model.load(vl_dir, cpuq.open_cpu_q(vl_dir, "q4", threads=2))
-    root, built = cpuq.ensure_quantized(vl_dir, cpuq.mode("q4"))
+    cpuq_model = Model.load(vl_dir, cpuq.open_cpu_q(vl_dir, "q4", threads=2, blocks=None))  # synthetic: no GGUF
+    root, built = cpuq.ensure_quantized(vl_dir, cpuq.mode("q4"), blocks=None)
     args, out = ModelArgs.from_dir(vl_dir), tmp_path_factory.mktemp("fused")
-    fused = export_graph_set(vl_dir, out, chunks=None, linear=QuantLinear(args, vl_dir, 4, cpuq.BLOCK, 4),
+    fused = export_graph_set(vl_dir, out, chunks=None, linear=QuantLinear(args, None, 4, cpuq.BLOCK, 4),
                              norm=rms_norm_op, fused=True, unfused=0)
     assert Manifest.read(out).identity() != built.identity()
     extra = [s for s in built.specs() if s.kind == QKV and s.index > 0]

@@ -136,13 +136,13 @@ def test_hf_model_sizes_and_identity(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert f"{ns} (cpu-f32, 1 snapshot(s))" in c["model"].detail
     assert f"model_id {ns}" not in c["model"].detail
     # the decode graph's session holds a second prepacked copy of the q4 weights
-    from edge_llm.doctor import Doctor
+    from edge_llm.doctor import Doctor, ModelSizes
 
     sizes = {}
     for flag in (True, False):
         d = Doctor(Settings(model=str(model), disk_kv=None, backend="cpu-q", max_seq=16, decode_graph=flag))
-        d._model = ("2B", 8 << 30, 0)  # 8 GiB of F32 weights
-        sizes[flag] = float(re.search(r"= (\d+\.\d\d) GiB", d.memory().detail).group(1))
+        two_b = ModelSizes("2B", 8 << 30, 0)  # 8 GiB of F32 weights
+        sizes[flag] = float(re.search(r"= (\d+\.\d\d) GiB", d.memory(two_b).detail).group(1))
     assert sizes == {True: 3.0, False: 1.5}
 
     (model / "tokenizer.json").unlink()
@@ -247,7 +247,7 @@ def test_gguf_header_walk_matches_gguf_reader(tmp_path: Path) -> None:
     """Our header walk (used for the not-yet-imported default model) against gguf's own reader."""
     import gguf
 
-    from edge_llm.models.gguf_header import gguf_sizes
+    from edge_llm.checkpoints.gguf_header import gguf_sizes
 
     path = tmp_path / "tiny.gguf"
     w = gguf.GGUFWriter(str(path), "llama")

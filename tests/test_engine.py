@@ -12,11 +12,12 @@ from edge_llm.kvcache import KVCache
 from edge_llm.progress import NO_WORK
 from edge_llm.runtime import load_runtime
 from edge_llm.settings import Settings
+from edge_llm.snapshot.layout import SNAPSHOT_GLOB
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from edge_llm.models.synth import synth_checkpoint
+    from edge_llm.checkpoints.synth import synth_checkpoint
 
     d = tmp_path_factory.mktemp("tiny") / "model"
     synth_checkpoint(d, preset="tiny", seed=5)
@@ -120,7 +121,7 @@ def test_corrupt_snapshot_during_restore_falls_back_and_quarantines(tiny, tmp_pa
     eng = engine(tiny, kv, prefill_chunk=16)  # a 60-token prompt restores 48 aligned rows
     cold_text, cold = run(eng, PROMPT, max_tokens=6)
     eng.store.close()
-    (snap,) = list(kv.rglob("kv_*.kv"))
+    (snap,) = list(kv.rglob(SNAPSHOT_GLOB))
     n = int(np.frombuffer(snap.read_bytes()[24:28], "<u4")[0])
     with open(snap, "r+b") as f:  # flip one bit in layer 0's first K block
         f.seek(64 + 4 * n + 100)

@@ -14,11 +14,11 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
+from edge_llm.checkpoints import default as default_mod  # noqa: E402
+from edge_llm.checkpoints import packaged  # noqa: E402
+from edge_llm.checkpoints.gguf_import import hf_name, import_gguf, unpermute_qk  # noqa: E402
 from edge_llm.config import ModelArgs  # noqa: E402
 from edge_llm.errors import ModelImportError  # noqa: E402
-from edge_llm.models import default as default_mod  # noqa: E402
-from edge_llm.models import packaged  # noqa: E402
-from edge_llm.models.gguf_import import hf_name, import_gguf, unpermute_qk  # noqa: E402
 
 N_HEAD, N_KV, HEAD_DIM, HIDDEN, FFN, LAYERS = 4, 2, 8, 32, 48, 2
 
@@ -250,7 +250,7 @@ def test_default_model_imports_once(smollm2):
 
 
 def test_default_model_geometry(smollm2):
-    from edge_llm.models.safetensors_writer import read_safetensors_header
+    from edge_llm.checkpoints.safetensors_writer import read_safetensors_header
 
     d = smollm2[1][0]
     args = ModelArgs.from_dir(d)

@@ -39,13 +39,13 @@ def kv_dir(tmp_path):
         s.save_async(c)
         assert s.flush(60)
     s.close()
-    for k, p in enumerate(sorted(s.ns.glob("kv_*.kv"), key=lambda p: os.path.getsize(p))):
+    for k, p in enumerate(sorted(s.ns.glob(fmt.SNAPSHOT_GLOB), key=lambda p: os.path.getsize(p))):
         os.utime(p, (1_700_000_000 + k * 100,) * 2)
     return d
 
 
 def files(kv_dir):
-    return sorted(kv_dir.glob("*/kv_*.kv"), key=lambda p: os.path.getsize(p))
+    return sorted(kv_dir.glob(f"*/{fmt.SNAPSHOT_GLOB}"), key=lambda p: os.path.getsize(p))
 
 
 def test_ls_shows_namespaces_and_snapshots(kv_dir):

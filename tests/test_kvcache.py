@@ -3,8 +3,10 @@ import psutil
 import pytest
 
 from edge_llm.config import Geometry
-from edge_llm.errors import KVCacheError
+from edge_llm.errors import KVCacheError, SnapshotBlockCRC
 from edge_llm.kvcache import KVCache, lcp
+from edge_llm.progress import Cancelled, Work
+from helpers.rows_source import RowsFrom
 
 G = Geometry(n_layers=3, n_kv_heads=2, head_dim=4)
 
@@ -62,7 +64,7 @@ def test_lease_protects_rows_until_each_layer_is_written_out():
     z = np.ones((2, G.kv_dim), np.float32)
     assert _blocked(c.write, 0, 6, z, z) is None  # rows >= 6 are not leased
     w1 = _blocked(c.write, 1, 4, z, z)
-    assert w1 is not None and _blocked(c.restore_rows, 0, 0) is not None
+    assert w1 is not None
     lease.layer_done(1)  # layer 0 is in the file
     assert _blocked(c.write, 0, 0, z, z) is None and w1.is_alive()
     lease.layer_done(2)
@@ -110,3 +112,83 @@ def test_waiting_writer_reports_save_progress_and_honours_cancel():
     th.join(5)
     assert not th.is_alive() and err and err[0].stage == "save-wait"
     assert not np.any(c.data[2, :, 0])  # nothing was written
+
+
+def _rows(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((3, 2, 8, G.kv_dim)).astype(np.float32)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_restore_fills_rows_sets_tokens_and_reports_the_path_taken(pipelined):
+    c = KVCache(G, max_seq=10)
+    c.append_tokens([9, 9])  # rows of another prompt: replaced
+    src = RowsFrom(_rows(), list(range(8)))
+    r = c.restore(src, pipelined)
+    seen = []
+    out = r.finish(behind=lambda: seen.append(c.valid(2, 8)[0].copy()) or "tail")
+    assert out == "tail" and c.tokens == list(range(8)) and np.array_equal(c.data[:, :, :8], src.data)
+    assert np.array_equal(seen[0], src.data[2, 0])  # the tail saw layer 2 only once it was read
+    assert r.restored.mode == ("pipelined" if pipelined else "sequential") and r.restored.n_tokens == 8
+    assert src.outcome is r.restored and src.closed
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_failed_restore_has_one_channel_finish(pipelined):
+    """A CRC error at layer 1: the tail (pipelined) is abandoned at its wait for layer 1, finish()
+    raises what the source's `failed` returned, the cache is empty, nothing else raised."""
+    c = KVCache(G, max_seq=10)
+    import threading
+
+    layer1 = threading.Event()  # pipelined: the reader fails on layer 1 once the tail used layer 0
+    src = RowsFrom(_rows(), list(range(8)), fail_at=1, gate={1: layer1} if pipelined else {})
+    r = c.restore(src, pipelined)
+    reached = []
+
+    def tail():
+        c.valid(0, 8)
+        reached.append(0)
+        layer1.set()
+        c.valid(1, 8)  # never returns: the reader failed on this layer
+        reached.append(1)
+
+    with pytest.raises(SnapshotBlockCRC):
+        r.finish(behind=tail)
+    assert c.length == 0 and isinstance(src.outcome, SnapshotBlockCRC) and src.closed
+    assert reached == ([0] if pipelined else [])  # sequential: nothing computes on a failed read
+    c.append_tokens([1])  # the cache is usable again: no restore left blocking it
+    z = np.zeros((1, G.kv_dim), np.float32)
+    assert _blocked(c.write, 2, 0, z, z) is None and c.lease(1) is not None
+
+
+def test_cancel_during_a_pipelined_restore_resets_unless_every_row_was_read():
+    import threading
+
+    cancel = threading.Event()
+    c = KVCache(G, max_seq=10)
+    gate = {2: threading.Event()}
+    src = RowsFrom(_rows(), list(range(8)), gate=gate)
+    r = c.restore(src, True, Work(cancel=cancel))
+
+    def tail():
+        c.valid(1, 8)
+        cancel.set()
+        gate[2].set()  # the reader sees the cancel before layer 2 or after: both are handled
+        c.valid(2, 8, Work(cancel=cancel))
+
+    with pytest.raises(Cancelled):
+        r.finish(behind=tail)
+    assert c.length in (0, 8)  # reset if the reader stopped, kept if it had read every layer
+    if c.length == 8:
+        assert np.array_equal(c.data[:, :, :8], src.data)
+
+
+def test_a_restore_waits_for_the_rows_a_pending_save_still_needs():
+    c = KVCache(G, max_seq=10)
+    c.append_tokens(range(6))
+    lease = c.lease(6)
+    src = RowsFrom(_rows(), list(range(8)))
+    restorer = _blocked(lambda: c.restore(src, False).finish())
+    assert restorer is not None and src.outcome is None  # layer 0 is still to be saved
+    lease.release()
+    restorer.join(5)
+    assert not restorer.is_alive() and np.array_equal(c.data[:, :, :8], src.data)

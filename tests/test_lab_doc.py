@@ -14,6 +14,7 @@ from pathlib import Path
 from serverutil import free_port
 
 from edge_llm.settings import DEFAULTS
+from edge_llm.snapshot.layout import SNAPSHOT_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "lab-a.md"
@@ -57,12 +58,12 @@ def test_lab_walkthrough_runs(edge_home, tmp_path):
     out = r.stdout
     assert r.returncode == 0, f"{out}\n{r.stderr[-3000:]}"
     assert "S1 prompt" in out and "cache none" in out
-    saved = re.search(r"\[KV-DISK\] saved (\d+)-token KV -> (kv_[0-9a-f]{16}\.kv)", out)
-    loaded = re.search(r"\[KV-DISK\] loaded (\d+)-token KV prefix from disk file (kv_[0-9a-f]{16}\.kv)", out)
+    saved = re.search(rf"\[KV-DISK\] saved (\d+)-token KV -> ({SNAPSHOT_NAME})", out)
+    loaded = re.search(rf"\[KV-DISK\] loaded (\d+)-token KV prefix from disk file ({SNAPSHOT_NAME})", out)
     assert saved and loaded and saved[2] == loaded[2], out  # S2 read S1's file
     from edge_llm.snapshot.layout import snapshot_size
 
-    size = int(re.search(r"\[KV-DISK\] saved \d+-token KV -> kv_[0-9a-f]{16}\.kv \((\d+) bytes", out)[1])
+    size = int(re.search(rf"\[KV-DISK\] saved \d+-token KV -> {SNAPSHOT_NAME} \((\d+) bytes", out)[1])
     assert size == snapshot_size(30, int(saved[1]), 3 * 64, 64)  # a real run gives the formula's bytes
     assert "[KV-DISK] index: 1 checkpoint(s)" in out
     n, aligned = map(int, re.search(r"\[PREFILL-TIMING\] n=(\d+) total=[\d.]+ms aligned=(\d+)", out).groups())

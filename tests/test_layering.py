@@ -1,35 +1,52 @@
-"""The module layering of docs/architecture.md: a module imports only from lower layers."""
+"""The module layering of docs/architecture.md, checked on every import (also lazy, function-level
+ones): across packages an import goes strictly down the layer table (never to the same layer),
+inside a package it goes strictly back along the package's declared module order."""
 
 import ast
 import re
 import subprocess
 from pathlib import Path
 
-import pytest
-
 PKG = Path(__file__).resolve().parents[1] / "edge_llm"
 
-# module (dotted, relative to edge_llm) -> layer; a package maps all its modules
+# unit (a package or a top-level module, dotted relative to edge_llm) -> layer; a unit imports
+# only units of a lower layer. `__init__` is edge_llm/__init__.py (the version).
 LAYERS = {
-    "errors": 0, "progress": 0,
+    "errors": 0, "progress": 0, "quality_text": 0, "files": 0, "__init__": 0,
     "config": 1, "settings": 1,
     "weights": 2, "tokenizer": 2, "kvcache": 2, "costgate": 2,
-    "backends": 3, "models": 3, "vision": 3, "snapshot.format": 3, "snapshot.layout": 3, "snapshot.encode": 3, "snapshot.decode": 3,
-    "snapshot.inspect": 3,
-    "snapshot.identity": 4, "snapshot.store": 4, "snapshot": 4,
-    "sampling": 5, "engine": 5, "runtime": 5,
-    "server": 6, "bench": 6, "logsetup": 6, "sdnotify": 6, "doctor": 6, "convert": 6,
-    "cli": 7, "__main__": 8, "__init__": 0,
+    "backends": 3, "snapshot": 3,
+    "models": 4, "checkpoints": 4,
+    "vision": 5, "sampling": 5,
+    "engine": 6, "convert": 6,
+    "runtime": 7, "logsetup": 7, "sdnotify": 7,
+    "server": 8, "bench": 8, "doctor": 8,
+    "cli": 9,
+    "__main__": 10,
 }
 
-
-def layer_of(dotted: str) -> int:
-    parts = dotted.split(".")
-    for k in range(len(parts), 0, -1):
-        key = ".".join(parts[:k])
-        if key in LAYERS:
-            return LAYERS[key]
-    raise KeyError(dotted)
+# package -> its modules low to high: a module imports only modules listed before it
+# (`__init__` is the package's own __init__.py; a subpackage is one entry of its parent)
+ORDER = {
+    "backends": ["wire", "toolkit_worker", "graphs", "manifest", "cpu", "cpu_vision", "vision", "__init__",
+                 "runners", "rknnlite", "graph", "rknn", "onnx_export", "quant", "quant_export", "attn_kernel",
+                 "decode_export", "decode_step", "cpuq"],
+    "snapshot": ["writer", "layout", "encode", "decode", "format", "inspect", "entries", "chains", "catalog",
+                 "chain_read", "saver", "identity", "store", "maintenance", "__init__"],
+    "kvcache": ["records", "cache", "__init__"],
+    "doctor": ["probe", "board", "storage", "__init__"],
+    "models": ["rope", "qwen3", "__init__"],
+    "checkpoints": ["packaged", "gguf_header", "safetensors_writer", "gguf_import", "synth", "default",
+                    "gguf_blocks", "__init__"],
+    "vision": ["preprocess", "positions", "encoder", "model", "__init__"],
+    "convert": ["report", "calibration", "rknn", "__init__"],
+    "server": ["errors", "schemas", "metrics", "worker", "images", "streaming", "state", "app", "__init__"],
+    "bench": ["disk", "procstat", "prompts", "models", "client", "throttle", "restore", "conversation", "ttft",
+              "split", "recovery", "quant", "accuracy", "quant_memory", "npu", "vision", "llamacpp_peer",
+              "__init__"],
+    "cli": ["options", "progress", "bench", "convert", "doctor", "generate", "kv", "model", "serve", "__init__"],
+    "cli.bench": ["common", "accuracy", "compute", "npu", "quant", "recovery", "restore", "vision", "__init__"],
+}
 
 
 def modules():
@@ -41,21 +58,104 @@ def modules():
         yield ".".join(parts), path
 
 
-@pytest.mark.parametrize("name,path", list(modules()), ids=lambda v: str(v) if isinstance(v, str) else "")
-def test_imports_respect_layers(name, path):
-    own = layer_of(name)
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
-        targets = []
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("edge_llm"):
-            targets = [node.module]
-        elif isinstance(node, ast.Import):
-            targets = [a.name for a in node.names if a.name.startswith("edge_llm")]
-        for t in targets:
-            sub = t[len("edge_llm."):] if t != "edge_llm" else "__init__"
-            if sub.split(".")[0] == name.split(".")[0] and own >= 3:
-                continue  # inside one package (e.g. snapshot.store -> snapshot.format is checked below)
-            assert layer_of(sub) <= own, f"{name} (layer {own}) imports {t} (layer {layer_of(sub)})"
+def packages() -> set[str]:
+    return {".".join(p.relative_to(PKG).parent.parts) for p in PKG.rglob("__init__.py") if p.parent != PKG}
+
+
+def unit_of(dotted: str, layers: dict[str, int]) -> str:
+    parts = dotted.split(".")
+    for k in range(len(parts), 0, -1):
+        if (key := ".".join(parts[:k])) in layers:
+            return key
+    raise KeyError(f"{dotted}: in no unit of the layer table")
+
+
+def _member(name: str, pkg: str) -> str:
+    """The entry of `pkg`'s order list that `name` (pkg itself or a module below it) falls under."""
+    return "__init__" if name == pkg else name[len(pkg) + 1:].split(".")[0]
+
+
+def violations(graph: dict[str, set[str]], layers: dict[str, int] = LAYERS,
+               order: dict[str, list[str]] = ORDER, pkgs: set[str] | None = None) -> list[str]:
+    """Every import edge that breaks the layering: across units not strictly down, inside a
+    package not strictly back along its order."""
+    pkgs = packages() if pkgs is None else pkgs
+    bad = []
+    for a in sorted(graph):
+        for b in sorted(graph[a]):
+            ua, ub = unit_of(a, layers), unit_of(b, layers)
+            if ua != ub:
+                if layers[ub] >= layers[ua]:
+                    how = "the same layer" if layers[ub] == layers[ua] else "a higher layer"
+                    bad.append(f"{a} (layer {layers[ua]}) imports {b} (layer {layers[ub]}): {how}")
+                continue
+            pa, pb = a.split("."), b.split(".")
+            common = next(k for k in range(min(len(pa), len(pb)), -1, -1) if pa[:k] == pb[:k])
+            # the innermost package holding both (a package's own name stands for its __init__)
+            pkg = next(".".join(pa[:k]) for k in range(common, 0, -1) if ".".join(pa[:k]) in pkgs)
+            ma, mb = _member(a, pkg), _member(b, pkg)
+            seq = order.get(pkg)
+            if seq is None or ma not in seq or mb not in seq:
+                bad.append(f"{a} imports {b}: {pkg} has no order entry for {ma if seq and ma not in seq else mb}")
+            elif seq.index(mb) >= seq.index(ma):
+                bad.append(f"{a} imports {b}: {mb} is not before {ma} in {pkg}'s order")
+    return bad
+
+
+def test_imports_go_strictly_down():
+    assert not (v := violations(import_graph())), "layering broken:\n" + "\n".join(v)
+
+
+def test_every_package_declares_its_order():
+    """Each package's list names exactly its modules (and subpackages), each once."""
+    members: dict[str, set[str]] = {}
+    for name, _ in modules():
+        for pkg in packages():
+            if name == pkg or name.startswith(pkg + ".") and "." not in name[len(pkg) + 1:]:
+                members.setdefault(pkg, set()).add(_member(name, pkg))
+    assert set(ORDER) == set(members)
+    for pkg, seq in ORDER.items():
+        assert len(seq) == len(set(seq)) and set(seq) == members[pkg], (pkg, sorted(members[pkg] ^ set(seq)))
+    assert {unit_of(name, LAYERS) for name, _ in modules()} == set(LAYERS)
+
+
+def _doc_block(kind: str) -> list[str]:
+    text = (PKG.parent / "docs" / "architecture.md").read_text()
+    m = re.search(rf"^```{kind}\n(.*?)^```", text, re.M | re.S)
+    assert m, f"docs/architecture.md has no ```{kind} block"
+    return [line.split() for line in m.group(1).splitlines() if line.strip()]
+
+
+def test_docs_state_the_same_layering():
+    """docs/architecture.md's "Layering" blocks are these tables."""
+    assert {u: int(row[0]) for row in _doc_block("layers") for u in row[1:]} == LAYERS
+    assert {row[0].rstrip(":"): row[1:] for row in _doc_block("order")} == ORDER
+
+
+def test_checker_reports_what_the_old_test_let_through():
+    """The edges of the cycle this layering removed (backends.quant_export -> models.gguf_import,
+    models.qwen3 -> backends: both layer 3 then), a same-layer edge and an intra-package edge
+    out of order are each reported; the same graph in legal form is not."""
+    pkgs = {"backends", "models", "snapshot", "checkpoints"}
+    old = {**LAYERS, "models": 3}
+    graph = {"backends.quant_export": {"models.gguf_import"}, "models.qwen3": {"backends"}}
+    assert len(violations(graph, old, ORDER, pkgs)) == 2  # the old test skipped same-layer edges
+    assert violations(graph, LAYERS, ORDER, pkgs) == [
+        "backends.quant_export (layer 3) imports models.gguf_import (layer 4): a higher layer"]
+    assert violations({"backends.quant_export": {"checkpoints.gguf_import"}}, LAYERS, ORDER, pkgs)
+    assert violations({"engine": {"convert.report"}}, LAYERS, ORDER, pkgs) == [
+        "engine (layer 6) imports convert.report (layer 6): the same layer"]
+    assert violations({"snapshot.layout": {"snapshot.store"}}, LAYERS, ORDER, pkgs) == [
+        "snapshot.layout imports snapshot.store: store is not before layout in snapshot's order"]
+    assert violations({"snapshot.store": {"snapshot.layout", "snapshot"}, "backends.graph": {"backends"},
+                       "backends": {"backends.cpu"}, "models.qwen3": {"backends", "models.rope"}},
+                      LAYERS, ORDER, pkgs) == ["snapshot.store imports snapshot: __init__ is not before store "
+                                               "in snapshot's order"]
+    nested = {"cli.bench", "cli"}
+    assert violations({"cli.bench.npu": {"cli.bench.common", "cli.options"}, "cli.convert": {"cli.bench.common"}},
+                      LAYERS, ORDER, nested) == []
+    assert violations({"cli.options": {"cli.bench.common"}}, LAYERS, ORDER, nested) == [
+        "cli.options imports cli.bench.common: bench is not before options in cli's order"]
 
 
 def test_snapshot_never_imports_engine_or_server():
@@ -84,7 +184,8 @@ def test_toolkit_is_imported_only_by_the_worker():
         if n.split(".")[0] == "rknn":
             assert path.name == "toolkit_worker.py", path
         if n.split(".")[0] == "rknnlite":
-            assert path.name in ("rknnlite.py", "doctor.py") and not top, path
+            assert path.name == "rknnlite.py" or path.parent.name == "doctor", path
+            assert not top, path
         if path.name == "toolkit_worker.py":
             assert not n.startswith("edge_llm"), n
 
@@ -139,7 +240,7 @@ def import_graph() -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("edge_llm"):
                 base = node.module[len("edge_llm."):] if node.module != "edge_llm" else ""
-                for alias in node.names:  # `from edge_llm.models import default` imports a module
+                for alias in node.names:  # `from edge_llm.checkpoints import default` imports a module
                     sub = f"{base}.{alias.name}" if base else alias.name
                     deps.add(sub if sub in known else base or "__init__")
             elif isinstance(node, ast.Import):
@@ -193,8 +294,8 @@ def test_cycle_detector():
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert find_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
     graph = import_graph()
-    assert "models.packaged" in graph["models.synth"]  # real edges are seen (not an empty graph)
-    assert "models.gguf_import" in graph["models.default"]  # a lazy, function-level import
+    assert "checkpoints.packaged" in graph["checkpoints.synth"]  # real edges are seen (not an empty graph)
+    assert "checkpoints.gguf_import" in graph["checkpoints.default"]  # a lazy, function-level import
 
 
 def test_comments_point_to_the_repos_own_docs():

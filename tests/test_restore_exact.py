@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edge_llm.snapshot.layout import SNAPSHOT_GLOB
+
 HELPER = Path(__file__).parent / "helpers" / "engine_session.py"
 
 
@@ -27,7 +29,7 @@ def run(model, kv, mode, x, state, out, backend="cpu", home=None):
 
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory):
-    from edge_llm.models.synth import synth_checkpoint
+    from edge_llm.checkpoints.synth import synth_checkpoint
 
     d = tmp_path_factory.mktemp("tiny") / "model"
     synth_checkpoint(d, preset="tiny", seed=3)
@@ -60,7 +62,7 @@ def test_restore_is_bitwise_ram_continuation(which, backend, x, request, tmp_pat
         return run(model, kv, mode, x, state, tmp_path / f"{mode}.npz", backend, edge_home)
 
     warm = go("warm")
-    snaps = list(kv.rglob("kv_*.kv"))
+    snaps = list(kv.rglob(SNAPSHOT_GLOB))
     assert len(snaps) == 1, snaps
     ident = json.loads((snaps[0].parent / "identity.json").read_text())
     assert ident["backend_numerics"].startswith("cpu-q:" if backend == "cpu-q" else "cpu-f32")

@@ -84,7 +84,7 @@ def default_model(edge_home):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from edge_llm.models.synth import synth_checkpoint
+    from edge_llm.checkpoints.synth import synth_checkpoint
 
     d = tmp_path_factory.mktemp("tiny") / "model"
     synth_checkpoint(d, preset="tiny", seed=7)

@@ -19,7 +19,12 @@ from serverutil import ServerProc, wait_for
 
 from edge_llm.kvcache import lcp
 from edge_llm.settings import DEFAULTS
-from edge_llm.snapshot.format import read_header, verify_file
+from edge_llm.snapshot.format import (
+    SNAPSHOT_GLOB,
+    SNAPSHOT_NAME,
+    read_header,
+    verify_file,
+)
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant. Answer briefly."}
 STORY = " ".join(f"Note {i}: the lighthouse keeper counted {i * 7} ships passing the northern cape."
@@ -41,7 +46,7 @@ def namespace(kv: Path) -> Path:
 
 def snapshots(ns: Path) -> dict[str, list[int]]:
     out = {}
-    for p in sorted(ns.glob("kv_*.kv")):
+    for p in sorted(ns.glob(SNAPSHOT_GLOB)):
         with open(p, "rb") as f:
             out[p.name] = [int(t) for t in read_header(f, None, None, None)[1]]
     return out
@@ -49,7 +54,7 @@ def snapshots(ns: Path) -> dict[str, list[int]]:
 
 @pytest.fixture()
 def tokenizer(edge_home, monkeypatch):
-    from edge_llm.models.default import resolve_model_dir
+    from edge_llm.checkpoints.default import resolve_model_dir
     from edge_llm.tokenizer import Tokenizer
 
     monkeypatch.setenv("EDGE_LLM_HOME", str(edge_home))
@@ -78,7 +83,7 @@ def test_sigterm_restore_then_sigkill_mid_save(edge_home, tmp_path, tokenizer):
     assert r1["timings"]["cache_source"] == "none" and r1["usage"]["prompt_tokens"] >= 500
     assert srv.stop(signal.SIGTERM) == 0
     text = log_file.read_text()
-    assert re.search(r"\[KV-DISK\] saved \d+-token KV -> kv_[0-9a-f]{16}\.kv", text)
+    assert re.search(rf"\[KV-DISK\] saved \d+-token KV -> {SNAPSHOT_NAME}", text)
     assert "reason=SIGTERM code=0" in text
     ns = namespace(kv)
     stored = snapshots(ns)

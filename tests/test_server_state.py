@@ -9,6 +9,7 @@ from edge_llm.engine import GenerationRequest
 from edge_llm.runtime import load_runtime
 from edge_llm.server.state import AppState
 from edge_llm.settings import Settings
+from edge_llm.snapshot.layout import SNAPSHOT_GLOB
 
 
 def test_close_releases_the_backend_after_the_last_save(tiny_synth_dir, tmp_path, monkeypatch):
@@ -25,7 +26,7 @@ def test_close_releases_the_backend_after_the_last_save(tiny_synth_dir, tmp_path
             return store_close(*a, **kw)
 
         engine.store.close = closing_store
-        engine.model.backend.close = lambda: seen.append(("backend", engine.store.pending_tokens()))
+        engine.model.backend.close = lambda: seen.append(("backend", engine.store.pending_tokens()))  # via Engine.close
         return engine
 
     state = AppState(settings, loader=loader)
@@ -37,7 +38,7 @@ def test_close_releases_the_backend_after_the_last_save(tiny_synth_dir, tmp_path
     list(state.engine.generate(GenerationRequest(prompt_tokens=list(range(100, 300)), max_tokens=2)))
     state.close(grace=0)
     assert seen == [("store", 0), ("backend", 0)]  # flushed, closed, then the backend
-    assert list((tmp_path / "kv").rglob("kv_*.kv")), "the request's snapshot was saved before the close"
+    assert list((tmp_path / "kv").rglob(SNAPSHOT_GLOB)), "the request's snapshot was saved before the close"
 
 
 def test_a_stop_during_loading_releases_the_backend(tiny_synth_dir, tmp_path, monkeypatch):

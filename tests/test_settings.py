@@ -12,6 +12,7 @@ import pytest
 
 from edge_llm.errors import ConfigError
 from edge_llm.settings import Settings, load_settings, read_toml
+from edge_llm.snapshot.layout import SNAPSHOT_GLOB
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -121,7 +122,7 @@ def test_edge_llm_home_tilde_and_relative_resolve_once(tmp_path, tiny_synth_dir,
     assert (models, kv, digests) == (str(base / "eh" / "models"), str(base / "eh" / "kv"),
                                      str(base / "eh" / "digests.json"))
     assert (base / "eh" / "digests.json").is_file()  # written by the generate run's identity
-    assert list((base / "eh" / "kv").glob("*/kv_*.kv")), "the generate run saved no snapshot"
+    assert list((base / "eh" / "kv").glob(f"*/{SNAPSHOT_GLOB}")), "the generate run saved no snapshot"
     assert not (work / "~").exists()
 
 
@@ -229,3 +230,24 @@ def test_documented_spellings_in_every_channel(key, word, value, tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'{key} = "{word}"\n')
     assert getattr(load_settings({}, config_file=cfg, env=env), key) is value
+
+
+def test_byte_sizes_take_binary_units_in_every_channel(tmp_path):
+    """disk_kv_max_bytes reads 4294967296, "4GiB", "4G" alike (settings.parse_size, which
+    `kv gc --max-bytes` uses too); a word that is no size is a ConfigError naming the key."""
+    from edge_llm.settings import parse_size
+
+    assert parse_size("1500000") == 1500000 and parse_size("512M") == 512 << 20
+    assert parse_size("1.5GiB") == 3 << 29 and parse_size(" 1k ") == 1024
+    env = {"EDGE_LLM_HOME": str(tmp_path)}
+    assert load_settings({}, env={**env, "EDGE_LLM_DISK_KV_MAX_BYTES": "4GiB"}).disk_kv_max_bytes == 4 << 30
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('disk_kv_max_bytes = "4G"\n')
+    assert load_settings({}, config_file=cfg, env=env).disk_kv_max_bytes == 4 << 30
+    cfg.write_text("disk_kv_max_bytes = 4294967296\n")
+    assert load_settings({}, config_file=cfg, env=env).disk_kv_max_bytes == 4 << 30
+    assert load_settings({"disk_kv_max_bytes": "512MiB"}, env=env).disk_kv_max_bytes == 512 << 20
+    with pytest.raises(ConfigError, match="disk_kv_max_bytes must be a size in bytes"):
+        load_settings({"disk_kv_max_bytes": "lots"}, env=env)
+    with pytest.raises(ValueError):
+        parse_size("4 parsecs")

@@ -57,7 +57,7 @@ def restore_rows(s, tokens, m=None):
     hit = s.lookup(list(tokens) + [0])
     assert hit is not None, "no hit"
     if m is not None:
-        from edge_llm.snapshot.index import Hit
+        from edge_llm.snapshot.entries import Hit
 
         hit = Hit(hit.entry, m)
     dst = KVCache(G, max_seq=400, kv_bs=KV_BS, check_memory=False)
@@ -91,7 +91,7 @@ def test_six_turns_write_only_new_rows_and_restore_bitwise(tmp_path):
         assert res.n_tokens == m and same(dst, ROWS, m) and dst.tokens == conv(m)
     res, dst = restore_rows(s2, conv(301))
     assert res.files == 6 and res.n_tokens == 301 and same(dst, ROWS, 301)
-    for p in s2.ns.glob("kv_*.kv"):
+    for p in s2.ns.glob(fmt.SNAPSHOT_GLOB):
         fmt.verify_file(p, G, ID.model_id)
     s2.close()
 
@@ -147,7 +147,7 @@ def test_missing_or_bad_base_makes_deltas_quarantined_misses(tmp_path, damage):
         tmp = new_store(tmp_path / "other", max_chain=1)
         save(tmp, other)
         tmp.close()
-        os.replace(next(tmp.ns.glob("kv_*.kv")), mid.path)
+        os.replace(next(tmp.ns.glob(fmt.SNAPSHOT_GLOB)), mid.path)
     else:  # a bit flip in the middle file's payload: only a restore sees it
         hdr, _ = fmt.read_header(open(mid.path, "rb"), G, ID.model_id)
         with open(mid.path, "r+b") as f:
@@ -184,18 +184,18 @@ def test_delta_is_not_published_without_its_base(tmp_path, monkeypatch):
     s = new_store(tmp_path)
     save(s, cache_for(conv(40)))
     base = s.entries()[0]
-    from edge_llm.snapshot import saving as saving_mod
+    from edge_llm.snapshot import saver as saver_mod
 
-    real = saving_mod.publish_file
+    real = saver_mod.publish_file
 
     def racing(*a, **kw):
         out = real(*a, **kw)
         s.catalog.drop_quarantined(s.catalog.index[base.name], "block-crc: simulated")
         return out
 
-    monkeypatch.setattr(saving_mod, "publish_file", racing)
+    monkeypatch.setattr(saver_mod, "publish_file", racing)
     save(s, cache_for(conv(80)))
-    assert s.stats()["files"] == 0 and not list(s.ns.glob("kv_*.kv"))
+    assert s.stats()["files"] == 0 and not list(s.ns.glob(fmt.SNAPSHOT_GLOB))
     s.close()
 
 
@@ -224,7 +224,7 @@ s.close()
     s = new_store(tmp_path / "lab", group_read=True)
     save(s, cache_for(conv(40)))
     s.close()
-    assert stat.S_IMODE(next(s.ns.glob("kv_*.kv")).stat().st_mode) == 0o640
+    assert stat.S_IMODE(next(s.ns.glob(fmt.SNAPSHOT_GLOB)).stat().st_mode) == 0o640
     assert stat.S_IMODE(s.ns.stat().st_mode) == 0o750
 
 
@@ -240,7 +240,7 @@ def test_kv_ls_warns_about_snapshots_readable_by_others(tmp_path):
     res = CliRunner().invoke(kv, ["ls", "--kv-dir", str(tmp_path)], env={"COLUMNS": "200"})
     assert res.exit_code == 0 and "readable by others" not in res.output, res.output
     assert "delta" in res.output and "written" in res.output
-    f = next(s.ns.glob("kv_*.kv"))
+    f = next(s.ns.glob(fmt.SNAPSHOT_GLOB))
     os.chmod(f, 0o644)
     os.chmod(s.ns, 0o755)
     res = CliRunner().invoke(kv, ["ls", "--kv-dir", str(tmp_path)], env={"COLUMNS": "200"})
@@ -266,7 +266,7 @@ def test_kv_gc_evicts_a_chain_as_one_unit_deltas_first(tmp_path):
     evicted = [line.split("/")[1].split()[0] for line in res.output.splitlines() if line.startswith("evicted")]
     assert [rows[n] for n in evicted] == [120, 80, 40], res.output  # deltas first, the base last
     assert "(lru: 2 chains > max_files 1)" in res.output
-    assert [rows[p.name] for p in s.ns.glob("kv_*.kv")] == [60]
+    assert [rows[p.name] for p in s.ns.glob(fmt.SNAPSHOT_GLOB)] == [60]
     again = new_store(tmp_path)  # the survivor is intact: nothing quarantined at scan
     assert again.stats()["files"] == 1 and again.lookup(conv(60, branch=1) + [0]) is not None
     again.close()
@@ -288,7 +288,7 @@ def test_kv_rm_of_a_base_takes_its_deltas(tmp_path):
     removed = [line.split("/")[1].split()[0] for line in res.output.splitlines() if line.startswith("removed")]
     assert removed == [by_rows[120], by_rows[80]], res.output  # the delta on it first, then it
     assert "a delta resting on a removed snapshot" in res.output
-    assert sorted(p.name for p in s.ns.glob("kv_*.kv")) == sorted([by_rows[40], by_rows[60]])
+    assert sorted(p.name for p in s.ns.glob(fmt.SNAPSHOT_GLOB)) == sorted([by_rows[40], by_rows[60]])
     again = new_store(tmp_path)
     assert again.stats()["files"] == 2  # nothing left to quarantine
     again.close()

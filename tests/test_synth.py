@@ -10,20 +10,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edge_llm.config import ModelArgs, VisionArgs
-from edge_llm.errors import ModelImportError
-from edge_llm.models.safetensors_writer import (
+from edge_llm.checkpoints.safetensors_writer import (
     bf16_bits_to_f32,
     f32_to_bf16_bits,
     read_safetensors_header,
 )
-from edge_llm.models.synth import (
+from edge_llm.checkpoints.synth import (
     qwen3_vl_plans,
     synth_checkpoint,
     synth_tensor_bf16_blocks,
     synth_tensor_f32,
     text_config,
 )
+from edge_llm.config import ModelArgs, VisionArgs
+from edge_llm.errors import ModelImportError
 from edge_llm.weights import (
     expected_tensors,
     index_tensors,

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from edge_llm.checkpoints.gguf_import import import_tokenizer
+from edge_llm.checkpoints.packaged import default_gguf_path, qwen3_tokenizer_dir
 from edge_llm.errors import TokenizerError
-from edge_llm.models.gguf_import import import_tokenizer
-from edge_llm.models.packaged import default_gguf_path, qwen3_tokenizer_dir
 from edge_llm.tokenizer import REPLACEMENT_CHAR, StopMatcher, Tokenizer
 
 TEXTS = [

@@ -150,7 +150,7 @@ def chunks(a) -> None:
 
 def decode(a) -> None:
     """Turn 1 answered greedily (decode rows), turn 2 = turn 1 + answer + follow-up from RAM vs cold."""
-    from edge_llm.models.default import resolve_model_dir
+    from edge_llm.checkpoints.default import resolve_model_dir
     from edge_llm.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(resolve_model_dir(a.model))

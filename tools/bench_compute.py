@@ -72,7 +72,7 @@ def matmul_roofline(model: Model, chunk: int, n_tokens: int) -> tuple[float, flo
 
 
 def synth(out: Path, layers: int) -> None:
-    from edge_llm.models.synth import synth_checkpoint
+    from edge_llm.checkpoints.synth import synth_checkpoint
 
     synth_checkpoint(out, preset="qwen3-vl-2b", layers=layers)
 

@@ -95,7 +95,7 @@ def _tokenizer(a: argparse.Namespace):
     if a.base_url and not a.start_cmd:
         return None, None
     try:
-        from edge_llm.models.default import resolve_model_dir
+        from edge_llm.checkpoints.default import resolve_model_dir
         from edge_llm.tokenizer import Tokenizer
 
         tok = Tokenizer.from_dir(resolve_model_dir(a.model))

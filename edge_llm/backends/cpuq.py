@@ -8,7 +8,7 @@ plus the head, instead of 61). Shapes are dynamic (no padding). Embedding rows a
 the checkpoint file (mmap), attention/RoPE/the F32 KV rows stay in numpy (models/qwen3.py).
 
 Quantized graphs are built on first use into `$EDGE_LLM_HOME/quant/<model>-<weights
-digest>-<mode>/` (a temp directory renamed into place under a lock) and reused while the
+digest>-<mode>/` (a temp directory renamed into place under a lock: files.publish_dir) and reused while the
 model's weight digest is unchanged. `numerics` = `cpu-q:<mode>:<manifest identity>:<runner>`:
 the manifest identity hashes the ONNX bytes (bits, block size, accuracy level, which weights
 are exact), the last part names onnxruntime's version, the kernel and the CPU features that pick
@@ -17,12 +17,9 @@ its code path (not the thread count: the bits do not depend on it). See docs/qua
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import platform
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +27,9 @@ from pathlib import Path
 from edge_llm.backends.graph import GraphBackend
 from edge_llm.backends.graphs import DECODE
 from edge_llm.backends.manifest import MANIFEST, Manifest
+from edge_llm.backends.quant import BlockSource
 from edge_llm.errors import ConfigError
+from edge_llm.files import publish_dir
 
 log = logging.getLogger(__name__)
 
@@ -154,32 +153,21 @@ def _usable(root: Path, model_dir: Path, qm: QuantMode) -> Manifest | None:
         return None
 
 
-def ensure_quantized(model_dir: str | Path, qm: QuantMode,
-                     progress: Callable[[str], None] | None = None) -> tuple[Path, Manifest]:
-    """The quantized graph directory of this model and mode, built first if needed."""
+def ensure_quantized(model_dir: str | Path, qm: QuantMode, progress: Callable[[str], None] | None = None, *,
+                     blocks: BlockSource | None) -> tuple[Path, Manifest]:
+    """The quantized graph directory of this model and mode, built first if needed. `blocks`:
+    the stored blocks of the file the model was imported from (checkpoints.gguf_blocks), kept
+    exactly where they reproduce the weights; None quantizes every weight here. Required, not
+    defaulted: the directory is shared by every caller, so all must build it from the same source."""
     model_dir = Path(model_dir)
     root = quant_dir(model_dir, qm)
-    if (m := _usable(root, model_dir, qm)) is not None:
-        return root, m
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.parent / f".{root.name}.lock", "a+") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
-        if (m := _usable(root, model_dir, qm)) is not None:  # another process built it meanwhile
-            return root, m
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{root.name}-", dir=root.parent))
-        try:
-            os.chmod(tmp, 0o755)  # mkdtemp makes it private; the service user may differ from ours
-            m = build(model_dir, tmp, qm, progress)
-            if root.exists():
-                shutil.rmtree(root)
-            os.replace(tmp, root)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+    m = publish_dir(root, lambda tmp: build(model_dir, tmp, qm, progress, blocks=blocks),
+                    lambda d: _usable(d, model_dir, qm))
     return root, m
 
 
-def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], None] | None = None) -> Manifest:
+def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], None] | None = None, *,
+          blocks: BlockSource | None) -> Manifest:
     """Export the fused, dynamic-shape graphs with quantized linears into `out`."""
     try:
         from edge_llm.backends.decode_export import export_decode
@@ -193,9 +181,9 @@ def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], N
     args = ModelArgs.from_dir(model_dir)
     vision = vision_args_from_dir(model_dir)
     deepstack = len(vision.deepstack_visual_indexes) if vision is not None else 0
-    linear = QuantLinear(args, model_dir, qm.bits, qm.block, qm.accuracy_level)
+    linear = QuantLinear(args, blocks, qm.bits, qm.block, qm.accuracy_level)
     log.info("quantizing %s (%s%s) into %s", model_dir.name, qm.label,
-             f", GGUF blocks from {linear.source.name}" if linear.source else "", out)
+             f", GGUF blocks from {blocks.path.name}" if blocks else "", out)
     # F32 arithmetic: the plain RMSNorm (the fp16-safe one only adds nodes here)
     m = export_graph_set(model_dir, out, chunks=None, linear=linear, norm=rms_norm_op, fused=True, unfused=deepstack,
                          progress=(lambda s: progress(f"quantizing {s.name}")) if progress else None,
@@ -217,8 +205,10 @@ def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], N
 
 
 def open_cpu_q(model_dir: str | Path, quant: str = "q4", threads: int | None = None,
-               progress: Callable[[str], None] | None = None, decode_graph: bool = True) -> GraphBackend:
+               progress: Callable[[str], None] | None = None, decode_graph: bool = True, *,
+               blocks: BlockSource | None) -> GraphBackend:
     """Build or find the quantized graphs, start onnxruntime on them: a Backend to load.
+    `blocks`: as for `ensure_quantized`.
     `decode_graph=False` runs one-row steps on the per-layer graphs too (what cpu-q did before the
     decode graph; `bench quant` compares both): other bits, so another `numerics`."""
     from edge_llm.backends import attn_kernel
@@ -227,7 +217,7 @@ def open_cpu_q(model_dir: str | Path, quant: str = "q4", threads: int | None = N
     from edge_llm.config import ModelArgs
 
     qm = mode(quant)
-    root, m = ensure_quantized(model_dir, qm, progress)
+    root, m = ensure_quantized(model_dir, qm, progress, blocks=blocks)
     n, cores = plan_threads(threads)
     if cores:
         os.sched_setaffinity(0, cores)

@@ -24,6 +24,7 @@ from typing import Any
 from edge_llm.backends.graphs import GraphSpec
 from edge_llm.config import ModelArgs
 from edge_llm.errors import ConfigError
+from edge_llm.files import write_atomic
 
 FORMAT = "edge-llm-graphs/1"
 MANIFEST = "manifest.json"
@@ -115,9 +116,7 @@ class Manifest:
     # ---- files ----------------------------------------------------------------------------
     def write(self, root: Path) -> None:
         doc = {**asdict(self), "identity": self.identity()}
-        tmp = root / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1) + "\n")
-        tmp.replace(root / MANIFEST)
+        write_atomic(root / MANIFEST, json.dumps(doc, indent=1) + "\n")
 
     @classmethod
     def read(cls, root: str | Path) -> "Manifest":

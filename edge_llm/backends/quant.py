@@ -26,6 +26,8 @@ GGUF-imported model's F32 tensor compares bitwise with the blocks it came from.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -183,3 +185,29 @@ def permute_rows(qw: QuantWeight, order: np.ndarray) -> QuantWeight:
     """Output columns reordered (undoing llama.cpp's Q/K row permutation)."""
     return QuantWeight(qw.bits, qw.block, qw.K, qw.N, qw.q[order], qw.scales[order], qw.zp[order],
                        None if qw.mins is None else qw.mins[:, order], qw.origin, qw.exact)
+
+
+# ---- where stored blocks come from -----------------------------------------------------------
+@dataclass(frozen=True)
+class SourceTensor:
+    """One weight as a checkpoint file stores it: what `from_gguf` takes, plus the row order."""
+
+    type_name: str  # GGUF type name ("Q4_1", "Q8_0", "F32", ...)
+    data: np.ndarray  # the stored rows, (N, bytes per row) uint8 for a block type
+    K: int  # input features
+    N: int  # output rows
+    order: np.ndarray | None = None  # HF row i is stored row order[i] (permute_rows); None: same
+
+
+class BlockSource(Protocol):
+    """A model's weights as blocks of the file it was imported from, by HF tensor name.
+
+    Declared here, where the blocks are used, and passed in by the caller of the backend
+    (checkpoints/gguf_blocks.py implements it for GGUF files): the backend knows no file format
+    of the checkpoint tooling and imports nothing of it."""
+
+    path: Path  # the file, for messages
+
+    def tensor(self, name: str) -> SourceTensor | None:
+        """The stored form of HF tensor `name`, None when the file has no such tensor."""
+        ...

@@ -2,7 +2,8 @@
 
 `QuantLinear` is passed to `onnx_export.export_graph_set(linear=...)`. For every weight the
 exporter writes (a `WeightKey`: a layer's fused qkv, o, gate, up (or fused gate_up), down, or a head part) it looks
-for the tensors' original blocks in the GGUF the model was imported from. When every part has a
+for the tensors' original blocks in the GGUF the model was imported from (a `quant.BlockSource`
+the caller passes: checkpoints/gguf_blocks.py). When every part has a
 type `quant.from_gguf` holds exactly, and the blocks dequantize bitwise to the F32 tensor the
 model directory holds, the blocks are written as they are ("exact"); otherwise the F32 values
 are quantized to the mode's bit width ("re-quantized"). `report` lists the decision per weight.
@@ -13,16 +14,16 @@ Graph form of one weight: `MatMulNBits(x, B, scales[, zero_points])`, plus
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from edge_llm.backends.onnx_export import MS_DOMAIN, GraphBuilder, WeightKey
 from edge_llm.backends.quant import (
+    BlockSource,
     QuantWeight,
+    SourceTensor,
     center,
     concat,
     dequantize,
@@ -35,50 +36,19 @@ from edge_llm.config import ModelArgs
 
 log = logging.getLogger(__name__)
 
-IMPORT_RECORD = "edge_llm_import.json"  # written by models/gguf_import.py
-DEFAULT_MARKER = ".edge_llm_default.json"  # written by models/default.py
 _PARTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
           "gate": ("mlp.gate_proj",), "up": ("mlp.up_proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
           "down": ("mlp.down_proj",)}
 
 
-def gguf_source(model_dir: str | Path) -> Path | None:
-    """The GGUF file a model directory was imported from, if it is still there."""
-    d = Path(model_dir)
-    try:
-        rec = json.loads((d / IMPORT_RECORD).read_text())
-    except (OSError, ValueError):
-        return None
-    cand = rec.get("source_path")
-    if cand and Path(cand).is_file():
-        return Path(cand)
-    if (d / DEFAULT_MARKER).is_file():  # the embedded default model (imported before source_path)
-        from edge_llm.models.packaged import default_gguf_path
-
-        try:
-            return default_gguf_path()
-        except Exception:  # package uninstalled: re-quantize instead
-            return None
-    return None
-
-
 class QuantLinear:
-    """`onnx_export.Linear` writing `MatMulNBits`; see the module docstring."""
+    """`onnx_export.Linear` writing `MatMulNBits`; see the module docstring. `source`: the
+    blocks of the file the model was imported from (None: every weight is quantized here)."""
 
-    def __init__(self, args: ModelArgs, model_dir: str | Path, bits: int, block: int, accuracy_level: int):
+    def __init__(self, args: ModelArgs, source: BlockSource | None, bits: int, block: int, accuracy_level: int):
         self.args, self.bits, self.block, self.accuracy_level = args, bits, block, accuracy_level
         self.report: list[dict[str, Any]] = []
-        self.source = gguf_source(model_dir)
-        self._tensors: dict[str, Any] = {}
-        self._arch = None
-        if self.source is not None:
-            import gguf
-
-            from edge_llm.models.gguf_import import hf_name
-
-            reader = gguf.GGUFReader(self.source)
-            self._arch = reader.fields["general.architecture"].contents()
-            self._tensors = {hf_name(t.name): t for t in reader.tensors}
+        self.source = source
 
     # ---- the Linear protocol ----------------------------------------------------------------
     def __call__(self, g: GraphBuilder, x: str, w: np.ndarray, bias: np.ndarray | None, out: str | None,
@@ -100,31 +70,30 @@ class QuantLinear:
         qw = self._from_gguf(names, key)
         if qw is not None and not np.array_equal(dequantize(qw).view(np.uint32), w.view(np.uint32)):
             log.warning("%s: GGUF blocks of %s differ from the model's F32 weights; re-quantizing",
-                        self.source, names[0])
+                        self.source.path if self.source else None, names[0])
             qw = None
         if qw is None:
-            src = sorted({self._tensors[n].tensor_type.name for n in names if n in self._tensors}) or ["F32"]
+            src = sorted({t.type_name for t in map(self._stored, names) if t is not None}) or ["F32"]
             qw = quantize(w, self.bits, self.block, origin="+".join(src))
         self.report.append({"weight": f"{key.kind}{'' if key.kind == 'head' else key.index}",
                             "tensors": names, "bits": qw.bits, "origin": qw.origin, "exact": qw.exact,
                             "bytes": qw.nbytes})
         return qw
 
+    def _stored(self, name: str) -> SourceTensor | None:
+        return None if self.source is None else self.source.tensor(name)
+
     def _from_gguf(self, names: list[str], key: WeightKey) -> QuantWeight | None:
-        if not all(n in self._tensors for n in names):
+        stored = [self._stored(n) for n in names]
+        if any(t is None for t in stored):
             return None
         parts = []
-        for n in names:
-            t = self._tensors[n]
-            K, N = (int(d) for d in t.shape[:2])
-            qw = from_gguf(t.tensor_type.name, t.data, K, N)
+        for t in stored:
+            qw = from_gguf(t.type_name, t.data, t.K, t.N)
             if qw is None:
                 return None
-            if self._arch == "llama" and (".q_proj." in n or ".k_proj." in n):
-                from edge_llm.models.gguf_import import unpermute_qk
-
-                heads = self.args.num_attention_heads if ".q_proj." in n else self.args.num_key_value_heads
-                qw = permute_rows(qw, unpermute_qk(np.arange(N), heads))
+            if t.order is not None:  # e.g. llama.cpp's Q/K row permutation, undone
+                qw = permute_rows(qw, t.order)
             parts.append(qw)
         if len({(p.bits, p.block) for p in parts}) != 1:
             return None  # e.g. q in Q4_1 and v in Q8_0: one MatMulNBits holds one bit width

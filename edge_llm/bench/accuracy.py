@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from edge_llm.bench.quality_text import QUALITY_TEXT
 from edge_llm.bench.quant import greedy, quality, teacher_logits
+from edge_llm.quality_text import QUALITY_TEXT
 
 FACT = "What is the capital of France?"
 PROMPTS: tuple[str, ...] = (
@@ -90,8 +90,8 @@ def run(model: str, backend: str, rknn_dir: str | None = None, runner: str = "si
         quant: str = "q4") -> dict:
     """Load the model twice (cpu, and `backend`: "rknn" over `rknn_dir` with `runner`, or
     "cpu-q" in mode `quant`) and `compare` them."""
+    from edge_llm.checkpoints.default import resolve_model_dir
     from edge_llm.errors import ConfigError
-    from edge_llm.models.default import resolve_model_dir
     from edge_llm.models.qwen3 import Model
     from edge_llm.tokenizer import Tokenizer
 
@@ -105,8 +105,9 @@ def run(model: str, backend: str, rknn_dir: str | None = None, runner: str = "si
         be = open_rknn(rknn_dir, runner, model_dir=model_dir, progress=lambda s: step(f"loading graph {s.name}"))
     elif backend == "cpu-q":
         from edge_llm.backends.cpuq import open_cpu_q
+        from edge_llm.checkpoints.gguf_blocks import gguf_blocks
 
-        be = open_cpu_q(model_dir, quant, progress=step)
+        be = open_cpu_q(model_dir, quant, progress=step, blocks=gguf_blocks(model_dir))
     else:
         raise ConfigError(f"bench accuracy compares rknn or cpu-q with cpu, not {backend!r}")
     try:

@@ -1,8 +1,8 @@
 """Driving a real `edge-llm serve` from outside: process control, HTTP, log markers, kv dir size.
 
 Used by `edge-llm bench recovery` and by tools/recovery_check.py (the docs/evidence.md evidence
-script). Standard library only (urllib, subprocess), so it runs unchanged on a board that has
-nothing but the installed package.
+script). HTTP and processes with the standard library only (urllib, subprocess), so it runs
+unchanged on a board that has nothing but the installed package.
 """
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from edge_llm.snapshot.layout import SNAPSHOT_NAME, is_snapshot_name
+
 log = logging.getLogger(__name__)
 
 # the log lines of docs/logs.md
-SAVED_RE = re.compile(r"\[KV-DISK\] saved (\d+)-token KV -> (kv_[0-9a-f]{16}\.kv) \((\d+) bytes, ([\d.]+) ms, ([\d.]+) MB/s\)")
-LOADED_RE = re.compile(r"\[KV-DISK\] loaded (\d+)-token KV prefix from disk file (kv_[0-9a-f]{16}\.kv)"
+SAVED_RE = re.compile(rf"\[KV-DISK\] saved (\d+)-token KV -> ({SNAPSHOT_NAME}) \((\d+) bytes, ([\d.]+) ms, ([\d.]+) MB/s\)")
+LOADED_RE = re.compile(rf"\[KV-DISK\] loaded (\d+)-token KV prefix from disk file ({SNAPSHOT_NAME})"
                        r" \((\d+) bytes, ([\d.]+) ms, ([\d.]+) MB/s\)")
-SKIPPED_RE = re.compile(r"\[KV-DISK\] skipped (\d+)-token KV -> (kv_[0-9a-f]{16}\.kv)")
+SKIPPED_RE = re.compile(rf"\[KV-DISK\] skipped (\d+)-token KV -> ({SNAPSHOT_NAME})")
 # aligned=K: rows of the n that matched but were recomputed (docs/store.md); absent in older logs
 PREFILL_RE = re.compile(r"\[PREFILL-TIMING\] n=(\d+) total=([\d.]+)ms(?: aligned=(\d+))?")
 
@@ -63,14 +65,14 @@ def wait_for_line(path: str | os.PathLike, offset: int, pattern: re.Pattern, tim
 
 
 def snapshot_bytes(path: str | os.PathLike) -> int:
-    """Total size of the snapshot files (`kv_*.kv`) below `path` (0 if it does not exist).
+    """Total size of the snapshot files (`kv_<hash>.kv`) below `path` (0 if it does not exist).
 
     Only KV data counts: a namespace's metadata (identity, write counters, the cost gate's
     estimates) is rewritten by any run, including one that restores without writing a row."""
     total = 0
     for root, _dirs, files in os.walk(path):
         for name in files:
-            if not (name.startswith("kv_") and name.endswith(".kv")):
+            if not is_snapshot_name(name):
                 continue
             try:
                 total += os.lstat(os.path.join(root, name)).st_size

@@ -19,6 +19,7 @@ from edge_llm.bench.disk import MB, drop_file_cache
 from edge_llm.bench.restore import bench_store, fill_random, rows_equal
 from edge_llm.config import Geometry
 from edge_llm.kvcache import KVCache
+from edge_llm.snapshot.layout import SNAPSHOT_GLOB
 
 
 def turn_sizes(start: int, end: int, turns: int) -> list[int]:
@@ -47,7 +48,7 @@ def write_budget(directory: Path, geometry: Geometry, kv_bs: int, start: int = 2
                              "new_kv_bytes": ls["new_kv_bytes"], "ratio": ls["bytes"] / ls["new_kv_bytes"],
                              "seconds": secs, "mb_s": ls["bytes"] / MB / secs})
             step(f"write budget ({label}): cold restore of the last turn")
-            for p in store.ns.glob("kv_*.kv"):
+            for p in store.ns.glob(SNAPSHOT_GLOB):
                 drop_file_cache(p)
             dst = KVCache(geometry, max_seq=end, kv_bs=kv_bs)
             t0 = time.perf_counter()

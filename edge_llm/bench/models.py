@@ -30,12 +30,12 @@ def synth_model(layers: int, vision: bool = False) -> Path:
 
 def bench_model(spec: str, layers: int) -> tuple[str, Path]:
     """(label, model dir) of a benchmark's model name (see the module docstring)."""
-    from edge_llm.models.default import resolve_model_dir
+    from edge_llm.checkpoints.default import resolve_model_dir
 
     if spec == "synth":
         return f"Qwen3-VL-2B geometry, {layers} of 28 layers", synth_model(layers)
     if spec == "tiny":
-        from edge_llm.models.synth import synth_checkpoint
+        from edge_llm.checkpoints.synth import synth_checkpoint
         from edge_llm.settings import home_dir
 
         path = home_dir() / "models" / "synth-tiny"

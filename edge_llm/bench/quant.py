@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_llm.bench.quality_text import QUALITY_TEXT
+from edge_llm.quality_text import QUALITY_TEXT
+from edge_llm.snapshot.layout import SNAPSHOT_GLOB
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ def ours_speed(model, store, ids: list[int], decode: int, tail: int) -> dict:
     model.prefill(ids[:-tail], cache)
     store.save_async(cache)
     store.flush()
-    for f in store.ns.glob("kv_*.kv"):
+    for f in store.ns.glob(SNAPSHOT_GLOB):
         drop_file_cache(f)
     cache.reset()
     t0 = time.perf_counter()
@@ -165,9 +166,10 @@ def run(lengths=LENGTHS, threads: int = 2, repeats: int = 2, decode: int = 32, t
 
     from edge_llm.backends.cpuq import ensure_quantized, mode, open_cpu_q
     from edge_llm.bench.prompts import history
+    from edge_llm.checkpoints.default import default_model_dir
+    from edge_llm.checkpoints.gguf_blocks import gguf_blocks
+    from edge_llm.checkpoints.packaged import default_gguf_path
     from edge_llm.config import ModelArgs
-    from edge_llm.models.default import default_model_dir
-    from edge_llm.models.packaged import default_gguf_path
     from edge_llm.models.qwen3 import Model
     from edge_llm.snapshot.identity import Identity
     from edge_llm.snapshot.store import SnapshotStore
@@ -182,10 +184,12 @@ def run(lengths=LENGTHS, threads: int = 2, repeats: int = 2, decode: int = 32, t
     gguf = default_gguf_path()
     args = ModelArgs.from_dir(model_dir)
     tok = Tokenizer.from_dir(model_dir)
-    root, manifest = ensure_quantized(model_dir, mode("q4"))
-    models = {"cpu-q": Model.load(model_dir, backend=open_cpu_q(model_dir, "q4", threads))}
+    blocks = gguf_blocks(model_dir)
+    root, manifest = ensure_quantized(model_dir, mode("q4"), blocks=blocks)
+    models = {"cpu-q": Model.load(model_dir, backend=open_cpu_q(model_dir, "q4", threads, blocks=blocks))}
     if per_layer:  # cpu-q without its decode graph: one-row steps on the per-layer graphs
-        models[PER_LAYER] = Model.load(model_dir, backend=open_cpu_q(model_dir, "q4", threads, decode_graph=False))
+        models[PER_LAYER] = Model.load(model_dir, backend=open_cpu_q(model_dir, "q4", threads, decode_graph=False,
+                                                                     blocks=blocks))
     if f32:
         models["cpu"] = Model.load(model_dir)
     text = tok.encode(history(max(lengths) + 64, seed=11))

@@ -21,9 +21,10 @@ BOARD_BYTES = 8 * 1024**3
 
 def _quantize(model_dir: str) -> dict:
     from edge_llm.backends.cpuq import ensure_quantized, mode
+    from edge_llm.checkpoints.gguf_blocks import gguf_blocks
 
     t0 = time.perf_counter()
-    root, m = ensure_quantized(model_dir, mode("q4"))
+    root, m = ensure_quantized(model_dir, mode("q4"), blocks=gguf_blocks(model_dir))
     return {"seconds": time.perf_counter() - t0, "dir": str(root),
             "weight_bytes": sum(w["bytes"] for w in m.build["weights"]), **proc_status()}
 

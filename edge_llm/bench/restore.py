@@ -28,7 +28,12 @@ from edge_llm.bench.disk import (
 from edge_llm.config import Geometry
 from edge_llm.kvcache import KVCache
 from edge_llm.settings import DEFAULTS
-from edge_llm.snapshot.format import fnv1a64, snapshot_name, snapshot_size
+from edge_llm.snapshot.format import (
+    SNAPSHOT_GLOB,
+    fnv1a64,
+    snapshot_name,
+    snapshot_size,
+)
 from edge_llm.snapshot.identity import Identity
 from edge_llm.snapshot.store import SnapshotStore
 
@@ -122,7 +127,7 @@ def forget(store: SnapshotStore, path: Path) -> None:
 
 def scan_cold(store: SnapshotStore) -> dict:
     """The store's start-up scan with every file's pages dropped first; device bytes read."""
-    files = sorted(store.ns.glob("kv_*.kv"))
+    files = sorted(store.ns.glob(SNAPSHOT_GLOB))
     for p in files:
         drop_file_cache(p)
     rb0 = proc_read_bytes()

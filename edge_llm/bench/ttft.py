@@ -37,6 +37,7 @@ from edge_llm.engine import Engine
 from edge_llm.kvcache import KVCache
 from edge_llm.settings import DEFAULTS
 from edge_llm.snapshot.identity import Identity
+from edge_llm.snapshot.layout import SNAPSHOT_GLOB
 from edge_llm.snapshot.store import SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class Runner:
     def run(self, prompt: list[int], gate: CostGate, mode: str) -> tuple[dict, np.ndarray]:
         eng = self.engine
         if self.store is not None:
-            for p in self.store.ns.glob("kv_*.kv"):  # cold: from the device, as after a restart
+            for p in self.store.ns.glob(SNAPSHOT_GLOB):  # cold: from the device, as after a restart
                 drop_file_cache(p)
         eng.cache.reset()
         eng.gate, eng.restore_mode = gate, mode

@@ -21,6 +21,7 @@ import numpy as np
 
 from edge_llm.bench.procstat import in_child, proc_status
 from edge_llm.config import VisionArgs
+from edge_llm.snapshot.layout import SNAPSHOT_GLOB
 
 SIZES = (224, 448, 896)
 
@@ -128,7 +129,7 @@ def end_to_end(model_dir: Path, kv_dir: Path, side: int, max_tokens: int,
     engine.store.close()
     del engine
     gc.collect()
-    for f in kv_dir.rglob("kv_*.kv"):
+    for f in kv_dir.rglob(SNAPSHOT_GLOB):
         drop_file_cache(f)
     step("end to end: restart, same image follow-up")
     engine = load_runtime(opts)

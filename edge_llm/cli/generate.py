@@ -76,9 +76,7 @@ def generate(settings: Settings, prompt, chat, system, max_tokens, temperature, 
             sys.stdout.write(ev.text)
             sys.stdout.flush()
             last = ev
-        if engine.store is not None:
-            engine.store.flush()
-            engine.store.close()
+        engine.close()  # the pending save is finished first
     except (EdgeLLMError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     sys.stdout.write("\n")

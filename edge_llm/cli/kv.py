@@ -6,8 +6,6 @@ Works offline on a kv dir (`<kv-dir>/<model_id hex>/kv_<hash>.kv`); no model is 
 
 from __future__ import annotations
 
-import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -18,67 +16,37 @@ from rich.console import Console
 from rich.table import Table
 
 from edge_llm.errors import SnapshotError
-from edge_llm.settings import DEFAULTS
-from edge_llm.snapshot import chains
+from edge_llm.settings import DEFAULTS, parse_size
 from edge_llm.snapshot import format as fmt
-from edge_llm.snapshot.identity import read_identity
-from edge_llm.snapshot.index import QUARANTINE, Entry, IOStats
+from edge_llm.snapshot import maintenance
+from edge_llm.snapshot.catalog import QUARANTINE, IOStats
+from edge_llm.snapshot.identity import NAMESPACE_RE, read_identity
 from edge_llm.snapshot.inspect import describe as inspect_file
-from edge_llm.snapshot.store import read_entry
-from edge_llm.snapshot.writer import TMP_SUFFIX, fsync_dir
-
-NS_RE = re.compile(r"^[0-9a-f]{16}$")
-NAME_RE = re.compile(r"^kv_[0-9a-f]{16}\.kv$")
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+from edge_llm.snapshot.maintenance import snapshot_files
 
 out = Console(highlight=False, soft_wrap=True)
 
 
-def parse_bytes(text: str) -> int:
-    """'1500000', '512M', '1.5G' (binary units) -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise click.BadParameter(f"{text!r} is not a size (e.g. 1500000, 512M, 1.5G)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-
-
 class _Bytes(click.ParamType):
+    """A size as the settings spell one (settings.parse_size: 4294967296, 512M, 4GiB)."""
+
     name = "bytes"
 
     def convert(self, value, param, ctx):
-        return value if isinstance(value, int) else parse_bytes(value)
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
 
 
 def namespaces(kv_dir: Path, only: str | None = None) -> list[Path]:
-    if only is not None and not NS_RE.match(only):
+    if only is not None and not NAMESPACE_RE.match(only):
         raise click.BadParameter(f"{only!r} is not a namespace (16 hex digits)", param_hint="--namespace")
     if not kv_dir.is_dir():
         raise click.ClickException(f"{kv_dir}: not a directory")
-    return sorted(p for p in kv_dir.iterdir() if p.is_dir() and NS_RE.match(p.name)
-                  and (only is None or p.name == only))
-
-
-def snapshot_files(ns: Path) -> list[Path]:
-    return sorted(p for p in ns.iterdir() if NAME_RE.match(p.name))
-
-
-def birth_time(path: Path) -> float | None:
-    """File creation time via statx(2) (os.stat has no birth time on Linux); None if unknown."""
-    try:
-        import ctypes
-        import ctypes.util
-
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        buf = ctypes.create_string_buffer(256)  # struct statx
-        STATX_BTIME, AT_FDCWD = 0x800, -100
-        if libc.statx(AT_FDCWD, os.fsencode(path), 0, STATX_BTIME, buf) != 0:
-            return None
-        mask = int.from_bytes(buf.raw[0:4], "little")
-        if not mask & STATX_BTIME:
-            return None
-        return int.from_bytes(buf.raw[80:88], "little", signed=True)  # stx_btime.tv_sec
-    except (OSError, AttributeError):
-        return None
+    return maintenance.namespace_dirs(kv_dir, only)
 
 
 def ago(t: float) -> str:
@@ -149,7 +117,11 @@ def find_snapshot(name: str, kv_dir: Path | None) -> Path:
 @kv.command("ls")
 @kv_dir_option
 def ls(kv_dir: Path | None) -> None:
-    """Namespaces (with their identity) and their snapshots: tokens, bytes, age, last use."""
+    """Namespaces (with their identity) and their snapshots: tokens, bytes, rows held, last use.
+
+    Last use is the file's mtime, which the store moves on every save and restore (its LRU
+    order survives restarts that way); a file's creation time is not shown: Python's os.stat
+    has no birth time on Linux."""
     kv_dir = resolve_kv_dir(kv_dir)
     out.print(f"kv dir {kv_dir}")
     spaces = namespaces(kv_dir)
@@ -166,7 +138,7 @@ def ls(kv_dir: Path | None) -> None:
         for w in private_warnings([kv_dir, ns]):
             out.print(w)
         table = Table(show_edge=False)
-        for col in ("file", "tokens", "bytes", "rows held", "age", "last use", "status"):
+        for col in ("file", "tokens", "bytes", "rows held", "last use", "status"):
             # the file name is what `kv inspect` / `kv rm` take: never cut it
             table.add_column(col, justify="right" if col in ("tokens", "bytes") else "left",
                              no_wrap=col == "file", min_width=len("kv_0123456789abcdef.kv") if col == "file" else None)
@@ -185,9 +157,7 @@ def ls(kv_dir: Path | None) -> None:
                 tokens, status = "?", f"[red]{getattr(e, 'reason', 'io-error')}[/red]"
             if st.st_mode & 0o004:
                 status += " [yellow]readable by others[/yellow]"
-            born = birth_time(path)
-            table.add_row(path.name, tokens, f"{st.st_size:,}", held, ago(born) if born else "-",
-                          ago(st.st_mtime), status)
+            table.add_row(path.name, tokens, f"{st.st_size:,}", held, ago(st.st_mtime), status)
         out.print(table)
         io = IOStats.load(ns)
         if io.bytes_written:
@@ -287,8 +257,8 @@ def _field_value(h: dict, d: dict) -> str:
 def _print_tokens(tokens: list[int], n_show: int, tokenizer_dir: str | None) -> None:
     tok = None
     if tokenizer_dir is not None:  # lazy: only inspect --tokenizer needs these
+        from edge_llm.checkpoints.default import resolve_model_dir
         from edge_llm.errors import EdgeLLMError
-        from edge_llm.models.default import resolve_model_dir
         from edge_llm.tokenizer import Tokenizer
 
         try:
@@ -322,7 +292,7 @@ def verify(kv_dir: Path | None, files: tuple[Path, ...]) -> None:
     bad = 0
     for path in paths:
         # a file inside a namespace must carry that namespace's model_id
-        mid = int(path.parent.name, 16) if NS_RE.match(path.parent.name) else None
+        mid = int(path.parent.name, 16) if NAMESPACE_RE.match(path.parent.name) else None
         t0 = time.monotonic()
         try:
             hdr = fmt.verify_file(path, None, mid, None)
@@ -351,43 +321,18 @@ def rm(kv_dir: Path | None, namespace: str | None, all_: bool, names: tuple[str,
     if all_ == bool(names):
         raise click.UsageError("give either --all or snapshot NAME...")
     for n in names:  # names are matched, never used as paths
-        if not NAME_RE.match(n):
+        if not fmt.is_snapshot_name(n):
             raise click.BadParameter(f"{n!r} is not a snapshot name (kv_<16 hex>.kv)", param_hint="NAME")
     removed, wanted = 0, set(names)
     for ns in namespaces(resolve_kv_dir(kv_dir), namespace):
-        victims = _with_dependents(ns, [p for p in snapshot_files(ns) if all_ or p.name in wanted])
-        if all_:
-            victims += [p for p in ns.iterdir() if p.name.endswith(TMP_SUFFIX)]
-            q = ns / QUARANTINE
-            victims += list(q.iterdir()) if q.is_dir() else []
-        for p in victims:
-            p.unlink(missing_ok=True)
-            wanted.discard(p.name)
-            why = "" if all_ or p.name in names else " (a delta resting on a removed snapshot)"
-            out.print(f"removed {ns.name}/{p.relative_to(ns)}{why}")
+        for r in maintenance.remove(ns, None if all_ else set(names)):
+            wanted.discard(r.path.name)
+            why = " (a delta resting on a removed snapshot)" if r.dependent else ""
+            out.print(f"removed {ns.name}/{r.path.relative_to(ns)}{why}")
             removed += 1
-        if victims:
-            fsync_dir(ns)
     if wanted:
         raise click.ClickException(f"not found: {', '.join(sorted(wanted))}")
     out.print(f"{removed} file(s) removed")
-
-
-def _gc_entry(ns: Path, path: Path) -> Entry:
-    """An index entry from the file's header; an unreadable file stands alone (no base)."""
-    try:
-        return read_entry(path, None, int(ns.name, 16))
-    except (SnapshotError, OSError):
-        st = path.stat()
-        return Entry(path.name, path, np.empty(0, np.uint32), st.st_size, st.st_mtime)
-
-
-def _with_dependents(ns: Path, named: list[Path]) -> list[Path]:
-    """`named` plus every delta that rests on one of them, the deltas of a chain before its base."""
-    index = {p.name: _gc_entry(ns, p) for p in snapshot_files(ns)}
-    out = {p.name: index[p.name] for p in named}
-    out.update({d.name: d for p in named for d in chains.descendants(index, p.name)})
-    return [e.path for e in chains.removal_order(out.values())]
 
 
 @kv.command("gc")
@@ -404,13 +349,7 @@ def gc(kv_dir: Path | None, namespace: str | None, max_files: int, max_bytes: in
     whole, deltas before their base, so no delta is ever left without its base."""
     total = 0
     for ns in namespaces(resolve_kv_dir(kv_dir), namespace):
-        index = {p.name: _gc_entry(ns, p) for p in snapshot_files(ns)}
-        for unit, reason in chains.unit_victims(index, max_files, max_bytes):
-            for e in chains.removal_order(unit.members):
-                if not dry_run:
-                    e.path.unlink(missing_ok=True)
-                out.print(f"{'would evict' if dry_run else 'evicted'} {ns.name}/{e.name} ({reason})")
-                total += 1
-        if total and not dry_run:
-            fsync_dir(ns)
+        for e, reason in maintenance.evict(ns, max_files, max_bytes, dry_run):
+            out.print(f"{'would evict' if dry_run else 'evicted'} {ns.name}/{e.name} ({reason})")
+            total += 1
     out.print(f"{total} snapshot(s) {'to evict' if dry_run else 'evicted'}")

@@ -27,8 +27,8 @@ def model() -> None:
 @click.argument("out_dir", type=click.Path(file_okay=False))
 def import_gguf_cmd(gguf_file: str, out_dir: str) -> None:
     """Import a GGUF (llama / qwen2 / qwen3) into an HF directory with F32 weights."""
+    from edge_llm.checkpoints.gguf_import import import_gguf
     from edge_llm.errors import EdgeLLMError
-    from edge_llm.models.gguf_import import import_gguf
 
     try:
         with progress_bar("dequantising") as cb:
@@ -47,8 +47,8 @@ def import_gguf_cmd(gguf_file: str, out_dir: str) -> None:
 @click.argument("out_dir", type=click.Path(file_okay=False))
 def synth_cmd(preset: str, layers: int | None, seed: int, vision: bool, out_dir: str) -> None:
     """Write a random-weight qwen3_vl checkpoint (BF16) with the real Qwen3 tokenizer."""
+    from edge_llm.checkpoints.synth import synth_checkpoint
     from edge_llm.errors import EdgeLLMError
-    from edge_llm.models.synth import synth_checkpoint
 
     try:
         with progress_bar(f"synth {preset}") as cb:
@@ -62,7 +62,7 @@ def synth_cmd(preset: str, layers: int | None, seed: int, vision: bool, out_dir:
 def _param_counts(model_dir, prefix: str, vision_prefix: str = "model.visual."
                   ) -> tuple[int, int, int, dict[str, int], int]:
     """(all, text-model, vision-tower params, dtype -> count, bytes on disk) from safetensors headers."""
-    from edge_llm.models.safetensors_writer import read_safetensors_header
+    from edge_llm.checkpoints.safetensors_writer import read_safetensors_header
     from edge_llm.weights import safetensors_files
 
     total = text = vis = size = 0
@@ -144,10 +144,12 @@ def _quant_rows(model_dir, build: str | None) -> list[tuple[str, str]]:
 
     from edge_llm.backends import cpuq
     from edge_llm.backends.manifest import Manifest
+    from edge_llm.checkpoints.gguf_blocks import gguf_blocks
 
     if build:
         with progress_bar(f"quantizing ({build})") as cb:
-            cpuq.ensure_quantized(model_dir, cpuq.mode(build), progress=lambda msg: cb(0, 0, msg))
+            cpuq.ensure_quantized(model_dir, cpuq.mode(build), progress=lambda msg: cb(0, 0, msg),
+                                  blocks=gguf_blocks(model_dir))
     out = []
     for name, qm in cpuq.MODES.items():
         # the directory name holds the weight digest: hash the checkpoint (seconds for GBs) only

@@ -43,7 +43,7 @@ def _nullbar() -> Iterator[None]:
 
 def resolve_model_with_bar(spec: str) -> Path:
     """Model directory for DIR|default; draws a bar while the default model is imported (first use)."""
-    from edge_llm.models.default import default_model_ready, resolve_model_dir
+    from edge_llm.checkpoints.default import default_model_ready, resolve_model_dir
 
     importing = spec == "default" and not default_model_ready()
     with progress_bar("importing the default model (first use)") if importing else _nullbar() as cb:

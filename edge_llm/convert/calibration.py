@@ -27,10 +27,10 @@ from edge_llm.backends.cpu import CPUBackend
 from edge_llm.backends.graphs import HEAD, POST, QKV, GraphSpec, capture_key, layer_name
 from edge_llm.backends.manifest import Manifest
 from edge_llm.backends.onnx_export import Samples
-from edge_llm.bench.quality_text import QUALITY_TEXT
 from edge_llm.config import ModelArgs
 from edge_llm.convert.report import FP16_MAX, worst_tensor
 from edge_llm.errors import ConfigError, EdgeLLMError
+from edge_llm.quality_text import QUALITY_TEXT
 from edge_llm.weights import Weights
 
 log = logging.getLogger(__name__)

@@ -125,6 +125,10 @@ class Model:
         also the unit a reused prefix is aligned to (the engine's `align`)."""
         return pick_chunk(self.backend, requested)
 
+    def close(self) -> None:
+        """Release the backend's resources outside this process's heap (`Backend.close`)."""
+        self.backend.close()
+
     def new_cache(self, max_seq: int = DEFAULTS.max_seq, **kw) -> KVCache:
         """A KV cache with this model's geometry."""
         return KVCache(self.args.geometry, max_seq=max_seq, **kw)

@@ -177,8 +177,8 @@ class Timings(BaseModel):
     restore_files: int = Field(default=0, description="Files of the snapshot chain that were read.")
     align_rows: int = Field(default=0, description="Matched rows recomputed so that the tail is batched "
                                                    "as in a cold prefill (docs/store.md).")
-    restore_mode: Literal["", "pipelined", "sequential", "split"] = Field(
-        default="", description="How a matching disk snapshot was restored (empty: no disk match).")
+    restore_mode: Literal["", "pipelined", "sequential"] = Field(
+        default="", description="How the disk rows were read, as it ran (empty: no restore ran).")
     gate: Literal["", "restore", "split", "recompute", "unmeasured"] = Field(
         default="", description="The cost gate's choice for a disk match (docs/store.md).")
     gate_rows_loaded: int = Field(default=0, description="Rows read from disk.")

@@ -95,9 +95,7 @@ class AppState:
                 self.on_fatal(self.error)
             return
         if self.status == "stopping":  # SIGTERM arrived while loading: nothing to serve
-            if engine.store is not None:
-                engine.store.close()
-            engine.model.backend.close()
+            engine.close()
             return
         self.engine = engine
         worker = Worker(engine, self.settings.queue_size, self.notifier, on_finish=self._finished)
@@ -207,9 +205,10 @@ class AppState:
         grace = self.settings.grace_seconds if grace is None else grace
         if self.worker is not None:
             self.worker.stop(max(0.0, grace - (time.monotonic() - self._stop_t0)))
-        store = self.store
+        if self.engine is None:
+            return
+        store, t0 = self.engine.store, time.monotonic()
         if store is not None:
-            t0 = time.monotonic()
             pending = store.pending_tokens()
             if pending:
                 eta = store.predicted_save_s(pending)
@@ -219,15 +218,14 @@ class AppState:
                 # progress-driven, like the start: each layer written extends systemd's stop
                 # timeout, so a slow eMMC finishes the save and a stalled one does not hang the stop
                 store.flush_with_progress(self._stop_progress, STOP_STEP_TIMEOUT)
-                store.close(timeout=5)
             except Exception:  # the process is exiting; published snapshots are already safe
-                log.exception("snapshot store flush/close failed")
+                log.exception("snapshot store flush failed")
+        try:  # the store's writer, then NPU contexts / the simulator's worker: after the last save
+            self.engine.close(timeout=5)
+        except Exception:
+            log.exception("engine close failed")
+        if store is not None:
             log.info("snapshot store flushed and closed in %.0f ms", (time.monotonic() - t0) * 1e3)
-        if self.engine is not None:
-            try:  # NPU contexts, the simulator's worker: after the last row was computed and saved
-                self.engine.model.backend.close()
-            except Exception:
-                log.exception("backend close failed")
 
     def _stop_progress(self, text: str) -> None:
         if self.notifier is not None:

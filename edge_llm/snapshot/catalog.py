@@ -1,7 +1,7 @@
 """The in-memory index of one namespace directory and every removal of a file from it.
 
 `Catalog` is the state the store's readers (scan, lookup, restore) and its writer (saves,
-compaction: `saving.py`) share: the index of entries under one lock, the counters `/metrics`
+compaction: `saver.py`) share: the index of entries under one lock, the counters `/metrics`
 shows, the `degraded` flags, the bytes-written totals across restarts (`io-stats.json`), and the
 only code that takes a file away: LRU eviction of whole chains, making room before a write,
 removing files a longer one covers, quarantining a bad file together with every delta on it.
@@ -10,18 +10,24 @@ The chain policies it applies are `chains.py`; docs/store.md states them.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from edge_llm.files import fsync_dir
 from edge_llm.snapshot import chains
-from edge_llm.snapshot.index import Entry, IOStats, quarantine_file
-from edge_llm.snapshot.writer import Modes, fsync_dir
+from edge_llm.snapshot.entries import Entry
+from edge_llm.snapshot.writer import Modes, write_atomic
 
 log = logging.getLogger("edge_llm.kvdisk")
 
+QUARANTINE = "quarantine"
+IO_STATS = "io-stats.json"
+MAX_QUARANTINED = 4  # quarantined files can be GBs: keep only the newest few for post-mortems
 COUNTERS = ("saves", "saves_delta", "save_failures", "saves_skipped", "saves_superseded", "loads",
             "load_failures", "rejections", "evictions", "compactions", "bytes_written", "new_kv_bytes",
             "compaction_bytes_written", "bytes_read")
@@ -164,3 +170,57 @@ class Catalog:
             log.debug("[KV-DISK] removed %s (%s)", path.name, why)
         except OSError as e:
             log.warning("[KV-DISK] could not remove %s (%s): %s", path.name, why, e)
+
+
+@dataclass
+class IOStats:
+    """Bytes written to a namespace's files and bytes of new KV rows they carried, across restarts
+    (`io-stats.json`, rewritten atomically after each save; `edge-llm kv ls` shows them)."""
+
+    bytes_written: int = 0
+    new_kv_bytes: int = 0
+
+    @classmethod
+    def load(cls, ns: Path) -> "IOStats":
+        try:
+            doc = json.loads((ns / IO_STATS).read_text())
+            return cls(int(doc["bytes_written"]), int(doc["new_kv_bytes"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return cls()
+
+    def add(self, ns: Path, written: int, new_kv: int, modes: Modes | None = None) -> None:
+        self.bytes_written += written
+        self.new_kv_bytes += new_kv
+        try:
+            write_atomic(ns / IO_STATS, (json.dumps(asdict(self)) + "\n").encode(), modes)
+        except OSError as e:  # counters are informational: never fail a save for them
+            log.debug("could not update %s: %s", IO_STATS, e)
+
+
+def quarantine_file(ns: Path, path: Path, reason: str, keep: int = MAX_QUARANTINED,
+                    modes: Modes | None = None) -> Path | None:
+    """Move a bad file to `<ns>/quarantine/` with a `.reason` note; keep the newest `keep` files.
+
+    Best effort: if the move fails the file is deleted (a bad file must never stay in the
+    namespace). Returns the quarantined path, or None.
+    """
+    qdir = ns / QUARANTINE
+    try:
+        (modes or Modes()).mkdir(qdir)
+        dest = qdir / f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{path.name}"
+        os.replace(path, dest)
+        write_atomic(dest.with_name(dest.name + ".reason"), (reason + "\n").encode(), modes)
+        fsync_dir(ns)
+        # names start with a timestamp: name order is age order
+        kept = sorted(p.name for p in qdir.iterdir() if not p.name.endswith(".reason"))
+        for old in kept[:-keep] if keep > 0 else kept:
+            (qdir / old).unlink(missing_ok=True)
+            (qdir / f"{old}.reason").unlink(missing_ok=True)
+        return dest
+    except OSError as e:
+        log.warning("[KV-DISK] could not quarantine %s (%s); deleting it", path.name, e)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e2:
+            log.warning("[KV-DISK] could not delete %s: %s", path.name, e2)
+        return None

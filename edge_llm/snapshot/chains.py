@@ -18,7 +18,7 @@ from edge_llm.errors import (
     SnapshotBaseMissing,
     SnapshotChainError,
 )
-from edge_llm.snapshot.index import Entry, is_prefix
+from edge_llm.snapshot.entries import Entry, is_prefix
 
 
 def chain_of(index: Mapping[str, Entry], entry: Entry) -> list[Entry]:

@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,6 +119,9 @@ class Identity:
             prefill_chunk=prefill_chunk,
             model_dir=str(model_dir.resolve()),
         )
+
+
+NAMESPACE_RE = re.compile(r"^[0-9a-f]{16}$")  # a namespace directory's name (Identity.namespace)
 
 
 def namespace_dir(kv_dir: str | Path, identity: Identity) -> Path:

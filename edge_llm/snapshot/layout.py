@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -81,8 +82,19 @@ def snapshot_size(n_layers: int, n_tokens: int, kv_dim: int, kv_bs: int, ext_siz
     return HEADER.size + 4 * n_tokens + ext_size + 2 * n_layers * r * kv_dim * F32 + 8 * n_layers * n_blocks(r, kv_bs)
 
 
+# a snapshot's file name: the FNV-1a 64 of its token ids; the one definition of the pattern
+# (a glob for directory scans, a regex for names given by a user or found in a log line)
+SNAPSHOT_GLOB = "kv_*.kv"
+SNAPSHOT_NAME = r"kv_[0-9a-f]{16}\.kv"  # unanchored, to embed in other patterns
+SNAPSHOT_RE = re.compile(rf"^{SNAPSHOT_NAME}$")
+
+
 def snapshot_name(tokens_fnv: int) -> str:
     return "kv_%016x.kv" % tokens_fnv
+
+
+def is_snapshot_name(name: str) -> bool:
+    return SNAPSHOT_RE.match(name) is not None
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,12 @@
 """The snapshot store of one identity namespace (docs/store.md).
 
 `<kv-dir>/<model_id hex>/kv_<tokens_fnv hex>.kv` files, indexed at start-up from their headers and
-token ids only; LCP lookup; restore of a file's chain straight into the KV cache arrays
-(sequential, or pipelined by layer). The store is the one object the engine, server and CLI
-hold: saves and compaction are `saving.py` (`Saver`, the writer thread), the index and every
+token ids only; LCP lookup; for a restore, the hit's chain opened and validated (`open`) and handed
+to the KV cache, which runs the restore (edge_llm/kvcache/cache.py); the store accounts for the
+read and quarantines what turned out bad. The store is the one object the engine, server and
+CLI hold: saves and compaction are `saver.py` (`Saver`, the writer thread), the index and every
 removal of a file (eviction of whole chains, quarantine of bad files and of deltas whose base is
-gone) are `catalog.py`, the chain policies `chains.py`, reading a chain `restore.py`. Faults
+gone) are `catalog.py`, the chain policies `chains.py`, reading a chain `chain_read.py`. Faults
 (ENOSPC, EIO, corrupt files) are logged and counted and never reach the request path except as a
 restore failure, after which the engine recomputes.
 """
@@ -22,23 +23,19 @@ from typing import Any
 import numpy as np
 
 from edge_llm.config import Geometry
-from edge_llm.errors import SnapshotChainError, SnapshotError
-from edge_llm.kvcache import KVCache
-from edge_llm.progress import NO_WORK, RESTORE, Cancelled, Work
+from edge_llm.errors import SnapshotError
+from edge_llm.files import TMP_SUFFIX, orphaned_temp
+from edge_llm.kvcache import KVCache, Restored
+from edge_llm.progress import NO_WORK, Work
 from edge_llm.settings import DEFAULTS
 from edge_llm.snapshot import chains
 from edge_llm.snapshot import format as fmt
 from edge_llm.snapshot.catalog import Catalog
 from edge_llm.snapshot.identity import Identity, ensure_namespace
-from edge_llm.snapshot.index import Entry, Hit, RestoreResult, lcp, mbps
-from edge_llm.snapshot.restore import (
-    READ_MAX_TOKENS,
-    ChainRead,
-    ChainReadError,
-    PipelinedRestore,
-)
-from edge_llm.snapshot.saving import Saver
-from edge_llm.snapshot.writer import TMP_SUFFIX, Modes, orphaned_temp, write_atomic
+from edge_llm.snapshot.chain_read import READ_MAX_TOKENS, ChainRead, ChainReadError
+from edge_llm.snapshot.entries import Entry, Hit, lcp
+from edge_llm.snapshot.saver import Saver
+from edge_llm.snapshot.writer import Modes
 
 log = logging.getLogger("edge_llm.kvdisk")
 
@@ -82,7 +79,7 @@ class SnapshotStore:
             if orphaned_temp(tmp, self.saver.writer.busy):
                 self.catalog.unlink(tmp, "leftover temp file")
         entries, rejected = {}, 0
-        for path in sorted(self.ns.glob("kv_*.kv")):
+        for path in sorted(self.ns.glob(fmt.SNAPSHOT_GLOB)):
             try:
                 entry = self._read_entry(path)
             except (SnapshotError, OSError) as e:
@@ -134,73 +131,40 @@ class SnapshotStore:
                     best = Hit(e, m)
         return best
 
-    def open_chain(self, hit: Hit, cache: KVCache) -> ChainRead:
-        """Open and validate the files a restore of hit.m rows reads (header reads only). Raises
-        SnapshotError after quarantining what is bad (the request then recomputes)."""
+    def open(self, hit: Hit, max_seq: int) -> "ChainSource":
+        """Open and validate the files a restore of hit.m rows reads (header reads only), for a
+        cache of `max_seq` rows to restore from (`KVCache.restore`). Raises SnapshotError after
+        quarantining what is bad; the cache is not touched (the request then recomputes)."""
+        try:
+            return ChainSource(self, hit.entry, self.chain(hit.entry), hit.m, max_seq)
+        except (SnapshotError, OSError) as err:
+            raise self._quarantine(hit.entry, err) from err
+
+    def restore(self, hit: Hit, cache: KVCache, work: Work = NO_WORK, pipelined: bool = False) -> Restored:
+        """Restore rows [0, hit.m) of the hit's chain into `cache` and set its tokens: `open`,
+        then the cache's restore, finished (no tail computed behind it). Raises SnapshotError
+        (the subclass names the reason; the cache is reset and the bad file quarantined) or
+        `Cancelled` (the cache is reset)."""
         if cache.geometry != self.geometry:
             raise ValueError(f"cache geometry {cache.geometry} != store geometry {self.geometry}")
-        try:
-            chain = self.chain(hit.entry)
-            return ChainRead(chain, hit.m, self.geometry, self.model_id, cache.max_seq)
-        except (SnapshotError, OSError) as err:
-            cache.reset()  # the contract of a failed restore, though no row was touched yet
-            self._restore_failed(hit.entry, err)
-            raise AssertionError("unreachable")  # pragma: no cover
+        restore = cache.restore(self.open(hit, cache.max_seq), pipelined, work)
+        restore.finish()
+        return restore.restored
 
-    def restore(self, hit: Hit, cache: KVCache, work: Work = NO_WORK) -> RestoreResult:
-        """Sequential restore: read rows [0, hit.m) of the hit's chain into `cache`, set its tokens.
-
-        Each layer read is reported to `work` (stage restore) and a cancel is honoured between
-        layers (`Cancelled` propagates; the cache is then reset). Raises SnapshotError (the
-        subclass names the reason) if a file is bad or unreadable: the cache is then reset (its
-        rows are garbage), the file (and the deltas on it) quarantined, and the caller recomputes.
-        """
-        reader = self.open_chain(hit, cache)
-        w0 = cache.write_wait_s
-        cache.reset()  # from here on the rows are being rewritten from 0
-        t0, nbytes, n_layers = time.monotonic(), 0, self.geometry.n_layers
-        try:
-            for layer in range(n_layers):
-                nbytes += reader.read_layer(layer, cache.restore_rows(layer, 0, work),
-                                            cache.restore_rows(layer, 1, work))
-                work.report(RESTORE, layer + 1, n_layers)
-        except Cancelled:
-            cache.reset()
-            raise
-        except (SnapshotError, OSError) as err:
-            cache.reset()
-            self._restore_failed(hit.entry, err)
-        finally:
-            reader.close()
-        cache.set_tokens(hit.entry.tokens[:reader.m].tolist(), hit.entry.spans)
-        waited = cache.write_wait_s - w0  # for a pending save of the same rows, per layer
-        return self._restored(hit.entry, reader, nbytes, time.monotonic() - t0 - waited, waited)
-
-    def restore_pipelined(self, hit: Hit, cache: KVCache, work: Work = NO_WORK) -> "PendingRestore":
-        """Start a pipelined restore: returns at once with rows [0, m) declared valid; each layer
-        becomes usable to the model when the reader thread has read and checked it
-        (edge_llm/kvcache.py). The caller computes the tail, then calls `finish()`."""
-        reader = self.open_chain(hit, cache)
-        cache.reset()
-        job = PipelinedRestore(reader, cache, hit.entry.tokens[:reader.m].tolist(), hit.entry.spans, work)
-        return PendingRestore(self, hit, reader, job, cache)
-
-    def _restored(self, e: Entry, reader: ChainRead, nbytes: int, secs: float, waited: float) -> RestoreResult:
-        res = RestoreResult(reader.m, nbytes, secs * 1e3, mbps(nbytes, secs), e.name, waited * 1e3,
-                            files=len(reader.parts))
+    def _loaded(self, source: "ChainSource", r: Restored) -> None:
         cat = self.catalog
         with cat.lock:
-            members = [cat.index[n] for n in reader.files if n in cat.index]
+            members = [cat.index[n] for n in source.files if n in cat.index]
         for m in members:
             cat.touch(m)
-        cat.count(loads=1, bytes_read=nbytes)
-        chain = f" ({len(reader.parts)} files)" if len(reader.parts) > 1 else ""
+        cat.count(loads=1, bytes_read=r.nbytes)
+        chain = f" ({r.files} files)" if r.files > 1 else ""
         log.info("[KV-DISK] loaded %d-token KV prefix from disk file %s (%d bytes, %.1f ms, %.1f MB/s)%s",
-                 reader.m, e.name, nbytes, res.ms, res.mbps, chain)
-        return res
+                 r.n_tokens, r.name, r.nbytes, r.ms, r.mbps, chain)
 
-    def _restore_failed(self, e: Entry, err: BaseException) -> None:
-        """Count, quarantine the bad file and every delta on it, raise SnapshotError."""
+    def _quarantine(self, e: Entry, err: BaseException) -> SnapshotError:
+        """A restore of `e` failed: count, quarantine the bad file and every delta on it; the
+        SnapshotError to raise (the subclass names the reason)."""
         bad = err.entry if isinstance(err, ChainReadError) else e
         cause = err.err if isinstance(err, ChainReadError) else err
         cat = self.catalog
@@ -210,16 +174,13 @@ class SnapshotStore:
             with cat.lock:
                 cat.index.pop(bad.name, None)
             cat.drop_descendants(bad, f"base-missing: base {bad.name} vanished")
-            raise SnapshotError(f"{bad.name}: file vanished") from err
-        if isinstance(cause, SnapshotChainError):
-            cat.drop_quarantined(bad, _reason(cause))
-            raise cause
+            return SnapshotError(f"{bad.name}: file vanished")
         cat.drop_quarantined(bad, _reason(cause))
         if isinstance(cause, SnapshotError):
-            raise cause
-        raise SnapshotError(f"{bad.name}: read failed: {cause}") from err
+            return cause
+        return SnapshotError(f"{bad.name}: read failed: {cause}")
 
-    # ---- saving, eviction (saving.py, catalog.py) ---------------------------------------------------
+    # ---- saving, eviction (saver.py, catalog.py) ---------------------------------------------------
     def save_async(self, cache: KVCache) -> None:
         """Queue a snapshot of the cache's valid rows; never raises I/O errors (`Saver.save_async`)."""
         self.saver.save_async(cache)
@@ -245,14 +206,6 @@ class SnapshotStore:
         """Rewrite a chain's tip as one full file (`Saver.compact`)."""
         return self.saver.compact(tip, should_stop)
 
-    def write_meta(self, name: str, data: bytes) -> None:
-        """A small namespace file (e.g. the cost gate's gate.json), atomically, with the
-        snapshots' file modes. Best effort: a failure is logged, never raised."""
-        try:
-            write_atomic(self.ns / name, data, self.modes)
-        except OSError as e:
-            log.warning("could not write %s: %s", self.ns / name, e)
-
     def close(self, timeout: float | None = None) -> bool:
         """Finish the pending save and stop the writer thread."""
         return self.saver.writer.close(timeout)
@@ -275,29 +228,19 @@ class SnapshotStore:
                     "save_pending": self.saver.writer.busy}
 
 
-class PendingRestore:
-    """A pipelined restore the engine computes behind; `finish()` joins the reader."""
+class ChainSource(ChainRead):
+    """A hit's chain opened for a restore (`SnapshotStore.open`): the cache reads it, the store
+    accounts for the read and quarantines a bad file (`done` / `failed`)."""
 
-    def __init__(self, store: SnapshotStore, hit: Hit, reader: ChainRead, job: PipelinedRestore, cache: KVCache):
-        self.store, self.hit, self.reader, self.job, self.cache = store, hit, reader, job, cache
-        self.m = reader.m
-        self.w0 = cache.write_wait_s
+    def __init__(self, store: SnapshotStore, entry: Entry, chain: list[Entry], m: int, max_seq: int):
+        super().__init__(chain, m, store.geometry, store.model_id, max_seq)
+        self.store, self.entry = store, entry
 
-    def finish(self) -> RestoreResult:
-        """Wait for the reader. On failure: reset the cache, quarantine, raise SnapshotError (or
-        Cancelled); the lease is released either way."""
-        try:
-            nbytes, secs = self.job.join()
-        except Cancelled:
-            self.cache.reset()
-            raise
-        except (SnapshotError, OSError) as err:
-            self.cache.reset()
-            self.store._restore_failed(self.hit.entry, err)
-        finally:
-            self.job.end()
-        waited = self.cache.write_wait_s - self.w0
-        return self.store._restored(self.hit.entry, self.reader, nbytes, max(secs - waited, 0.0), waited)
+    def done(self, restored: Restored) -> None:
+        self.store._loaded(self, restored)
+
+    def failed(self, err: BaseException) -> SnapshotError:
+        return self.store._quarantine(self.entry, err)
 
 
 def _reason(err: BaseException) -> str:

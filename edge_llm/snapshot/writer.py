@@ -4,7 +4,7 @@ The request path only enqueues (`submit`): the KV payload is never copied, the w
 it from the cache's rows through the job's `RowLease`, layer by layer, and reports each finished
 layer on the lease. The lease (taken when the job is queued, released when it ends or is
 superseded) is what makes a following request wait before overwriting rows the save still needs:
-the rules live in `edge_llm/kvcache.py`.
+the rules live in `edge_llm/kvcache/cache.py`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
-import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -23,12 +21,10 @@ from typing import BinaryIO
 
 import numpy as np
 
+from edge_llm import files
 from edge_llm.kvcache import ImageSpan, RowLease
 
 log = logging.getLogger(__name__)
-
-TMP_SUFFIX = ".tmp"
-_TMP_RE = re.compile(r"\.(\d+)-[0-9a-f]+\.tmp$")
 
 
 @dataclass
@@ -71,15 +67,21 @@ class Modes:
                     continue
             os.chmod(p, self.dir)  # mkdir's mode is filtered by the umask; chmod is not
 
-    def open_new(self, path: Path) -> BinaryIO:
-        """A new file (never clobbering), buffered, with the file mode."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), self.file)
-        try:
-            os.fchmod(fd, self.file)
-            return os.fdopen(fd, "wb")
-        except BaseException:
-            os.close(fd)
-            raise
+    def too_open(self, kv_dir: Path) -> tuple[list[str], int]:
+        """The rule `edge-llm doctor` checks: under a kv dir nothing may be readable by others,
+        and a snapshot by the group only where `group_read` allows it. Returns ("path (mode)" of
+        each offender, paths checked)."""
+        bad, n = [], 0
+        for q in [kv_dir, *sorted(kv_dir.glob("*")), *sorted(kv_dir.glob("*/*")),
+                  *sorted(kv_dir.glob("*/quarantine/*"))]:
+            try:
+                mode = q.stat().st_mode & 0o777
+            except OSError:
+                continue
+            n += 1
+            if mode & 0o007 or (mode & 0o070 and not self.group_read and q.name.startswith("kv_")):
+                bad.append(f"{q} ({mode:o})")
+        return bad, n
 
 
 def _missing_parents(path: Path) -> int:
@@ -93,85 +95,24 @@ def _missing_parents(path: Path) -> int:
 
 
 def write_atomic(path: Path, data: bytes, modes: Modes | None = None) -> None:
-    """Write a small file via temp file + fsync + rename + directory fsync, with the file mode."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}{TMP_SUFFIX}")
-    try:
-        with (modes or Modes()).open_new(tmp) as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: str | Path) -> None:
-    """fsync a directory so a rename/unlink in it is durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def temp_name(final_name: str) -> str:
-    """`kv_<hash>.kv.<pid>-<random>.tmp`: unique per attempt; the pid says whose it is, so a scan
-    removes only temp files of processes that are gone (a server and a `generate` may share a
-    namespace)."""
-    return f"{final_name}.{os.getpid()}-{secrets.token_hex(6)}{TMP_SUFFIX}"
-
-
-def orphaned_temp(path: Path, own_writer_busy: bool) -> bool:
-    """True for a temp file whose writer is gone: another process that no longer runs, this
-    process when its writer is idle, or no pid in the name."""
-    m = _TMP_RE.search(path.name)
-    if m is None:
-        return True
-    pid = int(m.group(1))
-    if pid == os.getpid():
-        return not own_writer_busy
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # alive, another user's
-        return False
-    return False
+    """A small file of the store (identity, counters, notes), atomically, with the file mode."""
+    files.write_atomic(path, data, mode=(modes or Modes()).file)
 
 
 def publish_file(directory: Path, final_name: str, size: int, write: Callable[[BinaryIO], int],
                  modes: Modes | None = None) -> int:
-    """Write a file atomically: temp file (mode from `modes`), preallocate, `write(f)`, fsync,
-    rename (over an existing file of that name: a compaction), dir fsync.
+    """Write a snapshot atomically (files.atomic_file): a temp file `<name>.<pid>-<hex>.tmp`
+    with the store's file mode, `size` bytes preallocated, `write(f)`, fsync, rename (over an
+    existing file of that name: a compaction), dir fsync.
 
     Returns the bytes written. On any error the temp file is removed and the error re-raised;
-    the final name either does not change or points at the complete new file.
+    the final name either does not change or points at the complete new file. The scan removes
+    temp files whose writer is gone (`files.orphaned_temp`).
     """
-    tmp = directory / temp_name(final_name)
-    try:
-        # O_EXCL: never clobber; buffered so that partial writes (e.g. near ENOSPC) are retried
-        with (modes or Modes()).open_new(tmp) as f:
-            try:
-                # reserve the blocks up front: a full disk fails here, before GBs are written
-                os.posix_fallocate(f.fileno(), 0, size)
-            except OSError as e:
-                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                    raise
-            written = write(f)
-            f.flush()
-            os.fsync(f.fileno())
+    with files.atomic_file(directory / final_name, mode=(modes or Modes()).file, size=size) as f:
+        written = write(f)
         if written != size:
             raise OSError(errno.EIO, f"wrote {written} bytes, expected {size}")
-        os.rename(tmp, directory / final_name)
-    except BaseException:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError as e:  # the disk may be gone; the next scan removes the debris
-            log.warning("[KV-DISK] could not remove %s: %s", tmp.name, e)
-        raise
-    fsync_dir(directory)
     return written
 
 

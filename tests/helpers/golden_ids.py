@@ -24,8 +24,9 @@ def main() -> int:
         json.loads(sys.argv[5])
     if backend == "cpu-q":
         from edge_llm.backends.cpuq import open_cpu_q
+        from edge_llm.checkpoints.gguf_blocks import gguf_blocks
 
-        model = Model.load(model_dir, open_cpu_q(model_dir, "q4", threads=threads))
+        model = Model.load(model_dir, open_cpu_q(model_dir, "q4", threads=threads, blocks=gguf_blocks(model_dir)))
     else:
         model = Model.load(model_dir, backend)
     tok = Tokenizer.from_dir(model_dir)

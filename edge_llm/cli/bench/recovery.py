@@ -45,8 +45,8 @@ def run_recovery(model, synth_layers, contexts, max_tokens=8, ready_timeout=600.
                  out="benchmarks/results", modes=("sequential", "pipelined")) -> Path:
     from edge_llm.bench import recovery as B
     from edge_llm.bench.disk import new_results_dir
+    from edge_llm.checkpoints.default import resolve_model_dir
     from edge_llm.config import ModelArgs
-    from edge_llm.models.default import resolve_model_dir
 
     if synth_layers:
         model = str(synth_model(synth_layers))

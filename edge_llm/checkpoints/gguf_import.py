@@ -14,13 +14,14 @@ from typing import Any
 
 import numpy as np
 
-from edge_llm.errors import ModelImportError
-from edge_llm.models.safetensors_writer import (
+from edge_llm.checkpoints.safetensors_writer import (
     Progress,
     TensorPlan,
     write_checkpoint,
     write_json_atomic,
 )
+from edge_llm.errors import ModelImportError
+from edge_llm.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ _PRE_FAMILY = {
     "gpt-2": "gpt2", "gpt2": "gpt2", "default": "gpt2",
 }
 TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
+# what an imported directory records about its source (gguf_blocks.py finds the GGUF by it)
+IMPORT_RECORD = "edge_llm_import.json"
 
 
 def hf_name(gguf_name: str) -> str:
@@ -223,8 +226,7 @@ def _write_tokenizer_files(meta: _Meta, bos_id: int | None, out: Path) -> list[i
     """tokenizer.json, tokenizer_config.json and generation_config.json; returns the eos ids."""
     tok_json, tcfg, eos_ids = build_tokenizer(meta)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "tokenizer.json.tmp").write_text(tok_json, encoding="utf-8")
-    (out / "tokenizer.json.tmp").replace(out / "tokenizer.json")
+    write_atomic(out / "tokenizer.json", tok_json)
     write_json_atomic(out / "tokenizer_config.json", tcfg)
     gen: dict[str, Any] = {}
     if eos_ids:
@@ -297,7 +299,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, progress: Progress |
     # them bitwise against these F32 tensors first, so a moved or changed file is only slower)
     src = {"source": path.name, "source_path": str(path.resolve()), "architecture": arch, "tensors": len(plans),
            "file_types": sorted({t.tensor_type.name for t in reader.tensors})}
-    write_json_atomic(out / "edge_llm_import.json", src)
+    write_json_atomic(out / IMPORT_RECORD, src)
     log.info("imported %s (%s, %d tensors) -> %s", path.name, arch, len(plans), out)
     return out
 

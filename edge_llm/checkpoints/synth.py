@@ -8,8 +8,6 @@ model. The tokenizer is the real Qwen3 one, so prompts tokenise exactly as on th
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,10 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from edge_llm.config import VisionArgs
-from edge_llm.errors import ModelImportError
-from edge_llm.models.packaged import qwen3_tokenizer_dir
-from edge_llm.models.safetensors_writer import (
+from edge_llm.checkpoints.packaged import qwen3_tokenizer_dir
+from edge_llm.checkpoints.safetensors_writer import (
     DEFAULT_SHARD_BYTES,
     Progress,
     TensorPlan,
@@ -28,6 +24,9 @@ from edge_llm.models.safetensors_writer import (
     write_checkpoint,
     write_json_atomic,
 )
+from edge_llm.config import VisionArgs
+from edge_llm.errors import ModelImportError
+from edge_llm.files import write_atomic
 from edge_llm.weights import vision_tensors
 
 log = logging.getLogger(__name__)
@@ -164,21 +163,19 @@ def synth_checkpoint(out_dir: str | Path, preset: str = "qwen3-vl-2b", layers: i
     if preset == "tiny":
         config["vision_config"].update(TINY_VISION_OVERRIDES, out_hidden_size=tc["hidden_size"])
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        tmp = out / (name + ".tmp")
-        shutil.copyfile(tok_dir / name, tmp)
-        os.replace(tmp, out / name)
-    write_json_atomic(out / "generation_config.json", GENERATION_CONFIG)
+        write_atomic(out / name, (tok_dir / name).read_bytes(), durable=durable)
+    write_json_atomic(out / "generation_config.json", GENERATION_CONFIG, durable=durable)
     plans = qwen3_vl_plans(tc)
     if vision:
         vargs = VisionArgs.from_config(config)
         assert vargs is not None
         plans += [TensorPlan(n, "BF16", shape) for n, shape in vision_tensors(vargs).items()]
-        write_json_atomic(out / "preprocessor_config.json", QWEN3_VL_PREPROCESSOR)
+        write_json_atomic(out / "preprocessor_config.json", QWEN3_VL_PREPROCESSOR, durable=durable)
     else:
         (out / "preprocessor_config.json").unlink(missing_ok=True)
     names = write_checkpoint(out, plans, lambda p: synth_tensor_bf16_blocks(p.name, p.shape, seed),
                              max_shard_bytes=max_shard_bytes, progress=progress, durable=durable)
-    write_json_atomic(out / "config.json", config)  # last: a directory with config.json is complete
+    write_json_atomic(out / "config.json", config, durable=durable)  # last: a directory with config.json is complete
     log.info("synthetic %s checkpoint (%d layers) -> %s (%s)", preset, tc["num_hidden_layers"], out,
              ", ".join(names))
     return out

