@@ -34,6 +34,8 @@ RAW = [260, 3003, 4683, 282, 260, 35526, 2380, 1743, 42, 2382, 28, 4461, 28, 284
        288, 260, 35526, 2380]
 # cpu-q (4-bit weights, int8 activations) leaves the F32 answer after 8 tokens:
 # " the primary colors of the RGB color model, which are:\n\n* Red (R"
+# (measured with AVX2 alone, qemu-x86_64 -cpu Haswell: cpu-q gives RAW, the F32 ids, instead; under
+# qemu-user kernel_isa() reads the host's /proc/cpuinfo, so it cannot tell such a run apart)
 CPU_Q_ISA = "x86_64-avx2-avx512f-avx512_vnni"  # cpuq.kernel_isa() where CPU_Q_RAW was taken
 CPU_Q_RAW = [260, 3003, 4683, 282, 260, 35526, 2380, 1743, 28, 527, 359, 42, 198, 198, 26, 3950, 365, 66, 727, 378,
              3003, 2380, 338, 314]
