@@ -207,11 +207,9 @@ class Engine:
             t.gate, t.gate_predicted_ms = d.action, d.predicted_ms
             t.gate_restore_ms, t.gate_recompute_ms = d.restore_ms, d.recompute_ms
             if k > m_ram:
-                try:  # header reads only: a bad file is quarantined, the RAM rows are untouched
-                    source = self.store.open(Hit(hit.entry, k), self.cache.max_seq)
-                except SnapshotError as e:
-                    log.warning("disk restore failed (%s): using the RAM prefix", e)
-                else:
+                # header reads only: None if a file is bad (quarantined); the RAM rows stay
+                source = self.store.open(Hit(hit.entry, k), self.cache.max_seq)
+                if source is not None:
                     t.align_rows = raw_disk - hit.m
                     t.cache_source, t.disk_cached_tokens = "disk", source.m
                     return source.m, self.cache.restore(source, pipelined=self.restore_mode != SEQUENTIAL, work=work)

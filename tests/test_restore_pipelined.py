@@ -93,6 +93,25 @@ def test_crc_failure_mid_pipeline_recomputes_cleanly(tiny, tmp_path):
     eng.store.close()
 
 
+def test_a_snapshot_that_cannot_be_opened_keeps_the_ram_rows(tiny, tmp_path, caplog):
+    """A file gone between the scan and the request: the store quarantines it at `open`, before any
+    cache row is touched, so the request reuses what RAM holds and is bitwise a cold run."""
+    kv = tmp_path / "kv"
+    prompt = snapshot_of_history(tiny, kv)
+    want, _ = engine(tiny, tmp_path / "cold-kv").prefill_prompt(prompt)
+    eng = engine(tiny, kv)
+    eng.prefill_prompt(prompt[:200])  # RAM: a 200-token prefix of the prompt
+    (snap,) = kv.rglob("kv_*.kv")
+    snap.unlink()
+    eng.gate.read_bps = eng.gate.prefill_tps = None  # unmeasured: the gate restores
+    logits, t = eng.prefill_prompt(prompt)
+    assert t.cache_source == "ram" and t.ram_cached_tokens > 100 and t.disk_cached_tokens == 0
+    assert t.restore_mode == "" and eng.store.stats()["load_failures"] == 1
+    assert np.array_equal(logits.view(np.uint32), want.view(np.uint32))
+    assert "restore of" in caplog.text and "not started" in caplog.text
+    eng.store.close()
+
+
 def test_cost_gate_decisions_with_injected_estimates():
     g = CostGate(bytes_per_token=229_376, mode="pipelined", chunk=128)
     assert g.decide(2100, 0, 2048, 64, 16).action == "unmeasured"  # no estimates: restore

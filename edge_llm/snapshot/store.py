@@ -131,10 +131,17 @@ class SnapshotStore:
                     best = Hit(e, m)
         return best
 
-    def open(self, hit: Hit, max_seq: int) -> "ChainSource":
-        """Open and validate the files a restore of hit.m rows reads (header reads only), for a
-        cache of `max_seq` rows to restore from (`KVCache.restore`). Raises SnapshotError after
-        quarantining what is bad; the cache is not touched (the request then recomputes)."""
+    def open(self, hit: Hit, max_seq: int) -> "ChainSource | None":
+        """The files a restore of hit.m rows reads, opened and validated (header reads only), for
+        a cache of `max_seq` rows to restore from (`KVCache.restore`); None if one is bad: it is
+        quarantined and logged, and no cache row was touched (the caller uses what it has)."""
+        try:
+            return self._open(hit, max_seq)
+        except SnapshotError as e:
+            log.warning("[KV-DISK] restore of %s not started: %s", hit.entry.name, e)
+            return None
+
+    def _open(self, hit: Hit, max_seq: int) -> "ChainSource":
         try:
             return ChainSource(self, hit.entry, self.chain(hit.entry), hit.m, max_seq)
         except (SnapshotError, OSError) as err:
@@ -147,7 +154,7 @@ class SnapshotStore:
         `Cancelled` (the cache is reset)."""
         if cache.geometry != self.geometry:
             raise ValueError(f"cache geometry {cache.geometry} != store geometry {self.geometry}")
-        restore = cache.restore(self.open(hit, cache.max_seq), pipelined, work)
+        restore = cache.restore(self._open(hit, cache.max_seq), pipelined, work)
         restore.finish()
         return restore.restored
 
