@@ -106,7 +106,7 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
     say("allocating the KV cache")
     cache = KVCache(model.args.geometry, max_seq=s.max_seq, kv_bs=s.kv_bs)
     chunk = model.chunk_size(s.prefill_chunk)  # the chunk rows are batched in: identity, gate, engine
-    store = None
+    store, disk_kv_error = None, None
     if s.disk_kv is not None:
         from edge_llm.snapshot.identity import Identity
         from edge_llm.snapshot.store import SnapshotStore
@@ -114,13 +114,19 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
         identity = Identity.for_model(model_dir, model.args, model.backend.numerics, progress=say,
                                       prefill_chunk=chunk)
         say("scanning snapshots")
-        store = SnapshotStore(
-            Path(s.disk_kv), identity, model.args.geometry,
-            min_lcp=s.disk_kv_min_lcp, max_files=s.disk_kv_max_files,
-            max_bytes=s.disk_kv_max_bytes, max_tokens=s.disk_kv_max_tokens, kv_bs=s.kv_bs,
-            max_chain=s.disk_kv_max_chain, compact_idle=s.disk_kv_compact_idle, group_read=s.disk_kv_group_read,
-        )
-        store.scan()
+        try:
+            store = SnapshotStore(
+                Path(s.disk_kv), identity, model.args.geometry,
+                min_lcp=s.disk_kv_min_lcp, max_files=s.disk_kv_max_files,
+                max_bytes=s.disk_kv_max_bytes, max_tokens=s.disk_kv_max_tokens, kv_bs=s.kv_bs,
+                max_chain=s.disk_kv_max_chain, compact_idle=s.disk_kv_compact_idle,
+                group_read=s.disk_kv_group_read,
+            )
+            store.scan()
+        except OSError as e:  # a disk problem is not a reason to stop serving (nor a crash loop)
+            disk_kv_error = f"disk KV unavailable: {s.disk_kv}: {e.strerror or e}"
+            log.error("[KV-DISK] %s; serving without snapshots until a restart finds it usable", disk_kv_error)
+            store = None
     gate = None
     if store is not None:  # estimates persist per namespace: same disk, same backend numerics
         from edge_llm.costgate import CostGate
@@ -128,7 +134,8 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
         gate = CostGate(cache.geometry.kv_bytes_per_token, s.disk_kv_restore, chunk,
                         state_dir=store.ns, file_mode=store.modes.file)
     engine = Engine(model, tokenizer, cache, store=store, prefill_chunk=s.prefill_chunk,
-                    model_dir=model_dir, vision=vision, restore_mode=s.disk_kv_restore, gate=gate)
+                    model_dir=model_dir, vision=vision, restore_mode=s.disk_kv_restore, gate=gate,
+                    disk_kv_error=disk_kv_error)
     log.info("runtime ready: model %s (%s), KV cache %d MiB (max_seq %d)", model_dir.name,
              model.backend.numerics, cache.nbytes >> 20, s.max_seq)
     return engine

@@ -60,3 +60,48 @@ def test_a_stop_during_loading_releases_the_backend(tiny_synth_dir, tmp_path, mo
     go.set()
     assert closed.wait(60), "the engine loaded after the stop was never released"
     assert state.engine is None and state.status == "stopping"
+
+
+def _serve_degraded(settings) -> AppState:
+    state = AppState(settings, loader=lambda: load_runtime(settings))
+    state.start_loading()
+    deadline = time.monotonic() + 120
+    while state.status == "loading" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return state
+
+
+def test_a_kv_dir_that_cannot_be_created_starts_degraded(tiny_synth_dir, tmp_path, monkeypatch, caplog):
+    """A kv dir below a regular file (NotADirectoryError at mkdir): the service starts and serves
+    without snapshots, and /health says why, instead of failing its start (a crash loop)."""
+    monkeypatch.setenv("EDGE_LLM_HOME", str(tmp_path / "home"))
+    (tmp_path / "a-file").write_text("not a directory")
+    state = _serve_degraded(Settings(model=str(tiny_synth_dir), disk_kv=str(tmp_path / "a-file" / "kv"), max_seq=512))
+    assert state.status == "ok", state.error
+    health = state.health()
+    assert any("disk KV unavailable" in d for d in health["degraded"]) and not health["snapshots"]["enabled"]
+    assert "[KV-DISK] disk KV unavailable" in caplog.text
+    last = list(state.engine.generate(GenerationRequest(prompt_tokens=list(range(100, 200)), max_tokens=2)))[-1]
+    assert last.finish_reason in ("length", "stop")
+    state.close(grace=0)
+
+
+def test_a_read_only_kv_filesystem_starts_degraded(tiny_synth_dir, tmp_path, monkeypatch):
+    """The EROFS of a read-only mount, for real (a tmpfs mounted ro; needs root)."""
+    import subprocess
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True, text=True)
+    if r.returncode != 0:
+        import pytest
+
+        pytest.skip(f"cannot mount a read-only tmpfs here (needs root): {r.stderr.strip()}")
+    try:
+        monkeypatch.setenv("EDGE_LLM_HOME", str(tmp_path / "home"))
+        state = _serve_degraded(Settings(model=str(tiny_synth_dir), disk_kv=str(ro / "kv"), max_seq=512))
+        assert state.status == "ok", state.error
+        assert any("Read-only file system" in d for d in state.health()["degraded"]), state.health()["degraded"]
+        state.close(grace=0)
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)

@@ -460,3 +460,21 @@ def test_cancel_while_waiting_for_a_save(tmp_path, gated):
     assert s.flush(timeout=60)
     fmt.verify_file(s.ns / name_of(seq(40)), G, ID_A.model_id)
     s.close()
+
+
+def test_a_fifo_named_like_a_snapshot_is_skipped_not_opened(tmp_path, caplog):
+    """Opening a FIFO for reading blocks until a writer comes: the scan must not open it."""
+    s = new_store(tmp_path)
+    save(s, make_cache(seq(40)))
+    s.close()
+    fifo = s.ns / ("kv_" + "0" * 16 + ".kv")
+    os.mkfifo(fifo)
+    done = []
+    t = threading.Thread(target=lambda: done.append(new_store(tmp_path)), daemon=True)
+    t.start()
+    t.join(30)
+    assert done, "the scan blocked on the FIFO"
+    s2 = done[0]
+    assert [e.name for e in s2.entries()] == [name_of(seq(40))] and fifo.exists()
+    assert "skipped kv_0000000000000000.kv: not a regular file" in caplog.text
+    s2.close()

@@ -153,6 +153,8 @@ class AppState:
     def degraded(self) -> list[str]:
         """Human-readable conditions that reduce service (e.g. "snapshot disk full")."""
         flags = [str(v) for v in self.store_stats().get("degraded", ())]
+        if self.engine is not None and self.engine.disk_kv_error:
+            flags.append(self.engine.disk_kv_error)
         if self.status == "failed":
             flags.append("model load failed")
         return flags

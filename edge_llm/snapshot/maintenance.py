@@ -33,8 +33,9 @@ def namespace_dirs(kv_dir: Path, only: str | None = None) -> list[Path]:
 
 
 def snapshot_files(ns: Path) -> list[Path]:
-    """The snapshot files of a namespace, in name order (no temp or quarantined files)."""
-    return sorted(p for p in ns.iterdir() if is_snapshot_name(p.name))
+    """The snapshot files of a namespace, in name order (no temp or quarantined files; never a
+    FIFO or device named like one: opening it could block)."""
+    return sorted(p for p in ns.iterdir() if is_snapshot_name(p.name) and p.is_file())
 
 
 def _entry(ns: Path, path: Path) -> Entry:
