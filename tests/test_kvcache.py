@@ -192,3 +192,18 @@ def test_a_restore_waits_for_the_rows_a_pending_save_still_needs():
     lease.release()
     restorer.join(5)
     assert not restorer.is_alive() and np.array_equal(c.data[:, :, :8], src.data)
+
+
+def test_a_second_restore_while_one_runs_is_refused_and_gives_up_no_row():
+    import threading
+
+    c = KVCache(G, max_seq=10)
+    hold = threading.Event()
+    first = RowsFrom(_rows(), list(range(8)), gate={1: hold})
+    r = c.restore(first, True)
+    with pytest.raises(KVCacheError, match="already in progress"):
+        c.restore(RowsFrom(_rows(1), list(range(5))), False)
+    assert c.tokens == list(range(8))  # the running restore's rows are still declared
+    hold.set()
+    r.finish()
+    assert np.array_equal(c.data[:, :, :8], first.data)

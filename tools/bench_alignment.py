@@ -148,6 +148,31 @@ def chunks(a) -> None:
               flush=True)
 
 
+def speed(a) -> None:
+    """The hot paths the restore rule and the backend seam run: prefill rows/s at each --chunks and
+    decode tok/s of --tokens one-row steps after it (cpu-q: its decode graph, or with
+    --no-decode-graph the per-layer path whose post fuses the next qkv). Best of --repeats."""
+    eng = load_runtime(Settings(model=a.model, backend=a.backend, disk_kv=None, max_seq=a.rows + a.tokens + 8,
+                                decode_graph=a.decode_graph))
+    ids = np.random.default_rng(0).integers(100, min(eng.model.args.vocab_size, 20000), size=a.rows).tolist()
+    for c in a.chunks:
+        pre, dec = [], []
+        for _ in range(a.repeats):
+            eng.cache.truncate(0)
+            t0 = time.perf_counter()
+            logits = eng.model.prefill(ids, eng.cache, chunk=c)
+            t1 = time.perf_counter()
+            for _ in range(a.tokens):
+                logits = eng.model.forward([int(np.argmax(logits))], eng.cache)
+            pre.append(t1 - t0)
+            dec.append(time.perf_counter() - t1)
+        print(json.dumps({"what": "speed", "model": eng.model_dir.name, "backend": a.backend,
+                          "decode_graph": a.decode_graph, "rows": a.rows, "chunk": c,
+                          "prefill_rows_per_s": round(a.rows / min(pre), 1),
+                          "decode_tok_per_s": round(a.tokens / min(dec), 1), "blas": blas(), "isa": isa()}),
+              flush=True)
+
+
 def decode(a) -> None:
     """Turn 1 answered greedily (decode rows), turn 2 = turn 1 + answer + follow-up from RAM vs cold."""
     from edge_llm.checkpoints.default import resolve_model_dir
@@ -186,7 +211,7 @@ def decode(a) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["rows", "reuse", "chunks", "align", "decode"])
+    ap.add_argument("what", choices=["rows", "reuse", "chunks", "align", "decode", "speed"])
     ap.add_argument("--model", default="default")
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--contexts", type=lambda v: [int(x) for x in v.split(",")], default=[2048, 8192])
@@ -197,8 +222,10 @@ def main() -> int:
     ap.add_argument("--chunks", type=lambda v: [int(x) for x in v.split(",")], default=[32, 64, 128])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=200, help="decode: turn 1's prompt tokens")
+    ap.add_argument("--no-decode-graph", dest="decode_graph", action="store_false",
+                    help="speed, cpu-q: decode through the per-layer graphs, not the one-row decode graph")
     a = ap.parse_args()
-    {"rows": rows, "reuse": reuse, "chunks": chunks, "align": align, "decode": decode}[a.what](a)
+    {"rows": rows, "reuse": reuse, "chunks": chunks, "align": align, "decode": decode, "speed": speed}[a.what](a)
     return 0
 
 

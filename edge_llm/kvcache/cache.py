@@ -135,7 +135,7 @@ class KVCache:
         self.data[layer, V, start:stop] = v
 
     def restore(self, source: "RowSource", pipelined: bool, work: Work = NO_WORK) -> "Restore":
-        """Rewrite rows [0, source.m) from `source`; the rows are this cache's tokens once the
+        """Rewrite rows [0, len(source.tokens)) from `source`; the rows are this cache's tokens once the
         handle's `finish()` returned (module docstring). Pipelined, the reader starts now."""
         return Restore(self, source, pipelined, work)
 
@@ -258,7 +258,7 @@ class _ReaderFailed(Exception):
 
 
 class Restore:
-    """One restore of rows [0, source.m) into the cache (`KVCache.restore`); see the module docstring.
+    """One restore of rows [0, len(source.tokens)) into the cache (`KVCache.restore`); see the module docstring.
 
     Pipelined, one reader thread fills the cache layer by layer and `layer l` becomes usable as soon
     as it is read and checked; sequential, `finish` reads every layer before anything computes."""
@@ -269,18 +269,19 @@ class Restore:
                                f"outside [0, {cache.max_seq}]")
         self.cache, self.source, self.work = cache, source, work
         self.mode = PIPELINED if pipelined else SEQUENTIAL
-        self.m, self.n = source.m, source.rows_needed
+        self.n = source.rows_needed  # rows a pipelined restore holds (waits below it)
         self.layers_ready, self.error, self.active = 0, None, pipelined
         self.nbytes, self.read_s = 0, 0.0
         self._w0 = cache.write_wait_s
-        cache.reset()  # from here on the rows are being rewritten from 0
         self._thread: threading.Thread | None = None
-        if pipelined:
-            with cache._cond:
-                if cache._restore is not None:
-                    raise KVCacheError("a restore is already in progress")
+        with cache._cond:
+            if cache._restore is not None:  # checked before a row is given up
+                raise KVCacheError("a restore is already in progress")
+            cache.reset()  # from here on the rows are being rewritten from 0
+            if pipelined:
                 cache.set_tokens(source.tokens, source.spans)
                 cache._restore = self
+        if pipelined:
             # the reader only honours a cancel: progress is reported by the waits of the tail
             self._thread = threading.Thread(target=self._read, args=(Work(cancel=work.cancel), True),
                                             name="kv-disk-reader", daemon=True)
@@ -335,7 +336,7 @@ class Restore:
                 err.__cause__ = self.error if err is not self.error else None
             raise cancelled or err
         waited = self.cache.write_wait_s - self._w0
-        self.restored = Restored(self.m, self.nbytes, max(self.read_s - waited, 0.0) * 1e3, waited * 1e3, self.mode,
+        self.restored = Restored(len(self.source.tokens), self.nbytes, max(self.read_s - waited, 0.0) * 1e3, waited * 1e3, self.mode,
                                  self.source.name, len(self.source.files))
         self.source.done(self.restored)
         if cancelled is not None:

@@ -56,17 +56,14 @@ class RowSource(Protocol):
 
     name: str  # the file named in logs and timings (the chain's tip)
     files: list[str]  # every file read, root first
-    tokens: list[int]  # ids of the rows [0, m) it provides
+    tokens: list[int]  # ids of the rows [0, len(tokens)) it provides
     spans: Sequence[ImageSpan]  # image runs among them
 
     @property
-    def m(self) -> int: ...
-
-    @property
-    def rows_needed(self) -> int: ...  # >= m: whole blocks are read
+    def rows_needed(self) -> int: ...  # >= len(tokens): whole blocks are read
 
     def read_layer(self, layer: int, k: np.ndarray, v: np.ndarray) -> int:
-        """Rows [0, m) of one layer into k, v (each (max_seq, kv_dim)), checked; bytes read."""
+        """Its rows of one layer into k, v (each (max_seq, kv_dim)), checked; bytes read."""
 
     def close(self) -> None: ...
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -81,7 +80,7 @@ class SnapshotStore:
                 self.catalog.unlink(tmp, "leftover temp file")
         entries, rejected = {}, 0
         for path in sorted(self.ns.glob(fmt.SNAPSHOT_GLOB)):
-            if not _regular(path):  # a FIFO or device would block or mislead the reader: never opened
+            if not path.is_file():  # a FIFO or device would block or mislead the reader: never opened
                 log.warning("[KV-DISK] skipped %s: not a regular file", path.name)
                 continue
             try:
@@ -252,13 +251,6 @@ class ChainSource(ChainRead):
 
     def failed(self, err: BaseException) -> SnapshotError:
         return self.store._quarantine(self.entry, err)
-
-
-def _regular(path: Path) -> bool:
-    try:
-        return stat.S_ISREG(path.stat().st_mode)
-    except OSError:
-        return False
 
 
 def _reason(err: BaseException) -> str:

@@ -37,7 +37,7 @@ class RowsFrom:
         if layer == self.fail_at:
             raise SnapshotBlockCRC(f"layer {layer}: block CRC mismatch")
         k[:self.m], v[:self.m] = self.data[layer, 0, :self.m], self.data[layer, 1, :self.m]
-        return 2 * self.data[layer, :, :self.m].nbytes // 2
+        return self.data[layer, :, :self.m].nbytes
 
     def close(self) -> None:
         self.closed = True
