@@ -151,6 +151,17 @@ class Settings:
     max_image_pixels: int = _opt(64 * 1024 * 1024, "Largest accepted image in width x height, checked "
                                  "before decoding (decompression bombs).", commands=(SERVE, GENERATE),
                                  minimum=1)
+    max_images: int = _opt(8, "Images accepted in one chat request (400 beyond). Every image's tokens are "
+                           "counted from its header and the request refused past max_seq before any "
+                           "pixel is decoded; this caps the rest of what one request holds and reads "
+                           "(up to max_images x max_image_bytes of --image-dir files). 8: a few pages or "
+                           "screenshots per turn.", commands=(SERVE,), minimum=1)
+    max_image_decodes: int = _opt(1, "Images decoded at the same time, over all requests. One decode "
+                                  "briefly holds the source pixels (4 bytes per pixel, more with alpha) "
+                                  "and float arrays of up to about 72 KiB per image token; 1 bounds that to one "
+                                  "image at a time (the single worker runs one request at a time anyway). "
+                                  "More only helps concurrent image requests on a board with RAM to spare.",
+                                  commands=(SERVE,), minimum=1)
 
     @property
     def disk_kv_enabled(self) -> bool:

@@ -7,10 +7,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import re
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +130,36 @@ def plain(text: str) -> str:
     return PLAIN_OPEN + _MARK_CHARS.sub("", text) + PLAIN_CLOSE
 
 
+# pre-tokenizers that keep every byte of their input in some piece (Whitespace, WhitespaceSplit and
+# BertPreTokenizer drop whitespace, Split can remove what it matches): see `bytes_per_token`
+_KEEPING_PRE = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts", "Split"}
+
+
+def _keeps_bytes(pre: Any) -> bool:
+    if pre is None:
+        return True
+    kind = pre.get("type") if isinstance(pre, dict) else None
+    if kind == "Sequence":
+        return all(_keeps_bytes(p) for p in pre.get("pretokenizers", []))
+    if kind == "Split":
+        return pre.get("behavior") != "Removed" and not pre.get("invert")
+    return kind in _KEEPING_PRE
+
+
+def _uses_byte_level(pre: Any) -> bool:
+    if not isinstance(pre, dict):
+        return False
+    if pre.get("type") == "Sequence":
+        return any(_uses_byte_level(p) for p in pre.get("pretokenizers", []))
+    return pre.get("type") == "ByteLevel"
+
+
+def _encode_ids(tk: _HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    # encode_batch releases the GIL while it tokenizes (encode does not): a long prompt
+    # tokenized in an HTTP thread must not stall the event loop, /health or the worker
+    return tk.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
 def _plain_message(m: dict[str, Any]) -> dict[str, Any]:
     c = m.get("content")
     if isinstance(c, str) and PLAIN_OPEN not in c:
@@ -224,18 +255,52 @@ class Tokenizer:
         """Text -> ids. Special-token strings in `text` map to their single ids, except inside
         `plain()` marks: there they are plain text."""
         if PLAIN_OPEN not in text:
-            return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+            return _encode_ids(self._tk, text, add_special_tokens)
         pieces = _MARKED.split(text)  # odd pieces: marked plain text, marks included
         if not any(t in p for p in pieces[1::2] for t in self._added):  # nothing to keep from parsing:
-            return self._tk.encode(_MARK_CHARS.sub("", text), add_special_tokens=add_special_tokens).ids
+            return _encode_ids(self._tk, _MARK_CHARS.sub("", text), add_special_tokens)
         if self._plain_tk is None:  # a second instance: the flag is per instance, encode runs in threads
             self._plain_tk = _HFTokenizer.from_str(self._tk.to_str())
             self._plain_tk.encode_special_tokens = True
         ids: list[int] = []
         for i, p in enumerate(pieces):
             if p:
-                ids += (self._plain_tk.encode(p[1:-1]) if i % 2 else self._tk.encode(p, add_special_tokens=False)).ids
+                ids += _encode_ids(self._plain_tk if i % 2 else self._tk, p[1:-1] if i % 2 else p, False)
         return ids
+
+    @cached_property
+    def bytes_per_token(self) -> int | None:
+        """The most bytes of (normalized) text one token can stand for, or None when this
+        tokenizer's structure gives no such bound. Computed once from the vocabulary.
+
+        Known for BPE models whose pre-tokenizer keeps every byte and that never fuse a run of
+        unknown characters into one token. A byte-level vocabulary spells each byte as one
+        character, so a token covers as many bytes as its string has characters; otherwise a
+        token's UTF-8 string is at least the text it covers (a Metaspace "▁" is 3 bytes for 1, a
+        byte-fallback "<0x41>" 6 for 1). Added tokens match their content literally."""
+        cfg = json.loads(self._tk.to_str())
+        model, pre = cfg.get("model") or {}, cfg.get("pre_tokenizer")
+        if model.get("type") != "BPE" or not _keeps_bytes(pre):
+            return None
+        if model.get("unk_token") and model.get("fuse_unk") and not model.get("byte_fallback"):
+            return None
+        byte_level = _uses_byte_level(pre)
+        vocab = model.get("vocab") or {}
+        longest = max((len(t) if byte_level else len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1)
+        added = max((len(t.encode("utf-8", "surrogatepass")) for t in self._added), default=1)
+        return max(longest, added, 4)  # 4: an unknown character (one UTF-8 character) as one unk token
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on `len(self.encode(text))`, found without tokenizing (linear in the
+        text; 0 when `bytes_per_token` is unknown). It never exceeds the real count, so a prompt
+        refused with it could not have fit (docs/api.md, "Request limits")."""
+        per = self.bytes_per_token
+        if per is None or not text:
+            return 0
+        text = _MARK_CHARS.sub("", text)
+        if self._tk.normalizer is not None:  # e.g. NFC can shorten the text the model sees
+            text = self._tk.normalizer.normalize_str(text)
+        return math.ceil(len(text.encode("utf-8", "surrogatepass")) / per)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
