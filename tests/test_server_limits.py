@@ -1,7 +1,8 @@
 """Requests that would exhaust memory or stall the server, through a real server process: images
 are sized from their headers and refused past max_seq before any pixel is decoded (the server's
 peak RSS stays far below one decoded image), the per-request image cap, a prompt refused from its
-byte length without being tokenized, and /health answering while large prompts are tokenized."""
+byte length without being tokenized, /health answering while large prompts are tokenized, and
+the decode gate (max_image_decodes)."""
 
 from __future__ import annotations
 
@@ -141,3 +142,65 @@ def test_health_answers_while_large_prompts_are_tokenized(edge_home, tmp_path):
             head, _, body = _read_all(s).partition(b"\r\n\r\n")
             assert b" 400 " in head.split(b"\r\n")[0], head
             assert b"(650000 in the prompt, 16 for the completion)" in body, body[:300]
+
+
+def test_image_decodes_are_bounded_by_the_gate(tiny_synth_dir, tmp_path):
+    """Four concurrent image requests decode at most `max_image_decodes` images at a time. The
+    app runs in-process on a real socket (uvicorn) with the real engine; the one instrument is a
+    wrapper around VisionModel.prepare that counts the decodes in progress and holds each one
+    for a moment, so that unbounded decodes would overlap."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import uvicorn
+
+    from edge_llm.runtime import load_runtime
+    from edge_llm.server.app import create_app
+    from edge_llm.settings import load_settings
+
+    port = __import__("serverutil").free_port()
+    settings = load_settings({"model": str(tiny_synth_dir), "log_file": "", "disk_kv": "off", "max_seq": 1024,
+                              "max_image_decodes": 2, "port": port}, env={})
+    lock, now, peak = threading.Lock(), [0], [0]
+
+    def loader():
+        engine = load_runtime(settings)
+        real = engine.vision.prepare
+
+        def counted(data: bytes):
+            with lock:
+                now[0] += 1
+                peak[0] = max(peak[0], now[0])
+            try:
+                time.sleep(0.3)
+                return real(data)
+            finally:
+                with lock:
+                    now[0] -= 1
+
+        engine.vision.prepare = counted
+        return engine
+
+    server = uvicorn.Server(uvicorn.Config(create_app(settings, loader=loader), host="127.0.0.1", port=port,
+                                           log_config=None, lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def ready():
+            try:
+                return httpx.get(url + "/health", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(ready, timeout=600, what="in-process server ready")
+        body = {"messages": [user(QUESTION, data_url(PHOTO_A), data_url(PHOTO_A))], "max_tokens": 1}
+        with ThreadPoolExecutor(4) as pool:
+            rs = list(pool.map(lambda _: httpx.post(url + "/v1/chat/completions", json=body, timeout=600),
+                               range(4)))
+        assert [r.status_code for r in rs] == [200] * 4, [r.text for r in rs]
+        assert peak[0] <= 2, f"{peak[0]} images were decoded at once (max_image_decodes 2)"
+    finally:
+        server.should_exit = True
+        thread.join(120)
