@@ -21,6 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 from edge_llm.errors import TokenizerError
+from edge_llm.token_bound import bytes_per_token
 
 log = logging.getLogger(__name__)
 
@@ -128,30 +129,6 @@ _MARKED = re.compile("(\ud800[^\ud800\udbff]*\udbff)")
 def plain(text: str) -> str:
     """`text` marked for `Tokenizer.encode` as plain text (any mark inside it is dropped)."""
     return PLAIN_OPEN + _MARK_CHARS.sub("", text) + PLAIN_CLOSE
-
-
-# pre-tokenizers that keep every byte of their input in some piece (Whitespace, WhitespaceSplit and
-# BertPreTokenizer drop whitespace, Split can remove what it matches): see `bytes_per_token`
-_KEEPING_PRE = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts", "Split"}
-
-
-def _keeps_bytes(pre: Any) -> bool:
-    if pre is None:
-        return True
-    kind = pre.get("type") if isinstance(pre, dict) else None
-    if kind == "Sequence":
-        return all(_keeps_bytes(p) for p in pre.get("pretokenizers", []))
-    if kind == "Split":
-        return pre.get("behavior") != "Removed" and not pre.get("invert")
-    return kind in _KEEPING_PRE
-
-
-def _uses_byte_level(pre: Any) -> bool:
-    if not isinstance(pre, dict):
-        return False
-    if pre.get("type") == "Sequence":
-        return any(_uses_byte_level(p) for p in pre.get("pretokenizers", []))
-    return pre.get("type") == "ByteLevel"
 
 
 def _encode_ids(tk: _HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -271,24 +248,8 @@ class Tokenizer:
     @cached_property
     def bytes_per_token(self) -> int | None:
         """The most bytes of (normalized) text one token can stand for, or None when this
-        tokenizer's structure gives no such bound. Computed once from the vocabulary.
-
-        Known for BPE models whose pre-tokenizer keeps every byte and that never fuse a run of
-        unknown characters into one token. A byte-level vocabulary spells each byte as one
-        character, so a token covers as many bytes as its string has characters; otherwise a
-        token's UTF-8 string is at least the text it covers (a Metaspace "▁" is 3 bytes for 1, a
-        byte-fallback "<0x41>" 6 for 1). Added tokens match their content literally."""
-        cfg = json.loads(self._tk.to_str())
-        model, pre = cfg.get("model") or {}, cfg.get("pre_tokenizer")
-        if model.get("type") != "BPE" or not _keeps_bytes(pre):
-            return None
-        if model.get("unk_token") and model.get("fuse_unk") and not model.get("byte_fallback"):
-            return None
-        byte_level = _uses_byte_level(pre)
-        vocab = model.get("vocab") or {}
-        longest = max((len(t) if byte_level else len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1)
-        added = max((len(t.encode("utf-8", "surrogatepass")) for t in self._added), default=1)
-        return max(longest, added, 4)  # 4: an unknown character (one UTF-8 character) as one unk token
+        tokenizer's structure gives no such bound (`edge_llm.token_bound`). Computed once."""
+        return bytes_per_token(json.loads(self._tk.to_str()), self._added)
 
     def min_tokens(self, text: str) -> int:
         """A lower bound on `len(self.encode(text))`, found without tokenizing (linear in the
