@@ -163,8 +163,9 @@ def wheelhouse_dir() -> Path:
 
 
 def board_requirements(repo: Path = REPO) -> list[str]:
-    """What `pip install '<checkout>[board]'` pulls in on the board: the project's dependencies and
-    `board` extra (markers evaluated for aarch64 + the board's Python) and its build requirements."""
+    """What `pip install '<checkout>[board,quant]'` (board/install.sh) pulls in on the board: the
+    project's dependencies and those extras (markers evaluated for aarch64 + the board's Python)
+    and its build requirements."""
     import tomllib
     from pip._vendor.packaging.requirements import Requirement
 
@@ -173,7 +174,8 @@ def board_requirements(repo: Path = REPO) -> list[str]:
            "os_name": "posix", "python_version": BOARD_PYTHON, "python_full_version": BOARD_PYTHON + ".2",
            "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
     out = []
-    for line in [*proj["project"]["dependencies"], *proj["project"]["optional-dependencies"]["board"]]:
+    extras = proj["project"]["optional-dependencies"]
+    for line in [*proj["project"]["dependencies"], *extras["board"], *extras["quant"]]:
         req = Requirement(line)
         if req.marker is None or req.marker.evaluate(env):
             req.marker = None
