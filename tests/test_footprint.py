@@ -215,3 +215,17 @@ def test_the_unit_does_not_restart_a_refused_start() -> None:
     values = re.findall(r"^RestartPreventExitStatus=(.*)$", unit, re.M)
     assert values and str(fp.EXIT_REFUSED) in values[0].split(), values
     assert re.search(r"^Restart=on-failure$", unit, re.M)
+
+
+def test_bench_quant_memory_prints_the_estimate_next_to_the_peak(tiny_synth_dir: Path, tmp_path: Path) -> None:
+    """`edge-llm bench quant-memory --backend cpu` (the F32 path) on the tiny model: the table has
+    the measured peak and the start-up estimate with its ratio."""
+    r = subprocess.run([sys.executable, "-m", "edge_llm", "bench", "quant-memory", "--model", str(tiny_synth_dir),
+                        "--max-seq", "512", "--backend", "cpu", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "EDGE_LLM_HOME": str(tmp_path / "h")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    md = next(tmp_path.rglob("quant-memory.md")).read_text()
+    assert "# cpu memory: tiny-qwen3vl" in md and "weights as F32" in md, md
+    m = re.search(r"\| start-up estimate \(edge_llm/footprint\.py\) \| (\d+\.\d\d) GiB = (\d+\.\d\d)x the peak "
+                  r"\(backend cpu, max_seq 512: F32 weights", md)
+    assert m and float(m.group(2)) > 0, md
