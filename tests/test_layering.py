@@ -18,7 +18,7 @@ LAYERS = {
     "backends": 3, "snapshot": 3,
     "models": 4, "checkpoints": 4,
     "vision": 5, "sampling": 5,
-    "engine": 6, "convert": 6,
+    "engine": 6, "footprint": 6, "convert": 6,
     "runtime": 7, "logsetup": 7, "sdnotify": 7,
     "server": 8, "bench": 8, "doctor": 8,
     "cli": 9,

@@ -51,7 +51,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 def create_app(settings: Settings, notifier: Notifier | None = None, loader: Callable[[], Engine] | None = None,
-               on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+               on_fatal: Callable[[Exception], None] | None = None) -> FastAPI:
     """Build the app. The model loads in the background when the app starts (lifespan)."""
     state = AppState(settings, notifier=notifier, loader=loader, on_fatal=on_fatal)
     chat_options = ChatOptions(settings.image_dir, settings.max_image_bytes, settings.max_images,
@@ -123,7 +123,8 @@ def create_app(settings: Settings, notifier: Notifier | None = None, loader: Cal
         defaults = state.engine.sampling_defaults.to_dict() if state.engine is not None else None
         return S.ModelList(data=[S.ModelCard(id=state.model_id, created=state.created, sampling_defaults=defaults,
                                              max_model_len=settings.max_seq,
-                                             default_max_tokens=settings.default_max_tokens)])
+                                             default_max_tokens=settings.default_max_tokens,
+                                             backend=state.backend, backend_reason=state.backend_reason)])
 
     # ---- generation ---------------------------------------------------------------------------
     def sampling(body: S._Sampling, endpoint: str) -> tuple[SamplingParams, list[str]]:
