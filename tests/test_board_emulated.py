@@ -337,16 +337,16 @@ def test_a_read_only_kv_dir_starts_degraded(board):
 
 
 def test_a_start_that_cannot_fit_is_refused_and_not_restarted(board):
-    """The service under a memory limit smaller than its estimate refuses to start with one line
-    and exit 78, and systemd leaves it failed (RestartPreventExitStatus=78) instead of looping.
-    The limit is the unit's MemoryMax= in a drop-in when the board's systemd has a memory
-    controller, else a context window whose KV cache exceeds MemAvailable (the same check)."""
+    """A start whose estimate exceeds what the service may use refuses with one line and exit 78,
+    and systemd leaves it failed (RestartPreventExitStatus=78) instead of looping. The limit here
+    is MemAvailable against a context window whose KV cache cannot fit (a drop-in's
+    EDGE_LLM_MAX_SEQ), not MemoryMax=: the container's systemd on this cgroup-v1 host did not
+    enforce it (a tiny cpu-q service started under MemoryMax=200M), so the cgroup limit is tested
+    in a real v1 memory cgroup by tests/test_footprint.py."""
     b = board
     was_active = ctl(b, "is-active", "edge-llm", check=False) == "active"
-    controllers = b.run("cat /sys/fs/cgroup/cgroup.controllers 2>/dev/null; ls /sys/fs/cgroup", check=False).stdout
-    cgroup = "memory" in controllers.split()
     dropin = "/etc/systemd/system/edge-llm.service.d/memory.conf"
-    b.write(dropin, "[Service]\n" + ("MemoryMax=200M\n" if cgroup else "Environment=EDGE_LLM_MAX_SEQ=100000000\n"))
+    b.write(dropin, "[Service]\nEnvironment=EDGE_LLM_MAX_SEQ=100000000\n")
     try:
         ctl(b, "daemon-reload")
         restarts = int(prop(b, "NRestarts"))
@@ -359,9 +359,9 @@ def test_a_start_that_cannot_fit_is_refused_and_not_restarted(board):
         since = read_since(b.path(LOG), mark)
         refused = [ln for ln in since.splitlines() if "memory: refusing to start: estimated backend cpu-q" in ln]
         assert refused, since[-3000:]
-        assert ("available (cgroup memory" if cgroup else "available (MemAvailable)") in refused[0], refused[0]
+        assert "max_seq 100000000" in refused[0] and "available (MemAvailable)" in refused[0], refused[0]
         assert "fix: a smaller max_seq" in refused[0] and "loading weights" not in since
-        print(f"\nrefused ({'MemoryMax=200M' if cgroup else 'max_seq 1e8 > MemAvailable'}): {refused[0][-300:]}")
+        print(f"\nrefused: {refused[0][-300:]}")
     finally:
         b.run(["rm", "-f", dropin])
         ctl(b, "daemon-reload")
