@@ -110,7 +110,8 @@ def measured_prefill_s(model: Path, prompt: list[int], chunk: int = CHUNK) -> fl
     from edge_llm.runtime import load_runtime
     from edge_llm.settings import Settings
 
-    eng = load_runtime(Settings(model=str(model), disk_kv=None, max_seq=LONG + 64, prefill_chunk=chunk))
+    eng = load_runtime(Settings(model=str(model), backend="cpu", disk_kv=None, max_seq=LONG + 64,
+                                prefill_chunk=chunk))
     (last,) = [e for e in eng.generate(GenerationRequest(prompt, max_tokens=1)) if e.finish_reason]
     return last.timings.prefill_ms / 1e3
 
@@ -178,7 +179,7 @@ def test_watchdog_is_fed_inside_one_long_prefill_chunk(deep_synth, tmp_path):
     listener = NotifyListener(tmp_path / "n.sock")
     try:
         with server(tmp_path, deep_synth, listener, "--no-disk-kv", "--prefill-chunk", str(chunk),
-                    watchdog_s=watchdog_s) as srv:
+                    "--backend", "cpu", watchdog_s=watchdog_s) as srv:  # the backend measured above
             srv.start()
             t0 = time.monotonic()
             complete(srv, prompt, max_tokens=2)
