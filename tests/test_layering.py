@@ -13,12 +13,12 @@ PKG = Path(__file__).resolve().parents[1] / "edge_llm"
 # only units of a lower layer. `__init__` is edge_llm/__init__.py (the version).
 LAYERS = {
     "errors": 0, "progress": 0, "quality_text": 0, "files": 0, "__init__": 0,
-    "config": 1, "settings": 1,
+    "config": 1, "settings": 1, "token_bound": 1,
     "weights": 2, "tokenizer": 2, "kvcache": 2, "costgate": 2,
     "backends": 3, "snapshot": 3,
     "models": 4, "checkpoints": 4,
     "vision": 5, "sampling": 5,
-    "engine": 6, "convert": 6,
+    "engine": 6, "footprint": 6, "convert": 6,
     "runtime": 7, "logsetup": 7, "sdnotify": 7,
     "server": 8, "bench": 8, "doctor": 8,
     "cli": 9,
@@ -40,7 +40,7 @@ ORDER = {
                     "gguf_blocks", "__init__"],
     "vision": ["preprocess", "positions", "encoder", "model", "__init__"],
     "convert": ["report", "calibration", "rknn", "__init__"],
-    "server": ["errors", "schemas", "metrics", "worker", "images", "streaming", "state", "app", "__init__"],
+    "server": ["errors", "schemas", "metrics", "worker", "budget", "images", "streaming", "state", "app", "__init__"],
     "bench": ["disk", "procstat", "prompts", "models", "client", "throttle", "restore", "conversation", "ttft",
               "split", "recovery", "quant", "accuracy", "quant_memory", "npu", "vision", "llamacpp_peer",
               "__init__"],
