@@ -137,10 +137,10 @@ def test_a_restore_reports_each_layer(vl4, tmp_path, mode):
     report each layer read, then the tail reports its layers; pipelined, the tail's layers (and
     its waits for layers still being read) are the progress: each layer is reported."""
     prompt = list(range(1000, 1080))
-    first = load_runtime(Settings(model=str(vl4), disk_kv=str(tmp_path), max_seq=256, prefill_chunk=32))
+    first = load_runtime(Settings(model=str(vl4), backend="cpu", disk_kv=str(tmp_path), max_seq=256, prefill_chunk=32))
     list(first.generate(GenerationRequest(prompt, max_tokens=2)))
     first.store.close()
-    eng = load_runtime(Settings(model=str(vl4), disk_kv=str(tmp_path), max_seq=256, prefill_chunk=32,
+    eng = load_runtime(Settings(model=str(vl4), backend="cpu", disk_kv=str(tmp_path), max_seq=256, prefill_chunk=32,
                                 disk_kv_restore=mode))
     rec = Recorder()
     _, t = eng.prefill_prompt(prompt + [7, 8, 9], work=rec.work)
@@ -162,7 +162,7 @@ def _png() -> bytes:
 
 
 def test_the_vision_tower_reports_each_block_and_a_cancel_there_writes_no_row(vl4):
-    eng = load_runtime(Settings(model=str(vl4), disk_kv=None, max_seq=256))
+    eng = load_runtime(Settings(model=str(vl4), backend="cpu", disk_kv=None, max_seq=256))
     img = eng.vision.prepare(_png())
     va, depth = eng.vision.args, eng.vision.args.depth
     ids = [1000, 2000, va.vision_start_token_id, *[va.image_token_id] * img.n_tokens, va.vision_end_token_id, 3000]
