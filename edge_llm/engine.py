@@ -15,9 +15,11 @@ resent as history) are reused as they are: exact against the run that wrote them
 a cold prefill (docs/store.md, "Restore and recompute").
 
 Long work reports progress and honours cancellation between steps (`edge_llm/progress.py`): a
-prefill chunk, a restored layer, a layer of a pending save we wait for, a decode step. A request
-cancelled during its prefill (client gone, shutdown) keeps the rows of every complete chunk and
-queues them as a snapshot, so a retry after a restart prefills only what was not done.
+prefill chunk, a restored layer, a layer of a pending save we wait for, a block of the vision
+tower, a decode step; and within a forward after each decoder layer, so a cancel lands within one
+layer and the watchdog is fed at any chunk length. A request cancelled during its prefill
+(client gone, shutdown) keeps the rows of every complete chunk (never a part of the interrupted
+one) and queues them as a snapshot, so a retry after a restart prefills only what was not done.
 
 Images (Qwen3-VL) keep the bit-exactness rule: the engine matches on the prompt's prefix key
 (image rows carry ids derived from the image's digest, see `vision.positions`), never reuses part
@@ -230,7 +232,7 @@ class Engine:
         n, keys = plan.n, plan.keys
         vis = None
         if self.vision is not None and plan.spans:
-            vis, t.vision_ms, t.images_encoded = self.vision.visual_rows(plan, m, n)
+            vis, t.vision_ms, t.images_encoded = self.vision.visual_rows(plan, m, n, work)
             self.cache.add_spans([s for s in plan.spans if s.start >= m])
         pos = plan.positions_for(m, n)
         if n - 1 > m:
@@ -247,8 +249,8 @@ class Engine:
                        images: list[PreparedImage] = ()) -> tuple[np.ndarray, Timings]:
         """Reuse the longest cached prefix (RAM or disk), prefill the rest; logits of the last token.
 
-        Raises `Cancelled` between steps if `work` is cancelled (the cache then holds the rows of
-        the complete chunks)."""
+        Raises `Cancelled` at the next step or layer if `work` is cancelled (the cache then holds
+        the rows of the complete chunks)."""
         if not tokens:
             raise ValueError("prompt is empty")
         t0 = time.perf_counter()
@@ -301,7 +303,8 @@ class Engine:
         """Run one request; yields text deltas, the last event has finish_reason/timings/usage.
 
         `progress(stage, done, total)` is called after every step (see edge_llm/progress.py);
-        `cancel` is honoured between steps and ends the request with finish_reason "cancelled".
+        `cancel` is honoured between steps and layers and ends the request with finish_reason
+        "cancelled".
         """
         tokens = list(req.prompt_tokens)
         self.check_fits(len(tokens), req.max_tokens)

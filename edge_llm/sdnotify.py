@@ -68,9 +68,10 @@ class Notifier:
     @property
     def watchdog_interval(self) -> float | None:
         """Least seconds between pings: an eighth of WatchdogSec. Pings are sent on progress (each
-        prefill chunk, restored layer, decode step), so two pings are at most an eighth of the
-        timeout plus one step apart (sd_watchdog_enabled(3) asks for at most half); the limit
-        only keeps hundreds of decode steps a second from becoming hundreds of datagrams."""
+        decoder layer of a prefill chunk or a decode step, restored layer, vision block), so two
+        pings are at most an eighth of the timeout plus one layer apart (sd_watchdog_enabled(3)
+        asks for at most half); the limit only keeps thousands of layers a second from becoming
+        thousands of datagrams."""
         return self.watchdog_usec / 8e6 if self.watchdog_usec else None
 
     def watchdog(self, force: bool = False) -> bool:

@@ -88,8 +88,9 @@ class Settings:
                         "preallocated for it.", minimum=1)
     kv_bs: int = _opt(64, "KV rows per snapshot block (the unit of CRC checks and partial restore).",
                       minimum=1)
-    prefill_chunk: int = _opt(128, "Prompt rows computed per prefill step (cancel, progress and "
-                              "watchdog granularity); chunks start at its multiples, and a reused "
+    prefill_chunk: int = _opt(128, "Prompt rows computed per prefill step (a cancelled prefill "
+                              "keeps whole chunks; progress and the watchdog go per decoder layer "
+                              "at any size); chunks start at its multiples, and a reused "
                               "prefix is cut back to one so that a restore is bitwise a recompute "
                               "(up to chunk-1 matched rows recomputed). Part of the snapshot identity.",
                               minimum=1)

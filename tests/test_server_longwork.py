@@ -1,6 +1,7 @@
-"""Long work on a real server: progress-driven watchdog pings and STATUS= lines, a prefill that a
-client hang-up or SIGTERM cancels between chunks, and a restart that resumes the interrupted
-prefill from the rows it had completed (docs/board.md, "Long requests and the stop budget")."""
+"""Long work on a real server: progress-driven watchdog pings and STATUS= lines (also inside one
+long prefill chunk), a prefill that a client hang-up or SIGTERM cancels within a chunk, and a
+restart that resumes the interrupted prefill from the rows of its complete chunks (docs/board.md,
+"Long requests and the stop budget")."""
 
 from __future__ import annotations
 
@@ -103,13 +104,14 @@ def cancel_requested_at(log: str, reason: str) -> int:
     return int(m.group(1))
 
 
-def measured_prefill_s(model: Path, prompt: list[int]) -> float:
+def measured_prefill_s(model: Path, prompt: list[int], chunk: int = CHUNK) -> float:
     """This machine's time for the long prefill right now (same engine, in this process)."""
     from edge_llm.engine import GenerationRequest
     from edge_llm.runtime import load_runtime
     from edge_llm.settings import Settings
 
-    eng = load_runtime(Settings(model=str(model), backend="cpu", disk_kv=None, max_seq=LONG + 64, prefill_chunk=CHUNK))
+    eng = load_runtime(Settings(model=str(model), backend="cpu", disk_kv=None, max_seq=LONG + 64,
+                                prefill_chunk=chunk))
     (last,) = [e for e in eng.generate(GenerationRequest(prompt, max_tokens=1)) if e.finish_reason]
     return last.timings.prefill_ms / 1e3
 
@@ -154,6 +156,41 @@ def test_watchdog_pings_follow_prefill_progress_and_stop_when_stuck(tiny_synth_d
         assert stuck.health().json()["busy"]  # the HTTP side still answers; only progress stopped
     finally:
         stuck.kill()
+        listener.close()
+
+
+@pytest.fixture(scope="module")
+def deep_synth(tmp_path_factory) -> Path:
+    """The tiny random model with 8 decoder layers: one long chunk is several layers' work."""
+    from edge_llm.checkpoints.synth import synth_checkpoint
+
+    return synth_checkpoint(tmp_path_factory.mktemp("deep") / "tiny-8", preset="tiny", layers=8, seed=6)
+
+
+def test_watchdog_is_fed_inside_one_long_prefill_chunk(deep_synth, tmp_path):
+    """The whole prompt in one prefill chunk: WATCHDOG=1 still arrives during the chunk (each
+    decoder layer is progress), between the request's start and the chunk's STATUS= line; with
+    pings only between chunks there would be none there (at most one idle ping before the job)."""
+    n, chunk, layers = 2001, 2048, 8
+    prompt = long_prompt(n, seed=6)
+    # the watchdog's rate limit (an eighth of it) is half of one layer's time on this machine now,
+    # so the chunk spans many rate-limit intervals on a fast or a slow machine alike
+    watchdog_s = 4 * measured_prefill_s(deep_synth, prompt, chunk) / layers
+    listener = NotifyListener(tmp_path / "n.sock")
+    try:
+        with server(tmp_path, deep_synth, listener, "--no-disk-kv", "--prefill-chunk", str(chunk),
+                    "--backend", "cpu", watchdog_s=watchdog_s) as srv:  # the backend measured above
+            srv.start()
+            t0 = time.monotonic()
+            complete(srv, prompt, max_tokens=2)
+        statuses = listener.status("prefill ")
+        # one chunk of rows [0, n-1), then the last token alone: no status between chunks
+        assert [s for _, s in statuses] == [f"prefill {n - 1}/{n - 1}", f"prefill {n}/{n}"], statuses
+        t_chunk = statuses[0][0]
+        during = [t for t in listener.times("WATCHDOG=1") if t0 < t < t_chunk]
+        print(f"{len(during)} pings during the {n - 1}-row chunk ({layers} layers, watchdog {watchdog_s:.2f} s)")
+        assert len(during) >= 3
+    finally:
         listener.close()
 
 

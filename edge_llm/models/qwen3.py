@@ -160,8 +160,10 @@ class Model:
         row 0 does, which is what makes a restored prefix + tail bitwise a cold prefill on kernels
         whose per-row result depends on the batch (docs/store.md, "Alignment").
 
-        After each chunk `work` gets a prefill report (rows valid / rows when done) and may
-        cancel: `Cancelled` then leaves the cache valid up to the last complete chunk."""
+        After each chunk `work` gets a prefill report (rows valid / rows when done), and inside
+        each chunk one `work.layer` per decoder layer (`_run`), so progress never waits for a whole
+        chunk; either may cancel: `Cancelled` then leaves the cache valid up to the last complete
+        chunk (the interrupted chunk's rows are never declared valid)."""
         ids = np.asarray(tokens, dtype=np.int64)
         if ids.size == 0:
             raise ValueError("prefill needs at least one token")
@@ -219,7 +221,8 @@ class Model:
             x, fused = be.post(layer, attn, x, fuse_next=not deepstack)
             if deepstack:
                 x[visual.rows] += visual.deepstack[layer]
-        cache.append_tokens(ids.tolist())
+            work.layer(layer + 1, args.num_hidden_layers)  # may cancel: no row of this run is valid yet
+        cache.append_tokens(ids.tolist())  # after the last layer: a cancelled run leaves no valid row
         if want == "none":
             return None
         if want == "last":
@@ -229,7 +232,8 @@ class Model:
     def _one_row(self, step: RowStep, ids: np.ndarray, cache: KVCache, want: str, cos: np.ndarray,
                  sin: np.ndarray, work: Work):
         """A one-row forward in one backend call (`Backend.row_step`): the call reads every
-        layer's cached rows [0, start) in place; the new K/V rows it returns are written here."""
+        layer's cached rows [0, start) in place; the new K/V rows it returns are written here.
+        One call is one progress step (a decode step's work), so it reports no layers."""
         start, n, half = cache.length, self.args.num_hidden_layers, self.args.head_dim // 2
         past = [cache.valid(layer, start, work) for layer in range(n)]  # waits for a pipelined restore
         logits, k_new, v_new = step(self.backend.embed(ids), np.ascontiguousarray(cos[:, :half]),

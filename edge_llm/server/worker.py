@@ -2,13 +2,14 @@
 
 The event loop only enqueues jobs and awaits their events; every model computation and snapshot
 I/O happens on this thread. Events cross back to the loop with `call_soon_threadsafe`, so the
-loop never blocks. A job's `cancel` event (client gone, shutdown) stops it at the next step (a
-prefill chunk, a restored layer, a decode step); a job cancelled while still queued is skipped
-without computing.
+loop never blocks. A job's `cancel` event (client gone, shutdown) stops it at the next step or
+layer (a decoder layer of a prefill chunk, a restored layer, a vision block, a decode step); a
+job cancelled while still queued is skipped without computing.
 
 Watchdog: while idle the worker pings on every turn of its loop; while a job runs it pings only
-when the engine reports progress, so a request that truly hangs stops the pings and systemd
-restarts the service. Progress also becomes the `STATUS=` line ("prefill 3072/8192").
+when the engine reports progress (every decoder layer included, so a ping never waits for a
+whole prefill chunk), so a request that truly hangs stops the pings and systemd restarts the
+service. Steps also become the `STATUS=` line ("prefill 3072/8192"); a layer only pings.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge_llm.engine import Engine, GenerationEvent, GenerationRequest
-from edge_llm.progress import DECODE
+from edge_llm.progress import DECODE, LAYER
 from edge_llm.sdnotify import Notifier
 from edge_llm.settings import DEFAULTS
 
@@ -36,7 +37,7 @@ STATUS_EVERY = 1.0  # seconds between STATUS= lines of decode steps
 PROGRESS_LOG_EVERY = 5.0  # seconds between INFO progress lines of a long job (prefill, restore, decode)
 _STAGES = {"prefill": "prefill {done}/{total}", "restore": "restoring layer {done}/{total}",
            "save-wait": "waiting for the previous snapshot save (layer {done}/{total} written)",
-           "decode": "decode {done}/{total}"}
+           "vision": "vision encoder block {done}/{total}", "decode": "decode {done}/{total}"}
 
 
 def status_text(stage: str, done: int, total: int) -> str:
@@ -65,11 +66,12 @@ class Job:
     at: str = "queued"  # the last step the engine reported ("prefill 1152/6000"), for the log
 
     def cancel_with(self, reason: str) -> None:
-        """Ask the worker to stop this job at its next step (or skip it if still queued).
+        """Ask the worker to stop this job at its next step or layer (or skip it if still queued).
 
-        The log line names the last step reported *after* the event was set, so the step the
-        engine stops at is that one or the one in flight then: "cancel requested at prefill
-        1152/6000" is followed by "cancelled during prefill at 1152/6000" or at 1280/6000."""
+        The log line names the last step reported *after* the event was set; the engine stops
+        within the step in flight then (at its next layer) or right after it: "cancel requested
+        at prefill 1152/6000" is followed by "cancelled during prefill at 1152/6000" or at
+        1280/6000 (the rows of complete chunks)."""
         if not self.done and not self.cancel.is_set():
             self.cancel_reason = reason
             self.cancel.set()
@@ -164,7 +166,8 @@ class Worker:
         self._thread.join(grace)
         if self._thread.is_alive():
             self.cancel_running("shutdown grace period over")
-            # the engine checks `cancel` between steps: one prefill chunk is the longest wait
+            # the engine checks `cancel` between steps and layers: one decoder layer of a
+            # prefill chunk (or a restored layer, a vision block) is the longest wait
             self._thread.join()
         return True
 
@@ -181,6 +184,10 @@ class Worker:
 
     def _progress(self, stage: str, done: int, total: int) -> None:
         """Engine progress (worker thread): ping the watchdog, say what is happening."""
+        if stage == LAYER:  # a part of the step in flight, up to 30 a decode step: the ping only
+            if self.notifier is not None:
+                self.notifier.watchdog()
+            return
         job = self.current
         now = time.monotonic()
         if job is not None:

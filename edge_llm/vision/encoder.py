@@ -17,6 +17,7 @@ import numpy as np
 from edge_llm.backends.vision import VisionBackend
 from edge_llm.config import VisionArgs
 from edge_llm.models.rope import apply_rope
+from edge_llm.progress import NO_WORK, VISION, Work
 from edge_llm.weights import Weights
 
 log = logging.getLogger(__name__)
@@ -115,8 +116,10 @@ class VisionEncoder:
                 out[a:a + rows, h] = o
         return out.reshape(N, H * D)
 
-    def encode(self, pixel_values: np.ndarray, grid_thw: tuple[int, int, int]) -> ImageFeatures:
-        """One image (or video) -> merged embeddings + DeepStack features for its token run."""
+    def encode(self, pixel_values: np.ndarray, grid_thw: tuple[int, int, int],
+               work: Work = NO_WORK) -> ImageFeatures:
+        """One image (or video) -> merged embeddings + DeepStack features for its token run.
+        Each block reports to `work` (stage vision, block / depth), which may cancel."""
         t, gh, gw = grid_thw
         a, be = self.args, self.backend
         if pixel_values.shape != (t * gh * gw, a.patch_dim):
@@ -135,4 +138,5 @@ class VisionEncoder:
             x = be.vis_mlp(i, x)
             if i in a.deepstack_visual_indexes:
                 deepstack.append(be.vis_merge(1 + a.deepstack_visual_indexes.index(i), x))
+            work.report(VISION, i + 1, a.depth)
         return ImageFeatures(be.vis_merge(0, x), deepstack)

@@ -18,6 +18,7 @@ from edge_llm.backends.vision import VisionBackend, get_vision_backend
 from edge_llm.config import ModelArgs, VisionArgs, vision_args_from_dir
 from edge_llm.errors import ConfigError
 from edge_llm.models.qwen3 import VisualRows
+from edge_llm.progress import NO_WORK, Work
 from edge_llm.vision.encoder import ImageFeatures, VisionEncoder
 from edge_llm.vision.positions import PromptPlan, expand_placeholders, plan_prompt
 from edge_llm.vision.preprocess import (
@@ -89,19 +90,21 @@ class VisionModel:
     def plan(self, tokens: Sequence[int], images: Sequence[PreparedImage]) -> PromptPlan:
         return plan_prompt(tokens, images, self.args.image_token_id)
 
-    def encode(self, image: PreparedImage) -> ImageFeatures:
-        return self.encoder.encode(image.pixel_values, image.grid_thw)
+    def encode(self, image: PreparedImage, work: Work = NO_WORK) -> ImageFeatures:
+        return self.encoder.encode(image.pixel_values, image.grid_thw, work)
 
-    def visual_rows(self, plan: PromptPlan, a: int, b: int) -> tuple[VisualRows | None, float, int]:
+    def visual_rows(self, plan: PromptPlan, a: int, b: int,
+                    work: Work = NO_WORK) -> tuple[VisualRows | None, float, int]:
         """Decoder image inputs for rows [a, b) of the plan (offsets relative to a): encodes each
-        image whose run intersects the range. Returns (rows or None, encoder ms, images encoded)."""
+        image whose run intersects the range, reporting each tower block to `work` (which may
+        cancel). Returns (rows or None, encoder ms, images encoded)."""
         rows, embeds, deep = [], [], []
         t0, n = time.perf_counter(), 0
         for span, img in zip(plan.spans, plan.images):
             lo, hi = max(a, span.start), min(b, span.end)
             if lo >= hi:
                 continue
-            feats = self.encode(img)
+            feats = self.encode(img, work)
             n += 1
             sl = slice(lo - span.start, hi - span.start)
             rows.append(np.arange(lo, hi) - a)
