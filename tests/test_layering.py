@@ -40,7 +40,7 @@ ORDER = {
                     "gguf_blocks", "__init__"],
     "vision": ["preprocess", "positions", "encoder", "model", "__init__"],
     "convert": ["report", "calibration", "rknn", "__init__"],
-    "server": ["errors", "schemas", "metrics", "worker", "images", "streaming", "state", "app", "__init__"],
+    "server": ["errors", "schemas", "metrics", "prefetch", "worker", "images", "streaming", "state", "app", "__init__"],
     "bench": ["disk", "procstat", "prompts", "models", "client", "throttle", "restore", "conversation", "ttft",
               "split", "recovery", "quant", "accuracy", "quant_memory", "npu", "vision", "llamacpp_peer",
               "__init__"],
