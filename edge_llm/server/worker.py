@@ -230,12 +230,15 @@ class Worker:
             prefetch.state = "skipped"
             log.info("[KV-DISK] prefetch skipped: a request was already waiting")
             return
+        self._ping()
         try:
             prefetch.run(self._waiting, self._progress)
         except Exception:  # never stops the worker: requests are served as without a prefetch
             prefetch.state = "failed"
             log.exception("[KV-DISK] prefetch failed")
             self.engine.cache.reset()
+        if self.notifier is not None:
+            self.notifier.status(f"idle (prefetch {prefetch.state})")
 
     def _execute(self, job: Job) -> None:
         if job.cancel.is_set():
