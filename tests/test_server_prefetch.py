@@ -170,3 +170,14 @@ def test_prefetch_without_disk_kv_is_a_no_op(edge_home, tmp_path, setting):
         assert srv.health().json()["prefetch"] == "off"
         assert "no snapshots to prefetch (disk KV is off)" in srv.log()
         assert complete(srv, OTHER)["timings"]["cache_source"] == "none"
+
+
+def test_sigterm_during_the_prefetch_stops_it_and_exits_cleanly(edge_home, tmp_path):
+    kv = tmp_path / "kv"
+    _, snap = first_conversation(edge_home, tmp_path, kv)
+    srv = slow_server(edge_home, tmp_path / "s2", kv).start()
+    wait_for(lambda: "[KV-DISK] prefetch: restoring" in srv.log(), what="the prefetch to start")
+    assert srv.stop(signal.SIGTERM) == 0
+    log = srv.log()
+    assert re.search(rf"\[KV-DISK\] prefetch of {snap} preempted at layer \d+/30: shutdown", log)
+    assert "reason=SIGTERM code=0" in log and list(kv.glob("*/" + snap))  # the snapshot stays

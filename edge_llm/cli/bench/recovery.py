@@ -35,9 +35,11 @@ from edge_llm.settings import DEFAULTS
 @click.option("--throttle-mbps", type=click.FloatRange(min=0, min_open=True), default=None, metavar="MBPS",
               help="Keep the kv directories on a loop device throttled to this many MB/s, reads and writes "
                    "(needs root and the cgroup v1 blkio controller; see `bench restore --throttle-mbps`).")
+@click.option("--repeats", type=click.IntRange(1), default=1, show_default=True,
+              help="S2 processes per mode on the same files, round robin; the median is reported.")
 @out_option
 def recovery_cmd(model, synth_layers, contexts, max_tokens, ready_timeout, restore_modes, prefetch, throttle_mbps,
-                 out) -> None:
+                 repeats, out) -> None:
     """S1 cold prefill + snapshot, kill, S2 restore + tail (sequential and pipelined): TTFT vs the
     disk's lower bound and vs max(read, tail); with --prefetch, against the start-up prefetch."""
     from edge_llm.settings import RESTORE_MODES
@@ -46,12 +48,12 @@ def recovery_cmd(model, synth_layers, contexts, max_tokens, ready_timeout, resto
     if not modes or any(m not in RESTORE_MODES for m in modes):
         raise click.BadParameter(f"choose from {', '.join(RESTORE_MODES)}", param_hint="--restore-modes")
     run_recovery(model, synth_layers, int_list(contexts), max_tokens, ready_timeout, out, modes, prefetch,
-                 throttle_mbps)
+                 throttle_mbps, repeats)
 
 
 def run_recovery(model, synth_layers, contexts, max_tokens=8, ready_timeout=600.0,
                  out="benchmarks/results", modes=("sequential", "pipelined"), prefetch=False,
-                 throttle_mbps: float | None = None) -> Path:
+                 throttle_mbps: float | None = None, repeats: int = 1) -> Path:
     from contextlib import ExitStack
 
     from edge_llm.bench import recovery as B
@@ -90,7 +92,7 @@ def run_recovery(model, synth_layers, contexts, max_tokens=8, ready_timeout=600.
             try:
                 row = B.run_context(model, g, ctx, res_dir, max_tokens, ready_timeout,
                                     step=lambda msg: prog.update(task, description=msg), encode=encode, modes=modes,
-                                    prefetch=prefetch, kv_parent=kv_parent)
+                                    prefetch=prefetch, kv_parent=kv_parent, repeats=repeats)
             except Exception as e:  # a failed context is reported, the others still run
                 console.print(f"[red]context {ctx} failed: {e}[/red]")
                 row = {"context": ctx, "error": str(e)}
