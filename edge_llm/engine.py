@@ -133,13 +133,15 @@ class Engine:
     def __init__(self, model: Model, tokenizer: Tokenizer, cache: KVCache, store: SnapshotStore | None = None,
                  prefill_chunk: int = DEFAULTS.prefill_chunk, model_dir: Path | None = None,
                  vision: VisionModel | None = None, restore_mode: str = DEFAULTS.disk_kv_restore,
-                 gate: CostGate | None = None, disk_kv_error: str | None = None):
+                 gate: CostGate | None = None, disk_kv_error: str | None = None,
+                 backend_reason: str = ""):
         self.model = model
         self.model_dir = model_dir
         self.tokenizer = tokenizer
         self.cache = cache
         self.store = store
         self.disk_kv_error = disk_kv_error  # why disk KV is off although configured (/health: degraded)
+        self.backend_reason = backend_reason  # which backend runs and why (/health, /v1/models)
         self.align = model.chunk_size(prefill_chunk)  # the chunk, and the alignment unit (module docstring)
         self.vision = vision
         self.restore_mode = restore_mode

@@ -50,6 +50,16 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def check_writable(directory: str | os.PathLike[str]) -> None:
+    """Create and remove a temp file in `directory`: raises the OSError (EROFS, EACCES, ENOSPC...)
+    a first real write would meet, so a directory that exists but cannot be written is found when
+    it is opened, not at its first save."""
+    path = Path(directory) / temp_name(".write-check")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.close(fd)
+    os.unlink(path)
+
+
 def temp_name(final_name: str) -> str:
     """`<final_name>.<pid>-<random hex>.tmp`: unique per attempt, and it names its writer."""
     return f"{final_name}.{os.getpid()}-{secrets.token_hex(6)}{TMP_SUFFIX}"

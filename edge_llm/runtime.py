@@ -1,5 +1,5 @@
-"""Build a ready Engine from settings: model dir -> model, tokenizer, KV cache, snapshot store;
-and what that configuration will hold in memory (`estimate_memory`).
+"""Build a ready Engine from settings: model dir -> backend choice -> memory admission -> model,
+tokenizer, KV cache, snapshot store (edge_llm/footprint.py holds the choice and the estimate).
 
 Shared by `edge-llm generate`, `edge-llm serve`, `edge-llm doctor` and the benchmarks so all load
 (and size) a model the same way. `progress(text)` is called as loading advances (the server turns
@@ -10,58 +10,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from edge_llm.engine import Engine
+from edge_llm.footprint import BackendChoice, ModelSizes, admit, choose_backend, estimate_memory
 from edge_llm.kvcache import KVCache
 from edge_llm.settings import Settings, resolve
 
 log = logging.getLogger(__name__)
 
-Q4_BYTES_PER_F32_BYTE = 0.75 / 4  # backend cpu-q: 4-bit + F32 scale + zp (+ Q4_1 remainder) per 32
 
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """What a configuration holds resident once loaded: weights in the backend's format and the
-    KV cache for `max_seq` (docs/quantization.md for cpu-q's bytes per weight)."""
-
-    weights: int
-    what: str  # how the weights are held, e.g. "weights" (F32) or "q4 weights x2 (decode_graph)"
-    kv: int
-    max_seq: int
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.kv
-
-    def describe(self) -> str:
-        return (f"{self.what} {self.weights / 2**30:.2f} GiB + KV {self.kv / 2**30:.2f} GiB (max_seq "
-                f"{self.max_seq}) = {self.total / 2**30:.2f} GiB")
-
-
-def estimate_memory(s: Settings, weights_f32: int, kv_bytes_per_token: int) -> MemoryEstimate:
-    """The resident memory of the backend `s` names for a model of `weights_f32` bytes as F32."""
-    weights, what = weights_f32, "weights"
-    if s.backend == "cpu-q":  # 4-bit blocks: ~0.7 byte per weight
-        weights, what = int(weights_f32 * Q4_BYTES_PER_F32_BYTE), "q4 weights"
-        if s.decode_graph:  # its own onnxruntime session prepacks a second copy
-            weights, what = 2 * weights, "q4 weights x2 (decode_graph)"
-    return MemoryEstimate(weights, what, s.max_seq * kv_bytes_per_token, s.max_seq)
-
-
-def make_backend(s: Settings, model_dir: Path, say: Callable[[str], None] = lambda _t: None):
-    """The backend named by the settings; `auto` logs which one it chose and why."""
+def make_backend(s: Settings, choice: BackendChoice, model_dir: Path, say: Callable[[str], None] = lambda _t: None):
+    """The backend `choice` names (edge_llm/footprint.choose_backend), loaded with the settings."""
     from edge_llm.backends import get_backend
     from edge_llm.errors import ConfigError
 
-    name = s.backend
-    if name == "auto":
-        from edge_llm.backends.rknn import resolve_auto
-
-        name, why = resolve_auto(s.rknn_dir, model_dir)
-        log.info("backend auto -> %s (%s)", name, why)
+    name = choice.name
     if name == "cpu-q":
         from edge_llm.backends.cpuq import open_cpu_q
         from edge_llm.checkpoints.gguf_blocks import gguf_blocks
@@ -91,7 +55,14 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
     say = progress or (lambda _text: None)
     say("resolving model")
     model_dir = Path(resolve_model_dir(s.model, progress=import_progress))
-    model = Model.load(model_dir, backend=make_backend(s, model_dir, say),
+    choice = choose_backend(s, model_dir)
+    log.info("%s", choice.describe())
+    est = estimate_memory(s, choice.name, ModelSizes.of_dir(model_dir), model_dir)
+    if s.memory_check:  # before anything large is allocated (docs/board.md, "Memory")
+        admit(est)
+    else:
+        log.info("memory: estimated %s (memory_check off: not compared)", est.describe())
+    model = Model.load(model_dir, backend=make_backend(s, choice, model_dir, say),
                        progress=lambda done, total: say(f"loading weights {done}/{total} tensors"))
     vision = None
     if model.args.model_type == "qwen3_vl":
@@ -135,7 +106,7 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
                         state_dir=store.ns, file_mode=store.modes.file)
     engine = Engine(model, tokenizer, cache, store=store, prefill_chunk=s.prefill_chunk,
                     model_dir=model_dir, vision=vision, restore_mode=s.disk_kv_restore, gate=gate,
-                    disk_kv_error=disk_kv_error)
+                    disk_kv_error=disk_kv_error, backend_reason=choice.describe())
     log.info("runtime ready: model %s (%s), KV cache %d MiB (max_seq %d)", model_dir.name,
              model.backend.numerics, cache.nbytes >> 20, s.max_seq)
     return engine

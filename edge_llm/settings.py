@@ -60,10 +60,11 @@ class Settings:
     # ---- model and compute ----------------------------------------------------------------------
     model: str = _opt("default", "HF model directory, or 'default' for the embedded SmolLM2-135M.", str,
                       metavar="DIR")
-    backend: str = _opt("cpu", "Compute backend: cpu (numpy F32, the exact reference), cpu-q (weight-only "
-                        "quantized matmuls on onnxruntime, see `quant`), rknn (the RK3588 NPU, graphs from "
-                        "`edge-llm convert rknn`), auto (rknn when an NPU and a matching rknn_dir exist, "
-                        "else cpu).", str, choices=BACKEND_NAMES)
+    backend: str = _opt("auto", "Compute backend: auto (the fastest that can run here: rknn when an NPU and "
+                        "a matching rknn_dir exist, else cpu-q when onnxruntime is installed, else cpu; "
+                        "the choice and its reason are logged and shown in /health), cpu (numpy F32, the "
+                        "exact reference), cpu-q (4-bit weights on onnxruntime, see `quant`), rknn (the "
+                        "RK3588 NPU, graphs from `edge-llm convert rknn`).", str, choices=BACKEND_NAMES)
     quant: str = _opt("q4", "Weight format of backend cpu-q: q4 (4-bit blocks of 32 with int8 activations; "
                       "GGUF Q4_0/Q4_1/Q8_0 blocks kept exactly); built on first use under "
                       "$EDGE_LLM_HOME/quant.", str, choices=QUANT_MODES)
@@ -75,6 +76,10 @@ class Settings:
                               "one onnxruntime call over the whole decoder (faster decode; about +1.4 GiB "
                               "RAM for Qwen3-VL-2B: a second copy of the quantized weights). false: "
                               "per-layer graphs only (other numerics).", bool)
+    memory_check: bool = _opt(True, "Refuse to start (exit 78) when the memory estimate of this "
+                              "configuration (weights in the backend's format, KV for max_seq, vision "
+                              "tower, runtime) exceeds the memory available to the process, MemAvailable "
+                              "or the cgroup limit (docs/board.md, Memory). false: start anyway.", bool)
     rknn_dir: str | None = _opt(None, "Directory made by `edge-llm convert rknn` (backend rknn/auto).",
                                 "path", nullable=True, metavar="DIR", shown_default="none")
     rknn_runner: str = _opt("auto", "What runs the rknn graphs: auto (the NPU), rknnlite, sim (the "
@@ -157,6 +162,17 @@ class Settings:
     max_image_pixels: int = _opt(64 * 1024 * 1024, "Largest accepted image in width x height, checked "
                                  "before decoding (decompression bombs).", commands=(SERVE, GENERATE),
                                  minimum=1)
+    max_images: int = _opt(8, "Images accepted in one chat request (400 beyond). Every image's tokens are "
+                           "counted from its header and the request refused past max_seq before any "
+                           "pixel is decoded; this caps the rest of what one request holds and reads "
+                           "(up to max_images x max_image_bytes of --image-dir files). 8: a few pages or "
+                           "screenshots per turn.", commands=(SERVE,), minimum=1)
+    max_image_decodes: int = _opt(1, "Images decoded at the same time, over all requests. One decode "
+                                  "briefly holds the source pixels (4 bytes per pixel, more with alpha) "
+                                  "and float arrays of up to about 72 KiB per image token; 1 bounds that to one "
+                                  "image at a time (the single worker runs one request at a time anyway). "
+                                  "More only helps concurrent image requests on a board with RAM to spare.",
+                                  commands=(SERVE,), minimum=1)
 
     @property
     def disk_kv_enabled(self) -> bool:

@@ -7,10 +7,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import re
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 from edge_llm.errors import TokenizerError
+from edge_llm.token_bound import bytes_per_token
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +131,12 @@ def plain(text: str) -> str:
     return PLAIN_OPEN + _MARK_CHARS.sub("", text) + PLAIN_CLOSE
 
 
+def _encode_ids(tk: _HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    # encode_batch releases the GIL while it tokenizes (encode does not): a long prompt
+    # tokenized in an HTTP thread must not stall the event loop, /health or the worker
+    return tk.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
 def _plain_message(m: dict[str, Any]) -> dict[str, Any]:
     c = m.get("content")
     if isinstance(c, str) and PLAIN_OPEN not in c:
@@ -224,18 +232,36 @@ class Tokenizer:
         """Text -> ids. Special-token strings in `text` map to their single ids, except inside
         `plain()` marks: there they are plain text."""
         if PLAIN_OPEN not in text:
-            return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+            return _encode_ids(self._tk, text, add_special_tokens)
         pieces = _MARKED.split(text)  # odd pieces: marked plain text, marks included
         if not any(t in p for p in pieces[1::2] for t in self._added):  # nothing to keep from parsing:
-            return self._tk.encode(_MARK_CHARS.sub("", text), add_special_tokens=add_special_tokens).ids
+            return _encode_ids(self._tk, _MARK_CHARS.sub("", text), add_special_tokens)
         if self._plain_tk is None:  # a second instance: the flag is per instance, encode runs in threads
             self._plain_tk = _HFTokenizer.from_str(self._tk.to_str())
             self._plain_tk.encode_special_tokens = True
         ids: list[int] = []
         for i, p in enumerate(pieces):
             if p:
-                ids += (self._plain_tk.encode(p[1:-1]) if i % 2 else self._tk.encode(p, add_special_tokens=False)).ids
+                ids += _encode_ids(self._plain_tk if i % 2 else self._tk, p[1:-1] if i % 2 else p, False)
         return ids
+
+    @cached_property
+    def bytes_per_token(self) -> int | None:
+        """The most bytes of (normalized) text one token can stand for, or None when this
+        tokenizer's structure gives no such bound (`edge_llm.token_bound`). Computed once."""
+        return bytes_per_token(json.loads(self._tk.to_str()), self._added)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on `len(self.encode(text))`, found without tokenizing (linear in the
+        text; 0 when `bytes_per_token` is unknown). It never exceeds the real count, so a prompt
+        refused with it could not have fit (docs/api.md, "Request limits")."""
+        per = self.bytes_per_token
+        if per is None or not text:
+            return 0
+        text = _MARK_CHARS.sub("", text)
+        if self._tk.normalizer is not None:  # e.g. NFC can shorten the text the model sees
+            text = self._tk.normalizer.normalize_str(text)
+        return math.ceil(len(text.encode("utf-8", "surrogatepass")) / per)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)

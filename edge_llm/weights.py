@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 _NP_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1}  # safetensors tags
 _DIGEST_CHUNK = 8 << 20
 _CONVERT_ELEMS = 8 << 20  # 32 MiB of F32 per conversion piece
 

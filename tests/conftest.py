@@ -13,6 +13,9 @@ import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a model hub from tests
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# servers and CLIs the tests start compare against the exact reference backend unless a test
+# names another; the tests of `backend = auto` (the product's default) set their own environment
+os.environ.setdefault("EDGE_LLM_BACKEND", "cpu")
 
 from pathlib import Path  # noqa: E402
 

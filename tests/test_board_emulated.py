@@ -141,6 +141,14 @@ def test_installed_as_documented(board):
     assert b.run([f"{VENV}/python", "-c", "import platform; print(platform.machine())"]).stdout.strip() == "aarch64"
     status, health = http_json("GET", b.url + "/health", timeout=30)
     assert status == 200 and health["model"] == MODEL_NAME, health
+    # backend = auto (the default) chose cpu-q: install.sh installed the quant extra; the board
+    # image has no C compiler, so cpu-q runs without its attention operator and says so
+    assert health["backend"] == "cpu-q", health
+    assert re.match(r"backend auto -> cpu-q \(no RKNPU device node; onnxruntime \d+\.\d+", health["backend_reason"]), health
+    started = journal(b)
+    assert health["backend_reason"] in started and "the attention operator (_attn.c) was not built" in started, started[-3000:]
+    status, models = http_json("GET", b.url + "/v1/models", timeout=30)
+    assert models["data"][0]["backend"] == "cpu-q" and models["data"][0]["backend_reason"] == health["backend_reason"]
     # units nspawn cannot run (systemd-sysusers, -tmpfiles-setup: 243/CREDENTIALS) may have
     # failed; install.sh created the user itself and the unit's directories come from systemd
     assert "edge-llm" not in ctl(b, "list-units", "--state=failed", "--plain", "--no-legend")
@@ -272,7 +280,7 @@ def test_rknnlite_imports_and_fails_clearly_without_npu(board):
 
 def test_npu_backend_without_npu(board, tmp_path):
     """`--backend rknn` on a board without an NPU refuses to start and says why; `--backend auto`
-    falls back to cpu and logs the reason. The graph set is a real export of the installed model
+    with a fake NPU node but no NPU graphs falls back to cpu-q and logs the reason. The graph set is a real export of the installed model
     (ONNX + manifest, made on this host); the NPU is what cannot exist here."""
     from edge_llm.backends.onnx_export import export_graph_set
 
@@ -287,15 +295,79 @@ def test_npu_backend_without_npu(board, tmp_path):
     assert res.returncode not in (0, 124), out  # exited by itself, with an error
     assert "no RKNPU device on this machine" in out and "Traceback" not in out, out[-3000:]
 
-    auto = b.run(f"({shlex.join([*serve, '--backend', 'auto'])}) > /root/auto.log 2>&1 & echo $!").stdout.strip()
+    # auto with a fake NPU node (the RKNPU driver cannot exist here) and no rknn_dir: cpu-q, and why
+    b.run(["touch", "/dev/rknpu"])
+    auto_cmd = [a for a in serve if a not in ("--rknn-dir", "/opt/edge-llm/models/tiny-rknn")]
+    auto = b.run(f"({shlex.join([*auto_cmd, '--backend', 'auto'])}) > /root/auto.log 2>&1 & echo $!").stdout.strip()
     try:
         wait_ready(f"http://127.0.0.1:{port}", timeout=300)
         status, health = http_json("GET", f"http://127.0.0.1:{port}/health", timeout=30)
-        assert status == 200 and health["backend"] == "cpu", health
+        assert status == 200 and health["backend"] == "cpu-q", health
     finally:
         b.run(["kill", auto], check=False)
+        b.run(["rm", "-f", "/dev/rknpu"])
     logged = b.path("/root/auto.log").read_text()
-    assert "backend auto -> cpu (no RKNPU device node)" in logged, logged[-3000:]
+    assert "backend auto -> cpu-q (NPU at /dev/rknpu but no rknn_dir configured; onnxruntime " in logged, logged[-3000:]
+    assert health["backend_reason"] in logged
+
+
+def test_a_read_only_kv_dir_starts_degraded(board):
+    """The kv dir made read-only by the unit (a drop-in's ReadOnlyPaths=, a real read-only bind
+    mount): the service starts and serves without snapshots, /health says why; no crash loop."""
+    b = board
+    was_active = ctl(b, "is-active", "edge-llm", check=False) == "active"
+    dropin = "/etc/systemd/system/edge-llm.service.d/readonly.conf"
+    b.write(dropin, "[Service]\nReadOnlyPaths=/var/lib/edge-llm/kv\n")
+    try:
+        ctl(b, "daemon-reload")
+        mark = log_offset(b.path(LOG))
+        ctl(b, "restart", "edge-llm")
+        assert ctl(b, "is-active", "edge-llm") == "active"
+        wait_ready(b.url, timeout=300)
+        status, health = http_json("GET", b.url + "/health", timeout=30)
+        assert status == 200 and not health["snapshots"]["enabled"], health
+        assert any("disk KV unavailable: /var/lib/edge-llm/kv" in d and "Read-only file system" in d
+                   for d in health["degraded"]), health
+        assert complete(b, {"prompt": "Hello", "max_tokens": 2, "temperature": 0})["choices"]
+        assert "[KV-DISK] disk KV unavailable: /var/lib/edge-llm/kv" in read_since(b.path(LOG), mark)
+    finally:
+        b.run(["rm", "-f", dropin])
+        ctl(b, "daemon-reload")
+        ctl(b, "restart" if was_active else "stop", "edge-llm")
+
+
+def test_a_start_that_cannot_fit_is_refused_and_not_restarted(board):
+    """The service under a memory limit smaller than its estimate refuses to start with one line
+    and exit 78, and systemd leaves it failed (RestartPreventExitStatus=78) instead of looping.
+    The limit is the unit's MemoryMax= in a drop-in when the board's systemd has a memory
+    controller, else a context window whose KV cache exceeds MemAvailable (the same check)."""
+    b = board
+    was_active = ctl(b, "is-active", "edge-llm", check=False) == "active"
+    controllers = b.run("cat /sys/fs/cgroup/cgroup.controllers 2>/dev/null; ls /sys/fs/cgroup", check=False).stdout
+    cgroup = "memory" in controllers.split()
+    dropin = "/etc/systemd/system/edge-llm.service.d/memory.conf"
+    b.write(dropin, "[Service]\n" + ("MemoryMax=200M\n" if cgroup else "Environment=EDGE_LLM_MAX_SEQ=100000000\n"))
+    try:
+        ctl(b, "daemon-reload")
+        restarts = int(prop(b, "NRestarts"))
+        mark = log_offset(b.path(LOG))
+        res = b.run(["systemctl", "restart", "edge-llm"], check=False, timeout=900)
+        assert res.returncode != 0
+        time.sleep(12)  # > RestartSec=5s: a restart would have begun
+        assert ctl(b, "is-active", "edge-llm", check=False) == "failed"
+        assert prop(b, "ExecMainStatus") == "78" and int(prop(b, "NRestarts")) == restarts
+        since = read_since(b.path(LOG), mark)
+        refused = [ln for ln in since.splitlines() if "memory: refusing to start: estimated backend cpu-q" in ln]
+        assert refused, since[-3000:]
+        assert ("available (cgroup memory" if cgroup else "available (MemAvailable)") in refused[0], refused[0]
+        assert "fix: a smaller max_seq" in refused[0] and "loading weights" not in since
+        print(f"\nrefused ({'MemoryMax=200M' if cgroup else 'max_seq 1e8 > MemAvailable'}): {refused[0][-300:]}")
+    finally:
+        b.run(["rm", "-f", dropin])
+        ctl(b, "daemon-reload")
+        ctl(b, "reset-failed", "edge-llm", check=False)
+        if was_active:
+            ctl(b, "start", "edge-llm")
 
 
 @pytest.mark.parametrize("x", ["ext", "partial"])

@@ -75,7 +75,7 @@ def test_cli_json_on_this_machine(tmp_path: Path) -> None:
     # (SmolLM2-135M: 30 layers x 3 KV heads x 64 dims, F32 K and V)
     mem = c["memory"]["detail"]
     assert gib(mem, "KV") == round(4096 * 2 * 30 * 3 * 64 * 4 / 2**30, 2)
-    assert float(re.search(r"of (\d+\.\d\d) GiB", mem).group(1)) == round(psutil.virtual_memory().total / 2**30, 2)
+    assert float(re.search(r"(\d+\.\d\d) GiB total", mem).group(1)) == round(psutil.virtual_memory().total / 2**30, 2)
     # free space: statvfs of the nearest existing parent of the kv dir
     du = shutil.disk_usage(tmp_path)
     space = c["kv-space"]["detail"]
@@ -107,7 +107,7 @@ def test_hf_model_sizes_and_identity(tmp_path: Path, monkeypatch: pytest.MonkeyP
     (tmp_path / "kv" / ns).mkdir(parents=True)
     (tmp_path / "kv" / ns / "kv_0000000000000001.kv").write_bytes(b"x")
     c = by_name(run_checks(Settings(model=str(model), disk_kv=str(tmp_path / "kv"), max_seq=1 << 20,
-                                    disk_kv_max_bytes=5 << 30)))
+                                    disk_kv_max_bytes=5 << 30, backend="cpu")))
     assert c["model"].status == PASS and f"model_id {ns} (1 snapshot(s)" in c["model"].detail
     # weights as F32: (64*32 + 32) * 4 bytes; KV: 2**20 tokens * 2 layers * 2 * 16 dims * 4 B = 0.25 GiB
     assert gib(c["memory"].detail, "KV") == 0.25
@@ -141,8 +141,8 @@ def test_hf_model_sizes_and_identity(tmp_path: Path, monkeypatch: pytest.MonkeyP
     sizes = {}
     for flag in (True, False):
         d = Doctor(Settings(model=str(model), disk_kv=None, backend="cpu-q", max_seq=16, decode_graph=flag))
-        two_b = ModelSizes("2B", 8 << 30, 0)  # 8 GiB of F32 weights
-        sizes[flag] = float(re.search(r"= (\d+\.\d\d) GiB", d.memory(two_b).detail).group(1))
+        two_b = ModelSizes.of_params("2B", 2 << 30, 0, 28)  # 8 GiB of F32 weights
+        sizes[flag] = float(re.search(r"q4 weights[^:+]* (\d+\.\d\d) GiB", d.memory(two_b).detail).group(1))
     assert sizes == {True: 3.0, False: 1.5}
 
     (model / "tokenizer.json").unlink()

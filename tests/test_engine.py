@@ -25,7 +25,7 @@ def tiny(tmp_path_factory):
 
 
 def engine(model, kv=None, **kw):
-    return load_runtime(Settings(model=str(model), disk_kv=str(kv) if kv else None,
+    return load_runtime(Settings(model=str(model), backend="cpu", disk_kv=str(kv) if kv else None,
                                        max_seq=512, kv_bs=16, **kw))
 
 

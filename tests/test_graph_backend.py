@@ -16,7 +16,7 @@ from edge_llm.backends.graphs import (
     row_plan,
 )
 from edge_llm.backends.onnx_export import export_graph_set, sample_inputs
-from edge_llm.backends.rknn import open_rknn, resolve_auto
+from edge_llm.backends.rknn import npu_usable, open_rknn
 from edge_llm.backends.runners import OrtRunner, RunnerError
 from edge_llm.config import ModelArgs
 from edge_llm.errors import ConfigError
@@ -150,7 +150,7 @@ def test_manifest_checks_the_model(tiny_qwen3, tiny_model_dir, graphs):
     # an export without the converter's fp16 range check never runs in fp16 (no worker started)
     with pytest.raises(ConfigError, match="without the fp16 range check"):
         open_rknn(graphs(tiny_qwen3), "sim")
-    assert resolve_auto(graphs(tiny_qwen3), tiny_qwen3) == ("cpu", "no RKNPU device node")
+    assert npu_usable(graphs(tiny_qwen3), tiny_qwen3) == (False, "no RKNPU device node")
 
 
 def test_partial_layer_graphs_cannot_serve(tiny_qwen3, tmp_path):

@@ -29,7 +29,7 @@ def tiny(tmp_path_factory):
 
 
 def engine(model, kv, mode="pipelined", **kw):
-    return load_runtime(Settings(model=str(model), disk_kv=str(kv), max_seq=1024, kv_bs=16,
+    return load_runtime(Settings(model=str(model), backend="cpu", disk_kv=str(kv), max_seq=1024, kv_bs=16,
                                  disk_kv_restore=mode, disk_kv_compact_idle=None, **kw))
 
 

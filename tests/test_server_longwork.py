@@ -109,7 +109,7 @@ def measured_prefill_s(model: Path, prompt: list[int]) -> float:
     from edge_llm.runtime import load_runtime
     from edge_llm.settings import Settings
 
-    eng = load_runtime(Settings(model=str(model), disk_kv=None, max_seq=LONG + 64, prefill_chunk=CHUNK))
+    eng = load_runtime(Settings(model=str(model), backend="cpu", disk_kv=None, max_seq=LONG + 64, prefill_chunk=CHUNK))
     (last,) = [e for e in eng.generate(GenerationRequest(prompt, max_tokens=1)) if e.finish_reason]
     return last.timings.prefill_ms / 1e3
 

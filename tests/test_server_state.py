@@ -14,7 +14,7 @@ from edge_llm.snapshot.layout import SNAPSHOT_GLOB
 
 def test_close_releases_the_backend_after_the_last_save(tiny_synth_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("EDGE_LLM_HOME", str(tmp_path / "home"))
-    settings = Settings(model=str(tiny_synth_dir), disk_kv=str(tmp_path / "kv"), max_seq=512)
+    settings = Settings(model=str(tiny_synth_dir), backend="cpu", disk_kv=str(tmp_path / "kv"), max_seq=512)
     seen = []
 
     def loader():
@@ -45,7 +45,7 @@ def test_a_stop_during_loading_releases_the_backend(tiny_synth_dir, tmp_path, mo
     import threading
 
     monkeypatch.setenv("EDGE_LLM_HOME", str(tmp_path / "home"))
-    settings = Settings(model=str(tiny_synth_dir), disk_kv=str(tmp_path / "kv"), max_seq=512)
+    settings = Settings(model=str(tiny_synth_dir), backend="cpu", disk_kv=str(tmp_path / "kv"), max_seq=512)
     go, closed = threading.Event(), threading.Event()
 
     def loader():
@@ -76,7 +76,7 @@ def test_a_kv_dir_that_cannot_be_created_starts_degraded(tiny_synth_dir, tmp_pat
     without snapshots, and /health says why, instead of failing its start (a crash loop)."""
     monkeypatch.setenv("EDGE_LLM_HOME", str(tmp_path / "home"))
     (tmp_path / "a-file").write_text("not a directory")
-    state = _serve_degraded(Settings(model=str(tiny_synth_dir), disk_kv=str(tmp_path / "a-file" / "kv"), max_seq=512))
+    state = _serve_degraded(Settings(model=str(tiny_synth_dir), backend="cpu", disk_kv=str(tmp_path / "a-file" / "kv"), max_seq=512))
     assert state.status == "ok", state.error
     health = state.health()
     assert any("disk KV unavailable" in d for d in health["degraded"]) and not health["snapshots"]["enabled"]
@@ -87,7 +87,9 @@ def test_a_kv_dir_that_cannot_be_created_starts_degraded(tiny_synth_dir, tmp_pat
 
 
 def test_a_read_only_kv_filesystem_starts_degraded(tiny_synth_dir, tmp_path, monkeypatch):
-    """The EROFS of a read-only mount, for real (a tmpfs mounted ro; needs root)."""
+    """The EROFS of a read-only mount, for real (a tmpfs; needs root): first a kv dir that does
+    not exist yet, then one whose namespace exists from an earlier run (nothing to create: the
+    store's write check finds it at start, not the first save)."""
     import subprocess
 
     ro = tmp_path / "ro"
@@ -99,9 +101,23 @@ def test_a_read_only_kv_filesystem_starts_degraded(tiny_synth_dir, tmp_path, mon
         pytest.skip(f"cannot mount a read-only tmpfs here (needs root): {r.stderr.strip()}")
     try:
         monkeypatch.setenv("EDGE_LLM_HOME", str(tmp_path / "home"))
-        state = _serve_degraded(Settings(model=str(tiny_synth_dir), disk_kv=str(ro / "kv"), max_seq=512))
+        settings = Settings(model=str(tiny_synth_dir), backend="cpu", disk_kv=str(ro / "kv"), max_seq=512)
+        state = _serve_degraded(settings)
         assert state.status == "ok", state.error
         assert any("Read-only file system" in d for d in state.health()["degraded"]), state.health()["degraded"]
+        state.close(grace=0)
+
+        subprocess.run(["mount", "-o", "remount,rw", str(ro)], check=True)
+        state = _serve_degraded(settings)  # a run that creates the namespace
+        assert state.status == "ok" and state.store is not None and not state.health()["degraded"]
+        ns = state.store.ns
+        state.close(grace=0)
+        subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True)
+        state = _serve_degraded(settings)
+        assert state.status == "ok", state.error
+        degraded = state.health()["degraded"]
+        assert any("disk KV unavailable" in d and "Read-only file system" in d for d in degraded), degraded
+        assert ns.is_dir() and state.store is None
         state.close(grace=0)
     finally:
         subprocess.run(["umount", str(ro)], check=True)

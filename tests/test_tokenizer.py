@@ -226,3 +226,69 @@ def test_template_sources_and_errors(tmp_path, qwen_dir):
     (d / "chat_template.jinja").write_text("{% for m in messages %}")
     with pytest.raises(TokenizerError, match="syntax"):
         Tokenizer.from_dir(d).apply_chat_template([])
+
+
+# ---- the byte-length bound (the server refuses a prompt from it before tokenizing) ----------
+NASTY = st.lists(st.sampled_from(
+    [" ", "  ", "\n", "\t", "\r\n", "a", "Z", "7", "12345", "é", "e\u0301", "\u1100\u1161\u11a8",  # Hangul jamo: NFC composes
+     "\uff21", "\u212a", "𝐀", "😀", "🧑‍🚀", "日本", "<|im_start|>", "<|im_end|>", "<|endoftext|>",
+     "ĠĠ", "\x00", "\u200b", "-" * 40, " " * 80, "\n" + " " * 80]), max_size=60).map("".join)
+
+
+@given(text=NASTY)
+@settings(max_examples=300, deadline=None)
+@example(text=("\n" + " " * 80) * 50)
+@example(text="𝐀" * 100)
+def test_min_tokens_never_exceeds_the_real_count(tok_dir, text):
+    tok = _tok(tok_dir)
+    assert tok.bytes_per_token is not None
+    assert tok.min_tokens(text) <= len(tok.encode(text))
+    from edge_llm.tokenizer import plain  # a chat message's text: plain pieces encoded separately
+    marked = "x" + plain(text) + "<|im_end|>" + plain(text[::-1])
+    assert tok.min_tokens(marked) <= len(tok.encode(marked))
+
+
+def test_min_tokens_is_tight_on_the_longest_token(tok_dir):
+    """Text made of the longest vocabulary token reaches the bound: it cannot be raised."""
+    tok = _tok(tok_dir)
+    vocab = json.loads(tok._tk.to_str())["model"]["vocab"]
+    longest = max(vocab, key=len)
+    text = tok.decode([vocab[longest]]) * 40
+    n = len(tok.encode(text))
+    assert tok.min_tokens(text) <= n <= 41 and tok.min_tokens(text) >= 39
+
+
+def test_min_tokens_is_zero_where_the_structure_gives_no_bound(tmp_path):
+    """A pre-tokenizer that drops whitespace has no byte bound: nothing is refused from it."""
+    from tokenizers import Tokenizer as HF
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    hf = HF(WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    hf.pre_tokenizer = Whitespace()
+    tok = Tokenizer(hf)
+    assert tok.bytes_per_token is None and tok.min_tokens("a" + " " * 1000 + "a") == 0
+
+
+def test_encode_releases_the_gil(smol_dir):
+    """A long prompt tokenized in an HTTP thread must leave the other threads running (the event
+    loop, /health, the worker): count the turns another thread gets while one encode runs."""
+    import threading
+    import time
+
+    tok = _tok(smol_dir)
+    text = "0123456789" * 50_000  # digits are single tokens: 500,000 of them
+    started, turns = threading.Event(), []
+
+    def run():
+        started.set()
+        tok.encode(text)
+
+    t = threading.Thread(target=run)
+    t.start()
+    started.wait()
+    while t.is_alive():
+        turns.append(1)
+        time.sleep(0.0005)
+    t.join()
+    assert len(turns) > 20, "the encode held the GIL: no other thread ran while it tokenized"

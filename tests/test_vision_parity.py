@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageOps
+from PIL import Image, ImageFile, ImageOps
 
 from edge_llm.errors import ImageDecodeError, ImageFormatError, ImageTooLarge
 from edge_llm.models.qwen3 import Model
@@ -20,7 +20,9 @@ from edge_llm.vision.preprocess import (
     ImageLimits,
     PreprocessConfig,
     decode_image,
+    prepare_image,
     preprocess,
+    read_header,
 )
 
 REL_TOL = 1e-4
@@ -124,6 +126,39 @@ def test_limits_apply_before_decoding():
         decode_image(data, ImageLimits(max_source_pixels=10_000_000))
     with pytest.raises(ImageTooLarge, match="bytes"):
         decode_image(data, ImageLimits(max_bytes=1000))
+
+
+@pytest.mark.parametrize("w,h,mode,fmt,bounds", CASES, ids=[f"{c[0]}x{c[1]}-{c[2]}-{c[3]}" for c in CASES])
+def test_header_token_count_equals_the_decoded_one(w, h, mode, fmt, bounds):
+    """The server sizes a request from headers alone: the count must be the decoded image's."""
+    size = bounds or dict(shortest_edge=65536, longest_edge=16777216)
+    cfg = PreprocessConfig(min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
+    data = encode(make_image(w, h, mode), fmt)
+    head = read_header(data, cfg)
+    assert (head.format, head.width, head.height) == (fmt, w, h)
+    assert head.n_tokens == prepare_image(data, cfg).n_tokens
+
+
+def test_header_token_count_under_exif_rotation():
+    exif = Image.Exif()
+    exif[0x0112] = 6  # decoded as 300x120: the count does not depend on the rotation
+    data = encode(make_image(120, 700), "JPEG", exif=exif.tobytes())
+    cfg = PreprocessConfig()
+    head, img = read_header(data, cfg), prepare_image(data, cfg)
+    assert img.grid_thw[1] < img.grid_thw[2] and head.n_tokens == img.n_tokens
+
+
+def test_header_reads_no_pixels():
+    """A 4096x4096 PNG of zeros (a few KB; 402 MB of float32 once preprocessed) is sized, and its
+    limits checked, from the header: the image is never decoded."""
+    from unittest import mock
+
+    data = encode(Image.new("L", (4096, 4096)), "PNG")
+    with mock.patch.object(ImageFile.ImageFile, "load", side_effect=AssertionError("pixels decoded")):
+        head = read_header(data, PreprocessConfig())
+        with pytest.raises(ImageTooLarge, match="pixels"):
+            read_header(data, PreprocessConfig(), ImageLimits(max_source_pixels=10_000_000))
+    assert head.n_tokens == 128 * 128  # max_pixels 4096x4096 / (32x32) per token
 
 
 # ---- the model ------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from board_image import QEMU_CPU, REPO, WHEELHOUSE, log, wheelhouse_dir
+from board_image import CONSTRAINTS_FILE, EMULATION_CONSTRAINTS, QEMU_CPU, REPO, WHEELHOUSE, log, wheelhouse_dir
 
 INNER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DIR_PREFIX = "edge-llm-board-"
@@ -167,8 +167,10 @@ class Board:
                    "# board_emu.py: every unit runs under qemu-user; cortex-a76 = RK3588's big cores\n"
                    f"[Manager]\nDefaultEnvironment=QEMU_CPU={QEMU_CPU}\n")
         # every pip on the board (sudo resets the environment) looks in the wheelhouse first
+        # and keeps to the emulation-only pins (board_image.EMULATION_CONSTRAINTS)
+        self.write(CONSTRAINTS_FILE, "".join(c + "\n" for c in EMULATION_CONSTRAINTS))
         self.write("/etc/pip.conf", f"# board_emu.py: aarch64 wheels prefetched on the host\n"
-                   f"[global]\nfind-links = {WHEELHOUSE}\n")
+                   f"[global]\nfind-links = {WHEELHOUSE}\nconstraint = {CONSTRAINTS_FILE}\n")
         wheelhouse_dir().mkdir(parents=True, exist_ok=True)
 
     def write(self, inner: str, text: str, mode: int = 0o644) -> None:

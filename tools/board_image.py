@@ -156,6 +156,11 @@ def rootfs_tarball(rebuild: bool = False) -> Path:
 # ---- aarch64 wheels for the board's pip ----------------------------------------------------------
 BOARD_PYTHON = "3.11"  # bookworm's python3
 WHEELHOUSE = "/var/cache/edge-llm-wheels"  # where the board sees cache_dir()/wheels-...
+# Emulation-only pins (a pip constraints file on the emulated board, never in the product's
+# requirements): onnxruntime's aarch64 wheels from 1.25 on die with SIGSEGV at `import
+# onnxruntime` under qemu-user (1.24.x import and run there; a real board has no qemu).
+EMULATION_CONSTRAINTS = ("onnxruntime<1.25",)
+CONSTRAINTS_FILE = "/etc/pip-constraints-board-emu.txt"
 
 
 def wheelhouse_dir() -> Path:
@@ -163,8 +168,9 @@ def wheelhouse_dir() -> Path:
 
 
 def board_requirements(repo: Path = REPO) -> list[str]:
-    """What `pip install '<checkout>[board]'` pulls in on the board: the project's dependencies and
-    `board` extra (markers evaluated for aarch64 + the board's Python) and its build requirements."""
+    """What `pip install '<checkout>[board,quant]'` (board/install.sh) pulls in on the board: the
+    project's dependencies and those extras (markers evaluated for aarch64 + the board's Python)
+    and its build requirements."""
     import tomllib
     from pip._vendor.packaging.requirements import Requirement
 
@@ -173,7 +179,8 @@ def board_requirements(repo: Path = REPO) -> list[str]:
            "os_name": "posix", "python_version": BOARD_PYTHON, "python_full_version": BOARD_PYTHON + ".2",
            "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
     out = []
-    for line in [*proj["project"]["dependencies"], *proj["project"]["optional-dependencies"]["board"]]:
+    extras = proj["project"]["optional-dependencies"]
+    for line in [*proj["project"]["dependencies"], *extras["board"], *extras["quant"]]:
         req = Requirement(line)
         if req.marker is None or req.marker.evaluate(env):
             req.marker = None
@@ -191,7 +198,7 @@ def prefetch_wheels() -> Path:
     platforms = ["manylinux2014_aarch64", *(f"manylinux_2_{v}_aarch64" for v in range(17, 37)), "linux_aarch64"]
     cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--only-binary=:all:",
            "--python-version", BOARD_PYTHON, "--implementation", "cp", "--abi", "cp" + BOARD_PYTHON.replace(".", ""),
-           *(f"--platform={p}" for p in platforms), "-d", str(dest), *board_requirements()]
+           *(f"--platform={p}" for p in platforms), "-d", str(dest), *board_requirements(), *EMULATION_CONSTRAINTS]
     cafile = os.environ.get("SSL_CERT_FILE") or "/etc/ssl/certs/ca-certificates.crt"
     if Path(cafile).is_file():
         cmd[4:4] = ["--cert", cafile]

@@ -153,6 +153,17 @@ def _usable(root: Path, model_dir: Path, qm: QuantMode) -> Manifest | None:
         return None
 
 
+def built_weight_bytes(model_dir: str | Path, quant: str) -> int | None:
+    """The bytes of the quantized weights of `model_dir` in mode `quant` when they are built and
+    current (the memory estimate's exact figure, edge_llm/footprint.py), else None."""
+    qm = mode(quant)
+    root = quant_dir(model_dir, qm)
+    if not (root / MANIFEST).is_file():
+        return None
+    m = _usable(root, Path(model_dir), qm)
+    return sum(int(w["bytes"]) for w in m.build["weights"]) if m is not None else None
+
+
 def ensure_quantized(model_dir: str | Path, qm: QuantMode, progress: Callable[[str], None] | None = None, *,
                      blocks: BlockSource | None) -> tuple[Path, Manifest]:
     """The quantized graph directory of this model and mode, built first if needed. `blocks`:

@@ -78,15 +78,16 @@ def open_rknn(rknn_dir: str | Path, runner: str = "auto", model_dir: str | Path 
     return GraphBackend("rknn", specs, r, f"rknn:{m.identity()}:{r.numerics}")
 
 
-def resolve_auto(rknn_dir: str | Path | None, model_dir: str | Path) -> tuple[str, str]:
-    """('rknn' | 'cpu', reason) for `--backend auto`."""
-    node = npu_present()
+def npu_usable(rknn_dir: str | Path | None, model_dir: str | Path, sysroot: str | Path = "/") -> tuple[bool, str]:
+    """(whether backend rknn can run this model here, why): an RKNPU device node and an rknn_dir
+    whose manifest matches the model (`backend = auto` tries this first: edge_llm/footprint.py)."""
+    node = npu_present(sysroot)
     if node is None:
-        return "cpu", "no RKNPU device node"
+        return False, "no RKNPU device node"
     if not rknn_dir:
-        return "cpu", f"NPU at {node} but no rknn_dir configured"
+        return False, f"NPU at {node} but no rknn_dir configured"
     if not (Path(rknn_dir) / MANIFEST).is_file():
-        return "cpu", f"NPU at {node} but no {MANIFEST} in {rknn_dir}"
+        return False, f"NPU at {node} but no {MANIFEST} in {rknn_dir}"
     try:
         from edge_llm.config import ModelArgs
         from edge_llm.weights import weight_digest
@@ -95,5 +96,5 @@ def resolve_auto(rknn_dir: str | Path | None, model_dir: str | Path) -> tuple[st
         m.check_model(ModelArgs.from_dir(model_dir), weight_digest(model_dir))
         m.check_fp16(Path(rknn_dir))
     except EdgeLLMError as e:
-        return "cpu", f"NPU at {node} but {rknn_dir} does not match the model: {e}"
-    return "rknn", f"NPU at {node} and a matching {MANIFEST} in {rknn_dir}"
+        return False, f"NPU at {node} but {rknn_dir} does not match the model: {e}"
+    return True, f"NPU at {node} and a matching {MANIFEST} in {rknn_dir}"

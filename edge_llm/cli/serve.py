@@ -39,6 +39,7 @@ def run_server(settings) -> int:
     import uvicorn
 
     from edge_llm.errors import ConfigError
+    from edge_llm.footprint import EXIT_REFUSED, MemoryRefused
     from edge_llm.logsetup import log_banner, log_exit, setup_logging
     from edge_llm.sdnotify import Notifier
     from edge_llm.server.app import create_app
@@ -52,11 +53,11 @@ def run_server(settings) -> int:
     log_banner(model=settings.model, backend=settings.backend, host=settings.host, port=settings.port,
                disk_kv=settings.disk_kv or "off", max_seq=settings.max_seq, log_file=settings.log_file or "-",
                notify="on" if notifier.enabled else "off")
-    fatal: list[str] = []
+    fatal: list[Exception] = []
     holder: dict[str, uvicorn.Server] = {}
 
-    def on_fatal(msg: str) -> None:
-        fatal.append(msg)
+    def on_fatal(e: Exception) -> None:
+        fatal.append(e)
         if "server" in holder:
             holder["server"].should_exit = True
 
@@ -95,8 +96,10 @@ def run_server(settings) -> int:
     except BaseException as e:
         log.exception("server crashed: %s", e)
         code = 1
-    if fatal:
-        reason, code = f"model load failed: {fatal[0]}", 1
+    if fatal and isinstance(fatal[0], MemoryRefused):  # a restart would refuse again (unit:
+        reason, code = str(fatal[0]), EXIT_REFUSED      # RestartPreventExitStatus=)
+    elif fatal:
+        reason, code = f"model load failed: {state.error}", 1
     elif code:
         reason = "startup failed (see above)"
     else:

@@ -5,8 +5,9 @@ a fabricated /sys, /proc, /dev and /etc tree and exercise the RK3588 branch on a
 On machines that are not an RK3588 the NPU items report "n/a" instead of failing (on other
 aarch64 machines the rknn-toolkit-lite2 package is still checked, as a warning at worst).
 
-Here: the order they run in, the software and model checks, and the memory check (on the
-runtime's estimate, `runtime.estimate_memory`). The board's checks are `board.py`, the kv
+Here: the order they run in, the software and model checks, the backend `auto` would choose,
+and the memory check (the estimate and the availability the server's start-up admission uses,
+edge_llm/footprint.py). The board's checks are `board.py`, the kv
 directory's `storage.py`; what they share (`Check`, `Probe`: settings + sysroot) `probe.py`.
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import logging
-import math
 import re
 import sys
 from pathlib import Path
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable
 import psutil
 
 from edge_llm.config import ModelArgs
-from edge_llm.runtime import estimate_memory
+from edge_llm.footprint import available_memory, choose_backend, estimate_memory, refusal
 from edge_llm.settings import Settings, models_dir
 from edge_llm.doctor.board import BoardChecks
 from edge_llm.doctor.probe import FAIL, NA, PASS, WARN, Check, ModelSizes
@@ -58,7 +58,8 @@ class Doctor(BoardChecks, StorageChecks):
             ("npu-governor", lambda: self.devfreq("npu-governor", "*npu*"), True),
             ("ddr-governor", lambda: self.devfreq("ddr-governor", "*dmc*"), True),
             ("open-files", self.open_files, False), ("rknn-dir", self.rknn_dir, False),
-            ("model", lambda: model, False), ("memory", lambda: self.memory(sizes), False),
+            ("model", lambda: model, False), ("backend", self.backend, False),
+            ("memory", lambda: self.memory(sizes), False),
             ("kv-filesystem", self.kv_filesystem, False), ("kv-space", lambda: self.kv_space(sizes), False),
             ("kv-private", self.kv_private, False),
             ("emmc-life", self.emmc_life, False), ("clock", self.clock, False)]
@@ -111,7 +112,7 @@ class Doctor(BoardChecks, StorageChecks):
         detail = f"edge-llm {own}; {len(seen)} requirements installed (numpy {md.version('numpy')})"
         if missing or bad:
             return Check("packages", FAIL, detail + "; missing: " + ", ".join(missing + bad),
-                         "pip install --upgrade 'edge-llm[board]' in the service venv")
+                         "pip install --upgrade 'edge-llm[board,quant]' in the service venv")
         return Check("packages", PASS, detail)
 
     # ---- model and memory ------------------------------------------------------------
@@ -134,15 +135,15 @@ class Doctor(BoardChecks, StorageChecks):
                 params, bpt = gguf_sizes(gguf)
                 return Check("model", PASS, f"embedded default model {gguf.name} ({params / 1e6:.0f}M "
                              f"parameters), imported into {models_dir()} on first start"), \
-                    ModelSizes("default model", params * 4, bpt)
+                    ModelSizes.of_params("default model", params, bpt, 1)
             d = models_dir() / dm.DEFAULT_MODEL_NAME
         try:
             args = ModelArgs.from_dir(d)
-            from edge_llm.weights import index_tensors  # lazy: pulls in safetensors
-            f32 = sum(4 * math.prod(t.shape) for t in index_tensors(d).values())
+            sizes = ModelSizes.of_dir(d)  # headers only
         except Exception as e:  # ConfigError / WeightsError name the problem
             return Check("model", FAIL, str(e), "point `model` at a complete HF model directory"), None
-        sizes = ModelSizes(d.name, f32, args.geometry.kv_bytes_per_token)
+        self.model_dir = d
+        f32 = sizes.weights_f32
         detail = f"{d}: {args.model_type}, {args.num_hidden_layers} layers, {f32 / 2**30:.2f} GiB as F32"
         if not (d / "tokenizer.json").is_file():
             return Check("model", FAIL, detail + "; tokenizer.json missing", "copy tokenizer.json into the model dir"), sizes
@@ -153,13 +154,14 @@ class Doctor(BoardChecks, StorageChecks):
             ident = Identity.for_model(d, args, prefill_chunk=self.o.prefill_chunk)
         except Exception as e:
             return Check("model", WARN, detail + f"; identity not computed: {e}"), sizes
-        if self.o.backend == "cpu":
+        backend = choose_backend(self.o, d, self.root).name
+        if backend == "cpu":
             ns = Path(self.o.disk_kv or "") / ident.namespace
             n = len(list(ns.glob(SNAPSHOT_GLOB))) if self.o.disk_kv and ns.is_dir() else 0
             return Check("model", PASS, detail + f"; model_id {ident.namespace} ({n} snapshot(s) in its namespace)"), sizes
         # another backend's numerics (graph manifest, runtime version, threads) are known only once
         # it is loaded: name the namespaces this model already has instead of guessing one
-        return Check("model", PASS, detail + f"; backend {self.o.backend}: its namespace is named at start-up "
+        return Check("model", PASS, detail + f"; backend {backend}: its namespace is named at start-up "
                      f"from its numerics; {self._model_namespaces(ident)}"), sizes
 
     def _model_namespaces(self, ident: Identity) -> str:
@@ -177,19 +179,32 @@ class Doctor(BoardChecks, StorageChecks):
                              f"{len(list(ns.glob(SNAPSHOT_GLOB)))} snapshot(s))")
         return "namespaces of this model: " + ", ".join(found) if found else "no namespace of this model yet"
 
+    def backend(self) -> Check:
+        """The backend the server would run: `auto`'s choice and its reason (as logged at start)."""
+        c = choose_backend(self.o, self.model_dir or "", self.root)
+        if c.name == "cpu" and c.auto:
+            return Check("backend", WARN, c.describe(), "pip install 'edge-llm[board,quant]' in the service "
+                         "venv for the 4-bit backend (board/install.sh does)")
+        return Check("backend", PASS, c.describe())
+
     def memory(self, sizes: ModelSizes | None) -> Check:
+        """The start-up admission's estimate against what is available (the same numbers)."""
         vm = psutil.virtual_memory()
         if sizes is None:
             return Check("memory", NA, f"model not usable; {vm.available / 2**30:.2f} GiB available "
                          f"of {vm.total / 2**30:.2f} GiB")
-        est = estimate_memory(self.o, sizes.weights_f32, sizes.kv_bytes_per_token)
-        detail = (f"{sizes.label}: {est.describe()}; available {vm.available / 2**30:.2f} "
-                  f"of {vm.total / 2**30:.2f} GiB")
-        fix = "lower max_seq or use a smaller model; stop other services"
-        if est.total > 0.9 * vm.total:  # the unit's MemoryMax=90%
-            return Check("memory", FAIL, detail, fix)
-        if est.total > vm.available:
-            return Check("memory", WARN, detail, fix)
+        name = choose_backend(self.o, self.model_dir or "", self.root).name
+        est = estimate_memory(self.o, name, sizes, self.model_dir)
+        avail = available_memory()
+        detail = f"{sizes.label}: estimated {est.describe()}; {avail.describe()}, {vm.total / 2**30:.2f} GiB total"
+        line = refusal(est, avail)
+        if line is not None:
+            fix = line.split("; fix: ", 1)[1]
+            if not self.o.memory_check:
+                return Check("memory", WARN, detail + "; memory_check is off: the server starts anyway", fix)
+            return Check("memory", FAIL, detail + "; the server refuses to start (exit 78)", fix)
+        if est.total > 0.9 * vm.total:  # the unit's MemoryMax=90%: refused under systemd
+            return Check("memory", FAIL, detail + "; above the unit's MemoryMax=90%", "a smaller max_seq")
         return Check("memory", PASS, detail)
 
     # ---- storage ---------------------------------------------------------------------

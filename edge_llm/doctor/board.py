@@ -124,6 +124,8 @@ class BoardChecks(Probe):
     def rknn_dir(self) -> Check:
         if self.o.backend not in ("rknn", "auto"):
             return Check("rknn-dir", NA, f"backend {self.o.backend}")
+        if not self.o.rknn_dir and self.o.backend == "auto" and not self.rk3588:
+            return Check("rknn-dir", NA, "backend auto on a machine without an RK3588 NPU")
         if not self.o.rknn_dir:
             return Check("rknn-dir", FAIL if self.o.backend == "rknn" else WARN, "no rknn_dir configured",
                          "edge-llm convert rknn MODEL_DIR OUT_DIR on a host, copy OUT_DIR here, set rknn_dir")

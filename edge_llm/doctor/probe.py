@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 
+from edge_llm.footprint import ModelSizes  # noqa: F401  (the checks' shared record of the model)
 from edge_llm.settings import Settings, resolve
 
 if TYPE_CHECKING:
@@ -24,15 +25,6 @@ UNIT_PATH = "etc/systemd/system/edge-llm.service"
 LIB_DIRS = ("usr/lib", "usr/lib64", "usr/lib/aarch64-linux-gnu", "usr/local/lib", "lib")
 GOOD_FS = ("ext4", "f2fs", "xfs", "btrfs")
 NOFILE_NPU = 4096
-
-
-@dataclass(frozen=True)
-class ModelSizes:
-    """What the memory and kv-space checks need of the configured model."""
-
-    label: str
-    weights_f32: int  # bytes of the weights as F32
-    kv_bytes_per_token: int
 
 
 @dataclass(frozen=True)
@@ -53,6 +45,7 @@ class Probe:
     def __init__(self, settings: Settings, sysroot: str = "/"):
         self.o = resolve(settings)
         self.root = Path(sysroot)
+        self.model_dir: Path | None = None  # set by the model check when the model dir is readable
         compat = self._read("proc/device-tree/compatible").replace("\0", " ").strip()
         self.rk3588 = "rockchip,rk3588" in compat
         self.not_rk = f"not an RK3588 (machine: {platform.machine()})"

@@ -95,10 +95,12 @@ class Model:
         self.scale = np.float32(1.0 / math.sqrt(args.head_dim))
 
     @classmethod
-    def load(cls, model_dir: str | Path, backend: str | Backend = DEFAULTS.backend,
+    def load(cls, model_dir: str | Path, backend: str | Backend = "cpu",
              progress: Callable[[int, int], None] | None = None) -> "Model":
         """Read config.json, check every tensor's name and shape, then load the weights.
 
+        `backend`: a loaded backend, or "cpu" (the exact reference; `backend = auto` is resolved
+        by the runtime, edge_llm/footprint.py, which passes the backend it loaded).
         `progress(done, total)` is called after each tensor is loaded."""
         args = ModelArgs.from_dir(model_dir)
         weights = load_weights(model_dir, args)  # raises WeightsError before anything is read

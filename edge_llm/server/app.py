@@ -2,6 +2,8 @@
 
 Handlers validate and tokenize (in the thread pool), enqueue a job for the single worker and
 relay its events as JSON or SSE. A watcher task cancels the job when the client disconnects.
+A prompt is refused from its byte length and its images from their headers before any
+tokenizing or pixel decoding (server/budget.py); images decode under one gate (docs/api.md).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from edge_llm.server.errors import (
     queue_full,
     unavailable,
 )
-from edge_llm.server.images import chat_prompt
+from edge_llm.server.budget import Budget, encode_within
+from edge_llm.server.images import ChatOptions, decode_images, render_chat
 from edge_llm.server.metrics import StatusCountMiddleware
 from edge_llm.server.state import AppState
 from edge_llm.server.streaming import collect, sse_chat, sse_completion
@@ -48,9 +51,12 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 def create_app(settings: Settings, notifier: Notifier | None = None, loader: Callable[[], Engine] | None = None,
-               on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+               on_fatal: Callable[[Exception], None] | None = None) -> FastAPI:
     """Build the app. The model loads in the background when the app starts (lifespan)."""
     state = AppState(settings, notifier=notifier, loader=loader, on_fatal=on_fatal)
+    chat_options = ChatOptions(settings.image_dir, settings.max_image_bytes, settings.max_images,
+                               settings.chat_special_tokens)
+    decode_gate = asyncio.Semaphore(settings.max_image_decodes)  # images decoded at once (all requests)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -117,7 +123,8 @@ def create_app(settings: Settings, notifier: Notifier | None = None, loader: Cal
         defaults = state.engine.sampling_defaults.to_dict() if state.engine is not None else None
         return S.ModelList(data=[S.ModelCard(id=state.model_id, created=state.created, sampling_defaults=defaults,
                                              max_model_len=settings.max_seq,
-                                             default_max_tokens=settings.default_max_tokens)])
+                                             default_max_tokens=settings.default_max_tokens,
+                                             backend=state.backend, backend_reason=state.backend_reason)])
 
     # ---- generation ---------------------------------------------------------------------------
     def sampling(body: S._Sampling, endpoint: str) -> tuple[SamplingParams, list[str]]:
@@ -133,15 +140,6 @@ def create_app(settings: Settings, notifier: Notifier | None = None, loader: Cal
         # omitted fields: the model's recommended values (generation_config.json), else OpenAI's
         params = state.engine.sampling_defaults.params(body.temperature, body.top_p, body.top_k, body.seed)
         return params, [s for s in stop if s]
-
-    def check_length(n_prompt: int, max_tokens: int, param: str) -> None:
-        if n_prompt == 0:
-            raise bad_request("the prompt is empty (0 tokens)", "prompt")
-        if n_prompt + max_tokens > settings.max_seq:
-            raise APIError(400, f"This model's maximum context length is {settings.max_seq} tokens. "
-                           f"However, you requested {n_prompt + max_tokens} tokens ({n_prompt} in the "
-                           f"prompt, {max_tokens} for the completion). Please reduce the prompt or "
-                           f"{param}.", "invalid_request_error", param, "context_length_exceeded")
 
     async def submit(request: Request, greq: GenerationRequest, label: str) -> tuple[Job, asyncio.Task]:
         job = Job(greq, asyncio.get_running_loop(), label=label)
@@ -170,20 +168,21 @@ def create_app(settings: Settings, notifier: Notifier | None = None, loader: Cal
         require_ready(body.model)
         params, stop = sampling(body, "completion")
         engine = state.engine
+        max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
+        budget = Budget(settings.max_seq, max_tokens, "max_tokens")
         if isinstance(body.prompt, str):
-            tokens = await run_in_threadpool(engine.tokenizer.encode, body.prompt)
+            tokens = await run_in_threadpool(encode_within, engine.tokenizer, body.prompt, budget)
         else:
             vocab = engine.model.args.vocab_size
             bad = next((t for t in body.prompt if t >= vocab), None)
             if bad is not None:
                 raise bad_request(f"token id {bad} is out of range (vocabulary size {vocab})", "prompt")
             tokens = list(body.prompt)
+            budget.check(len(tokens))
         try:  # image placeholder tokens without images (they need the chat endpoint)
             engine.plan(tokens, [])
         except ImageError as e:
             raise bad_request(f"{e}; send images through /v1/chat/completions", "prompt", e.reason) from None
-        max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
-        check_length(len(tokens), max_tokens, "max_tokens")
         return await respond(request, body, GenerationRequest(tokens, max_tokens, params, stop), chat=False)
 
     @app.post("/v1/chat/completions", response_model=S.ChatCompletionResponse, responses=ERRORS,
@@ -191,18 +190,23 @@ def create_app(settings: Settings, notifier: Notifier | None = None, loader: Cal
     async def chat_completions(body: S.ChatCompletionRequest, request: Request):
         require_ready(body.model)
         params, stop = sampling(body, "chat")
-        try:
-            tokens, images = await run_in_threadpool(chat_prompt, state.engine, body.messages,
-                                                     settings.image_dir, settings.max_image_bytes,
-                                                     settings.chat_special_tokens)
-        except EdgeLLMError as e:  # e.g. the template raises on a role order it does not accept
-            raise bad_request(f"messages: {e}", "messages") from None
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         max_tokens = body.max_completion_tokens or body.max_tokens
+        try:  # sized (images from their headers), refused past the window: nothing decoded yet
+            prompt = await run_in_threadpool(render_chat, state.engine, body.messages, chat_options,
+                                             Budget(settings.max_seq, max_tokens or 1, param))
+        except EdgeLLMError as e:  # e.g. the template raises on a role order it does not accept
+            raise bad_request(f"messages: {e}", "messages") from None
+        n_prompt = prompt.n_tokens
         if max_tokens is None:  # the configured cap, at most whatever the context leaves (OpenAI's default)
-            left = max(1, settings.max_seq - len(tokens))
+            left = max(1, settings.max_seq - n_prompt)
             max_tokens = min(left, settings.default_max_tokens or left)
-        check_length(len(tokens), max_tokens, param)
+        Budget(settings.max_seq, max_tokens, param).check(n_prompt)
+        if prompt.headers:  # waiting for the gate holds no thread
+            async with decode_gate:
+                tokens, images = await run_in_threadpool(decode_images, state.engine, prompt)
+        else:
+            tokens, images = await run_in_threadpool(decode_images, state.engine, prompt)
         return await respond(request, body, GenerationRequest(tokens, max_tokens, params, stop, images=images),
                              chat=True)
 

@@ -7,15 +7,17 @@ from __future__ import annotations
 import base64
 import binascii
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from edge_llm.engine import Engine
 from edge_llm.errors import ImageError
+from edge_llm.server.budget import Budget, encode_within
 from edge_llm.server.errors import APIError, bad_request
 from edge_llm.server.schemas import ChatMessage
 from edge_llm.tokenizer import plain
-from edge_llm.vision.preprocess import PreparedImage
+from edge_llm.vision.preprocess import ImageHeader, PreparedImage
 
 PARAM = "messages"
 
@@ -82,33 +84,87 @@ def _local_file(path: str, image_dir: str | None, max_bytes: int) -> bytes:
         raise _image_error(f"image file cannot be opened: {e.strerror or e}", "image_path") from None
 
 
-def chat_prompt(engine: Engine, messages: list[ChatMessage], image_dir: str | None, max_image_bytes: int,
-                special_tokens: bool = False) -> tuple[list[int], list[PreparedImage]]:
-    """Chat messages (pydantic) -> (prompt ids with each image's pad run, PreparedImages).
+@dataclass(frozen=True)
+class ChatOptions:
+    """The operator's settings the chat path reads (see edge_llm/settings.py)."""
 
-    Runs in the thread pool: decoding and preprocessing images is CPU work. Image problems are
-    400s naming the problem; template problems raise the tokenizer's EdgeLLMError."""
+    image_dir: str | None
+    max_image_bytes: int
+    max_images: int
+    special_tokens: bool = False
+
+
+@dataclass
+class ChatPrompt:
+    """A rendered chat prompt whose images are sized from their headers but not decoded yet."""
+
+    tokens: list[int]  # prompt ids, one image placeholder per image
+    sources: list[bytes] = field(default_factory=list)  # each image's encoded bytes
+    headers: list[ImageHeader] = field(default_factory=list)
+
+    @property
+    def n_tokens(self) -> int:
+        """Prompt tokens once every placeholder is its image's run of pad tokens."""
+        return len(self.tokens) - len(self.headers) + sum(h.n_tokens for h in self.headers)
+
+
+def render_chat(engine: Engine, messages: list[ChatMessage], opts: ChatOptions, budget: Budget) -> ChatPrompt:
+    """Chat messages (pydantic) -> prompt ids and image headers, within `budget`.
+
+    Runs in the thread pool. Before any pixel is decoded: the image count is capped, each image's
+    tokens come from its header (the resize rule), and the request is refused as soon as its
+    images, then its text's byte length, then its exact text tokens leave no room in the context
+    window. Image problems are 400s naming the problem; template problems raise the tokenizer's
+    EdgeLLMError."""
     urls = [u for m in messages for u in m.image_urls()]
     vision = engine.vision
     if urls and vision is None:
         raise bad_request("this model has no vision encoder: it cannot take images", PARAM, "no-vision")
-    placeholder = vision.placeholder(engine.tokenizer.id_to_token) if urls else ""
-    images: list[PreparedImage] = []
+    if len(urls) > opts.max_images:
+        raise bad_request(f"the request has {len(urls)} images; this server accepts at most {opts.max_images} "
+                          f"per request (max_images)", PARAM, "too-many-images")
+    prompt = ChatPrompt([])
+    image_tokens = 0
     for i, url in enumerate(urls):
-        data = read_image_url(url, image_dir, max_image_bytes)
+        assert vision is not None
+        data = read_image_url(url, opts.image_dir, opts.max_image_bytes)
         try:
-            images.append(vision.prepare(data))
+            header = vision.header(data)
         except ImageError as e:
             raise bad_request(f"image {i + 1}: {e}", PARAM, e.reason) from None
+        prompt.sources.append(data)
+        prompt.headers.append(header)
+        image_tokens += header.n_tokens
+        budget.check(image_tokens, at_least=True)  # refused before the next image is even read
+    placeholder = vision.placeholder(engine.tokenizer.id_to_token) if urls and vision else ""
     # OpenAI's newer "developer" role is what chat templates call "system"
     # the text parts are plain text (special-token strings stay text) unless the operator trusts
     # the clients; the image placeholders between them are the real control tokens
-    wrap = str if special_tokens else plain
+    wrap = str if opts.special_tokens else plain
     rendered = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(placeholder, wrap),
                  **({"name": m.name} if m.name else {})} for m in messages]
-    tokens = engine.tokenizer.apply_chat_template_ids(rendered, True, plain_text=False)
+    text = engine.tokenizer.apply_chat_template(rendered, True, plain_text=False)
+    assert isinstance(text, str)
+    # each placeholder becomes its image's run: the text's own count holds it once per image
+    prompt.tokens = encode_within(engine.tokenizer, text, budget, image_tokens - len(urls))
+    return prompt
+
+
+def decode_images(engine: Engine, prompt: ChatPrompt) -> tuple[list[int], list[PreparedImage]]:
+    """Decode and preprocess a sized prompt's images -> (ids with each image's pad run, images).
+
+    Runs in the thread pool, under the server's decode gate (`max_image_decodes`)."""
+    vision = engine.vision
+    images: list[PreparedImage] = []
+    tokens = prompt.tokens
     try:
-        if images:
+        if prompt.headers:
+            assert vision is not None
+            for i, data in enumerate(prompt.sources):
+                try:
+                    images.append(vision.prepare(data))
+                except ImageError as e:
+                    raise bad_request(f"image {i + 1}: {e}", PARAM, e.reason) from None
             tokens = vision.expand(tokens, images)
         engine.plan(tokens, images)  # the same check the engine does, before the request queues
     except ImageError as e:

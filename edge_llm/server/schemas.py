@@ -287,6 +287,9 @@ class ModelCard(BaseModel):
     max_model_len: int | None = Field(default=None, description="Context window: prompt + completion tokens.")
     default_max_tokens: int | None = Field(default=None, description="Completion tokens of a chat request "
                                            "without max_tokens (null: the rest of the context window).")
+    backend: str | None = Field(default=None, description="The backend that runs the model (cpu, cpu-q, rknn).")
+    backend_reason: str | None = Field(default=None, description="Why: `auto`'s choice and its reason, or "
+                                       "that the configuration names it.")
 
 
 class ModelList(BaseModel):
@@ -306,6 +309,8 @@ class Health(BaseModel):
     version: str
     model: str | None = None
     backend: str
+    backend_reason: str | None = Field(default=None, description="e.g. 'backend auto -> cpu-q (no RKNPU "
+                                       "device node; onnxruntime 1.22.0 importable)'; null while loading.")
     namespace: str | None = None
     max_seq: int
     snapshots: SnapshotSummary

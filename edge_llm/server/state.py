@@ -16,6 +16,7 @@ from typing import Any
 from edge_llm import __version__
 from edge_llm.engine import Engine, GenerationEvent
 from edge_llm.errors import ConfigError
+from edge_llm.footprint import MemoryRefused
 from edge_llm.sdnotify import Notifier
 from edge_llm.server.errors import APIKeys
 from edge_llm.server.metrics import Metrics
@@ -45,7 +46,7 @@ class AppState:
     """Everything the routes need; owned by one app instance."""
 
     def __init__(self, settings: Settings, notifier: Notifier | None = None,
-                 loader: Callable[[], Engine] | None = None, on_fatal: Callable[[str], None] | None = None):
+                 loader: Callable[[], Engine] | None = None, on_fatal: Callable[[Exception], None] | None = None):
         self.settings = settings
         self.notifier = notifier
         self.on_fatal = on_fatal
@@ -88,13 +89,17 @@ class AppState:
         try:
             engine = self._loader()
         except Exception as e:  # reported on /health and as a failed start
-            self.error = f"{type(e).__name__}: {e}"
             self.status = "failed"
-            log.error("model load failed: %s", self.error,
-                      exc_info=not isinstance(e, (ConfigError, OSError)))
+            if isinstance(e, MemoryRefused):  # its own one line: estimate, available, the fix
+                self.error = str(e)
+                log.error("%s", e)
+            else:
+                self.error = f"{type(e).__name__}: {e}"
+                log.error("model load failed: %s", self.error,
+                          exc_info=not isinstance(e, (ConfigError, OSError)))
             self._status(f"failed: {self.error}")
             if self.on_fatal is not None:
-                self.on_fatal(self.error)
+                self.on_fatal(e)
             return
         if self.status == "stopping":  # SIGTERM arrived while loading: nothing to serve
             engine.close()
@@ -174,14 +179,18 @@ class AppState:
 
     @property
     def backend(self) -> str:
-        """The backend that runs (`auto` resolves to cpu or rknn at load), else the setting."""
+        """The backend that runs (`auto` resolves to rknn, cpu-q or cpu at load), else the setting."""
         return self.engine.model.backend.name if self.engine is not None else self.settings.backend
+
+    @property
+    def backend_reason(self) -> str | None:
+        return self.engine.backend_reason or None if self.engine is not None else None
 
     def health(self) -> dict[str, Any]:
         w = self.worker
         return {
             "status": self.status, "version": __version__, "model": self.model_id,
-            "backend": self.backend, "namespace": self.namespace,
+            "backend": self.backend, "backend_reason": self.backend_reason, "namespace": self.namespace,
             "max_seq": self.settings.max_seq, "snapshots": self.snapshot_summary(),
             "queue_depth": w.depth if w else 0, "queue_size": self.settings.queue_size,
             "busy": bool(w and w.busy), "degraded": self.degraded(), "error": self.error,

@@ -24,7 +24,7 @@ import numpy as np
 
 from edge_llm.config import Geometry
 from edge_llm.errors import SnapshotError
-from edge_llm.files import TMP_SUFFIX, orphaned_temp
+from edge_llm.files import TMP_SUFFIX, check_writable, orphaned_temp
 from edge_llm.kvcache import KVCache, Restored
 from edge_llm.progress import NO_WORK, Work
 from edge_llm.settings import DEFAULTS
@@ -57,6 +57,7 @@ class SnapshotStore:
         self.min_lcp = min_lcp
         self.modes = Modes(group_read)
         self.ns = ensure_namespace(kv_dir, identity, self.modes)
+        check_writable(self.ns)  # an existing namespace on a read-only mount: found now, not at a save
         self.catalog = Catalog(self.ns, self.modes, max_files, max_bytes)
         self.saver = Saver(self.catalog, geometry, self.model_id, min_lcp, max_tokens, kv_bs, max_chain, compact_idle)
 

@@ -21,10 +21,12 @@ from edge_llm.models.qwen3 import VisualRows
 from edge_llm.vision.encoder import ImageFeatures, VisionEncoder
 from edge_llm.vision.positions import PromptPlan, expand_placeholders, plan_prompt
 from edge_llm.vision.preprocess import (
+    ImageHeader,
     ImageLimits,
     PreparedImage,
     PreprocessConfig,
     prepare_image,
+    read_header,
 )
 from edge_llm.weights import load_vision_weights
 
@@ -62,6 +64,11 @@ class VisionModel:
         log.info("loaded vision tower: %d blocks, hidden %d, patch %d, deepstack %s, backend %s",
                  args.depth, args.hidden_size, args.patch_size, list(args.deepstack_visual_indexes), be.name)
         return cls(args, encoder, pre, limits)
+
+    def header(self, data: bytes) -> ImageHeader:
+        """Image bytes -> format, size and token count, from the header alone (no pixel decoded;
+        raises the same ImageError subclasses as `prepare` for the limits it checks)."""
+        return read_header(data, self.pre, self.limits)
 
     def prepare(self, data: bytes) -> PreparedImage:
         """Image bytes -> PreparedImage (raises an ImageError subclass naming the problem)."""

@@ -140,12 +140,32 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 
-def decode_image(data: bytes, limits: ImageLimits = ImageLimits()) -> tuple[Image.Image, str]:
-    """Bytes -> (RGB PIL image, format name), EXIF orientation applied, alpha composited onto white.
+@dataclass(frozen=True)
+class ImageHeader:
+    """What an image's header says, read without decoding a pixel: enough to size its tokens."""
 
-    Raises ImageTooLarge before decoding pixels when the bytes or the declared size exceed the
-    limits, ImageFormatError for real images of other formats, ImageDecodeError otherwise.
-    """
+    format: str
+    width: int
+    height: int
+    n_tokens: int  # decoder tokens after the resize rule (`image_tokens`)
+
+    @property
+    def source(self) -> str:
+        return f"{self.format} {self.width}x{self.height}"
+
+
+def image_tokens(height: int, width: int, cfg: PreprocessConfig) -> int:
+    """Decoder tokens of an image of this size: the resize rule's patch grid after the merge.
+
+    `smart_resize` is the one rule; `preprocess` derives the grid (and `PreparedImage.n_tokens`)
+    from it the same way. The rule is symmetric in height and width, so an EXIF rotation (applied
+    at decode, after the header is read) does not change the count."""
+    rh, rw = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    return (rh // cfg.factor) * (rw // cfg.factor)
+
+
+def _open_image(data: bytes, limits: ImageLimits) -> Image.Image:
+    """Bytes -> a lazy PIL image whose header passed the limits (no pixel decoded yet)."""
     if len(data) > limits.max_bytes:
         raise ImageTooLarge(f"image is {len(data)} bytes, more than the limit of {limits.max_bytes}")
     if not data:
@@ -158,12 +178,31 @@ def decode_image(data: bytes, limits: ImageLimits = ImageLimits()) -> tuple[Imag
         raise ImageDecodeError(f"data is not a recognisable image ({type(e).__name__})") from None
     if img.format not in ALLOWED_FORMATS:
         raise ImageFormatError(f"image format {img.format} is not supported (send PNG, JPEG or WebP)")
-    fmt, (w, h) = img.format, img.size
+    w, h = img.size
     if w < 1 or h < 1:
         raise ImageDecodeError(f"image has an empty size {w}x{h}")
     if w * h > limits.max_source_pixels:
         raise ImageTooLarge(f"image is {w}x{h} = {w * h} pixels, more than the limit of "
                             f"{limits.max_source_pixels}")
+    return img
+
+
+def read_header(data: bytes, cfg: PreprocessConfig, limits: ImageLimits = ImageLimits()) -> ImageHeader:
+    """The image's format, size and token count from its header alone: the limits and the resize
+    rule are checked before any pixel is decoded (the server sizes a request with this)."""
+    img = _open_image(data, limits)
+    w, h = img.size
+    return ImageHeader(str(img.format), w, h, image_tokens(h, w, cfg))
+
+
+def decode_image(data: bytes, limits: ImageLimits = ImageLimits()) -> tuple[Image.Image, str]:
+    """Bytes -> (RGB PIL image, format name), EXIF orientation applied, alpha composited onto white.
+
+    Raises ImageTooLarge before decoding pixels when the bytes or the declared size exceed the
+    limits, ImageFormatError for real images of other formats, ImageDecodeError otherwise.
+    """
+    img = _open_image(data, limits)
+    fmt = str(img.format)
     try:
         img.load()  # decodes: a truncated or corrupt stream fails here
         img = ImageOps.exif_transpose(img)

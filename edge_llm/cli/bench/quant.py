@@ -56,13 +56,16 @@ def run_quant(lengths, threads=2, repeats=2, decode=32, tail=32, f32=True, llama
               help="Model directory.  [default: a synthetic qwen3-vl-2b checkpoint with --layers layers]")
 @click.option("--layers", type=click.IntRange(1), default=28, show_default=True)
 @click.option("--max-seq", type=click.IntRange(1), default=8192, show_default=True)
+@click.option("--backend", type=click.Choice(["cpu-q", "cpu"]), default="cpu-q", show_default=True,
+              help="cpu: the F32 path (its weights are 4x the checkpoint's BF16).")
 @out_option
-def quant_memory_cmd(model_dir, layers, max_seq, out) -> None:
-    """Peak RSS of backend cpu-q serving the Qwen3-VL-2B geometry with an 8K cache vs an 8 GB board."""
-    run_quant_memory(model_dir, layers, max_seq, out)
+def quant_memory_cmd(model_dir, layers, max_seq, backend, out) -> None:
+    """Peak RSS of backend cpu-q (or cpu) serving the Qwen3-VL-2B geometry with an 8K cache vs an
+    8 GB board, and the start-up estimate of the same configuration."""
+    run_quant_memory(model_dir, layers, max_seq, out, backend)
 
 
-def run_quant_memory(model_dir=None, layers=28, max_seq=8192, out="benchmarks/results") -> Path:
+def run_quant_memory(model_dir=None, layers=28, max_seq=8192, out="benchmarks/results", backend="cpu-q") -> Path:
     from edge_llm.bench import quant_memory as B
     from edge_llm.bench.disk import new_results_dir
 
@@ -70,7 +73,7 @@ def run_quant_memory(model_dir=None, layers=28, max_seq=8192, out="benchmarks/re
     with spinner() as prog:
         task = prog.add_task("quant memory", total=None)
         res = B.run(Path(model_dir) if model_dir else None, layers, max_seq,
-                    step=lambda msg: prog.update(task, description=msg))
+                    step=lambda msg: prog.update(task, description=msg), backend=backend)
     res["command"] = " ".join(sys.argv)
     md = B.markdown(res)
     save_results(res_dir, "quant-memory", res, md)

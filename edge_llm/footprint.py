@@ -1,0 +1,304 @@
+"""Before anything is loaded: which backend runs (`choose_backend`), what the configuration will
+hold in memory (`estimate_memory`), how much memory this process may really use
+(`available_memory`: MemAvailable and the cgroup's limit), and the refusal when it does not fit
+(`admit`). The server, `edge-llm generate` and `edge-llm doctor` all go through these, so the
+refusal at start-up and doctor's "memory" line print the same numbers (docs/board.md, "Memory").
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from edge_llm.config import ModelArgs
+from edge_llm.errors import ConfigError
+from edge_llm.settings import Settings
+
+log = logging.getLogger(__name__)
+
+GiB = 2**30
+MiB = 2**20
+# exit status of a start refused for memory (sysexits' EX_CONFIG): the unit's
+# RestartPreventExitStatus= lists it, so systemd does not restart into the same refusal
+EXIT_REFUSED = 78
+# cpu-q's 4-bit blocks of 32 (4-bit codes + an F32 scale + a 4-bit zero point per block, padded):
+# bytes per byte of the same weight in F32 (docs/quantization.md, measured 1.03 GiB / 6.41 GiB
+# for the Qwen3-VL-2B geometry); used until the quantized graphs exist and say their own size
+Q4_PER_F32 = 0.75 / 4
+# what the process holds besides weights and KV: the interpreter, numpy/BLAS, tokenizers, the
+# HTTP stack and their buffers (measured on the default model; `edge-llm bench quant-memory` and
+# tests/test_footprint.py compare the whole estimate with the measured peak RSS)
+RUNTIME_BASE = {"cpu": 160 * MiB, "cpu-q": 340 * MiB, "rknn": 200 * MiB}
+# the stated margin: the estimate is at least the measured peak RSS and at most this many times it
+ESTIMATE_MARGIN = 1.3
+
+
+class MemoryRefused(ConfigError):
+    """The configuration would not fit the memory this process may use (exit EXIT_REFUSED)."""
+
+
+# ---- backend choice ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BackendChoice:
+    """The backend that runs and why: `auto`'s reason, or that the configuration names it."""
+
+    name: str  # cpu | cpu-q | rknn
+    reason: str
+    auto: bool
+
+    def describe(self) -> str:
+        return f"backend {'auto -> ' if self.auto else ''}{self.name} ({self.reason})"
+
+
+def quant_runtime() -> str | None:
+    """onnxruntime's version when cpu-q can run here (onnx and onnxruntime installed), else None.
+    Found without importing them (onnxruntime is imported only where a session starts)."""
+    import importlib.metadata as md
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("onnx") is None or importlib.util.find_spec("onnxruntime") is None:
+            return None
+    except (ImportError, ValueError):  # a finder refuses it, or a broken half-installed package
+        return None
+    try:
+        return md.version("onnxruntime")
+    except md.PackageNotFoundError:  # another distribution of the module (e.g. a GPU build)
+        return "(version unknown)"
+
+
+def choose_backend(s: Settings, model_dir: str | Path, sysroot: str | Path = "/") -> BackendChoice:
+    """`backend = auto` picks rknn (an NPU and a manifest matching this model), else cpu-q
+    (onnxruntime importable), else cpu; an explicit backend is taken as is."""
+    if s.backend != "auto":
+        return BackendChoice(s.backend, "set in the configuration", auto=False)
+    from edge_llm.backends.rknn import npu_usable
+
+    ok, why = npu_usable(s.rknn_dir, model_dir, sysroot)
+    if ok:
+        return BackendChoice("rknn", why, auto=True)
+    ort = quant_runtime()
+    if ort is not None:
+        return BackendChoice("cpu-q", f"{why}; onnxruntime {ort} importable", auto=True)
+    return BackendChoice("cpu", f"{why}; onnxruntime not importable (pip install 'edge-llm[quant]' "
+                         "for the 4-bit backend)", auto=True)
+
+
+# ---- the model's sizes ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelSizes:
+    """Byte counts of a checkpoint, read from its headers (no tensor data)."""
+
+    label: str
+    matmul_f32: int  # the text decoder's 2-D weights (projections, MLP, an untied lm_head) as F32
+    embed_f32: int  # the token embedding table as F32
+    other_f32: int  # norms, biases
+    vision_file: int  # the vision tower's tensors as stored (mapped from the file, not copied)
+    kv_bytes_per_token: int
+    kv_bytes_per_layer_token: int
+    tied: bool
+
+    @property
+    def weights_f32(self) -> int:
+        return self.matmul_f32 + self.embed_f32 + self.other_f32
+
+    @classmethod
+    def of_dir(cls, model_dir: str | Path, label: str | None = None) -> ModelSizes:
+        from edge_llm.weights import DTYPE_BYTES, index_tensors
+
+        d = Path(model_dir)
+        args = ModelArgs.from_dir(d)
+        matmul = embed = other = vision = 0
+        for name, t in index_tensors(d).items():
+            n = math.prod(t.shape)
+            if "visual." in name:
+                vision += n * DTYPE_BYTES[t.dtype]
+            elif name.endswith("embed_tokens.weight"):
+                embed += 4 * n
+            elif len(t.shape) == 2:
+                matmul += 4 * n
+            else:
+                other += 4 * n
+        g = args.geometry
+        return cls(label or d.name, matmul, embed, other, vision, g.kv_bytes_per_token,
+                   g.kv_bytes_per_token // g.n_layers, args.tie_word_embeddings)
+
+    @classmethod
+    def of_params(cls, label: str, params: int, kv_bytes_per_token: int, layers: int) -> ModelSizes:
+        """From a parameter count alone (a GGUF not imported yet): all of it counted as matmuls."""
+        return cls(label, 4 * params, 0, 0, 0, kv_bytes_per_token, kv_bytes_per_token // max(layers, 1), False)
+
+
+# ---- the estimate --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What a configuration holds resident once loaded and serving (docs/board.md, "Memory")."""
+
+    backend: str
+    max_seq: int
+    parts: tuple[tuple[str, int], ...]  # (what, bytes), in display order
+
+    @property
+    def total(self) -> int:
+        return sum(b for _, b in self.parts)
+
+    def describe(self) -> str:
+        parts = " + ".join(f"{what} {b / GiB:.2f} GiB" for what, b in self.parts if b)
+        return f"backend {self.backend}, max_seq {self.max_seq}: {parts} = {self.total / GiB:.2f} GiB"
+
+
+def _quantized_bytes(model_dir: Path | None, quant: str) -> int | None:
+    """The real size of cpu-q's quantized weights when they were built already, else None."""
+    if model_dir is None:
+        return None
+    try:
+        from edge_llm.backends.cpuq import built_weight_bytes
+
+        return built_weight_bytes(model_dir, quant)
+    except Exception:  # not built, or unreadable: the estimate falls back to the ratio
+        return None
+
+
+def estimate_memory(s: Settings, backend: str, sizes: ModelSizes, model_dir: str | Path | None = None
+                    ) -> MemoryEstimate:
+    """The resident memory of `backend` (a chosen one: cpu, cpu-q or rknn) for a model of `sizes`
+    with the settings' `max_seq`: weights in the backend's format, the KV cache, the vision tower
+    (mapped), the snapshot writer's one-layer buffer, and the runtime itself."""
+    parts: list[tuple[str, int]] = []
+    if backend == "cpu-q":
+        q = _quantized_bytes(Path(model_dir) if model_dir else None, s.quant)
+        q4 = q if q is not None else int((sizes.matmul_f32 + (sizes.embed_f32 if sizes.tied else 0)) * Q4_PER_F32)
+        # onnxruntime prepacks per session: the decode graph's session holds a second copy
+        parts.append(("q4 weights x2 (decode_graph)" if s.decode_graph else "q4 weights", q4 * (2 if s.decode_graph else 1)))
+        parts.append(("embedding (mapped)", sizes.embed_f32 // 2))  # gathered from the file (BF16)
+    elif backend == "rknn":  # fp16 graphs in the NPU's DMA memory; embedding + norms on the CPU
+        parts.append(("NPU fp16 graphs", sizes.matmul_f32 // 2 + (sizes.embed_f32 // 2 if sizes.tied else 0)))
+        parts.append(("embedding", sizes.embed_f32))
+    else:
+        parts.append(("F32 weights", sizes.weights_f32))
+    parts.append(("KV", s.max_seq * sizes.kv_bytes_per_token))
+    if sizes.vision_file:
+        parts.append(("vision tower (mapped)", sizes.vision_file))
+    if s.disk_kv is not None:  # compaction reads one layer's rows of a chain into one buffer
+        parts.append(("snapshot writer", s.max_seq * sizes.kv_bytes_per_layer_token))
+    parts.append(("runtime", RUNTIME_BASE.get(backend, RUNTIME_BASE["cpu"])))
+    return MemoryEstimate(backend, s.max_seq, tuple(parts))
+
+
+# ---- what is available ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Available:
+    """The memory this process may still use, and where the bound comes from."""
+
+    bytes: int
+    source: str  # e.g. "MemAvailable" or "cgroup memory.max /system.slice/edge-llm.service"
+    mem_available: int
+    cgroup_room: int | None
+
+    def describe(self) -> str:
+        return f"{self.bytes / GiB:.2f} GiB available ({self.source})"
+
+
+def _meminfo(root: Path) -> dict[str, int]:
+    out = {}
+    for line in (root / "proc/meminfo").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts:
+            out[key] = int(parts[0]) * 1024
+    return out
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return None if text in ("", "max") else int(text)
+
+
+def _stat_value(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            k, _, v = line.partition(" ")
+            if k == key:
+                return int(v)
+    except OSError:
+        pass
+    return 0
+
+
+def cgroup_room(root: Path = Path("/"), cgroup_file: str = "proc/self/cgroup") -> tuple[int, str] | None:
+    """(bytes left below this process's cgroup memory limit, which limit) for the tightest limit
+    on the path from its cgroup to the root; None without a limit. cgroup v2 `memory.max` or v1
+    `memory.limit_in_bytes`; usage counts the cgroup's reclaimable page cache as free."""
+    try:
+        lines = (root / cgroup_file).read_text().splitlines()
+    except OSError:
+        return None
+    best: tuple[int, str] | None = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            base, limit_f, usage_f, stat_key = root / "sys/fs/cgroup", "memory.max", "memory.current", "inactive_file"
+        elif "memory" in controllers.split(","):
+            base, limit_f, usage_f, stat_key = (root / "sys/fs/cgroup/memory", "memory.limit_in_bytes",
+                                                "memory.usage_in_bytes", "total_inactive_file")
+        else:
+            continue
+        rel = Path(path.lstrip("/"))
+        for d in [rel, *rel.parents]:
+            cg = base / d
+            limit = _read_int(cg / limit_f)
+            if limit is None or limit >= 1 << 60:  # no limit (v1 writes a huge number)
+                continue
+            usage = (_read_int(cg / usage_f) or 0) - _stat_value(cg / "memory.stat", stat_key)
+            room = max(limit - max(usage, 0), 0)
+            if best is None or room < best[0]:
+                best = (room, f"cgroup {limit_f} {limit / GiB:.2f} GiB at /{d}".replace("/.", "/"))
+    return best
+
+
+def own_rss(root: Path = Path("/")) -> int:
+    """This process's resident set now: it is inside the estimate's runtime part already."""
+    for line in (root / "proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def available_memory(root: Path = Path("/")) -> Available:
+    """What this process may still grow by: MemAvailable, bounded by its cgroup's limit, plus
+    what it holds already (counted in the estimate's runtime part)."""
+    mem = _meminfo(root).get("MemAvailable", 0)
+    cg = cgroup_room(root)
+    rss = own_rss(root) if root == Path("/") else 0
+    if cg is not None and cg[0] < mem:
+        return Available(cg[0] + rss, cg[1], mem, cg[0])
+    return Available(mem + rss, "MemAvailable", mem, cg[0] if cg else None)
+
+
+def refusal(est: MemoryEstimate, avail: Available) -> str | None:
+    """The one line a start that cannot fit is refused with (None when it fits): what was
+    estimated, what is available, and the fixes."""
+    if est.total <= avail.bytes:
+        return None
+    fixes = ["a smaller max_seq"]
+    if est.backend == "cpu":
+        fixes.append('backend = "cpu-q" (4-bit weights, pip install \'edge-llm[quant]\')')
+    if est.backend != "rknn":
+        fixes.append("converting for the NPU (edge-llm convert rknn)")
+    return (f"memory: refusing to start: estimated {est.describe()}, but only {avail.describe()}; "
+            f"fix: {', or '.join(fixes)} (docs/board.md, \"Memory\")")
+
+
+def admit(est: MemoryEstimate, root: Path = Path("/")) -> Available:
+    """Raise MemoryRefused with `refusal`'s line when `est` does not fit; else what is available."""
+    avail = available_memory(root)
+    line = refusal(est, avail)
+    if line is not None:
+        raise MemoryRefused(line)
+    log.info("memory: estimated %s; %s", est.describe(), avail.describe())
+    return avail
