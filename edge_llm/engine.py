@@ -42,7 +42,7 @@ import numpy as np
 
 from edge_llm.costgate import SEQUENTIAL, CostGate
 from edge_llm.errors import ContextOverflowError, ImageError, SnapshotError
-from edge_llm.kvcache import KVCache, Restore
+from edge_llm.kvcache import KVCache, Restore, Restored
 from edge_llm.progress import DECODE, NO_WORK, PREFILL, Cancelled, OnProgress, Work
 from edge_llm.sampling import (
     OPENAI_DEFAULTS,
@@ -64,6 +64,8 @@ if TYPE_CHECKING:  # annotations only: the engine is handed these, it never buil
 
 log = logging.getLogger(__name__)
 timing_log = logging.getLogger("edge_llm.prefill")
+kvdisk_log = logging.getLogger("edge_llm.kvdisk")
+DISK_PREFETCH = "disk-prefetch"  # cache_source of rows a start-up prefetch read (edge_llm/server/prefetch.py)
 
 
 @dataclass
@@ -84,7 +86,7 @@ class Timings:
     prefill_ms: float = 0.0
     decode_tokens: int = 0
     decode_ms: float = 0.0
-    cache_source: str = "none"  # none | ram | disk
+    cache_source: str = "none"  # none | ram | disk | disk-prefetch
     ram_cached_tokens: int = 0
     disk_cached_tokens: int = 0
     restore_ms: float = 0.0
@@ -149,6 +151,9 @@ class Engine:
         # k when the last prefill ended its last chunk at row k (then ran row k alone): the rows
         # after its reuse point are batched as in a cold prefill of a (k + 1)-row prompt
         self._chunk_end: int | None = None
+        # set by the start-up prefetch (edge_llm/server/prefetch.py): the cache's rows were read from
+        # this snapshot, not computed; the next request consumes it (docs/store.md, "Prefetch")
+        self.prefetched: Restored | None = None
         self.stop_ids = set(tokenizer.stop_token_ids)
         # what requests get for omitted temperature / top_p / top_k
         self.sampling_defaults = (model_sampling_defaults(model_dir) if model_dir is not None
@@ -198,6 +203,7 @@ class Engine:
         (None: the rows are in RAM). `plan.reusable` decides for both sources how much of a match
         may be used; the cost gate decides how much of a disk match is worth loading."""
         keys = plan.keys
+        prefetched, self.prefetched = self.prefetched, None  # this request reuses or overwrites those rows
         limit = len(keys) - 1  # at least one token is computed: it yields the logits
         raw_ram = plan.reusable(min(self.cache.common_prefix(keys), limit), self.cache.spans)
         m_ram = self._aligned(plan, raw_ram, self.cache.spans, ram=True)
@@ -225,6 +231,11 @@ class Engine:
         t.align_rows = raw_ram - m_ram
         if m_ram > 0:
             t.cache_source, t.ram_cached_tokens = "ram", m_ram
+            if prefetched is not None:  # the RAM rows were read from disk at start: say so (docs/logs.md)
+                t.cache_source, t.ram_cached_tokens, t.disk_cached_tokens = DISK_PREFETCH, 0, m_ram
+                kvdisk_log.info("[KV-DISK] reused %d-token KV prefix read from disk file %s at start (prefetch: "
+                                "%d tokens, %d bytes, %.1f ms)", m_ram, prefetched.name, prefetched.n_tokens,
+                                prefetched.nbytes, prefetched.ms)
         return m_ram, None
 
     def _prefill_tail(self, plan: PromptPlan, m: int, t: Timings, work: Work):

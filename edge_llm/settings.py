@@ -36,6 +36,7 @@ BACKEND_NAMES = ("cpu", "cpu-q", "rknn", "auto")  # edge_llm/runtime.make_backen
 QUANT_MODES = ("q4",)  # backend cpu-q; edge_llm/backends/cpuq.MODES defines them
 RKNN_RUNNERS = ("auto", "rknnlite", "sim", "onnxruntime")  # docs/npu.md
 RESTORE_MODES = ("pipelined", "sequential", "split")  # how a disk prefix is restored (docs/store.md)
+PREFETCH_MODES = ("off", "latest")  # what the server restores while idle after start-up (docs/store.md)
 _OFF = {"", "0", "false", "no", "off", "none"}
 _ON = {"1", "true", "yes", "on", AUTO}
 
@@ -119,6 +120,11 @@ class Settings:
                                 "equal to 'sequential'), 'sequential', or 'split' (the cost gate may load "
                                 "only the front and recompute the rest: faster on a slow disk, not "
                                 "bitwise equal to the RAM path).", str, choices=RESTORE_MODES)
+    disk_kv_prefetch: str = _opt("off", "What the server restores into the RAM cache while idle after "
+                                 "start-up: 'off', or 'latest' (the most recently used conversation, for "
+                                 "a board that serves one user: its first request after a restart reuses "
+                                 "the rows from RAM; a request for another conversation preempts it).",
+                                 str, choices=PREFETCH_MODES, commands=(SERVE,))
     # ---- server ---------------------------------------------------------------------------------
     host: str = _opt("127.0.0.1", "Bind address of the HTTP API.", str, commands=(SERVE,))
     port: int = _opt(8080, "TCP port of the HTTP API.", commands=(SERVE,), minimum=1, maximum=65535)

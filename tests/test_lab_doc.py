@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from serverutil import free_port
 
 from edge_llm.settings import DEFAULTS
@@ -45,11 +46,15 @@ def test_prompt_files_share_their_history():
         assert t2.startswith(head) and len(head) > 1000
 
 
-def test_lab_walkthrough_runs(edge_home, tmp_path):
+@pytest.mark.parametrize("prefetch", [False, True], ids=["on-demand", "prefetch"])
+def test_lab_walkthrough_runs(edge_home, tmp_path, prefetch):
+    """The walkthrough as written; with EDGE_LLM_DISK_KV_PREFETCH=latest the evidence is what the
+    lab's prefetch section says: S2's prefix comes from S1's file, named by the request's line."""
     lab = tmp_path / "lab"
     script = "set -euo pipefail\n" + "\n".join(lab_blocks())
     env = {**os.environ, "EDGE_LLM_HOME": str(edge_home), "LAB": str(lab), "PORT": str(free_port()),
-           "CTX": "512", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+           "CTX": "512", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           **({"EDGE_LLM_DISK_KV_PREFETCH": "latest"} if prefetch else {})}
     try:
         r = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=1500)
@@ -67,8 +72,14 @@ def test_lab_walkthrough_runs(edge_home, tmp_path):
     assert size == snapshot_size(30, int(saved[1]), 3 * 64, 64)  # a real run gives the formula's bytes
     assert "[KV-DISK] index: 1 checkpoint(s)" in out
     n, aligned = map(int, re.search(r"\[PREFILL-TIMING\] n=(\d+) total=[\d.]+ms aligned=(\d+)", out).groups())
-    m = re.search(r"S2 prompt (\d+) tokens, cached (\d+) from disk \| prefilled (\d+)", out)
+    source = "disk-prefetch" if prefetch else "disk"
+    m = re.search(rf"S2 prompt (\d+) tokens, cached (\d+) from {source} \| prefilled (\d+)", out)
     assert m, out
+    if prefetch:  # the prefetch's read names S1's file at start; the request's own line counts its rows
+        reused = re.search(rf"\[KV-DISK\] reused (\d+)-token KV prefix read from disk file ({SNAPSHOT_NAME}) at start",
+                           out)
+        assert reused and reused[2] == saved[2] and int(loaded[1]) >= int(reused[1]), out
+        loaded = reused
     assert int(m[3]) == n == int(m[1]) - int(m[2]) and int(m[2]) == int(loaded[1])
     # only the follow-up tail, not the ~500-token history, and the rows recomputed for alignment
     assert n - aligned < 40 and aligned < DEFAULTS.prefill_chunk

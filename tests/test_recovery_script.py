@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from edge_llm.bench.client import Completion, log_offset, read_since, snapshot_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,6 +20,11 @@ import recovery_checks as C  # noqa: E402
 SAVED = "x INFO edge_llm.kvdisk: [KV-DISK] saved 377-token KV -> kv_00112233445566ff.kv (17329088 bytes, 103.2 ms, 167.9 MB/s)\n"
 LOADED = ("x INFO edge_llm.kvdisk: [KV-DISK] loaded 355-token KV prefix from disk file kv_00112233445566ff.kv "
           "(16588800 bytes, 20.8 ms, 798.0 MB/s)\n")
+
+# disk_kv_prefetch = "latest": the prefetch's read at start-up (377 rows), then the request's own line
+PREFETCHED = (LOADED.replace("355-token", "377-token") + "x INFO edge_llm.kvdisk: [KV-DISK] reused 355-token KV "
+              "prefix read from disk file kv_00112233445566ff.kv at start (prefetch: 377 tokens, 17329088 bytes, "
+              "20.8 ms)\n")
 
 
 def resp(cached=0, source="none", ttft=100.0, prompt=356, prefill=None, text="Tokyo."):
@@ -37,6 +44,7 @@ def test_cold_baseline():
     assert C.check_cold(resp(cached=3, source="ram")) == []  # a shared first word is not reuse
     assert C.check_cold(resp(cached=300, source="ram"))
     assert C.check_cold(resp(cached=300, source="disk"))
+    assert C.check_cold(resp(cached=300, source="disk-prefetch"))
 
 
 def test_write_before_restart():
@@ -51,6 +59,7 @@ def test_ram_hit():
     assert any("cached_tokens is 0" in f for f in C.check_ram_hit(resp(), ""))
     assert any("'ram'" in f for f in C.check_ram_hit(resp(cached=355, source="disk"), ""))
     assert any("disk read" in f for f in C.check_ram_hit(resp(cached=355, source="ram"), LOADED))
+    assert any("disk read" in f for f in C.check_ram_hit(resp(cached=355, source="ram"), PREFETCHED[len(LOADED):]))
 
 
 def test_restored_from_disk():
@@ -121,16 +130,38 @@ def test_snapshot_bytes_counts_kv_files_only(tmp_path):
     assert snapshot_bytes(tmp_path) == 1024
 
 
+def test_restored_from_prefetched_rows():
+    """With prefetch on, the disk read is the prefetch's; the request's `reused` line names the file and
+    counts exactly its cached tokens, and cache_source says disk-prefetch."""
+    cold = resp(ttft=1000.0)
+    good = resp(cached=355, source="disk-prefetch", ttft=30.0)
+    assert C.check_restored(good, PREFETCHED + prefill(1), 500, 500, cold) == []
+    assert any("lacks a '[KV-DISK] reused" in f for f in C.check_restored(good, LOADED.replace("355-", "377-")
+                                                                            + prefill(1), 500, 500, cold))
+    assert any("has a '[KV-DISK] reused" in f for f in C.check_restored(resp(cached=355, source="disk", ttft=30.0),
+                                                                         PREFETCHED, 500, 500, cold))
+    assert any("disk read 355 tokens" in f for f in C.check_restored(resp(cached=200, source="disk-prefetch",
+                                                                          ttft=3.0), PREFETCHED, 500, 500, cold))
+    assert C.disk_reads(PREFETCHED) == [377, 355]
+    ok = resp(cached=340, source="disk-prefetch", prompt=372, prefill=32)
+    assert C.check_follow_up(ok, PREFETCHED[len(LOADED):] + prefill(32, aligned=16), 356) == []
+    assert any("no '[KV-DISK] loaded" in f for f in C.check_follow_up(ok, prefill(32, aligned=16), 356))
+
+
 def test_median():
     assert C.median([3.0, 1.0, 2.0]) == 2.0 and C.median([None]) is None
 
 
 # ---- end to end: the real protocol on the default model -------------------------------------------
-def test_recovery_script_passes_on_default_model(edge_home, tmp_path):
+@pytest.mark.parametrize("prefetch", [False, True], ids=["on-demand", "prefetch"])
+def test_recovery_script_passes_on_default_model(edge_home, tmp_path, prefetch):
+    """With disk_kv_prefetch = "latest" the protocol keeps its meaning: after each restart the
+    request's prefix comes from the prefetch's disk read, which its own log line names."""
     out = tmp_path / "results"
     env = {**os.environ, "EDGE_LLM_HOME": str(edge_home), "PYTHON": sys.executable}
     r = subprocess.run([str(ROOT / "tools" / "test-recovery.sh"), "--context-tokens", "300", "--repeats", "3",
-                        "--max-tokens", "6", "--ready-timeout", "600", "--out", str(out)],
+                        "--max-tokens", "6", "--ready-timeout", "600", "--out", str(out),
+                        *(["--serve-arg=--disk-kv-prefetch", "--serve-arg=latest"] if prefetch else [])],
                        env=env, capture_output=True, text=True, timeout=1800)
     (res,) = out.iterdir()
     summary = json.loads((res / "summary.json").read_text())
@@ -141,10 +172,13 @@ def test_recovery_script_passes_on_default_model(edge_home, tmp_path):
     assert m["restored_cached_tokens"] > 0 and m["restored_ttft_ms"] < m["cold_ttft_ms"]
     for rec in summary["repeats"]:
         assert rec["restored"]["text"] == rec["cold"]["text"]
-        assert rec["follow_up"]["timings"]["cache_source"] == "disk"
+        source = "disk-prefetch" if prefetch else "disk"
+        assert rec["follow_up"]["timings"]["cache_source"] == source
+        assert rec["restored"]["timings"]["cache_source"] == source
     excerpts = {p.name for p in (res / "excerpts").iterdir()}
     assert {"r1-1-cold.log", "r3-4-restart-follow-up.log"} <= excerpts
-    assert "[KV-DISK] loaded" in (res / "excerpts" / "r2-3-restart-same-request.log").read_text()
+    restart = (res / "excerpts" / "r2-3-restart-same-request.log").read_text()
+    assert "[KV-DISK] loaded" in restart and ("[KV-DISK] reused" in restart) == prefetch
     assert not (res / "kv").exists()  # local-mode snapshots are removed; the listing is kept
     assert summary["kv_dir_listing"]
 

@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 SAVED_RE = re.compile(rf"\[KV-DISK\] saved (\d+)-token KV -> ({SNAPSHOT_NAME}) \((\d+) bytes, ([\d.]+) ms, ([\d.]+) MB/s\)")
 LOADED_RE = re.compile(rf"\[KV-DISK\] loaded (\d+)-token KV prefix from disk file ({SNAPSHOT_NAME})"
                        r" \((\d+) bytes, ([\d.]+) ms, ([\d.]+) MB/s\)")
+# a request reused rows a start-up prefetch read (disk_kv_prefetch; its LOADED_RE line came at start)
+REUSED_RE = re.compile(rf"\[KV-DISK\] reused (\d+)-token KV prefix read from disk file ({SNAPSHOT_NAME}) at start")
+# either disk read a request's prefix came from: this request's own restore, or the prefetch's rows
+DISK_READ_RE = re.compile(f"{LOADED_RE.pattern}|{REUSED_RE.pattern}")
 SKIPPED_RE = re.compile(rf"\[KV-DISK\] skipped (\d+)-token KV -> ({SNAPSHOT_NAME})")
 # aligned=K: rows of the n that matched but were recomputed (docs/store.md); absent in older logs
 PREFILL_RE = re.compile(r"\[PREFILL-TIMING\] n=(\d+) total=([\d.]+)ms(?: aligned=(\d+))?")

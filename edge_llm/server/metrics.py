@@ -24,6 +24,8 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500)
 _COUNTER_WORDS = ("saves", "saved", "loads", "loaded", "restores", "rejections", "rejected",
                   "evictions", "evicted", "skipped", "failures", "errors", "written", "read", "hits",
                   "misses", "quarantined")
+# edge_llm_prefetches_total{outcome}: what became of the start-up prefetch (edge_llm/server/prefetch.py)
+PREFETCH_OUTCOMES = ("started", "loaded", "joined", "preempted", "failed", "used")
 _CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -54,8 +56,14 @@ class Metrics:
                                  "or shutdown)", registry=r)
         self.rejected_queue_full = Counter("edge_llm_queue_rejections", "Requests refused with 503 "
                                            "because the queue was full", registry=r)
+        self.prefetches = Counter("edge_llm_prefetches", "Start-up prefetches (disk_kv_prefetch) by outcome: "
+                                  "started, loaded, joined (a request arrived during the read and waited "
+                                  "for it), preempted, failed, used (a request reused the rows)",
+                                  ["outcome"], registry=r)
         for source in ("ram", "disk"):
             self.cached_tokens.labels(source=source)
+        for outcome in PREFETCH_OUTCOMES:
+            self.prefetches.labels(outcome=outcome)
         r.register(_StateCollector(state or (lambda: {})))
 
     def observe_generation(self, timings: Any, usage: Any, finish_reason: str | None) -> None:
@@ -65,6 +73,8 @@ class Metrics:
         self.decode.observe(timings.decode_ms / 1e3)
         if timings.cache_source == "disk":
             self.restore.observe(timings.restore_ms / 1e3)
+        if timings.cache_source == "disk-prefetch":
+            self.prefetches.labels(outcome="used").inc()
         self.prompt_tokens.inc(usage.prompt_tokens)
         self.completion_tokens.inc(usage.completion_tokens)
         self.prefilled_tokens.inc(timings.prefill_tokens)
@@ -72,6 +82,10 @@ class Metrics:
         self.cached_tokens.labels(source="disk").inc(timings.disk_cached_tokens)
         if finish_reason == "cancelled":
             self.cancelled.inc()
+
+    def prefetch_outcome(self, outcome: str) -> None:
+        """Count a start-up prefetch's outcome (edge_llm/server/prefetch.py, OUTCOMES)."""
+        self.prefetches.labels(outcome=outcome).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

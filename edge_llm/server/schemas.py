@@ -163,7 +163,7 @@ class Timings(BaseModel):
     prefill_ms: float
     decode_tokens: int
     decode_ms: float
-    cache_source: Literal["none", "ram", "disk"]
+    cache_source: Literal["none", "ram", "disk", "disk-prefetch"]
     ram_cached_tokens: int
     disk_cached_tokens: int
     restore_ms: float
@@ -321,6 +321,10 @@ class Health(BaseModel):
     error: str | None = None
     uptime_s: float
     sampling_defaults: SamplingDefaultsInfo | None = None
+    prefetch: Literal["off", "pending", "running", "loaded", "joined", "preempted", "failed", "none", "skipped"] = Field(
+        default="off", description="The start-up prefetch (disk_kv_prefetch, docs/store.md): off, pending, running, "
+        "loaded (the rows are in RAM), joined (loaded while a request waited for it), preempted, failed, none "
+        "(no snapshot), skipped (a request was already waiting).")
 
 
 class ErrorDetail(BaseModel):

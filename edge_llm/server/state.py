@@ -20,6 +20,7 @@ from edge_llm.footprint import MemoryRefused
 from edge_llm.sdnotify import Notifier
 from edge_llm.server.errors import APIKeys
 from edge_llm.server.metrics import Metrics
+from edge_llm.server.prefetch import Prefetch
 from edge_llm.server.worker import Job, Worker
 from edge_llm.settings import Settings
 from edge_llm.snapshot.store import SnapshotStore
@@ -57,6 +58,7 @@ class AppState:
         self.error: str | None = None
         self.engine: Engine | None = None
         self.worker: Worker | None = None
+        self.prefetch: Prefetch | None = None  # disk_kv_prefetch (edge_llm/server/prefetch.py)
         self.exit_reason: str | None = None
         self._stop_t0 = 0.0
         self._loader = loader or self._default_loader
@@ -103,7 +105,9 @@ class AppState:
             engine.close()
             return
         self.engine = engine
-        worker = Worker(engine, self.settings.queue_size, self.notifier, on_finish=self._finished)
+        self.prefetch = self._make_prefetch(engine)
+        worker = Worker(engine, self.settings.queue_size, self.notifier, on_finish=self._finished,
+                        prefetch=self.prefetch)
         self.worker = worker
         self.status = "ok"
         snap = self.snapshot_summary()
@@ -115,6 +119,15 @@ class AppState:
         if self.notifier is not None:
             self.notifier.ready(self._status_text())
         worker.start()  # after READY=1: its watchdog pings only count once systemd sees us ready
+
+    def _make_prefetch(self, engine: Engine) -> Prefetch | None:
+        if self.settings.disk_kv_prefetch == "off":
+            return None
+        if engine.store is None:
+            log.info("[KV-DISK] disk_kv_prefetch = %s: no snapshots to prefetch (disk KV is off)",
+                     self.settings.disk_kv_prefetch)
+            return None
+        return Prefetch(engine, engine.store, self.metrics.prefetch_outcome)
 
     def _finished(self, job: Job, last: GenerationEvent) -> None:
         self.metrics.observe_generation(last.timings, last.usage, last.finish_reason)
@@ -183,6 +196,7 @@ class AppState:
             "busy": bool(w and w.busy), "degraded": self.degraded(), "error": self.error,
             "uptime_s": round(time.monotonic() - self.started, 3),
             "sampling_defaults": self.engine.sampling_defaults.to_dict() if self.engine is not None else None,
+            "prefetch": self.prefetch.state if self.prefetch is not None else "off",
         }
 
     def metrics_state(self) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from typing import Any
 from edge_llm.engine import Engine, GenerationEvent, GenerationRequest
 from edge_llm.progress import DECODE, LAYER
 from edge_llm.sdnotify import Notifier
+from edge_llm.server.prefetch import Prefetch
 from edge_llm.settings import DEFAULTS
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ STATUS_EVERY = 1.0  # seconds between STATUS= lines of decode steps
 PROGRESS_LOG_EVERY = 5.0  # seconds between INFO progress lines of a long job (prefill, restore, decode)
 _STAGES = {"prefill": "prefill {done}/{total}", "restore": "restoring layer {done}/{total}",
            "save-wait": "waiting for the previous snapshot save (layer {done}/{total} written)",
-           "vision": "vision encoder block {done}/{total}", "decode": "decode {done}/{total}"}
+           "vision": "vision encoder block {done}/{total}", "decode": "decode {done}/{total}",
+           "prefetch": "prefetching the latest conversation, layer {done}/{total}"}
 
 
 def status_text(stage: str, done: int, total: int) -> str:
@@ -92,8 +94,10 @@ class Worker:
     """One thread runs `engine.generate` for one job at a time, in FIFO order."""
 
     def __init__(self, engine: Engine, queue_size: int = DEFAULTS.queue_size, notifier: Notifier | None = None,
-                 on_finish: Callable[[Job, GenerationEvent], None] | None = None):
+                 on_finish: Callable[[Job, GenerationEvent], None] | None = None,
+                 prefetch: Prefetch | None = None):
         self.engine = engine
+        self.prefetch = prefetch  # run once on this thread before the first job (edge_llm/server/prefetch.py)
         self.queue_size = queue_size
         self.notifier = notifier
         self.on_finish = on_finish  # callback(job, last_event) for metrics; runs on this thread
@@ -208,6 +212,8 @@ class Worker:
         wd = self.notifier.watchdog_interval if self.notifier is not None else None
         # wake at least every half watchdog interval even when idle
         idle_wait = min(wd, 1.0) if wd else 1.0
+        if self.prefetch is not None:
+            self._prefetch(self.prefetch)
         while True:
             self._ping()
             try:
@@ -217,6 +223,29 @@ class Worker:
             if job is None:
                 return
             self._execute(job)
+
+    def _waiting(self) -> list[GenerationRequest] | None:
+        """The requests of the queued, not cancelled jobs, next first; None once shutting down."""
+        with self._q.mutex:
+            jobs = list(self._q.queue)
+        if not self._accepting or None in jobs:
+            return None
+        return [j.request for j in jobs if j is not None and not j.cancel.is_set()]
+
+    def _prefetch(self, prefetch: Prefetch) -> None:
+        if not self._q.empty():  # not idle: the first request restores what it needs itself
+            prefetch.state = "skipped"
+            log.info("[KV-DISK] prefetch skipped: a request was already waiting")
+            return
+        self._ping()
+        try:
+            prefetch.run(self._waiting, self._progress)
+        except Exception:  # never stops the worker: requests are served as without a prefetch
+            prefetch.state = "failed"
+            log.exception("[KV-DISK] prefetch failed")
+            self.engine.cache.reset()
+        if self.notifier is not None:
+            self.notifier.status(f"idle (prefetch {prefetch.state})")
 
     def _execute(self, job: Job) -> None:
         if job.cancel.is_set():

@@ -29,21 +29,35 @@ from edge_llm.settings import DEFAULTS
 @click.option("--ready-timeout", type=float, default=600.0, show_default=True)
 @click.option("--restore-modes", default="sequential,pipelined", show_default=True,
               help="One S2 per mode on the same files (the last one fills the main table).")
+@click.option("--prefetch", is_flag=True,
+              help="Also two S2 with disk_kv_prefetch = latest: the follow-up once the prefetch finished, "
+                   "and sent at once (it joins the read).")
+@click.option("--throttle-mbps", type=click.FloatRange(min=0, min_open=True), default=None, metavar="MBPS",
+              help="Keep the kv directories on a loop device throttled to this many MB/s, reads and writes "
+                   "(needs root and the cgroup v1 blkio controller; see `bench restore --throttle-mbps`).")
+@click.option("--repeats", type=click.IntRange(1), default=1, show_default=True,
+              help="S2 processes per mode on the same files, round robin; the median is reported.")
 @out_option
-def recovery_cmd(model, synth_layers, contexts, max_tokens, ready_timeout, restore_modes, out) -> None:
+def recovery_cmd(model, synth_layers, contexts, max_tokens, ready_timeout, restore_modes, prefetch, throttle_mbps,
+                 repeats, out) -> None:
     """S1 cold prefill + snapshot, kill, S2 restore + tail (sequential and pipelined): TTFT vs the
-    disk's lower bound and vs max(read, tail)."""
+    disk's lower bound and vs max(read, tail); with --prefetch, against the start-up prefetch."""
     from edge_llm.settings import RESTORE_MODES
 
     modes = tuple(dict.fromkeys(m.strip() for m in restore_modes.split(",") if m.strip()))  # each once
     if not modes or any(m not in RESTORE_MODES for m in modes):
         raise click.BadParameter(f"choose from {', '.join(RESTORE_MODES)}", param_hint="--restore-modes")
-    run_recovery(model, synth_layers, int_list(contexts), max_tokens, ready_timeout, out, modes)
+    run_recovery(model, synth_layers, int_list(contexts), max_tokens, ready_timeout, out, modes, prefetch,
+                 throttle_mbps, repeats)
 
 
 def run_recovery(model, synth_layers, contexts, max_tokens=8, ready_timeout=600.0,
-                 out="benchmarks/results", modes=("sequential", "pipelined")) -> Path:
+                 out="benchmarks/results", modes=("sequential", "pipelined"), prefetch=False,
+                 throttle_mbps: float | None = None, repeats: int = 1) -> Path:
+    from contextlib import ExitStack
+
     from edge_llm.bench import recovery as B
+    from edge_llm.bench import throttle as TH
     from edge_llm.bench.disk import new_results_dir
     from edge_llm.checkpoints.default import resolve_model_dir
     from edge_llm.config import ModelArgs
@@ -61,12 +75,24 @@ def run_recovery(model, synth_layers, contexts, max_tokens=8, ready_timeout=600.
     res = {"model": model, "model_label": label, "max_tokens": max_tokens, "command": " ".join(sys.argv),
            "geometry": {"n_layers": g.n_layers, "n_kv_heads": g.n_kv_heads, "head_dim": g.head_dim,
                         "bytes_per_token": g.kv_bytes_per_token}, "rows": []}
-    with spinner() as prog:
+    with spinner() as prog, ExitStack() as stack:
         task = prog.add_task("recovery bench", total=len(contexts))
+        kv_parent = None
+        if throttle_mbps:
+            from edge_llm.snapshot.format import snapshot_size
+
+            prog.update(task, description=f"throttled directory at {throttle_mbps:g} MB/s")
+            size = 3 * sum(snapshot_size(g.n_layers, n, g.kv_dim, DEFAULTS.kv_bs) for n in contexts) + (512 << 20)
+            try:
+                td = stack.enter_context(TH.throttled_dir(res_dir, size, throttle_mbps))
+            except (OSError, TH.ThrottleError) as e:
+                raise click.ClickException(str(e)) from None
+            kv_parent, res["throttle"] = td.path, td.to_dict()
         for ctx in contexts:
             try:
                 row = B.run_context(model, g, ctx, res_dir, max_tokens, ready_timeout,
-                                    step=lambda msg: prog.update(task, description=msg), encode=encode, modes=modes)
+                                    step=lambda msg: prog.update(task, description=msg), encode=encode, modes=modes,
+                                    prefetch=prefetch, kv_parent=kv_parent, repeats=repeats)
             except Exception as e:  # a failed context is reported, the others still run
                 console.print(f"[red]context {ctx} failed: {e}[/red]")
                 row = {"context": ctx, "error": str(e)}
@@ -74,7 +100,9 @@ def run_recovery(model, synth_layers, contexts, max_tokens=8, ready_timeout=600.
             prog.advance(task)
     ok = [r for r in res["rows"] if "error" not in r]
     (res_dir / "recovery.json").write_text(json.dumps(res, indent=2) + "\n")
-    md = B.markdown({**res, "rows": ok}) + "".join(
+    md = B.markdown({**res, "rows": ok}) + (
+        f"\nkv directories on a loop device throttled to {throttle_mbps:g} MB/s:\n\n" + TH.markdown([res["throttle"]])
+        if "throttle" in res else "") + "".join(
         f"\ncontext {r['context']} FAILED: {r['error']}\n" for r in res["rows"] if "error" in r)
     (res_dir / "recovery.md").write_text(md)
     if ok:
