@@ -13,6 +13,7 @@ history of the earlier ones (snapshots, log lines), as a board in use would.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shlex
@@ -104,6 +105,27 @@ def complete(b, body: dict) -> dict:
     status, doc = http_json("POST", b.url + "/v1/completions", body, timeout=900)
     assert status == 200, (status, doc, journal(b, "-n", "40"))
     return doc
+
+
+@contextlib.contextmanager
+def dropin(b, name: str, service_lines: str, after: str = "restart"):
+    """A unit drop-in for the duration of a test (as a board owner would add with `systemctl edit`),
+    then removed; `after`: what to do with the service once it is gone ("restart", "start",
+    "stop" or "as-before": start it again only if it was active)."""
+    was_active = ctl(b, "is-active", "edge-llm", check=False) == "active"
+    path = f"/etc/systemd/system/edge-llm.service.d/{name}.conf"
+    b.write(path, "[Service]\n" + service_lines)
+    try:
+        ctl(b, "daemon-reload")
+        yield
+    finally:
+        b.run(["rm", "-f", path])
+        ctl(b, "daemon-reload")
+        ctl(b, "reset-failed", "edge-llm", check=False)
+        if after == "as-before":
+            after = "start" if was_active else ""
+        if after:
+            ctl(b, after, "edge-llm")
 
 
 def wait_save(b, mark: int) -> None:
@@ -316,10 +338,7 @@ def test_a_read_only_kv_dir_starts_degraded(board):
     mount): the service starts and serves without snapshots, /health says why; no crash loop."""
     b = board
     was_active = ctl(b, "is-active", "edge-llm", check=False) == "active"
-    dropin = "/etc/systemd/system/edge-llm.service.d/readonly.conf"
-    b.write(dropin, "[Service]\nReadOnlyPaths=/var/lib/edge-llm/kv\n")
-    try:
-        ctl(b, "daemon-reload")
+    with dropin(b, "readonly", "ReadOnlyPaths=/var/lib/edge-llm/kv\n", after="restart" if was_active else "stop"):
         mark = log_offset(b.path(LOG))
         ctl(b, "restart", "edge-llm")
         assert ctl(b, "is-active", "edge-llm") == "active"
@@ -330,10 +349,6 @@ def test_a_read_only_kv_dir_starts_degraded(board):
                    for d in health["degraded"]), health
         assert complete(b, {"prompt": "Hello", "max_tokens": 2, "temperature": 0})["choices"]
         assert "[KV-DISK] disk KV unavailable: /var/lib/edge-llm/kv" in read_since(b.path(LOG), mark)
-    finally:
-        b.run(["rm", "-f", dropin])
-        ctl(b, "daemon-reload")
-        ctl(b, "restart" if was_active else "stop", "edge-llm")
 
 
 def test_a_start_that_cannot_fit_is_refused_and_not_restarted(board):
@@ -344,11 +359,7 @@ def test_a_start_that_cannot_fit_is_refused_and_not_restarted(board):
     enforce it (a tiny cpu-q service started under MemoryMax=200M), so the cgroup limit is tested
     in a real v1 memory cgroup by tests/test_footprint.py."""
     b = board
-    was_active = ctl(b, "is-active", "edge-llm", check=False) == "active"
-    dropin = "/etc/systemd/system/edge-llm.service.d/memory.conf"
-    b.write(dropin, "[Service]\nEnvironment=EDGE_LLM_MAX_SEQ=100000000\n")
-    try:
-        ctl(b, "daemon-reload")
+    with dropin(b, "memory", "Environment=EDGE_LLM_MAX_SEQ=100000000\n", after="as-before"):
         restarts = int(prop(b, "NRestarts"))
         mark = log_offset(b.path(LOG))
         res = b.run(["systemctl", "restart", "edge-llm"], check=False, timeout=900)
@@ -362,12 +373,6 @@ def test_a_start_that_cannot_fit_is_refused_and_not_restarted(board):
         assert "max_seq 100000000" in refused[0] and "available (MemAvailable)" in refused[0], refused[0]
         assert "fix: a smaller max_seq" in refused[0] and "loading weights" not in since
         print(f"\nrefused: {refused[0][-300:]}")
-    finally:
-        b.run(["rm", "-f", dropin])
-        ctl(b, "daemon-reload")
-        ctl(b, "reset-failed", "edge-llm", check=False)
-        if was_active:
-            ctl(b, "start", "edge-llm")
 
 
 def test_watchdog_holds_through_one_long_prefill_chunk(board):
@@ -375,10 +380,7 @@ def test_watchdog_holds_through_one_long_prefill_chunk(board):
     watchdog is fed per layer inside the chunk, so the request completes and systemd never
     restarts the service; the printed prefill time says how many WatchdogSec the chunk took."""
     b = board
-    dropin = "/etc/systemd/system/edge-llm.service.d/watchdog.conf"
-    b.write(dropin, "[Service]\nWatchdogSec=4s\nEnvironment=EDGE_LLM_PREFILL_CHUNK=4096\n")
-    try:
-        ctl(b, "daemon-reload")
+    with dropin(b, "watchdog", "WatchdogSec=4s\nEnvironment=EDGE_LLM_PREFILL_CHUNK=4096\n"):
         ctl(b, "restart", "edge-llm")
         wait_ready(b.url, timeout=300)
         assert prop(b, "WatchdogUSec") == "4s"
@@ -395,10 +397,6 @@ def test_watchdog_holds_through_one_long_prefill_chunk(board):
         print(f"\none {t['prefill_tokens']}-token chunk: prefill {t['prefill_ms'] / 1000:.1f} s "
               f"= {t['prefill_ms'] / 4000:.1f}x WatchdogSec, no watchdog kill")
         wait_save(b, mark)
-    finally:
-        b.run(["rm", "-f", dropin])
-        ctl(b, "daemon-reload")
-        ctl(b, "restart", "edge-llm")
 
 
 @pytest.mark.parametrize("x", ["ext", "partial"])
