@@ -178,11 +178,15 @@ def test_missing_or_broken_decode_graph_is_a_clear_error(model, tiny_synth_dir, 
 def test_decode_graph_setting_off_has_its_own_numerics(model, tiny_synth_dir, home):
     """`decode_graph = false` (a 4 GB board: the graph holds a second copy of the weights) runs
     one-row steps on the per-layer graphs; other bits, so another snapshot namespace."""
+    from edge_llm.footprint import choose_backend
     from edge_llm.runtime import make_backend
     from edge_llm.settings import Settings
 
-    off = make_backend(Settings(model=str(tiny_synth_dir), backend="cpu-q", decode_graph=False), tiny_synth_dir)
-    on = make_backend(Settings(model=str(tiny_synth_dir), backend="cpu-q"), tiny_synth_dir)
+    def backend(s: Settings):
+        return make_backend(s, choose_backend(s, tiny_synth_dir), tiny_synth_dir)
+
+    off = backend(Settings(model=str(tiny_synth_dir), backend="cpu-q", decode_graph=False))
+    on = backend(Settings(model=str(tiny_synth_dir), backend="cpu-q"))
     assert off.row_step is None and on.row_step is not None
     assert on.numerics == model.numerics and off.numerics != on.numerics
 
