@@ -201,16 +201,6 @@ class Available:
         return f"{self.bytes / GiB:.2f} GiB available ({self.source})"
 
 
-def _meminfo(root: Path) -> dict[str, int]:
-    out = {}
-    for line in (root / "proc/meminfo").read_text().splitlines():
-        key, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts:
-            out[key] = int(parts[0]) * 1024
-    return out
-
-
 def _read_int(path: Path) -> int | None:
     try:
         text = path.read_text().strip()
@@ -261,20 +251,15 @@ def cgroup_room(root: Path = Path("/"), cgroup_file: str = "proc/self/cgroup") -
     return best
 
 
-def own_rss(root: Path = Path("/")) -> int:
-    """This process's resident set now: it is inside the estimate's runtime part already."""
-    for line in (root / "proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+def available_memory(root: Path = Path("/"), mem_available: int | None = None) -> Available:
+    """What this process may still grow by: MemAvailable (psutil; `mem_available` overrides it),
+    bounded by its cgroup's limit, plus what it holds already (its RSS: inside the estimate's
+    runtime part). `root`: where /proc/self/cgroup and /sys/fs/cgroup are read (tests)."""
+    import psutil
 
-
-def available_memory(root: Path = Path("/")) -> Available:
-    """What this process may still grow by: MemAvailable, bounded by its cgroup's limit, plus
-    what it holds already (counted in the estimate's runtime part)."""
-    mem = _meminfo(root).get("MemAvailable", 0)
+    mem = psutil.virtual_memory().available if mem_available is None else mem_available
+    rss = psutil.Process().memory_info().rss
     cg = cgroup_room(root)
-    rss = own_rss(root) if root == Path("/") else 0
     if cg is not None and cg[0] < mem:
         return Available(cg[0] + rss, cg[1], mem, cg[0])
     return Available(mem + rss, "MemAvailable", mem, cg[0] if cg else None)

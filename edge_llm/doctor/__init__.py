@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable
 import psutil
 
 from edge_llm.config import ModelArgs
-from edge_llm.footprint import available_memory, choose_backend, estimate_memory, refusal
+from edge_llm.footprint import BackendChoice, available_memory, choose_backend, estimate_memory, refusal
 from edge_llm.settings import Settings, models_dir
 from edge_llm.doctor.board import BoardChecks
 from edge_llm.doctor.probe import FAIL, NA, PASS, WARN, Check, ModelSizes
@@ -154,7 +154,7 @@ class Doctor(BoardChecks, StorageChecks):
             ident = Identity.for_model(d, args, prefill_chunk=self.o.prefill_chunk)
         except Exception as e:
             return Check("model", WARN, detail + f"; identity not computed: {e}"), sizes
-        backend = choose_backend(self.o, d, self.root).name
+        backend = self.choice().name
         if backend == "cpu":
             ns = Path(self.o.disk_kv or "") / ident.namespace
             n = len(list(ns.glob(SNAPSHOT_GLOB))) if self.o.disk_kv and ns.is_dir() else 0
@@ -179,9 +179,16 @@ class Doctor(BoardChecks, StorageChecks):
                              f"{len(list(ns.glob(SNAPSHOT_GLOB)))} snapshot(s))")
         return "namespaces of this model: " + ", ".join(found) if found else "no namespace of this model yet"
 
+    def choice(self) -> BackendChoice:
+        """The backend the server would run here (computed once: the model, backend and memory
+        checks all use it)."""
+        if self._choice is None:
+            self._choice = choose_backend(self.o, self.model_dir or "", self.root)
+        return self._choice
+
     def backend(self) -> Check:
         """The backend the server would run: `auto`'s choice and its reason (as logged at start)."""
-        c = choose_backend(self.o, self.model_dir or "", self.root)
+        c = self.choice()
         if c.name == "cpu" and c.auto:
             return Check("backend", WARN, c.describe(), "pip install 'edge-llm[board,quant]' in the service "
                          "venv for the 4-bit backend (board/install.sh does)")
@@ -193,8 +200,7 @@ class Doctor(BoardChecks, StorageChecks):
         if sizes is None:
             return Check("memory", NA, f"model not usable; {vm.available / 2**30:.2f} GiB available "
                          f"of {vm.total / 2**30:.2f} GiB")
-        name = choose_backend(self.o, self.model_dir or "", self.root).name
-        est = estimate_memory(self.o, name, sizes, self.model_dir)
+        est = estimate_memory(self.o, self.choice().name, sizes, self.model_dir)
         avail = available_memory()
         detail = f"{sizes.label}: estimated {est.describe()}; {avail.describe()}, {vm.total / 2**30:.2f} GiB total"
         line = refusal(est, avail)

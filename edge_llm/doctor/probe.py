@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 
-from edge_llm.footprint import ModelSizes  # noqa: F401  (the checks' shared record of the model)
+from edge_llm.footprint import BackendChoice, ModelSizes  # noqa: F401  (ModelSizes: the checks' shared record)
 from edge_llm.settings import Settings, resolve
 
 if TYPE_CHECKING:
@@ -46,6 +46,7 @@ class Probe:
         self.o = resolve(settings)
         self.root = Path(sysroot)
         self.model_dir: Path | None = None  # set by the model check when the model dir is readable
+        self._choice: BackendChoice | None = None  # Doctor.choice()
         compat = self._read("proc/device-tree/compatible").replace("\0", " ").strip()
         self.rk3588 = "rockchip,rk3588" in compat
         self.not_rk = f"not an RK3588 (machine: {platform.machine()})"
