@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from edge_llm.costgate import SEQUENTIAL, CostGate
+from edge_llm.drafting import DraftConfig, DraftCosts, Drafter, verify
 from edge_llm.errors import ContextOverflowError, ImageError, SnapshotError
 from edge_llm.kvcache import KVCache, Restore, Restored
 from edge_llm.progress import DECODE, NO_WORK, PREFILL, Cancelled, OnProgress, Work
@@ -107,6 +108,10 @@ class Timings:
     gate_actual_ms: float = 0.0  # measured: restore + prefill of this request
     restore_files: int = 0  # files of the snapshot chain that were read
     align_rows: int = 0  # matched rows recomputed so that chunks align with a cold run's (module docstring)
+    # speculative decoding (docs/speculative.md)
+    decode_forwards: int = 0  # forwards after the prompt's (one per token without drafts)
+    drafted_tokens: int = 0  # draft tokens verified
+    accepted_tokens: int = 0  # of them, kept
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -136,7 +141,7 @@ class Engine:
                  prefill_chunk: int = DEFAULTS.prefill_chunk, model_dir: Path | None = None,
                  vision: VisionModel | None = None, restore_mode: str = DEFAULTS.disk_kv_restore,
                  gate: CostGate | None = None, disk_kv_error: str | None = None,
-                 backend_reason: str = ""):
+                 backend_reason: str = "", draft: DraftConfig = DraftConfig()):
         self.model = model
         self.model_dir = model_dir
         self.tokenizer = tokenizer
@@ -146,6 +151,8 @@ class Engine:
         self.backend_reason = backend_reason  # which backend runs and why (/health, /v1/models)
         self.align = model.chunk_size(prefill_chunk)  # the chunk, and the alignment unit (module docstring)
         self.vision = vision
+        self.draft = draft  # speculative decoding (docs/speculative.md)
+        self.draft_costs = DraftCosts()  # measured as requests run, kept across them
         self.restore_mode = restore_mode
         self.gate = gate or CostGate(cache.geometry.kv_bytes_per_token, restore_mode, self.align)
         # k when the last prefill ended its last chunk at row k (then ran row k alone): the rows
@@ -332,15 +339,20 @@ class Engine:
         sampler = Sampler(req.sampling)
         detok = self.tokenizer.incremental_decoder()
         stops = StopMatcher(req.stop)
+        drafter = (Drafter(self.draft, self.draft_costs, self._draft_context(tokens), req.max_tokens)
+                   if self.draft.enabled else None)
         finish = "length"
         t_dec = time.perf_counter()
         try:
-            while len(generated) < req.max_tokens:
+            queue = [sampler(logits)]  # sampled tokens not yet emitted (a verified run)
+            while queue:
                 work.check(DECODE, len(generated), req.max_tokens)
-                tok = sampler(logits)
+                tok = queue.pop(0)
                 if not generated:
                     t.ttft_ms = (time.perf_counter() - t0) * 1e3
                 generated.append(tok)
+                if drafter is not None:
+                    drafter.append(tok)
                 if tok in self.stop_ids:
                     finish = "stop"
                     break
@@ -350,13 +362,15 @@ class Engine:
                 if stopped:
                     finish = "stop"
                     break
-                if len(generated) < req.max_tokens:
-                    # after an image the next MRoPE position is not the row count
-                    pos = np.full((3, 1), self.cache.next_pos) if self.cache.spans else None
-                    logits = self.model.forward([tok], self.cache, positions=pos, work=work)
+                if len(generated) < req.max_tokens and not queue:
+                    queue = self._step(tok, sampler, drafter, req.max_tokens - len(generated), t, work)
                     work.report(DECODE, len(generated), req.max_tokens)
         except Cancelled:
             finish = "cancelled"
+        # rows of verified tokens after a stop were computed but are not part of the answer: the
+        # cache ends, as after plain steps, at the last emitted token's predecessor
+        if generated and self.cache.length > len(tokens) + len(generated) - 1:
+            self.cache.truncate(len(tokens) + len(generated) - 1)
         t.decode_tokens = len(generated)
         t.decode_ms = (time.perf_counter() - t_dec) * 1e3
         tail = "" if finish == "cancelled" or stops.stopped else stops.feed(detok.flush())[0] + stops.flush()
@@ -364,6 +378,42 @@ class Engine:
             self.store.save_async(self.cache)  # a cancelled decode keeps its prompt rows too
         self.gate.persist()  # after the answer, only when the estimates moved
         yield self._last_event(tail, finish, t, len(tokens), generated)
+
+    def _draft_context(self, tokens: list[int]) -> np.ndarray:
+        """The prompt as the drafter sees it: image rows (no token ids) are -1."""
+        ctx = np.asarray(tokens, dtype=np.int64).copy()
+        for s in self.cache.spans:
+            ctx[s.start:s.end] = -1
+        return ctx
+
+    def _step(self, tok: int, sampler: Sampler, drafter: Drafter | None, room: int, t: Timings,
+              work: Work) -> list[int]:
+        """Forward `tok` (+ a draft: speculative decoding, docs/speculative.md); the tokens sampled
+        from it: one, or the verified draft prefix and the model's token after it.
+
+        Verification (`drafting.verify`) keeps a draft token exactly when the request's sampler
+        chooses it, so the output is the model's (seeded: the same tokens as plain steps, up to
+        batched-vs-one-row rounding). The rows of rejected draft tokens are dropped
+        (`KVCache.truncate`): no save or later request sees them."""
+        draft = drafter.propose(room - 1) if drafter is not None else ()
+        ids = [tok, *map(int, draft)]
+        start = self.cache.length
+        pos = None
+        if self.cache.spans:  # after an image the next MRoPE position is not the row count
+            pos = np.repeat((self.cache.next_pos + np.arange(len(ids)))[None], 3, axis=0)
+        t_f = time.perf_counter()
+        logits = self.model.forward(ids, self.cache, all_logits=len(ids) > 1, positions=pos, work=work)
+        self.draft_costs.observe(len(ids), time.perf_counter() - t_f)
+        t.decode_forwards += 1
+        if len(ids) == 1:
+            return [sampler(logits)]
+        out = verify(logits, ids[1:], sampler)
+        accepted = len(out) - 1
+        self.cache.truncate(start + 1 + accepted)
+        drafter.verified(len(draft), accepted)
+        t.drafted_tokens += len(draft)
+        t.accepted_tokens += accepted
+        return out
 
     def _save_interrupted(self, req: GenerationRequest, c: Cancelled) -> None:
         """A cancelled prefill/restore: queue the rows of its complete chunks for a retry."""

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from edge_llm.drafting import DraftConfig
 from edge_llm.engine import Engine
 from edge_llm.footprint import BackendChoice, ModelSizes, admit, choose_backend, estimate_memory
 from edge_llm.kvcache import KVCache
@@ -106,7 +107,8 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
                         state_dir=store.ns, file_mode=store.modes.file)
     engine = Engine(model, tokenizer, cache, store=store, prefill_chunk=s.prefill_chunk,
                     model_dir=model_dir, vision=vision, restore_mode=s.disk_kv_restore, gate=gate,
-                    disk_kv_error=disk_kv_error, backend_reason=choice.describe())
+                    disk_kv_error=disk_kv_error, backend_reason=choice.describe(),
+                    draft=DraftConfig(s.draft, s.draft_max, s.draft_ngram))
     log.info("runtime ready: model %s (%s), KV cache %d MiB (max_seq %d)", model_dir.name,
              model.backend.numerics, cache.nbytes >> 20, s.max_seq)
     return engine

@@ -36,7 +36,8 @@ BACKEND_NAMES = ("cpu", "cpu-q", "rknn", "auto")  # edge_llm/runtime.make_backen
 QUANT_MODES = ("q4",)  # backend cpu-q; edge_llm/backends/cpuq.MODES defines them
 RKNN_RUNNERS = ("auto", "rknnlite", "sim", "onnxruntime")  # docs/npu.md
 RESTORE_MODES = ("pipelined", "sequential", "split")  # how a disk prefix is restored (docs/store.md)
-PREFETCH_MODES = ("off", "latest")  # what the server restores while idle after start-up (docs/store.md)
+PREFETCH_MODES = ("off", "latest")
+DRAFT_MODES = ("ngram", "off")  # speculative decoding: prompt-lookup drafts or none (docs/speculative.md)  # what the server restores while idle after start-up (docs/store.md)
 _OFF = {"", "0", "false", "no", "off", "none"}
 _ON = {"1", "true", "yes", "on", AUTO}
 
@@ -95,6 +96,13 @@ class Settings:
                               "prefix is cut back to one so that a restore is bitwise a recompute "
                               "(up to chunk-1 matched rows recomputed). Part of the snapshot identity.",
                               minimum=1)
+    draft: str = _opt("ngram", "Speculative decoding: 'ngram' drafts the tokens that followed the last "
+                      "n-gram's earlier occurrence in the conversation and verifies them in one "
+                      "multi-row forward, when the measured acceptance and costs say it is faster; "
+                      "'off': one forward per token (outputs then never depend on timing).", str,
+                      choices=DRAFT_MODES)
+    draft_max: int = _opt(8, "Most tokens drafted per verify forward.", minimum=1, maximum=64)
+    draft_ngram: int = _opt(3, "Longest n-gram matched for a draft (down to 2).", minimum=2, maximum=16)
     # ---- disk KV snapshots ----------------------------------------------------------------------
     disk_kv: str | None = _opt(AUTO, "Snapshot directory, or 'off'.", "dir-or-off", metavar="DIR|off",
                                shown_default="$STATE_DIRECTORY/kv, else $EDGE_LLM_HOME/kv")

@@ -17,7 +17,7 @@ LAYERS = {
     "weights": 2, "tokenizer": 2, "kvcache": 2, "costgate": 2,
     "backends": 3, "snapshot": 3,
     "models": 4, "checkpoints": 4,
-    "vision": 5, "sampling": 5,
+    "vision": 5, "sampling": 5, "drafting": 5,
     "engine": 6, "footprint": 6, "convert": 6,
     "runtime": 7, "logsetup": 7, "sdnotify": 7,
     "server": 8, "bench": 8, "doctor": 8,

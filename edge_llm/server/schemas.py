@@ -187,6 +187,10 @@ class Timings(BaseModel):
     gate_actual_ms: float = Field(default=0.0, description="Measured time to the prompt's logits.")
     gate_restore_ms: float = Field(default=0.0, description="Predicted: restore every matched row.")
     gate_recompute_ms: float = Field(default=0.0, description="Predicted: recompute from the RAM prefix.")
+    decode_forwards: int = Field(default=0, description="Forwards after the prompt's: one per generated token "
+                                                        "without drafts (docs/speculative.md).")
+    drafted_tokens: int = Field(default=0, description="Draft tokens verified (speculative decoding).")
+    accepted_tokens: int = Field(default=0, description="Draft tokens kept: each is one forward saved.")
 
 
 class PromptTokensDetails(BaseModel):

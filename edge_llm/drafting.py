@@ -1,0 +1,174 @@
+"""Prompt-lookup drafting for speculative decoding: what to draft, how much, and when not to.
+
+A draft is the continuation of the most recent earlier occurrence of the conversation's last
+n-gram (n = `draft_ngram` down to 2), cut at `draft_max` tokens, at the tokens the request may
+still generate and at image rows (they have no token id). The engine verifies a draft in one
+multi-row forward of [last sampled token, draft...] and keeps the verified prefix
+(`Engine.generate`); this module decides, per step, whether a draft of what length is worth it.
+
+The decision is a cost model, measured on this engine as it runs (`DraftCosts`): a one-row step
+costs `t1`, a forward of T rows `t1 + (T - 1) * per_row`. With an acceptance probability p per
+drafted token, a draft of k tokens yields (1 - p^(k+1)) / (1 - p) tokens per forward. The k with
+the best tokens per second is taken if it beats one token per `t1`; else the step is plain.
+p is estimated per request, from the verified drafts and, during plain steps, from the draft the
+lookup offered but the policy declined (compared with the token the model then chose: free), so
+drafting switches itself back on when the conversation starts repeating itself.
+See docs/speculative.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from edge_llm.settings import DEFAULTS, DRAFT_MODES
+
+NGRAM_MIN = 2  # a one-token match drafts from anywhere the token occurred: rarely accepted
+EMA = 0.2  # weight of a new observation in the running estimates
+P_PRIOR = 0.3  # acceptance before anything is known about this conversation
+GAIN = 1.05  # a draft must promise 5 % more tokens per second than plain steps (timing noise)
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """The drafting settings (edge_llm/settings.py: `draft`, `draft_max`, `draft_ngram`)."""
+
+    mode: str = DEFAULTS.draft
+    max_tokens: int = DEFAULTS.draft_max
+    ngram: int = DEFAULTS.draft_ngram
+
+    def __post_init__(self) -> None:
+        if self.mode not in DRAFT_MODES:
+            raise ValueError(f"draft must be one of {DRAFT_MODES}, got {self.mode!r}")
+        if self.max_tokens < 1 or self.ngram < NGRAM_MIN:
+            raise ValueError(f"draft_max must be >= 1 and draft_ngram >= {NGRAM_MIN}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+
+def lookup(ctx: np.ndarray, ngram: int, limit: int) -> np.ndarray:
+    """Up to `limit` tokens that followed the most recent earlier occurrence of ctx's last n-gram,
+    for n = ngram down to NGRAM_MIN (longest match first); empty if none. Negative entries
+    (image rows) never match and end a draft."""
+    n_ctx = ctx.size
+    for n in range(min(ngram, n_ctx - 1), NGRAM_MIN - 1, -1):
+        tail = ctx[n_ctx - n:]
+        if tail.min() < 0:
+            continue
+        # windows starting at i <= n_ctx - 1 - n: each has a continuation, none is the tail itself
+        hits = np.flatnonzero((sliding_window_view(ctx[:n_ctx - 1], n) == tail).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            draft = ctx[start:start + limit]
+            neg = np.flatnonzero(draft < 0)
+            return draft[:neg[0]] if neg.size else draft
+    return ctx[:0]
+
+
+class DraftCosts:
+    """Running estimates of a one-row step and of each extra row of a verify forward (seconds),
+    kept by the engine across requests: they are properties of the backend on this machine."""
+
+    def __init__(self) -> None:
+        self.one_row_s: float | None = None
+        self.per_row_s: float | None = None
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows == 1:
+            self.one_row_s = seconds if self.one_row_s is None else (1 - EMA) * self.one_row_s + EMA * seconds
+        elif self.one_row_s is not None:
+            extra = max(0.0, seconds - self.one_row_s) / (rows - 1)
+            self.per_row_s = extra if self.per_row_s is None else (1 - EMA) * self.per_row_s + EMA * extra
+
+    def forward_s(self, rows: int) -> float:
+        """Predicted time of a forward of `rows` rows (optimistic before a verify was measured:
+        the first one then measures it)."""
+        assert self.one_row_s is not None
+        return self.one_row_s + (rows - 1) * (self.per_row_s or 0.0)
+
+
+def expected_tokens(p: float, k: int) -> float:
+    """Tokens one verify forward of a k-token draft yields: the accepted run plus the one the
+    model adds, with each drafted token accepted with probability p (given the ones before)."""
+    return float(k + 1) if p >= 1.0 else (1.0 - p ** (k + 1)) / (1.0 - p)
+
+
+class Drafter:
+    """One request's drafting: the conversation so far (prompt + generated, image rows -1), the
+    acceptance estimate, and the choice of each step's draft."""
+
+    def __init__(self, config: DraftConfig, costs: DraftCosts, prompt: np.ndarray, max_new: int):
+        self.config, self.costs = config, costs
+        self.ctx = np.full(prompt.size + max_new, -1, dtype=np.int64)
+        self.ctx[:prompt.size] = prompt
+        self.n = prompt.size
+        self.p = P_PRIOR
+        self.shadow: int | None = None  # first token of a declined draft, checked against the next token
+
+    def append(self, tok: int) -> None:
+        """A generated token (call for every emitted token, in order)."""
+        if self.shadow is not None:
+            self._observe(1 if tok == self.shadow else 0, 1)
+            self.shadow = None
+        self.ctx[self.n] = tok
+        self.n += 1
+
+    def _observe(self, accepted: int, drafted: int) -> None:
+        for _ in range(accepted):
+            self.p += EMA * (1.0 - self.p)
+        if accepted < drafted:  # tokens after the first rejection say nothing
+            self.p -= EMA * self.p
+
+    def propose(self, room: int) -> np.ndarray:
+        """The draft for the next forward (empty: a plain step); `room`: tokens the request may
+        still generate after the one being forwarded."""
+        limit = min(self.config.max_tokens, room)
+        if limit < 1:
+            return self.ctx[:0]
+        cand = lookup(self.ctx[:self.n], self.config.ngram, limit)
+        if cand.size == 0:
+            return cand
+        k = self._best_length(cand.size)
+        if k == 0:
+            self.shadow = int(cand[0])  # declined: learn from it for free
+        return cand[:k]
+
+    def _best_length(self, available: int) -> int:
+        c = self.costs
+        if c.one_row_s is None:  # nothing measured yet: a plain step measures t1
+            return 0
+        best_k, best_rate = 0, GAIN / c.one_row_s
+        for k in range(1, available + 1):
+            rate = expected_tokens(self.p, k) / c.forward_s(k + 1)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        """A verify forward's outcome (the emitted tokens are `append`ed separately)."""
+        self._observe(accepted, drafted)
+
+
+def verify(logits: np.ndarray, draft: Sequence[int], sample: Callable[[np.ndarray], int]) -> list[int]:
+    """The tokens a verify forward yields. `logits` (k + 1, vocab): row i follows the forwarded
+    token and draft[:i]. Row i is sampled with the request's own sampler; the draft token is kept
+    if the sample equals it, and the first sample that differs ends the run (it is the model's
+    token there); if all k are kept, row k's sample is the bonus token.
+
+    This is the speculative-sampling rule for a draft that proposes one token with certainty
+    (q = 1 at d): keep d with probability min(1, p(d) / q(d)) = p(d), else sample from the
+    residual max(0, p - q) normalised, which is p without d. Drawing x ~ p and keeping d iff x = d
+    does exactly that, and uses one draw per emitted token in order: a seeded request draws what
+    plain decoding draws, so drafting changes no sampled token (the rows' logits aside: a batch
+    may round differently from a one-row step). Greedy is the sampler's argmax: the same rule."""
+    out: list[int] = []
+    for row in range(len(draft) + 1):
+        out.append(sample(logits[row]))
+        if row == len(draft) or out[-1] != draft[row]:
+            break
+    return out
