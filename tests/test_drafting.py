@@ -37,16 +37,42 @@ def test_policy_drafts_only_when_the_measured_costs_say_it_is_faster():
     draft = d.propose(room=20)
     assert draft.tolist() == [2, 3, 4, 5, 6, 7, 8, 9][:draft.size] and draft.size >= 1
     assert d.propose(room=1).size <= 1 and d.propose(room=0).size == 0  # never past max_tokens
-    # a verify forward of 9 rows measured at 5x a one-row step: extra rows are dear
-    costs.observe(9, 0.050)
-    assert costs.per_row_s == pytest.approx(0.005)
-    d.p = 0.2  # a conversation that rarely repeats: not worth 0.005 s a row
+    # multi-row forwards measured: two rows at 5x a one-row step, nine at 9x (a BLAS switching
+    # kernels at two rows, then a slope): a line through them
+    costs.observe(3, 0.050)
+    assert costs.forward_s(9) == pytest.approx(0.050)  # one row count known: the same for others
+    costs.observe(9, 0.090)
+    assert costs.forward_s(6) == pytest.approx(0.070) and costs.forward_s(1) == 0.010
+    d.p = 0.2  # a conversation that rarely repeats: not worth it
     assert d.propose(room=20).size == 0
-    d.p = 0.95  # one that repeats itself: worth it, as long as the tokens per second grow
+    d.p = 0.95  # even one that repeats itself: 9 rows cost 9 steps, no draft pays
+    assert d.propose(room=20).size == 0
+    costs.multi.clear()
+    costs.observe(2, 0.030)
+    costs.observe(9, 0.044)  # 2 ms a row after a 28 ms switch: long drafts pay, up to a point
     rate = [expected_tokens(0.95, k) / costs.forward_s(k + 1) for k in range(1, 9)]
-    assert d.propose(room=20).size == 1 + int(np.argmax(rate)) == 5
-    costs.per_row_s = 0.0005  # cheap rows (a weight-bound forward): the longest draft there is
+    assert max(rate) > 1.05 / 0.010
+    assert d.propose(room=20).size == 1 + int(np.argmax(rate)) > 1
+    costs.multi.clear()
+    costs.observe(2, 0.012)
+    costs.observe(9, 0.014)  # cheap rows (a weight-bound forward): the longest draft there is
     assert d.propose(room=20).size == 8
+
+
+def test_declined_drafts_are_verified_again_after_a_while():
+    """Costs measured at a bad moment (another process on the cores) must not switch drafting off
+    for good: after EXPLORE_EVERY declined drafts one is verified at the optimistic cost."""
+    from edge_llm.drafting import EXPLORE_EVERY
+
+    costs = DraftCosts()
+    costs.observe(1, 0.010)
+    costs.observe(9, 1.0)  # absurdly dear multi-row forwards
+    d = Drafter(DraftConfig(), costs, arr(*range(10), *range(10)), max_new=200)
+    d.p = 0.9
+    d.append(0)
+    got = [d.propose(room=100).size for _ in range(EXPLORE_EVERY)]
+    assert got[:-1] == [0] * (EXPLORE_EVERY - 1) and got[-1] > 0
+    assert d.propose(room=100).size == 0  # and back to the measured costs
 
 
 def test_expected_tokens_per_forward():
