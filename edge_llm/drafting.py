@@ -6,19 +6,20 @@ still generate and at image rows (they have no token id). The engine verifies a 
 multi-row forward of [last sampled token, draft...] and keeps the verified prefix
 (`Engine.generate`); this module decides, per step, whether a draft of what length is worth it.
 
-The decision is a cost model, measured on this engine as it runs (`DraftCosts`): a one-row step
-costs `t1`, a forward of T >= 2 rows what a line fitted to the recent multi-row forwards says. With an acceptance probability p per
-drafted token, a draft of k tokens yields (1 - p^(k+1)) / (1 - p) tokens per forward. The k with
-the best tokens per second is taken if it beats one token per `t1`; else the step is plain.
-p is estimated per request, from the verified drafts and, during plain steps, from the draft the
-lookup offered but the policy declined (compared with the token the model then chose: free), so
-drafting switches itself back on when the conversation starts repeating itself.
+The decision is a cost model: the backend's declared profile of what a forward of T rows costs
+relative to one row (`Backend.forward_cost`, edge_llm/backends/__init__.py), not a timing, so the
+choices, and with them the output, are a function of the request alone. With an acceptance
+probability p per drafted token, a draft of k tokens yields (1 - p^(k+1)) / (1 - p) tokens per
+forward of k + 1 rows; the k with the most tokens per unit of cost is taken if it beats a plain
+step by GAIN, else the step is plain. p is estimated per request, from the verified drafts and,
+during plain steps, from the draft the lookup offered but the policy declined (compared with the
+token the model then chose: free), so drafting switches itself back on when the conversation
+starts repeating itself.
 See docs/speculative.md.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -30,9 +31,8 @@ from edge_llm.settings import DEFAULTS, DRAFT_MODES
 NGRAM_MIN = 2  # a one-token match drafts from anywhere the token occurred: rarely accepted
 EMA = 0.2  # weight of a new observation in the running estimates
 P_PRIOR = 0.3  # acceptance before anything is known about this conversation
-GAIN = 1.05  # a draft must promise 5 % more tokens per second than plain steps (timing noise)
-WINDOW = 32  # multi-row forwards the cost line is fitted to
-EXPLORE_EVERY = 64  # declined drafts after which one is verified anyway, to measure again
+GAIN = 1.1  # a draft must promise 10 % more tokens per unit of cost than plain steps (the
+# profile is measured on one machine: margin for others)
 
 
 @dataclass(frozen=True)
@@ -73,38 +73,6 @@ def lookup(ctx: np.ndarray, ngram: int, limit: int) -> np.ndarray:
     return ctx[:0]
 
 
-class DraftCosts:
-    """Running estimates of a one-row step and of multi-row forwards (seconds), kept by the engine
-    across requests: they are properties of the backend on this machine. A multi-row forward is
-    not a one-row step plus a little: a BLAS may switch from its matrix-vector kernel to a packed
-    matrix-matrix one at two rows (numpy F32 here: 31 ms for one row, 67 ms for two, 87 ms for
-    nine), so multi-row forwards get their own line, fitted to the recent ones."""
-
-    def __init__(self) -> None:
-        self.one_row_s: float | None = None
-        self.multi: deque[tuple[int, float]] = deque(maxlen=WINDOW)  # (rows, seconds), rows >= 2
-
-    def observe(self, rows: int, seconds: float) -> None:
-        if rows == 1:
-            self.one_row_s = seconds if self.one_row_s is None else (1 - EMA) * self.one_row_s + EMA * seconds
-        else:
-            self.multi.append((rows, seconds))
-
-    def forward_s(self, rows: int, optimistic: bool = False) -> float:
-        """Predicted time of a forward of `rows` rows. Before a multi-row forward was measured (or
-        `optimistic`) extra rows are free, so the first promising draft measures them; with one row
-        count measured, others cost the same; with several, a least-squares line (slope >= 0)."""
-        assert self.one_row_s is not None
-        if rows == 1 or optimistic or not self.multi:
-            return self.one_row_s
-        r = np.array([m[0] for m in self.multi], dtype=np.float64)
-        t = np.array([m[1] for m in self.multi], dtype=np.float64)
-        if np.ptp(r) == 0:
-            return float(t.mean())
-        slope = max(0.0, float(np.polyfit(r, t, 1)[0]))
-        return float(t.mean() + slope * (rows - r.mean()))
-
-
 def expected_tokens(p: float, k: int) -> float:
     """Tokens one verify forward of a k-token draft yields: the accepted run plus the one the
     model adds, with each drafted token accepted with probability p (given the ones before)."""
@@ -115,14 +83,13 @@ class Drafter:
     """One request's drafting: the conversation so far (prompt + generated, image rows -1), the
     acceptance estimate, and the choice of each step's draft."""
 
-    def __init__(self, config: DraftConfig, costs: DraftCosts, prompt: np.ndarray, max_new: int):
-        self.config, self.costs = config, costs
+    def __init__(self, config: DraftConfig, cost: Callable[[int], float], prompt: np.ndarray, max_new: int):
+        self.config, self.cost = config, cost  # cost(rows): a forward's cost relative to one row
         self.ctx = np.full(prompt.size + max_new, -1, dtype=np.int64)
         self.ctx[:prompt.size] = prompt
         self.n = prompt.size
         self.p = P_PRIOR
         self.shadow: int | None = None  # first token of a declined draft, checked against the next token
-        self.declined = 0  # drafts declined since the last verify
 
     def append(self, tok: int) -> None:
         """A generated token (call for every emitted token, in order)."""
@@ -149,22 +116,13 @@ class Drafter:
             return cand
         k = self._best_length(cand.size)
         if k == 0:
-            self.declined += 1
-            if self.declined >= EXPLORE_EVERY:  # the costs may have been measured on a bad moment
-                k = self._best_length(cand.size, optimistic=True)
-        if k == 0:
             self.shadow = int(cand[0])  # declined: learn from it for free
-        else:
-            self.declined = 0
         return cand[:k]
 
-    def _best_length(self, available: int, optimistic: bool = False) -> int:
-        c = self.costs
-        if c.one_row_s is None:  # nothing measured yet: a plain step measures t1
-            return 0
-        best_k, best_rate = 0, GAIN / c.one_row_s
+    def _best_length(self, available: int) -> int:
+        best_k, best_rate = 0, GAIN  # a plain step: one token for a cost of 1
         for k in range(1, available + 1):
-            rate = expected_tokens(self.p, k) / c.forward_s(k + 1, optimistic)
+            rate = expected_tokens(self.p, k) / self.cost(k + 1)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k

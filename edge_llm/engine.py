@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from edge_llm.costgate import SEQUENTIAL, CostGate
-from edge_llm.drafting import DraftConfig, DraftCosts, Drafter, verify
+from edge_llm.drafting import DraftConfig, Drafter, verify
 from edge_llm.errors import ContextOverflowError, ImageError, SnapshotError
 from edge_llm.kvcache import KVCache, Restore, Restored
 from edge_llm.progress import DECODE, NO_WORK, PREFILL, Cancelled, OnProgress, Work
@@ -110,6 +110,7 @@ class Timings:
     align_rows: int = 0  # matched rows recomputed so that chunks align with a cold run's (module docstring)
     # speculative decoding (docs/speculative.md)
     decode_forwards: int = 0  # forwards after the prompt's (one per token without drafts)
+    draft_forwards: int = 0  # of them, forwards that verified a draft
     drafted_tokens: int = 0  # draft tokens verified
     accepted_tokens: int = 0  # of them, kept
 
@@ -152,7 +153,6 @@ class Engine:
         self.align = model.chunk_size(prefill_chunk)  # the chunk, and the alignment unit (module docstring)
         self.vision = vision
         self.draft = draft  # speculative decoding (docs/speculative.md)
-        self.draft_costs = DraftCosts()  # measured as requests run, kept across them
         self.restore_mode = restore_mode
         self.gate = gate or CostGate(cache.geometry.kv_bytes_per_token, restore_mode, self.align)
         # k when the last prefill ended its last chunk at row k (then ran row k alone): the rows
@@ -339,7 +339,7 @@ class Engine:
         sampler = Sampler(req.sampling)
         detok = self.tokenizer.incremental_decoder()
         stops = StopMatcher(req.stop)
-        drafter = (Drafter(self.draft, self.draft_costs, self._draft_context(tokens), req.max_tokens)
+        drafter = (Drafter(self.draft, self.model.backend.forward_cost, self._draft_context(tokens), req.max_tokens)
                    if self.draft.enabled else None)
         finish = "length"
         t_dec = time.perf_counter()
@@ -401,9 +401,7 @@ class Engine:
         pos = None
         if self.cache.spans:  # after an image the next MRoPE position is not the row count
             pos = np.repeat((self.cache.next_pos + np.arange(len(ids)))[None], 3, axis=0)
-        t_f = time.perf_counter()
         logits = self.model.forward(ids, self.cache, all_logits=len(ids) > 1, positions=pos, work=work)
-        self.draft_costs.observe(len(ids), time.perf_counter() - t_f)
         t.decode_forwards += 1
         if len(ids) == 1:
             return [sampler(logits)]
@@ -411,6 +409,7 @@ class Engine:
         accepted = len(out) - 1
         self.cache.truncate(start + 1 + accepted)
         drafter.verified(len(draft), accepted)
+        t.draft_forwards += 1
         t.drafted_tokens += len(draft)
         t.accepted_tokens += accepted
         return out

@@ -98,8 +98,9 @@ class Settings:
                               minimum=1)
     draft: str = _opt("ngram", "Speculative decoding: 'ngram' drafts the tokens that followed the last "
                       "n-gram's earlier occurrence in the conversation and verifies them in one "
-                      "multi-row forward, when the measured acceptance and costs say it is faster; "
-                      "'off': one forward per token (outputs then never depend on timing).", str,
+                      "multi-row forward, when the acceptance so far and the backend's cost profile say "
+                      "it is faster (same request, same text); 'off': one forward per token, plain "
+                      "decoding's text.", str,
                       choices=DRAFT_MODES)
     draft_max: int = _opt(8, "Most tokens drafted per verify forward.", minimum=1, maximum=64)
     draft_ngram: int = _opt(3, "Longest n-gram matched for a draft (down to 2).", minimum=2, maximum=16)

@@ -4,7 +4,7 @@ verification rule, whose output distribution must be the model's (docs/speculati
 import numpy as np
 import pytest
 
-from edge_llm.drafting import DraftConfig, DraftCosts, Drafter, expected_tokens, lookup, verify
+from edge_llm.drafting import DraftConfig, Drafter, expected_tokens, lookup, verify
 from edge_llm.sampling import Sampler, SamplingParams
 
 
@@ -26,53 +26,34 @@ def test_lookup_takes_the_most_recent_longest_match_and_stops_at_image_rows():
     assert lookup(arr(-1, -1, 3, -1, -1), 3, 5).size == 0
 
 
-def test_policy_drafts_only_when_the_measured_costs_say_it_is_faster():
-    costs = DraftCosts()
-    d = Drafter(DraftConfig(), costs, arr(*range(10), *range(10)), max_new=20)
+def test_policy_drafts_only_where_the_cost_profile_says_it_pays():
+    from edge_llm.backends.graphs import NEVER_PAYS, ForwardCost
+
+    free = ForwardCost(1.0, 0.0)  # a weight-bound forward: T rows cost one
+    d = Drafter(DraftConfig(), free, arr(*range(10), *range(10)), max_new=20)
     d.append(0)  # ... 8 9 0: "9 0" occurred at 9, followed by 1 2 3 ...
-    assert d.propose(room=20).size == 0 and d.shadow == 1  # t1 not measured yet: plain, watching
-    costs.observe(1, 0.010)
-    d.append(1)  # the shadow draft was right: p rises
+    assert d.propose(room=20).tolist() == [1, 2, 3, 4, 5, 6, 7, 8]  # free rows: the longest draft
+    assert d.propose(room=3).size == 3 and d.propose(room=0).size == 0  # never past max_tokens
+    d.cost = ForwardCost(2.1, 0.06)  # backend cpu's profile: two rows cost 2.1 steps
+    d.p = 0.3  # the prior: no draft pays, the lookup's is watched instead
+    assert d.propose(room=20).size == 0 and d.shadow == 1
+    d.append(1)  # the model chose what the declined draft said: p rises
     assert d.p > 0.3
-    draft = d.propose(room=20)
-    assert draft.tolist() == [2, 3, 4, 5, 6, 7, 8, 9][:draft.size] and draft.size >= 1
-    assert d.propose(room=1).size <= 1 and d.propose(room=0).size == 0  # never past max_tokens
-    # multi-row forwards measured: two rows at 5x a one-row step, nine at 9x (a BLAS switching
-    # kernels at two rows, then a slope): a line through them
-    costs.observe(3, 0.050)
-    assert costs.forward_s(9) == pytest.approx(0.050)  # one row count known: the same for others
-    costs.observe(9, 0.090)
-    assert costs.forward_s(6) == pytest.approx(0.070) and costs.forward_s(1) == 0.010
-    d.p = 0.2  # a conversation that rarely repeats: not worth it
+    d.p = 0.9  # a conversation that repeats itself: long drafts pay, up to a point
+    rate = [expected_tokens(0.9, k) / d.cost(k + 1) for k in range(1, 9)]
+    assert max(rate) > 1.1 and d.propose(room=20).size == 1 + int(np.argmax(rate))
+    d.cost = NEVER_PAYS  # a backend without a profile
     assert d.propose(room=20).size == 0
-    d.p = 0.95  # even one that repeats itself: 9 rows cost 9 steps, no draft pays
+    d.p = 0.999
     assert d.propose(room=20).size == 0
-    costs.multi.clear()
-    costs.observe(2, 0.030)
-    costs.observe(9, 0.044)  # 2 ms a row after a 28 ms switch: long drafts pay, up to a point
-    rate = [expected_tokens(0.95, k) / costs.forward_s(k + 1) for k in range(1, 9)]
-    assert max(rate) > 1.05 / 0.010
-    assert d.propose(room=20).size == 1 + int(np.argmax(rate)) > 1
-    costs.multi.clear()
-    costs.observe(2, 0.012)
-    costs.observe(9, 0.014)  # cheap rows (a weight-bound forward): the longest draft there is
-    assert d.propose(room=20).size == 8
 
 
-def test_declined_drafts_are_verified_again_after_a_while():
-    """Costs measured at a bad moment (another process on the cores) must not switch drafting off
-    for good: after EXPLORE_EVERY declined drafts one is verified at the optimistic cost."""
-    from edge_llm.drafting import EXPLORE_EVERY
+def test_shipped_profiles_match_what_they_say():
+    from edge_llm.backends import cpuq
+    from edge_llm.backends.cpu import CPUBackend
 
-    costs = DraftCosts()
-    costs.observe(1, 0.010)
-    costs.observe(9, 1.0)  # absurdly dear multi-row forwards
-    d = Drafter(DraftConfig(), costs, arr(*range(10), *range(10)), max_new=200)
-    d.p = 0.9
-    d.append(0)
-    got = [d.propose(room=100).size for _ in range(EXPLORE_EVERY)]
-    assert got[:-1] == [0] * (EXPLORE_EVERY - 1) and got[-1] > 0
-    assert d.propose(room=100).size == 0  # and back to the measured costs
+    assert CPUBackend.forward_cost(1) == 1.0 and CPUBackend.forward_cost(2) == pytest.approx(2.1)
+    assert cpuq.DECODE_GRAPH_COST(9) == pytest.approx(1.45 + 7 * 0.22)
 
 
 def test_expected_tokens_per_forward():

@@ -43,10 +43,10 @@ ORDER = {
     "server": ["errors", "schemas", "metrics", "prefetch", "worker", "budget", "images", "streaming", "state", "app",
                "__init__"],
     "bench": ["disk", "procstat", "prompts", "models", "client", "throttle", "restore", "conversation", "ttft",
-              "split", "recovery", "quant", "accuracy", "quant_memory", "npu", "vision", "llamacpp_peer",
+              "split", "recovery", "quant", "accuracy", "quant_memory", "npu", "vision", "decode", "llamacpp_peer",
               "__init__"],
     "cli": ["options", "progress", "bench", "convert", "doctor", "generate", "kv", "model", "serve", "__init__"],
-    "cli.bench": ["common", "accuracy", "compute", "npu", "quant", "recovery", "restore", "vision", "__init__"],
+    "cli.bench": ["common", "accuracy", "compute", "decode", "npu", "quant", "recovery", "restore", "vision", "__init__"],
 }
 
 

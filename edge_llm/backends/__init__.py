@@ -26,11 +26,16 @@ one call, reading the cached K/V rows in place and returning the new rows for th
 write (backend cpu-q: decode_step.py, docs/quantization.md). The model then runs every one-row
 forward with it (decode, and the last prompt token), and everything else through the seam above;
 the choice depends only on the row count, so bit-exact restore still holds.
+
+Every backend states what a forward of T rows costs relative to one row (`forward_cost`, a
+declared profile such as `graphs.ForwardCost`, not a timing): speculative decoding drafts only
+where the profile says a verify forward pays (docs/speculative.md), so its choices, and with them the output, never
+depend on how fast this moment happens to be.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -58,6 +63,7 @@ class Backend(Protocol):
     numerics: str  # goes into the snapshot identity: KV values depend on it
     chunk_sizes: tuple[int, ...]  # static chunk shapes the backend runs natively; () = any
     row_step: RowStep | None  # one-row forwards in one call (see the module docstring), or None
+    forward_cost: Callable[[int], float]  # rows -> cost relative to one row (see the module docstring)
 
     def load(self, args: ModelArgs, weights: Weights) -> None:
         """Take the dense tensors out of `weights` (pop them) and prepare them."""

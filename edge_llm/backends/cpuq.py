@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge_llm.backends.graph import GraphBackend
-from edge_llm.backends.graphs import DECODE
+from edge_llm.backends.graphs import DECODE, ForwardCost
 from edge_llm.backends.manifest import MANIFEST, Manifest
 from edge_llm.backends.quant import BlockSource
 from edge_llm.errors import ConfigError
@@ -104,6 +104,13 @@ def plan_threads(threads: int | None, sysroot: str | Path = "/") -> tuple[int, l
     if big:
         return len(big), big
     return max(1, len(os.sched_getaffinity(0))), []
+
+
+# speculative decoding's cost profiles (edge_llm/backends/__init__.py), default model, 2 threads,
+# AVX-512: with the decode graph 17.8 ms for one row, 25.5 ms for two, 48.3 ms for nine, 83.7 ms
+# for 17 (the per-layer graphs); without it one row runs the per-layer graphs as well
+DECODE_GRAPH_COST = ForwardCost(1.45, 0.22)
+PER_LAYER_COST = ForwardCost(1.1, 0.15)
 
 
 def kernel_isa() -> str:
@@ -249,4 +256,5 @@ def open_cpu_q(model_dir: str | Path, quant: str = "q4", threads: int | None = N
     numerics = f"cpu-q:{qm.name}:{m.identity()}:onnxruntime-{r.version}-{qm.label}-{kernel_isa()}"
     numerics += f":attn-{attn_kernel.isa()}" if decode_graph else ":per-layer-decode"
     return GraphBackend("cpu-q", [s for s in m.specs() if s.kind != DECODE], r, numerics,
-                        mapped_embedding=True, row_step=step, max_rows=MLAS_STRIDE_M)
+                        mapped_embedding=True, row_step=step, max_rows=MLAS_STRIDE_M,
+                        forward_cost=DECODE_GRAPH_COST if decode_graph else PER_LAYER_COST)

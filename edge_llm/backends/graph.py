@@ -13,12 +13,12 @@ real row's result does not depend on the padding (tests/test_graph_backend.py ch
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from edge_llm.backends import QKVArrays, RowStep
-from edge_llm.backends.graphs import HEAD, POST, QKV, STEP, GraphSpec, layer_name, row_plan
+from edge_llm.backends.graphs import HEAD, NEVER_PAYS, POST, QKV, STEP, GraphSpec, layer_name, row_plan
 from edge_llm.backends.runners import GraphRunner
 from edge_llm.config import ModelArgs
 from edge_llm.errors import ConfigError
@@ -31,12 +31,15 @@ class GraphBackend:
     """A `Backend` (see `edge_llm.backends`) over graphs; `numerics` names graphs + runner."""
 
     def __init__(self, name: str, specs: Sequence[GraphSpec], runner: GraphRunner, numerics: str,
-                 mapped_embedding: bool = False, row_step: RowStep | None = None, max_rows: int | None = None):
+                 mapped_embedding: bool = False, row_step: RowStep | None = None, max_rows: int | None = None,
+                 forward_cost: Callable[[int], float] = NEVER_PAYS):
         """`mapped_embedding`: gather embedding rows from the checkpoint file (mmap, exact F32)
         instead of holding the table in RAM; `row_step`: one-row forwards in one call (cpu-q's
         decode graph; `numerics` must cover it); `max_rows`: rows per call of a dynamic graph
-        (None: all rows in one call)."""
+        (None: all rows in one call); `forward_cost`: the cost profile speculative decoding reads
+        (`edge_llm.backends`; default: drafts never pay)."""
         self.name = name
+        self.forward_cost = forward_cost
         self.max_rows = max_rows
         self.row_step = row_step
         self.mapped_embedding = mapped_embedding

@@ -169,3 +169,18 @@ def row_plan(T: int, rows: tuple[int, ...], cap: int | None = None) -> list[tupl
         a = T - rest
         plan.append((a, T, min(r for r in rows if r >= rest)))
     return plan
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    """A forward of T >= 2 rows costs `multi + slope * (T - 2)` one-row forwards: a BLAS or a
+    graph runner switches kernels at two rows (`multi`), then each row adds a little (`slope`)."""
+
+    multi: float
+    slope: float
+
+    def __call__(self, rows: int) -> float:
+        return 1.0 if rows <= 1 else self.multi + self.slope * (rows - 2)
+
+
+NEVER_PAYS = ForwardCost(2.0, 1.0)  # T rows cost T steps (or more): a draft never pays

@@ -14,9 +14,11 @@ this model, else `cpu`, and logs why.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from edge_llm.backends.graph import GraphBackend
+from edge_llm.backends.graphs import NEVER_PAYS, row_plan
 from edge_llm.backends.manifest import MANIFEST, Manifest
 from edge_llm.errors import ConfigError, EdgeLLMError
 
@@ -75,7 +77,35 @@ def open_rknn(rknn_dir: str | Path, runner: str = "auto", model_dir: str | Path 
         r = OrtRunner(m.onnx_files(root), threads=threads)
     else:
         raise ConfigError(f"unknown rknn runner {runner!r} (choose from {', '.join(RUNNERS)})")
-    return GraphBackend("rknn", specs, r, f"rknn:{m.identity()}:{r.numerics}")
+    return GraphBackend("rknn", specs, r, f"rknn:{m.identity()}:{r.numerics}", forward_cost=compiler_cost(m))
+
+
+def compiler_cycles(m: Manifest, rows: int) -> int | None:
+    """NPU cycles of one forward of `rows` rows by the compiler's estimates: every graph at the
+    static shapes `row_plan` covers the rows with (a one-row head runs once per row); None if a
+    shape has no estimate (converted without the toolkit)."""
+    total = 0
+    for g in m.graphs:
+        table = {int(c["rows"]): int(c["cycles"]) for c in g.cost or [] if "cycles" in c}
+        for _a, _b, shape in row_plan(rows, tuple(g.rows)):
+            if shape not in table:
+                return None
+            total += table[shape]
+    return total
+
+
+def compiler_cost(m: Manifest) -> Callable[[int], float]:
+    """Speculative decoding's cost profile (edge_llm/backends/__init__.py) from the compiler's
+    estimates; without them drafts never pay."""
+    one = compiler_cycles(m, 1)
+    if not one:
+        return NEVER_PAYS
+
+    def cost(rows: int) -> float:
+        c = compiler_cycles(m, rows)
+        return float(rows) if c is None else c / one
+
+    return cost
 
 
 def npu_usable(rknn_dir: str | Path | None, model_dir: str | Path, sysroot: str | Path = "/") -> tuple[bool, str]:

@@ -5,7 +5,7 @@
 
 Reads one JSON request per stdin line, answers one JSON line on stdout:
   {"op": "speed", "ids": [...], "decode": 32, "tail": 32, "state": PATH}
-      -> prefill_s (all ids), decode_s (`decode` one-token steps after them), save_bytes,
+      -> prefill_s (all ids), decode_s (`decode` one-token steps after them, fed ids cyclically), save_bytes,
          restore_s (state file of ids[:-tail] read cold + tail evaluated + logits)
   {"op": "logits", "ids": [...], "out": PATH}  -> float32 logits of every position saved to PATH
   {"op": "info"} -> llama-cpp-python version, system info;  {"op": "quit"}
@@ -54,7 +54,7 @@ def main() -> int:
             prefill = time.perf_counter() - t0
             t0 = time.perf_counter()
             for i in range(req["decode"]):
-                llm.eval([ids[i]])
+                llm.eval([ids[i % len(ids)]])  # any ids: the speed of one-token steps
             decode = time.perf_counter() - t0
             # restore: the state of ids[:-tail] on disk, read back cold, then the tail
             llm.reset()

@@ -189,6 +189,7 @@ class Timings(BaseModel):
     gate_recompute_ms: float = Field(default=0.0, description="Predicted: recompute from the RAM prefix.")
     decode_forwards: int = Field(default=0, description="Forwards after the prompt's: one per generated token "
                                                         "without drafts (docs/speculative.md).")
+    draft_forwards: int = Field(default=0, description="Of the decode forwards, those that verified a draft.")
     drafted_tokens: int = Field(default=0, description="Draft tokens verified (speculative decoding).")
     accepted_tokens: int = Field(default=0, description="Draft tokens kept: each is one forward saved.")
 

@@ -1,0 +1,46 @@
+"""`edge-llm bench decode` (edge_llm/bench/decode.py): the NPU prediction's arithmetic on a
+hand-made manifest, and the bench end to end on the default model (backend cpu, one family)."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from edge_llm.backends.manifest import GraphEntry, Manifest
+from edge_llm.bench.decode import npu_forward_ms, npu_prediction
+
+
+def graph(name, kind, rows, cyc):
+    return GraphEntry(name, kind, 0, rows, [["x", 8]], [["y", 8]], [0, 0], f"onnx/{name}.onnx", "k",
+                      cost=[{"rows": r, "cycles": c} for r, c in cyc.items()])
+
+
+def test_npu_prediction_runs_a_one_row_head_once_per_row():
+    m = Manifest({}, [1, 32], 1, 1, [graph("layer00.qkv", "qkv", [1, 32], {1: 100_000, 32: 200_000}),
+                                      graph("head", "head", [1], {1: 1_000_000})])
+    assert npu_forward_ms(m, 1) == pytest.approx(1.1)  # cycles at 1 GHz -> ms
+    assert npu_forward_ms(m, 5) == pytest.approx(0.2 + 5 * 1.0)  # the 32-row layer shape, the head 5 times
+    assert npu_forward_ms(m, 40) == pytest.approx(2 * 0.2 + 40 * 1.0)  # 32 + 8 (padded to 32)
+    # 11 tokens: 4 plain forwards + 2 verify forwards of 1 + 3 rows; 10 tokens after the first
+    p = npu_prediction(m, {"tokens": 11, "forwards": 6, "draft_forwards": 2, "drafted": 6, "accepted": 4})
+    assert p["verify_rows"] == 4 and p["head_rows"] == [1]
+    assert p["effective_tps"] == pytest.approx(10 / ((4 * 1.1 + 2 * (0.2 + 4.0)) / 1e3))
+
+
+def test_bench_decode_end_to_end(edge_home, tmp_path, monkeypatch):
+    from edge_llm.cli import cli
+
+    monkeypatch.setenv("EDGE_LLM_HOME", str(edge_home))
+    monkeypatch.delenv("EDGE_LLM_LLAMACPP_PYTHON", raising=False)
+    r = CliRunner().invoke(cli, ["bench", "decode", "--backends", "cpu", "--families", "code", "--max-tokens", "24",
+                                 "--repeats", "1", "--llamacpp-python", str(tmp_path / "none"), "--out", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    res = json.loads(next(tmp_path.glob("*-bench-decode/decode.json")).read_text())
+    (row,) = res["rows"]
+    assert row["backend"] == "cpu" and row["family"] == "code" and row["prompt_tokens"] > 150
+    for mode in ("plain", "spec"):
+        assert row[mode]["tokens"] == 24 and row[mode]["decode_tps"] > 0
+    assert row["plain"]["drafted"] == 0 and row["plain"]["forwards"] == 23
+    assert row["spec"]["forwards"] + row["spec"]["accepted"] == 23
+    assert row["same_text"] == (row["first_difference"] is None)
+    assert "| cpu | code |" in r.output and "llama.cpp: not run" in r.output
