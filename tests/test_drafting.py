@@ -34,7 +34,7 @@ def test_policy_drafts_only_where_the_cost_profile_says_it_pays():
     d.append(0)  # ... 8 9 0: "9 0" occurred at 9, followed by 1 2 3 ...
     assert d.propose(room=20).tolist() == [1, 2, 3, 4, 5, 6, 7, 8]  # free rows: the longest draft
     assert d.propose(room=3).size == 3 and d.propose(room=0).size == 0  # never past max_tokens
-    d.cost = ForwardCost(2.1, 0.06)  # backend cpu's profile: two rows cost 2.1 steps
+    d.cost = ForwardCost(2.3, 0.07)  # backend cpu's profile: two rows cost 2.3 steps
     d.p = 0.3  # the prior: no draft pays, the lookup's is watched instead
     assert d.propose(room=20).size == 0 and d.shadow == 1
     d.append(1)  # the model chose what the declined draft said: p rises
@@ -52,8 +52,8 @@ def test_shipped_profiles_match_what_they_say():
     from edge_llm.backends import cpuq
     from edge_llm.backends.cpu import CPUBackend
 
-    assert CPUBackend.forward_cost(1) == 1.0 and CPUBackend.forward_cost(2) == pytest.approx(2.1)
-    assert cpuq.DECODE_GRAPH_COST(9) == pytest.approx(1.45 + 7 * 0.22)
+    assert CPUBackend.forward_cost(1) == 1.0 and CPUBackend.forward_cost(2) == pytest.approx(2.3)
+    assert cpuq.DECODE_GRAPH_COST(9) == pytest.approx(2.2 + 7 * 0.28)
 
 
 def test_expected_tokens_per_forward():

@@ -78,9 +78,9 @@ class CPUBackend:
     numerics = "cpu-f32"
     chunk_sizes: tuple[int, ...] = ()
     row_step = None
-    # numpy F32, default model, 2 threads, AVX-512 (OpenBLAS SkylakeX): 33 ms for one row (sgemv),
-    # 70 ms for two (packed sgemm), 83 ms for nine, 99 ms for 17 (docs/speculative.md)
-    forward_cost = ForwardCost(2.1, 0.06)
+    # numpy F32, default model, 2 threads, AVX-512 (OpenBLAS SkylakeX), 200-2000 rows of context:
+    # two rows cost 1.8-2.5 one-row steps (sgemv -> packed sgemm), nine 2.5-2.8 (docs/speculative.md)
+    forward_cost = ForwardCost(2.3, 0.07)
 
     def __init__(self) -> None:
         self.args: ModelArgs | None = None
