@@ -53,7 +53,7 @@ def test_shipped_profiles_match_what_they_say():
     from edge_llm.backends.cpu import CPUBackend
 
     assert CPUBackend.forward_cost(1) == 1.0 and CPUBackend.forward_cost(2) == pytest.approx(2.3)
-    assert cpuq.DECODE_GRAPH_COST(9) == pytest.approx(2.2 + 7 * 0.28)
+    assert cpuq.DECODE_GRAPH_COST(9) == pytest.approx(2.6 + 7 * 0.3)
 
 
 def test_expected_tokens_per_forward():

@@ -108,10 +108,10 @@ def plan_threads(threads: int | None, sysroot: str | Path = "/") -> tuple[int, l
 
 # speculative decoding's cost profiles (edge_llm/backends/__init__.py), default model, 2 threads,
 # AVX-512: rows after the first run the per-layer graphs, and their numpy attention grows with the
-# context that the decode graph's AttnRow reads cheaply: two rows cost 1.2 (200 rows of context),
-# 2.2 (800) and 2.8 (2000) one-row steps, nine 2.2, 4.1 and 4.2 (docs/speculative.md); without
+# context that the decode graph's AttnRow reads cheaply: two rows cost 1.9 (200 rows of context),
+# 2.4 (800) and 2.6 (2000) one-row steps, nine 3.4, 4.4 and 4.7 (docs/speculative.md); without
 # the decode graph one row runs the per-layer graphs as well
-DECODE_GRAPH_COST = ForwardCost(2.2, 0.28)
+DECODE_GRAPH_COST = ForwardCost(2.6, 0.3)
 PER_LAYER_COST = ForwardCost(1.1, 0.15)
 
 
