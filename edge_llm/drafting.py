@@ -13,7 +13,7 @@ probability p per drafted token, a draft of k tokens yields (1 - p^(k+1)) / (1 -
 forward of k + 1 rows; the k with the most tokens per unit of cost is taken if it beats a plain
 step by GAIN, else the step is plain. p is estimated per request, from the verified drafts and,
 during plain steps, from the draft the lookup offered but the policy declined (compared with the
-token the model then chose: free), so drafting switches itself back on when the conversation
+tokens the model then chose, as a verify would have: free), so drafting switches itself back on when the conversation
 starts repeating itself.
 See docs/speculative.md.
 """
@@ -89,13 +89,21 @@ class Drafter:
         self.ctx[:prompt.size] = prompt
         self.n = prompt.size
         self.p = P_PRIOR
-        self.shadow: int | None = None  # first token of a declined draft, checked against the next token
+        # a declined draft, checked against the tokens the model then chose (`shadow_hits` so far)
+        self.shadow: np.ndarray | None = None
+        self.shadow_hits = 0
 
     def append(self, tok: int) -> None:
         """A generated token (call for every emitted token, in order)."""
-        if self.shadow is not None:
-            self._observe(1 if tok == self.shadow else 0, 1)
-            self.shadow = None
+        if self.shadow is not None:  # scored as a verify forward would have scored it
+            if tok == self.shadow[self.shadow_hits]:
+                self.shadow_hits += 1
+                if self.shadow_hits == self.shadow.size:
+                    self._observe(self.shadow_hits, self.shadow_hits)
+                    self.shadow = None
+            else:
+                self._observe(self.shadow_hits, self.shadow_hits + 1)
+                self.shadow = None
         self.ctx[self.n] = tok
         self.n += 1
 
@@ -115,8 +123,8 @@ class Drafter:
         if cand.size == 0:
             return cand
         k = self._best_length(cand.size)
-        if k == 0:
-            self.shadow = int(cand[0])  # declined: learn from it for free
+        if k == 0 and self.shadow is None:  # declined: learn from it for free
+            self.shadow, self.shadow_hits = cand.copy(), 0
         return cand[:k]
 
     def _best_length(self, available: int) -> int:

@@ -36,12 +36,15 @@ def test_policy_drafts_only_where_the_cost_profile_says_it_pays():
     assert d.propose(room=3).size == 3 and d.propose(room=0).size == 0  # never past max_tokens
     d.cost = ForwardCost(2.3, 0.07)  # backend cpu's profile: two rows cost 2.3 steps
     d.p = 0.3  # the prior: no draft pays, the lookup's is watched instead
-    assert d.propose(room=20).size == 0 and d.shadow == 1
-    d.append(1)  # the model chose what the declined draft said: p rises
-    assert d.p > 0.3
+    assert d.propose(room=20).size == 0 and d.shadow.tolist()[:3] == [1, 2, 3]
+    d.append(1)
+    d.append(2)  # the model chose what the declined draft said, twice, then not: scored as a verify
+    d.append(7)
+    assert d.shadow is None and d.p == pytest.approx(((0.3 + 0.2 * 0.7) * 0.8 + 0.2) * 0.8)
+    d.append(8)  # "7 8" occurred: a draft of 6 is on offer (9 0 1 2 7 8)
     d.p = 0.9  # a conversation that repeats itself: long drafts pay, up to a point
-    rate = [expected_tokens(0.9, k) / d.cost(k + 1) for k in range(1, 9)]
-    assert max(rate) > 1.1 and d.propose(room=20).size == 1 + int(np.argmax(rate))
+    rate = [expected_tokens(0.9, k) / d.cost(k + 1) for k in range(1, 7)]
+    assert max(rate) > 1.1 and d.propose(room=20).tolist() == [9, 0, 1, 2, 7, 8][:1 + int(np.argmax(rate))]
     d.cost = NEVER_PAYS  # a backend without a profile
     assert d.propose(room=20).size == 0
     d.p = 0.999
