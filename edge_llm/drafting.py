@@ -123,7 +123,9 @@ class Drafter:
         if cand.size == 0:
             return cand
         k = self._best_length(cand.size)
-        if k == 0 and self.shadow is None:  # declined: learn from it for free
+        if k > 0:  # the verify scores this draft: a pending declined one would count twice
+            self.shadow = None
+        elif self.shadow is None:  # declined: learn from it for free
             self.shadow, self.shadow_hits = cand.copy(), 0
         return cand[:k]
 
