@@ -4,7 +4,9 @@ The same orchestration for every runner (onnxruntime F32, rknn simulator fp16, N
 embedding lookup on the CPU (table kept in the runner's activation dtype and widened per row),
 `qkv` and `post` graphs per layer (or cpu-q's fused `step` graphs: `post` of layer l and, when
 built so, layer l+1's qkv in one call, returned by `post` unless the caller says it will change h
-first), the head graph(s) per row, residual additions in float32. Stateless between calls.
+first), the head graph(s) per row, residual additions in float32. Int8 graphs (`qkv_n`, `o`, `mlp`,
+`head_n`) get their norms and per-channel scales from a `CpuSide` (cpu_side.py) computed here in
+float32. Stateless between calls.
 Row counts are mapped onto the graphs' static shapes in `_call` through `graphs.row_plan`:
 padding rows are zeros and are dropped from the outputs; rows never mix inside a graph, so a
 real row's result does not depend on the padding (tests/test_graph_backend.py checks it).
@@ -18,7 +20,22 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from edge_llm.backends import QKVArrays, RowStep
-from edge_llm.backends.graphs import HEAD, NEVER_PAYS, POST, QKV, STEP, GraphSpec, layer_name, row_plan
+from edge_llm.backends.cpu import rms_norm
+from edge_llm.backends.cpu_side import CpuSide
+from edge_llm.backends.graphs import (
+    HEAD,
+    HEAD_N,
+    MLP,
+    NEVER_PAYS,
+    POST,
+    QKV,
+    QKV_N,
+    STEP,
+    O,
+    GraphSpec,
+    layer_name,
+    row_plan,
+)
 from edge_llm.backends.runners import GraphRunner
 from edge_llm.config import ModelArgs
 from edge_llm.errors import ConfigError
@@ -32,12 +49,13 @@ class GraphBackend:
 
     def __init__(self, name: str, specs: Sequence[GraphSpec], runner: GraphRunner, numerics: str,
                  mapped_embedding: bool = False, row_step: RowStep | None = None, max_rows: int | None = None,
-                 forward_cost: Callable[[int], float] = NEVER_PAYS):
+                 forward_cost: Callable[[int], float] = NEVER_PAYS, cpu_side: CpuSide | None = None):
         """`mapped_embedding`: gather embedding rows from the checkpoint file (mmap, exact F32)
         instead of holding the table in RAM; `row_step`: one-row forwards in one call (cpu-q's
         decode graph; `numerics` must cover it); `max_rows`: rows per call of a dynamic graph
         (None: all rows in one call); `forward_cost`: the cost profile speculative decoding reads
-        (`edge_llm.backends`; default: drafts never pay)."""
+        (`edge_llm.backends`; default: drafts never pay); `cpu_side`: the norms and scales of
+        the norms-on-the-CPU graphs (required by them)."""
         self.name = name
         self.forward_cost = forward_cost
         self.max_rows = max_rows
@@ -46,9 +64,13 @@ class GraphBackend:
         self.runner = runner
         self.numerics = numerics
         self.specs = list(specs)
-        self.qkv_g = {s.index: s for s in specs if s.kind == QKV}
-        self.post_g = {s.index: s for s in specs if s.kind in (POST, STEP)}
-        self.head_g = sorted((s for s in specs if s.kind == HEAD), key=lambda s: s.vocab)
+        self.qkv_g = {s.index: s for s in specs if s.kind in (QKV, QKV_N)}
+        self.post_g = {s.index: s for s in specs if s.kind in (POST, STEP, O)}
+        self.mlp_g = {s.index: s for s in specs if s.kind == MLP}
+        self.head_g = sorted((s for s in specs if s.kind in (HEAD, HEAD_N)), key=lambda s: s.vocab)
+        self.side = cpu_side
+        if cpu_side is None and any(s.kind in (QKV_N, O, MLP, HEAD_N) for s in specs):
+            raise ConfigError("graphs with the norms on the CPU (w8a8) need their cpu_side.npz")
         self.chunk_sizes: tuple[int, ...] = self.qkv_g[0].rows if self.qkv_g else ()
         self.calls: dict[tuple[str, int], int] = {}  # (graph, rows) -> count, for benchmarks
 
@@ -62,7 +84,10 @@ class GraphBackend:
         if not self.head_g or self.head_g[-1].vocab[1] != args.vocab_size:
             raise ConfigError(f"head graphs cover vocab {self.head_g[-1].vocab if self.head_g else None}, "
                               f"the model has {args.vocab_size}")
+        if self.mlp_g and sorted(self.mlp_g) != list(range(n)):
+            raise ConfigError(f"mlp graphs cover layers {sorted(self.mlp_g)}, the model has {n}")
         self.q_dim, self.kv_dim = args.q_dim, args.kv_dim
+        self.eps = np.float32(args.rms_norm_eps)
         name = f"{args.weight_prefix}embed_tokens.weight"
         if self.mapped_embedding:
             self.table = weights.pop_rows(name)
@@ -88,6 +113,8 @@ class GraphBackend:
             raise ConfigError(f"layer {layer}'s qkv is computed only inside {layer_name(layer - 1, STEP)}; a "
                               "caller that changes h between the two layers (DeepStack image rows) needs graphs "
                               "with a qkv graph of its own there (graph_specs(unfused=N)): rebuild them")
+        if spec.kind == QKV_N:
+            x = rms_norm(x, self.side.in_gain[layer], self.eps)
         (y,) = self._call(spec, [x])
         return self._split(y)
 
@@ -98,6 +125,13 @@ class GraphBackend:
             outs = self._call(spec, [attn, x])
             # a step with a qkv output computes it whether or not the caller will use it
             return outs[0], (self._split(outs[1]) if fuse_next and len(outs) > 1 else None)
+        if spec.kind == O:  # norms and scales on the CPU (cpu_side.py): (x + o) + m as below
+            side = self.side
+            (o,) = self._call(spec, [attn * side.attn_scale[layer]])
+            out = x + o
+            (m,) = self._call(self.mlp_g[layer], [rms_norm(out, side.post_gain[layer], self.eps)])
+            out += m * side.out_scale[layer]
+            return out, None
         o, m = self._call(spec, [attn, x])
         out = x + o  # the residual stream stays float32: (x + o) + m, as the CPU backend adds
         out += m
@@ -108,6 +142,8 @@ class GraphBackend:
         return y[:, :q], y[:, q:q + kv], y[:, q + kv:]
 
     def logits(self, x: np.ndarray) -> np.ndarray:
+        if self.head_g[0].kind == HEAD_N:
+            x = rms_norm(x, self.side.final_gain, self.eps)
         parts = [self._call(spec, [x])[0] for spec in self.head_g]
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
 

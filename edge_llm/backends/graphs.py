@@ -13,6 +13,13 @@ or, fused (the quantized CPU backend, docs/quantization.md: half the runtime cal
 - `layerLL.step`: attn (T, q_dim), x (T, hidden) -> h (T, hidden), qkv (T, q_dim + 2 kv_dim)
                   h = x + attn_out + mlp_out (in that order, float32); qkv = layer LL+1's qkv of h
                   (the last layer's step has no qkv output)
+or, for int8 graphs (w8a8 on the NPU, docs/npu.md "w8a8"), the norms on the CPU and pure
+matmul graphs, so no int8 tensor ever holds the residual stream (its massive activations would
+set every static scale), per layer
+- `layerLL.qkv_n`: xn (T, hidden) -> qkv: xn = RMSNorm(x) with the gain (and smoothing) on the CPU
+- `layerLL.o`:     attn (T, q_dim) -> attn_out (T, hidden)
+- `layerLL.mlp`:   hn (T, hidden) -> mlp_out (T, hidden): SwiGLU of hn = RMSNorm(x + attn_out)
+and `head_n` / `head_n.P`: xn (T, hidden) -> logits (the final RMSNorm on the CPU);
 and one head (or `--head-split N` parts over vocab ranges):
 - `head` / `head.P`: x (T, hidden) -> logits (T, vocab part), final RMSNorm + lm_head
 The quantized CPU backend adds one graph for one-row steps (decode_export.py):
@@ -40,9 +47,12 @@ from edge_llm.config import ModelArgs
 from edge_llm.errors import ConfigError
 
 QKV, POST, HEAD, STEP, DECODE = "qkv", "post", "head", "step", "decode"
-INPUTS: dict[str, tuple[str, ...]] = {QKV: ("x",), POST: ("attn", "x"), HEAD: ("x",), STEP: ("attn", "x")}
+QKV_N, O, MLP, HEAD_N = "qkv_n", "o", "mlp", "head_n"  # the norms-on-the-CPU partition
+INPUTS: dict[str, tuple[str, ...]] = {QKV: ("x",), POST: ("attn", "x"), HEAD: ("x",), STEP: ("attn", "x"),
+                                      QKV_N: ("xn",), O: ("attn",), MLP: ("hn",), HEAD_N: ("xn",)}
 OUTPUTS: dict[str, tuple[str, ...]] = {QKV: ("qkv",), POST: ("attn_out", "mlp_out"), HEAD: ("logits",),
-                                       STEP: ("h", "qkv")}
+                                       STEP: ("h", "qkv"), QKV_N: ("qkv",), O: ("attn_out",), MLP: ("mlp_out",),
+                                       HEAD_N: ("logits",)}
 DEFAULT_CHUNKS: tuple[int, ...] = (1, 32, 128)
 HEAD_ROWS: tuple[int, ...] = (1,)
 OPSET = 13
@@ -72,8 +82,12 @@ def capture_key(spec: GraphSpec) -> str:
         return layer_name(spec.index, QKV)
     if spec.kind in (POST, STEP):
         return layer_name(spec.index, POST)
-    if spec.kind == HEAD:
+    if spec.kind in (HEAD, HEAD_N):
         return HEAD
+    if spec.kind == QKV_N:
+        return layer_name(spec.index, QKV)
+    if spec.kind in (O, MLP):
+        return layer_name(spec.index, POST)
     raise ValueError(f"graph kind {spec.kind} takes no seam call's inputs")
 
 
@@ -90,8 +104,8 @@ def decode_spec(args: ModelArgs) -> GraphSpec:
                      (("logits", args.vocab_size),), (0, args.vocab_size))
 
 
-def head_name(part: int, parts: int) -> str:
-    return HEAD if parts == 1 else f"{HEAD}.{part}"
+def head_name(part: int, parts: int, kind: str = HEAD) -> str:
+    return kind if parts == 1 else f"{kind}.{part}"
 
 
 def head_ranges(vocab: int, parts: int) -> list[tuple[int, int]]:
@@ -118,9 +132,10 @@ def check_chunks(chunks: tuple[int, ...] | list[int]) -> tuple[int, ...]:
 
 
 def graph_specs(args: ModelArgs, chunks: tuple[int, ...] | None = DEFAULT_CHUNKS, layers: int | None = None,
-                head_split: int = 1, fused: bool = False, unfused: int = 0) -> list[GraphSpec]:
-    """Every graph of a model in execution order: qkv/post per layer (or qkv + fused steps),
-    then the head part(s). `chunks=None`: dynamic row counts. `unfused`: the first N layers'
+                head_split: int = 1, fused: bool = False, unfused: int = 0,
+                cpu_norm: bool = False) -> list[GraphSpec]:
+    """Every graph of a model in execution order: qkv/post per layer (or qkv + fused steps, or
+    with `cpu_norm` qkv_n/o/mlp), then the head part(s). `chunks=None`: dynamic row counts. `unfused`: the first N layers'
     steps leave the next qkv to a graph of its own, because the decoder may change h after them
     (Qwen3-VL adds DeepStack image rows after layers 0..N-1, and then calls post with
     fuse_next=False and qkv for the next layer: that qkv needs a graph)."""
@@ -139,13 +154,18 @@ def graph_specs(args: ModelArgs, chunks: tuple[int, ...] | None = DEFAULT_CHUNKS
             out.append(GraphSpec(layer_name(i, STEP), STEP, i, chunks, (("attn", args.q_dim), ("x", h)), outs))
             if i + 1 < n and not fuse_next:
                 out.append(GraphSpec(layer_name(i + 1, QKV), QKV, i + 1, chunks, (("x", h),), (("qkv", qkv),)))
-    for i in range(n if not fused else 0):
+    for i in range(n if cpu_norm else 0):
+        out.append(GraphSpec(layer_name(i, QKV_N), QKV_N, i, chunks, (("xn", h),), (("qkv", qkv),)))
+        out.append(GraphSpec(layer_name(i, O), O, i, chunks, (("attn", args.q_dim),), (("attn_out", h),)))
+        out.append(GraphSpec(layer_name(i, MLP), MLP, i, chunks, (("hn", h),), (("mlp_out", h),)))
+    for i in range(n if not (fused or cpu_norm) else 0):
         out.append(GraphSpec(layer_name(i, QKV), QKV, i, chunks, (("x", h),), (("qkv", qkv),)))
         out.append(GraphSpec(layer_name(i, POST), POST, i, chunks, (("attn", args.q_dim), ("x", h)),
                              (("attn_out", h), ("mlp_out", h))))
     ranges = head_ranges(args.vocab_size, head_split)
+    kind, x = (HEAD_N, "xn") if cpu_norm else (HEAD, "x")
     for p, (lo, hi) in enumerate(ranges):
-        out.append(GraphSpec(head_name(p, len(ranges)), HEAD, p, head_rows, (("x", h),),
+        out.append(GraphSpec(head_name(p, len(ranges), kind), kind, p, head_rows, ((x, h),),
                              (("logits", hi - lo),), vocab=(lo, hi)))
     return out
 

@@ -31,6 +31,9 @@ MANIFEST = "manifest.json"
 TARGET = "rk3588"
 
 
+CALIB_DIR = "calib"  # int8 builds: every graph's calibration inputs, <graph>.npz
+
+
 @dataclass
 class GraphEntry:
     name: str
@@ -51,6 +54,7 @@ class GraphEntry:
     cost: list | None = None  # compiler tables: one per static shape
     build_seconds: float | None = None
     ranges: dict | None = None  # max |value| on real activations: inputs, outputs, intermediates
+    dtype: str | None = None  # this graph's build dtype when it differs from the manifest's (w8a8 fallback)
 
     def spec(self) -> GraphSpec:
         return GraphSpec(self.name, self.kind, self.index, tuple(self.rows),
@@ -72,6 +76,19 @@ class Manifest:
     build: dict[str, Any] = field(default_factory=dict)  # times, peak RSS: informational
     # the converter's fp16 range check (source text, tokens, limit); empty: never checked
     calibration: dict[str, Any] = field(default_factory=dict)
+    # int8 builds (dtype w8a8): toolkit algorithm/method, smoothing, calibration digest, cpu_side digest
+    quant: dict[str, Any] = field(default_factory=dict)
+
+    def graph_dtype(self, g: GraphEntry) -> str:
+        return g.dtype or self.dtype
+
+    def quant_request(self, root: Path, g: GraphEntry) -> dict[str, Any] | None:
+        """The toolkit worker's "quant" field for building `g` (None: fp16): its calibration
+        inputs are `calib/<graph>.npz` under `root` (written by the converter)."""
+        if self.graph_dtype(g) == "float16":
+            return None
+        return {"dtype": self.graph_dtype(g), "algorithm": self.quant["algorithm"], "method": self.quant["method"],
+                "max_samples": self.quant["max_samples"], "dataset": str(Path(root).resolve() / CALIB_DIR / f"{g.name}.npz")}
 
     def specs(self) -> list[GraphSpec]:
         return [g.spec() for g in self.graphs]
@@ -81,7 +98,9 @@ class Manifest:
         doc = {"format": self.format, "target": self.target, "dtype": self.dtype, "toolkit": self.toolkit,
                "chunks": self.chunks, "head_split": self.head_split,
                "weights": self.model.get("weights_sha256"),
-               "graphs": [[g.name, g.input_key, g.rows] for g in self.graphs]}
+               "graphs": [[g.name, g.input_key, g.rows] + ([g.dtype] if g.dtype else []) for g in self.graphs]}
+        if self.quant:  # absent for fp16 directories: their identity is unchanged
+            doc["quant"] = self.quant
         blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

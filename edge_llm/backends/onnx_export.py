@@ -371,20 +371,26 @@ def export_graph_set(model_dir: str | Path, out_dir: str | Path, chunks: tuple[i
     The manifest identity hashes each graph's ONNX bytes, so another `linear` (e.g. quantized
     weights) gives another identity, and so another snapshot namespace. `manifest_fields`
     (target, dtype, build) describe graphs made for another runtime than the NPU."""
-    from edge_llm.weights import weight_digest
-
     root = Path(out_dir)
-    args = ModelArgs.from_dir(model_dir)
     exported = export_model(model_dir, root / "onnx", chunks, layers, head_split, linear=linear,
                             samples=samples, progress=progress, fused=fused, unfused=unfused, norm=norm)
+    m = manifest_for(model_dir, root, exported, layers, head_split, **manifest_fields)
+    m.write(root)
+    return m
+
+
+def manifest_for(model_dir: str | Path, root: Path, exported: list[Exported], layers: int | None, head_split: int,
+                 **manifest_fields) -> Manifest:
+    """The manifest of exported graphs (paths relative to `root`), not yet written."""
+    from edge_llm.weights import weight_digest
+
+    args = ModelArgs.from_dir(model_dir)
     entries = [GraphEntry(name=e.spec.name, kind=e.spec.kind, index=e.spec.index, rows=list(e.spec.rows),
                           inputs=[list(i) for i in e.spec.inputs], outputs=[list(o) for o in e.spec.outputs],
                           vocab=list(e.spec.vocab), onnx=str(e.onnx.relative_to(root)),
                           input_key=e.input_key, onnx_bytes=e.nbytes) for e in exported]
-    m = Manifest(model={"name": Path(model_dir).resolve().name, "model_type": args.model_type,
-                        "weights_sha256": weight_digest(model_dir),
-                        "config": json.loads(json.dumps(args.identity_fields()))},
-                 chunks=list(exported[0].spec.rows), layers=layers or args.num_hidden_layers,
-                 head_split=head_split, graphs=entries, **manifest_fields)
-    m.write(root)
-    return m
+    return Manifest(model={"name": Path(model_dir).resolve().name, "model_type": args.model_type,
+                           "weights_sha256": weight_digest(model_dir),
+                           "config": json.loads(json.dumps(args.identity_fields()))},
+                    chunks=list(exported[0].spec.rows), layers=layers or args.num_hidden_layers,
+                    head_split=head_split, graphs=entries, **manifest_fields)

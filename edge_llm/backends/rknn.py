@@ -70,14 +70,22 @@ def open_rknn(rknn_dir: str | Path, runner: str = "auto", model_dir: str | Path 
         from edge_llm.backends.runners import SimRunner
 
         m.check_fp16(root)
-        r = SimRunner(specs, m.onnx_files(root), python=converter_python, progress=progress)
+        quant = {g.name: m.quant_request(root, g) for g in m.graphs}
+        r = SimRunner(specs, m.onnx_files(root), python=converter_python, progress=progress, quant=quant,
+                      dtype="fp16" if m.dtype == "float16" else m.dtype)
     elif runner == "onnxruntime":
         from edge_llm.backends.runners import OrtRunner
 
         r = OrtRunner(m.onnx_files(root), threads=threads)
     else:
         raise ConfigError(f"unknown rknn runner {runner!r} (choose from {', '.join(RUNNERS)})")
-    return GraphBackend("rknn", specs, r, f"rknn:{m.identity()}:{r.numerics}", forward_cost=compiler_cost(m))
+    side = None
+    if m.dtype != "float16":
+        from edge_llm.backends.cpu_side import CpuSide
+
+        side = CpuSide.load(root, m.layers)
+    return GraphBackend("rknn", specs, r, f"rknn:{m.identity()}:{r.numerics}", forward_cost=compiler_cost(m),
+                        cpu_side=side)
 
 
 def compiler_cycles(m: Manifest, rows: int) -> int | None:

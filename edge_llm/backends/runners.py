@@ -206,27 +206,31 @@ def compile_request(spec: GraphSpec, onnx_path: Path, **extra: Any) -> dict[str,
 
 
 class SimRunner:
-    """The rknn-toolkit2 simulator (fp16) over the ONNX graphs, in a converter-venv worker.
+    """The rknn-toolkit2 simulator (fp16, or w8a8 for graphs given a "quant" request) over the
+    ONNX graphs, in a converter-venv worker.
 
     Builds every graph from ONNX at start (the simulator cannot load `.rknn` files), so start-up
-    takes as long as a conversion without export; meant for tests and for checking numerics.
+    takes as long as a conversion without export; meant for tests and for checking numerics. An
+    int8 graph is quantized again from the converter's calibration inputs (`calib/`).
     """
 
     name = "rknn-sim"
     act_dtype = np.float16
 
     def __init__(self, specs: Sequence[GraphSpec], onnx_files: Mapping[str, Path],
-                 python: str | Path | None = None, progress=None):
+                 python: str | Path | None = None, progress=None, quant: Mapping[str, dict | None] | None = None,
+                 dtype: str = "fp16"):
         self.worker = ToolkitWorker(python)
         try:
             for spec in specs:
                 if progress:
                     progress(spec)
-                self.worker.call({"op": "load", **compile_request(spec, onnx_files[spec.name])})
+                q = (quant or {}).get(spec.name)
+                self.worker.call({"op": "load", **compile_request(spec, onnx_files[spec.name], quant=q)})
         except BaseException:
             self.worker.close()
             raise
-        self.numerics = f"rknn-sim-{self.worker.version}-fp16"
+        self.numerics = f"rknn-sim-{self.worker.version}-{dtype}"
 
     def run(self, spec: GraphSpec, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
         rows = check_inputs(spec, inputs)

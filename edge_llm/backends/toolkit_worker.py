@@ -4,7 +4,7 @@ Started as `<converter python> toolkit_worker.py READ_FD WRITE_FD` by the conver
 (`edge-llm convert rknn`) and by the simulator runner. It imports only the standard library,
 numpy, the toolkit (`rknn.api`) and `wire.py` from its own directory. Requests (wire messages):
 
-- {"op": "build", ...}: ONNX -> fp16 `.rknn` for rk3588 with one static shape per row count
+- {"op": "build", ...}: ONNX -> fp16 (or, with "quant", w8a8) `.rknn` for rk3588 with one static shape per row count
   (rknn `dynamic_input`, so the shapes share one weight copy), the compiler's per-op cycle
   table per shape (its cost estimate), the ops it placed on the CPU, and, given sample inputs
   and reference outputs, the simulator's accuracy per shape.
@@ -65,20 +65,48 @@ def _capture_fds(path: str):
             os.close(f)
 
 
+def _dataset(req: dict, quant: dict, tmp: str) -> str:
+    """The toolkit's dataset file: one line per sample of the largest shape, `.npy` paths of its
+    inputs separated by spaces, cut from the calibration inputs (all rows) in quant["dataset"]."""
+    r = max(req["rows"])
+    with np.load(quant["dataset"]) as z:
+        arrays = [np.asarray(z[n], dtype=np.float32) for n, _ in req["inputs"]]
+    n = min(len(arrays[0]) // r, int(quant.get("max_samples", 64)))
+    lines = []
+    for k in range(max(n, 1)):
+        paths = []
+        for name, a in zip((n_ for n_, _ in req["inputs"]), arrays):
+            p = os.path.join(tmp, f"{name}.{k}.npy")
+            np.save(p, np.ascontiguousarray(a[k * r:(k + 1) * r]))
+            paths.append(p)
+        lines.append(" ".join(paths))
+    path = os.path.join(tmp, "dataset.txt")
+    Path(path).write_text("\n".join(lines) + "\n")
+    return path
+
+
 def _compile(req: dict, verbose: bool = False):
+    """Build one graph: fp16, or with req["quant"] = {dtype, algorithm, method, dataset} int8."""
     from rknn.api import RKNN
 
     rk = RKNN(verbose=verbose)
     rows, inputs = req["rows"], req["inputs"]  # inputs: [[name, width], ...]
     dyn = [[[r, w] for _, w in inputs] for r in rows] if len(rows) > 1 else None
+    quant = req.get("quant")
+    qargs = ({"quantized_dtype": quant["dtype"], "quantized_algorithm": quant["algorithm"],
+              "quantized_method": quant["method"]} if quant else {})
     _check(rk.config(target_platform=TARGET, float_dtype="float16", dynamic_input=dyn,
-                     optimization_level=3), "config")
+                     optimization_level=3, **qargs), "config")
     if dyn:  # input order and widths come from the ONNX graph itself
         _check(rk.load_onnx(model=req["onnx"]), "load_onnx")
     else:
         _check(rk.load_onnx(model=req["onnx"], inputs=[n for n, _ in inputs],
                             input_size_list=[[rows[0], w] for _, w in inputs]), "load_onnx")
-    _check(rk.build(do_quantization=False), "build")
+    if not quant:
+        _check(rk.build(do_quantization=False), "build")
+        return rk
+    with tempfile.TemporaryDirectory(prefix="edge-llm-calib-") as tmp:
+        _check(rk.build(do_quantization=True, dataset=_dataset(req, quant, tmp)), "build (quantized)")
     return rk
 
 
@@ -126,10 +154,16 @@ def _accuracy(rk, req: dict, samples: dict) -> dict:
             ref = samples[f"out.{name}"][:r].astype(np.float64)
             y = np.asarray(y, dtype=np.float64).reshape(ref.shape)
             d = np.abs(y - ref)
+            # per row too: one row with massive values dominates the whole-block cosine
+            norms = np.linalg.norm(y, axis=1) * np.linalg.norm(ref, axis=1)
+            live = norms > 0
+            rows_cos = (y * ref).sum(axis=1)[live] / norms[live] if live.any() else np.ones(1)
             per[name] = {
                 "max_rel": float(d.max() / max(np.abs(ref).max(), 1e-30)),
                 "mean_rel": float(d.mean() / max(np.abs(ref).mean(), 1e-30)),
                 "cosine": float((y * ref).sum() / max(np.linalg.norm(y) * np.linalg.norm(ref), 1e-30)),
+                "row_cosine_mean": float(rows_cos.mean()),
+                "row_cosine_min": float(rows_cos.min()),
             }
         out[str(r)] = per
     return out

@@ -42,9 +42,17 @@ def convert() -> None:
               help="Calibration tokens (the text as a chat user message, cut to N).")
 @click.option("--fp16-headroom", type=click.FloatRange(1.0), default=2.0, show_default=True,
               help="Refuse a graph whose largest tensor on the calibration text passes 65504 / this.")
+@click.option("--dtype", type=click.Choice(["float16", "w8a8"]), default="float16", show_default=True,
+              help="float16, or w8a8 (int8 weights and activations; norms on the CPU; docs/npu.md 'w8a8').")
+@click.option("--quant-algorithm", type=click.Choice(["normal", "mmse", "kl_divergence"]), default="normal",
+              show_default=True, help="w8a8: rknn-toolkit2's quantized_algorithm (activation ranges).")
+@click.option("--quant-method", type=click.Choice(["channel", "layer"]), default="channel", show_default=True,
+              help="w8a8: weight scales per output channel or per tensor.")
+@click.option("--w8a8-min-cosine", type=click.FloatRange(0.0, 1.0), default=0.99, show_default=True,
+              help="w8a8: a graph whose mean per-row cosine on the calibration rows is below this is built fp16.")
 @click.option("-v", "--verbose", is_flag=True)
 def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, no_accuracy, calib_text,
-             calib_tokens, fp16_headroom, verbose) -> None:
+             calib_tokens, fp16_headroom, dtype, quant_algorithm, quant_method, w8a8_min_cosine, verbose) -> None:
     """Export ONNX graphs from MODEL_DIR's F32 weights, check every tensor's range on real
     activations, build fp16 .rknn files for rk3588 with rknn-toolkit2 (in the converter venv),
     check each in the simulator; write OUT_DIR/manifest.json and OUT_DIR/report.md. A full
@@ -83,7 +91,7 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
     if head_gb > 1.0:
         console.print(f"[yellow]note: each lm_head graph holds {head_gb:.1f} GB of F32 weights; exporting and "
                       f"compiling it needs several times that in RAM (use --head-split N to lower it)[/yellow]")
-    n_graphs = 2 * (layers or args.num_hidden_layers) + head_split
+    n_graphs = (3 if dtype == "w8a8" else 2) * (layers or args.num_hidden_layers) + head_split
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as prog:
         phases = {"calibrate": ("run the F32 model on the calibration text", 1), "export": ("export ONNX", n_graphs),
@@ -101,12 +109,13 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
             m = convert_rknn(model_dir, out_dir, tuple(int_list(chunks)), layers=layers, head_split=head_split,
                              converter_python=converter_python, accuracy=not no_accuracy, progress=step,
                              calib_text=Path(calib_text).read_text(encoding="utf-8") if calib_text else None,
-                             calib_tokens=calib_tokens, headroom=fp16_headroom)
+                             calib_tokens=calib_tokens, headroom=fp16_headroom, dtype=dtype,
+                             algorithm=quant_algorithm, method=quant_method, min_cosine=w8a8_min_cosine)
         except EdgeLLMError as e:
             raise click.ClickException(str(e)) from None
         prog.update(tasks["build"], completed=n_graphs, description="build .rknn + simulate")
     bad = []
-    for g in m.graphs:
+    for g in (g for g in m.graphs if m.graph_dtype(g) == "float16"):  # int8 graphs: the w8a8 line below
         w = worst(g)
         if w is not None and w["max_rel"] > FP16_REL_LIMIT:
             bad.append(f"{g.name} max rel {w['max_rel']:.2e}")
@@ -120,6 +129,10 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
     if ranges:
         head, name, where = min(ranges)
         click.echo(f"fp16 range on real activations: smallest headroom {head:.2f}x ({name}, {where})")
+    if m.quant:
+        fp16 = m.quant.get("fp16_graphs", {})
+        click.echo(f"w8a8: {len(m.graphs) - len(fp16)} graphs int8, {len(fp16)} fp16 "
+                   f"(mean row cosine below {m.quant['min_cosine']}: {', '.join(fp16) or 'none'})")
     click.echo(f"report: {out_dir}/report.md")
     if bad:
         console.print(f"[yellow]above the fp16 expectation ({FP16_REL_LIMIT:g}): {'; '.join(bad)}[/yellow]")

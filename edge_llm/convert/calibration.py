@@ -163,13 +163,15 @@ def tensor_ranges(onnx_path: Path, spec: GraphSpec, inputs: Sequence[np.ndarray]
                                     key=lambda t: -t[2])}
 
 
-def record_ranges(m: Manifest, root: Path, cap: Capture,
+def record_ranges(m: Manifest, root: Path, cap: Capture | Callable[[GraphSpec], list[np.ndarray]],
                   progress: Callable[[int, str], None] = lambda _i, _n: None) -> dict[str, dict]:
-    """`tensor_ranges` of every graph of `m` (ONNX under `root`) on the captured inputs, stored
-    in each graph's `ranges`; returns {graph name: ranges} for `check_ranges`."""
+    """`tensor_ranges` of every graph of `m` (ONNX under `root`) on the captured inputs (or on
+    what `cap(spec)` gives: graphs whose inputs the CPU derives from them, convert/w8a8.py),
+    stored in each graph's `ranges`; returns {graph name: ranges} for `check_ranges`."""
+    inputs_for = cap.for_spec if isinstance(cap, Capture) else cap
     for i, g in enumerate(m.graphs):
         progress(i, g.name)
-        g.ranges = tensor_ranges(root / g.onnx, g.spec(), cap.for_spec(g.spec()))
+        g.ranges = tensor_ranges(root / g.onnx, g.spec(), inputs_for(g.spec()))
     return {g.name: g.ranges for g in m.graphs}
 
 

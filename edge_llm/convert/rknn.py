@@ -36,8 +36,18 @@ log = logging.getLogger(__name__)
 Progress = Callable[[str, str, int, int], None]
 
 
-def build_key(entry: GraphEntry, toolkit: str, target: str, dtype: str) -> str:
-    doc = [entry.input_key, entry.rows, entry.inputs, entry.outputs, toolkit, target, dtype]
+DTYPES = ("float16", "w8a8")
+ALGORITHMS = ("normal", "mmse", "kl_divergence")  # rknn-toolkit2's quantized_algorithm
+METHODS = ("channel", "layer")  # its quantized_method (weights: per channel or per tensor)
+MIN_COSINE = 0.99  # a w8a8 graph below this mean per-row cosine on calibration rows is built fp16
+MAX_SAMPLES = 64  # calibration samples (of the largest shape) per graph
+
+
+def build_key(entry: GraphEntry, toolkit: str, target: str, dtype: str, quant: dict | None = None) -> str:
+    q = None if quant is None else {k: v for k, v in quant.items() if k != "dataset"}
+    if quant is not None:  # the calibration inputs are part of what the build is made from
+        q["dataset_sha256"] = hashlib.sha256(Path(quant["dataset"]).read_bytes()).hexdigest()
+    doc = [entry.input_key, entry.rows, entry.inputs, entry.outputs, toolkit, target, dtype] + ([q] if q else [])
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
@@ -51,10 +61,16 @@ def _peak_rss_mb() -> float:
 def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, ...], layers: int | None = None,
                  head_split: int = 1, converter_python: str | None = None, accuracy: bool = True,
                  progress: Progress | None = None, calib_text: str | None = None,
-                 calib_tokens: int = C.CALIB_TOKENS, headroom: float = C.HEADROOM) -> Manifest:
+                 calib_tokens: int = C.CALIB_TOKENS, headroom: float = C.HEADROOM, dtype: str = "float16",
+                 algorithm: str = "normal", method: str = "channel", min_cosine: float = MIN_COSINE) -> Manifest:
     """Calibrate + export + range-check + build every graph; write manifest.json and report.md.
     Returns the manifest. Raises `calibration.RangeError` (after writing the report) when a
-    graph's tensor passes FP16_MAX / headroom on the calibration text, before any build."""
+    graph's tensor passes FP16_MAX / headroom on the calibration text, before any build.
+    `dtype="w8a8"`: the norms-on-the-CPU graphs (`convert/w8a8.py`) quantized by the toolkit
+    (`algorithm`, `method`) on the calibration activations; a graph whose mean per-row cosine on
+    them stays below `min_cosine` is built fp16 instead."""
+    if dtype not in DTYPES or algorithm not in ALGORITHMS or method not in METHODS:
+        raise ValueError(f"dtype {dtype!r}, algorithm {algorithm!r}, method {method!r}")
     out = Path(out_dir).resolve()  # the toolkit worker runs in a directory of its own
     (out / "rknn").mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -69,9 +85,21 @@ def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
     ids, source = C.calibration_ids(model_dir, calib_text, calib_tokens)
     cap = C.capture(model_dir, ids, source)
     t_calib = time.perf_counter() - t0
-    m = export_graph_set(model_dir, out, chunks, layers, head_split, samples=cap.samples() if accuracy else None,
-                         progress=on_export)
-    C.record_ranges(m, out, cap, progress=lambda i, name: step("ranges", name, i, len(m.graphs)))
+    if dtype == "w8a8":
+        from edge_llm.convert.w8a8 import ALPHA, export_w8a8, write_datasets
+
+        ex = export_w8a8(model_dir, out, chunks, layers, head_split, cap, progress=on_export)
+        m, inputs_for = ex.manifest, (lambda spec: ex.inputs[spec.name])
+        m.dtype = dtype
+        write_datasets(out, m, ex.inputs)
+        m.quant = {"algorithm": algorithm, "method": method, "alpha": ALPHA, "max_samples": MAX_SAMPLES,
+                   "min_cosine": min_cosine, "cpu_side_sha256": ex.side.save(out),
+                   "calibration_sha256": hashlib.sha256(json.dumps(list(map(int, ids))).encode()).hexdigest()}
+    else:
+        m = export_graph_set(model_dir, out, chunks, layers, head_split, samples=cap.samples() if accuracy else None,
+                             progress=on_export)
+        inputs_for = cap.for_spec
+    C.record_ranges(m, out, inputs_for, progress=lambda i, name: step("ranges", name, i, len(m.graphs)))
     m.calibration = {"source": source, "tokens": cap.tokens, "fp16_max": C.FP16_MAX, "headroom": headroom}
     del cap
     t_export = time.perf_counter() - t0
@@ -85,20 +113,15 @@ def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
         m.toolkit = worker.version
         for i, g in enumerate(m.graphs):
             step("build", g.name, i, len(m.graphs))
-            key = build_key(g, m.toolkit, m.target, m.dtype)
-            rel = f"rknn/{g.name}-{key[:16]}.rknn"
-            record = out / (rel + ".json")
-            res = _cached(out / rel, record)
-            if res is None:
-                samples = out / g.onnx.replace(".onnx", ".samples.npz") if accuracy else None
-                req = compile_request(g.spec(), out / g.onnx, out=str(out / rel),
-                                      samples=str(samples) if samples and samples.is_file() else None)
-                res, _ = worker.call({"op": "build", **req})
-                res.pop("ok", None)
-                record.write_text(json.dumps(res, indent=1) + "\n")
-                built += 1
-            else:
-                reused += 1
+            res, key, rel, fresh = _build(worker, m, g, out, accuracy or dtype != "float16")
+            if dtype != "float16" and (cos := _row_cosine(res)) < min_cosine:
+                log.info("%s: w8a8 mean row cosine %.4f < %.4f on the calibration rows: built fp16", g.name,
+                         cos, min_cosine)
+                m.quant.setdefault("fp16_graphs", {})[g.name] = round(cos, 5)
+                g.dtype = "float16"
+                res, key, rel, fresh2 = _build(worker, m, g, out, accuracy)
+                fresh = fresh or fresh2
+            built, reused = built + fresh, reused + (not fresh)
             g.rknn, g.build_key, g.rknn_sha256, g.rknn_bytes = rel, key, res["sha256"], res["bytes"]
             g.accuracy, g.cost, g.build_seconds = res.get("accuracy"), res.get("cost"), res.get("build_seconds")
     finally:
@@ -112,6 +135,33 @@ def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
     log.info("converted %d graphs (%d built, %d reused) in %.1f s -> %s", len(m.graphs), built, reused,
              m.build["total_seconds"], out)
     return m
+
+
+def _build(worker: ToolkitWorker, m: Manifest, g: GraphEntry, out: Path, accuracy: bool) -> tuple[dict, str, str, bool]:
+    """Build `g` (or reuse an intact build of the same key): (result, key, .rknn path, built now)."""
+    quant = m.quant_request(out, g)
+    key = build_key(g, m.toolkit, m.target, m.graph_dtype(g), quant)
+    rel = f"rknn/{g.name}-{key[:16]}.rknn"
+    record = out / (rel + ".json")
+    res = _cached(out / rel, record)
+    if res is not None:
+        return res, key, rel, False
+    samples = out / g.onnx.replace(".onnx", ".samples.npz") if accuracy else None
+    req = compile_request(g.spec(), out / g.onnx, out=str(out / rel), quant=quant,
+                          samples=str(samples) if samples and samples.is_file() else None)
+    res, _ = worker.call({"op": "build", **req})
+    res.pop("ok", None)
+    record.write_text(json.dumps(res, indent=1) + "\n")
+    return res, key, rel, True
+
+
+def _row_cosine(res: dict) -> float:
+    """The smallest mean per-row cosine of any output at the largest shape (1.0 without samples)."""
+    acc = res.get("accuracy") or {}
+    if not acc:
+        return 1.0
+    per = acc[max(acc, key=int)]
+    return min(o.get("row_cosine_mean", o["cosine"]) for o in per.values())
 
 
 def _cached(rknn: Path, record: Path) -> dict | None:

@@ -1,0 +1,63 @@
+"""What int8 graphs leave to the CPU: the RMSNorms and the per-channel scales around them.
+
+The norms-on-the-CPU partition (`graphs.py`: `qkv_n`, `o`, `mlp`, `head_n`; docs/npu.md, "w8a8")
+feeds the NPU only rows whose range is set by the model's weights, never the residual stream. A
+w8a8 graph quantizes its input with one static scale per tensor, and the residual stream of a
+real checkpoint carries massive activations (about 24,900 in one channel of SmolLM2-135M's first
+row): a scale that holds them rounds every ordinary row to zero. Per layer l, in float32:
+
+    xn   = RMSNorm(x, in_gain[l])        -> qkv_n(l)   (gain = norm weight / input smoothing)
+    o    = o(l)(attn * attn_scale[l])                  (attn_scale = 1 / smoothing of attn)
+    h    = x + o
+    hn   = RMSNorm(h, post_gain[l])      -> mlp(l)
+    out  = h + mlp(l)(hn) * out_scale[l]               (out_scale: the output channels' range)
+    logits = head_n(RMSNorm(x, final_gain))
+
+The graphs hold the weights multiplied by the matching factors (SmoothQuant-style migration of
+activation outliers into per-channel weight scales, exact in real arithmetic), so the CPU side and
+the graphs are made together by the converter (`convert/w8a8.py`) and stored together
+(`cpu_side.npz` beside `manifest.json`, its digest in the manifest identity).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edge_llm.errors import ConfigError
+
+FILE = "cpu_side.npz"
+_FIELDS = ("in_gain", "attn_scale", "post_gain", "out_scale")
+
+
+@dataclass
+class CpuSide:
+    """Per-layer float32 vectors (lists indexed by layer) and the final norm's gain."""
+
+    in_gain: list[np.ndarray]  # (hidden,)
+    attn_scale: list[np.ndarray]  # (q_dim,)
+    post_gain: list[np.ndarray]  # (hidden,)
+    out_scale: list[np.ndarray]  # (hidden,)
+    final_gain: np.ndarray  # (hidden,)
+
+    def save(self, root: Path) -> str:
+        arrays = {f"{k}.{i:02d}": np.asarray(v, np.float32) for k in _FIELDS for i, v in enumerate(getattr(self, k))}
+        arrays["final_gain"] = np.asarray(self.final_gain, np.float32)
+        np.savez(root / FILE, **arrays)
+        return digest(root)
+
+    @classmethod
+    def load(cls, root: Path, layers: int) -> "CpuSide":
+        try:
+            with np.load(root / FILE) as z:
+                fields = {k: [np.array(z[f"{k}.{i:02d}"], np.float32) for i in range(layers)] for k in _FIELDS}
+                return cls(**fields, final_gain=np.array(z["final_gain"], np.float32))
+        except (OSError, KeyError, ValueError) as e:
+            raise ConfigError(f"{root / FILE}: unreadable ({e}): re-run `edge-llm convert rknn --dtype w8a8`") from None
+
+
+def digest(root: Path) -> str:
+    return hashlib.sha256((root / FILE).read_bytes()).hexdigest()
