@@ -28,7 +28,7 @@ LAYERS = {
 # package -> its modules low to high: a module imports only modules listed before it
 # (`__init__` is the package's own __init__.py; a subpackage is one entry of its parent)
 ORDER = {
-    "backends": ["wire", "toolkit_worker", "graphs", "manifest", "cpu", "cpu_vision", "vision", "__init__",
+    "backends": ["wire", "toolkit_worker", "graphs", "manifest", "cpu", "cpu_side", "cpu_vision", "vision", "__init__",
                  "runners", "rknnlite", "graph", "rknn", "onnx_export", "quant", "quant_export", "attn_kernel",
                  "decode_export", "decode_step", "cpuq"],
     "snapshot": ["writer", "layout", "encode", "decode", "format", "inspect", "entries", "chains", "catalog",
@@ -39,7 +39,7 @@ ORDER = {
     "checkpoints": ["packaged", "gguf_header", "safetensors_writer", "gguf_import", "synth", "default",
                     "gguf_blocks", "__init__"],
     "vision": ["preprocess", "positions", "encoder", "model", "__init__"],
-    "convert": ["report", "calibration", "rknn", "__init__"],
+    "convert": ["report", "calibration", "w8a8", "rknn", "__init__"],
     "server": ["errors", "schemas", "metrics", "prefetch", "worker", "budget", "images", "streaming", "state", "app",
                "__init__"],
     "bench": ["disk", "procstat", "prompts", "models", "client", "throttle", "restore", "conversation", "ttft",

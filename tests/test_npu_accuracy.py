@@ -30,6 +30,9 @@ except ConfigError as e:  # `make test` builds it; a bare pytest run may not hav
 
 SIM_COSINE, SIM_TOP1, SIM_KL = 0.999, 0.98, 1e-3  # fp16 simulator vs F32 (measured: 0.99999+, 100 %, 2e-5)
 Q_COSINE, Q_TOP1, Q_KL = 0.998, 0.95, 0.005  # cpu-q vs F32 (measured: 0.99885, 98.0 %, 0.0029)
+# w8a8 in the simulator vs F32: floors under what it measures today (0.9858, 89.7 %, 0.040), not the
+# targets of docs/npu.md "w8a8" (top-1 >= 95 %, KL <= 0.005), which it does not reach yet
+W8_COSINE, W8_TOP1, W8_KL = 0.98, 0.85, 0.06
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +49,18 @@ def converted(default_dir, edge_home, tmp_path_factory):
                        env={**os.environ, "EDGE_LLM_HOME": str(edge_home)})
     assert r.returncode == 0, r.stderr[-3000:]
     assert not list(work.iterdir()), list(work.iterdir())  # the toolkit's check*.onnx dumps stay out
+    return out, r.stdout
+
+
+@pytest.fixture(scope="module")
+def converted_w8a8(default_dir, edge_home, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rknn-default-w8a8")
+    work = tmp_path_factory.mktemp("cwd8")
+    r = subprocess.run([sys.executable, "-m", "edge_llm", "convert", "rknn", str(default_dir), str(out), "--dtype",
+                        "w8a8"], capture_output=True, text=True, timeout=1800, cwd=work,
+                       env={**os.environ, "EDGE_LLM_HOME": str(edge_home)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not list(work.iterdir()), list(work.iterdir())
     return out, r.stdout
 
 
@@ -107,3 +122,40 @@ def test_cpu_q_agrees_with_cpu_on_the_default_model(default_dir, edge_home, monk
     f = accuracy.run(str(default_dir), "cpu-q", teacher_tokens=64, quant="q4f")
     assert "acc0" in f["numerics"] and f["min_cosine"] >= 0.99999
     assert f["answer"]["same_tokens"] and "Paris" in f["answer"]["other"]
+
+
+def test_w8a8_conversion_is_int8_where_it_holds_and_cheaper(converted, converted_w8a8):
+    """The int8 builds that keep their calibration rows are kept, the others are fp16 (and named);
+    the compiler predicts the int8 set cheaper than the fp16 one at every shape."""
+    from edge_llm.convert.report import predicted_ms
+
+    (out16, _), (out8, stdout) = converted, converted_w8a8
+    m16, m8 = Manifest.read(out16), Manifest.read(out8)
+    assert m8.dtype == "w8a8" and m8.identity() != m16.identity()
+    assert (out8 / "cpu_side.npz").is_file() and all((out8 / "calib" / f"{g.name}.npz").is_file() for g in m8.graphs)
+    fp16 = m8.quant["fp16_graphs"]
+    assert set(fp16) == {g.name for g in m8.graphs if g.dtype == "float16"}
+    assert all(v < m8.quant["min_cosine"] for v in fp16.values())
+    kept = [g for g in m8.graphs if m8.graph_dtype(g) == "w8a8"]
+    assert len(kept) >= 0.8 * len(m8.graphs), fp16
+    for g in kept:
+        per = g.accuracy[str(max(g.rows))]
+        assert min(o["row_cosine_mean"] for o in per.values()) >= m8.quant["min_cosine"], g.name
+    assert [g.name for g in m8.graphs if any(t["cpu_ops"] for t in g.cost)] == []
+    for rows in m8.chunks:
+        print(f"{rows} rows: fp16 {predicted_ms(m16, rows):.3f} ms, w8a8 {predicted_ms(m8, rows):.3f} ms")
+        assert predicted_ms(m8, rows) < 0.8 * predicted_ms(m16, rows)
+    assert sum(g.rknn_bytes for g in m8.graphs) < 0.8 * sum(g.rknn_bytes for g in m16.graphs)
+    assert "w8a8:" in stdout and "graphs int8" in stdout
+
+
+def test_w8a8_simulator_on_the_default_model(converted_w8a8, default_dir, record_property):
+    out, _ = converted_w8a8
+    res = accuracy.run(str(default_dir), "rknn", str(out), "sim", teacher_tokens=256)
+    print(accuracy.markdown(res))
+    for k in ("min_cosine",):
+        record_property(k, res[k])
+    assert "rknn-sim-2.5.0-w8a8" in res["numerics"]
+    assert res["min_cosine"] >= W8_COSINE and all(p["argmax_equal"] for p in res["prompts"])
+    assert res["teacher"]["top1"] >= W8_TOP1 and res["teacher"]["kl"] <= W8_KL
+    assert res["answer"]["same_tokens"] and "Paris" in res["answer"]["other"]

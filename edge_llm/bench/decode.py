@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from edge_llm.backends.graphs import HEAD
+from edge_llm.backends.graphs import HEAD, HEAD_N
 from edge_llm.backends.manifest import Manifest
 from edge_llm.backends.rknn import compiler_cycles
 from edge_llm.bench.npu import RKLLM
@@ -90,7 +90,7 @@ def npu_prediction(m: Manifest, spec: dict) -> dict:
     verify_rows = 1 + round(spec["drafted"] / v) if v else 1
     total = (spec["forwards"] - v) * plain_ms + v * npu_forward_ms(m, verify_rows)
     eff = (spec["tokens"] - 1) / (total / 1e3) if total else 0.0
-    head_rows = sorted({r for g in m.graphs if g.kind == HEAD for r in g.rows})
+    head_rows = sorted({r for g in m.graphs if g.kind in (HEAD, HEAD_N) for r in g.rows})
     return {"plain_tps": 1e3 / plain_ms, "effective_tps": eff, "verify_rows": verify_rows,
             "verify_ms": npu_forward_ms(m, verify_rows), "plain_ms": plain_ms, "head_rows": head_rows,
             "vs_rkllm": eff / RKLLM["decode_tok_s"]}

@@ -9,7 +9,7 @@ measured time on a board.
 
 from __future__ import annotations
 
-from edge_llm.backends.graphs import HEAD
+from edge_llm.backends.graphs import HEAD, HEAD_N
 from edge_llm.backends.manifest import GraphEntry, Manifest
 
 NPU_HZ = 1.0e9  # RK3588 NPU clock (max), cycles -> seconds
@@ -23,7 +23,9 @@ def worst(g: GraphEntry) -> dict[str, float] | None:
         return None
     vals = [v for per in g.accuracy.values() for v in per.values()]
     return {"max_rel": max(v["max_rel"] for v in vals), "mean_rel": max(v["mean_rel"] for v in vals),
-            "cosine": min(v["cosine"] for v in vals)}
+            "cosine": min(v["cosine"] for v in vals)} | (
+        {"row_cosine_mean": min(v["row_cosine_mean"] for v in vals), "row_cosine_min": min(v["row_cosine_min"] for v in vals)}
+        if all("row_cosine_mean" in v for v in vals) else {})
 
 
 def cycles(g: GraphEntry, rows: int) -> int | None:
@@ -38,9 +40,9 @@ def predicted_ms(m: Manifest, rows: int) -> float | None:
     step (1 row) also runs the head, a prefill chunk does not (the head runs once per request)."""
     total = 0
     for g in m.graphs:
-        if g.kind == HEAD and rows != 1:
+        if g.kind in (HEAD, HEAD_N) and rows != 1:
             continue
-        c = cycles(g, 1 if g.kind == HEAD else rows)
+        c = cycles(g, 1 if g.kind in (HEAD, HEAD_N) else rows)
         if c is None:
             return None
         total += c
@@ -95,6 +97,12 @@ def markdown_report(m: Manifest) -> str:
              f"- target {m.target}, {m.dtype}, rknn-toolkit2 {m.toolkit}; chunks {m.chunks}; "
              f"{m.layers} layer(s) converted; head split {m.head_split}; identity `{m.identity()}`",
              f"- build: {m.build}", ""]
+    if m.quant:
+        fp16 = m.quant.get("fp16_graphs", {})
+        lines[-1:-1] = [f"- w8a8: toolkit {m.quant.get('algorithm')}/{m.quant.get('method')}, smoothing alpha "
+                        f"{m.quant.get('alpha')}; {len(fp16)} graph(s) built fp16 (mean row cosine of the int8 "
+                        f"build below {m.quant.get('min_cosine')}): "
+                        + (", ".join(f"{k} {v:.4f}" for k, v in fp16.items()) or "none")]
     for rows in m.chunks:
         ms = predicted_ms(m, rows)
         if ms is not None:
@@ -104,14 +112,16 @@ def markdown_report(m: Manifest) -> str:
                          f"{per_tok:.3f} ms per token ({1e3 / per_tok:.1f} tok/s), NPU at {NPU_HZ / 1e9:.1f} GHz")
     source = m.calibration.get("source", "N(0,1) samples") if m.calibration else "N(0,1) samples"
     lines += [""] + range_lines(m)
-    lines += [f"Simulator (fp16) vs CPU backend (F32, numpy) on the first rows of the same activations "
+    lines += [f"Simulator ({m.dtype}; per graph in the table) vs CPU backend (F32, numpy) on the first rows of the same activations "
               f"({source}; row 0 is the first token); expected max relative error <= {FP16_REL_LIMIT:g}.", "",
-              "| graph | shapes | max rel | mean rel | cosine | cycles per shape | CPU-placed ops | .rknn MB |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| graph | dtype | shapes | max rel | mean rel | cosine | row cosine mean / min | cycles per shape | CPU-placed ops | .rknn MB |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for g in m.graphs:
         w = worst(g)
-        acc = (f"{w['max_rel']:.2e} | {w['mean_rel']:.2e} | {w['cosine']:.6f}" if w else "- | - | -")
+        acc = (f"{w['max_rel']:.2e} | {w['mean_rel']:.2e} | {w['cosine']:.6f} | "
+               + (f"{w['row_cosine_mean']:.5f} / {w['row_cosine_min']:.5f}" if "row_cosine_mean" in w else "-")
+               if w else "- | - | - | -")
         cyc = ", ".join(f"{t.get('rows')}:{t['cycles']}" for t in (g.cost or []))
         mb = f"{g.rknn_bytes / 1e6:.2f}" if g.rknn_bytes else "-"
-        lines.append(f"| {g.name} | {g.rows} | {acc} | {cyc} | {', '.join(cpu_ops(g)) or '-'} | {mb} |")
+        lines.append(f"| {g.name} | {m.graph_dtype(g)} | {g.rows} | {acc} | {cyc} | {', '.join(cpu_ops(g)) or '-'} | {mb} |")
     return "\n".join(lines) + "\n"

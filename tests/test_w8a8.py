@@ -1,0 +1,80 @@
+"""The w8a8 graphs (docs/npu.md, "w8a8") without the toolkit: the norms-on-the-CPU partition
+with smoothing folded into the weights must compute the model exactly (in real arithmetic), so
+the exported graphs run in F32 by onnxruntime agree with the CPU backend on the real default
+model. What int8 does to them is measured by tests/test_npu_accuracy.py in the simulator.
+
+A wrong smoothing direction, a scale applied twice or forgotten on the CPU side, a missed
+out_scale or final gain all break the agreement below (each was checked by breaking it)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edge_llm.backends.cpu_side import CpuSide
+from edge_llm.backends.graphs import HEAD_N, MLP, QKV_N, O, graph_specs
+from edge_llm.backends.manifest import Manifest
+from edge_llm.bench import accuracy
+from edge_llm.config import ModelArgs
+from edge_llm.convert import calibration as C
+from edge_llm.convert.w8a8 import export_w8a8, smoothing
+from edge_llm.errors import ConfigError
+
+
+def test_smoothing_is_exact_and_neutral_on_dead_channels():
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((16, 8)) * np.array([1, 1, 1, 50, 1, 1, 1, 0.0])  # an outlier, a dead channel
+    w = rng.standard_normal((8, 5))
+    s = smoothing(a, w).astype(np.float64)
+    assert s[7] == 1.0 and s[3] > 3 * np.median(s)  # the outlier channel is scaled down most
+    np.testing.assert_allclose((a / s) @ (s[:, None] * w), a @ w, rtol=1e-12, atol=1e-12)
+    # after smoothing, the activation's largest channel is far closer to its median channel
+    sm = np.abs(a / s).max(axis=0)[:7]
+    assert sm.max() / np.median(sm) < np.abs(a).max(axis=0)[:7].max() / np.median(np.abs(a).max(axis=0)[:7])
+
+
+def test_partition_names_every_layer_and_head():
+    args = ModelArgs(model_type="qwen3", vocab_size=100, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=4, rms_norm_eps=1e-6, rope_theta=1e4)
+    kinds = [s.kind for s in graph_specs(args, cpu_norm=True, head_split=2)]
+    assert kinds == [QKV_N, O, MLP, QKV_N, O, MLP, HEAD_N, HEAD_N]
+
+
+@pytest.fixture(scope="module")
+def exported(edge_home, tmp_path_factory):
+    model_dir = next(edge_home.glob("models/*/config.json")).parent
+    out = tmp_path_factory.mktemp("w8a8-onnx")
+    ids, source = C.calibration_ids(model_dir, None, 128)
+    ex = export_w8a8(model_dir, out, (1, 32, 128), None, 1, C.capture(model_dir, ids, source))
+    ex.manifest.dtype = "w8a8"
+    ex.manifest.quant = {"algorithm": "normal", "method": "channel", "max_samples": 4,
+                         "cpu_side_sha256": ex.side.save(out)}
+    ex.manifest.calibration = {"source": source}
+    ex.manifest.write(out)
+    return model_dir, out, ex
+
+
+def test_exported_graphs_in_f32_are_the_model(exported, record_property):
+    model_dir, out, _ = exported
+    res = accuracy.run(str(model_dir), "rknn", str(out), "onnxruntime", teacher_tokens=64)
+    print(accuracy.markdown(res))
+    record_property("min_cosine", res["min_cosine"])
+    assert res["min_cosine"] >= 0.99999 and all(p["argmax_equal"] for p in res["prompts"])
+    assert res["teacher"]["top1"] == 1.0 and res["teacher"]["kl"] < 1e-5
+    assert res["answer"]["same_tokens"]
+
+
+def test_cpu_side_is_part_of_the_identity_and_required(exported):
+    _, out, ex = exported
+    m = Manifest.read(out)
+    before = m.identity()
+    m.quant["cpu_side_sha256"] = "0" * 64
+    assert m.identity() != before
+    (out / "cpu_side.npz").rename(out / "gone.npz")
+    try:
+        with pytest.raises(ConfigError, match="cpu_side.npz"):
+            CpuSide.load(out, m.layers)
+    finally:
+        (out / "gone.npz").rename(out / "cpu_side.npz")
+    # the massive-activation writer's output channels got a scale: the partition's point
+    assert max(float(s.max()) for s in ex.side.out_scale) > 100
