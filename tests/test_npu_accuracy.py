@@ -85,16 +85,20 @@ def test_range_report_sees_the_massive_activation(converted):
         assert w["max_rel"] <= FP16_REL_LIMIT and w["cosine"] >= 0.9999, (g.name, w)
 
 
-def test_simulator_agrees_with_cpu_on_the_default_model(converted, default_dir, record_property):
-    out, _ = converted
+def _simulator_meets(out, default_dir, record_property, dtype: str, cosine: float, top1: float, kl: float) -> None:
+    """The engine on the simulator vs the CPU backend: floors on the prompts' last-token cosine
+    and argmax, teacher-forced top-1 and KL, and the same France answer."""
     res = accuracy.run(str(default_dir), "rknn", str(out), "sim", teacher_tokens=256)
     print(accuracy.markdown(res))
-    for k in ("min_cosine",):
-        record_property(k, res[k])
-    assert "rknn-sim-2.5.0-fp16" in res["numerics"]
-    assert res["min_cosine"] >= SIM_COSINE and all(p["argmax_equal"] for p in res["prompts"])
-    assert res["teacher"]["top1"] >= SIM_TOP1 and res["teacher"]["kl"] <= SIM_KL
+    record_property("min_cosine", res["min_cosine"])
+    assert f"rknn-sim-2.5.0-{dtype}" in res["numerics"]
+    assert res["min_cosine"] >= cosine and all(p["argmax_equal"] for p in res["prompts"])
+    assert res["teacher"]["top1"] >= top1 and res["teacher"]["kl"] <= kl
     assert res["answer"]["same_tokens"] and "Paris" in res["answer"]["other"]
+
+
+def test_simulator_agrees_with_cpu_on_the_default_model(converted, default_dir, record_property):
+    _simulator_meets(converted[0], default_dir, record_property, "fp16", SIM_COSINE, SIM_TOP1, SIM_KL)
 
 
 def test_onnxruntime_runs_the_same_graphs_as_cpu(converted, default_dir):
@@ -150,12 +154,4 @@ def test_w8a8_conversion_is_int8_where_it_holds_and_cheaper(converted, converted
 
 
 def test_w8a8_simulator_on_the_default_model(converted_w8a8, default_dir, record_property):
-    out, _ = converted_w8a8
-    res = accuracy.run(str(default_dir), "rknn", str(out), "sim", teacher_tokens=256)
-    print(accuracy.markdown(res))
-    for k in ("min_cosine",):
-        record_property(k, res[k])
-    assert "rknn-sim-2.5.0-w8a8" in res["numerics"]
-    assert res["min_cosine"] >= W8_COSINE and all(p["argmax_equal"] for p in res["prompts"])
-    assert res["teacher"]["top1"] >= W8_TOP1 and res["teacher"]["kl"] <= W8_KL
-    assert res["answer"]["same_tokens"] and "Paris" in res["answer"]["other"]
+    _simulator_meets(converted_w8a8[0], default_dir, record_property, "w8a8", W8_COSINE, W8_TOP1, W8_KL)
