@@ -7,13 +7,15 @@ real checkpoint carries massive activations (about 24,900 in one channel of Smol
 row): a scale that holds them rounds every ordinary row to zero. Per layer l, in float32:
 
     xn   = RMSNorm(x, in_gain[l])        -> qkv_n(l)   (gain = norm weight / input smoothing)
+    qkv  = qkv_n(l)(xn) * qkv_scale[l]                 (q, k and v share one output tensor)
     o    = o(l)(attn * attn_scale[l])                  (attn_scale = 1 / smoothing of attn)
     h    = x + o
     hn   = RMSNorm(h, post_gain[l])      -> mlp(l)
     out  = h + mlp(l)(hn) * out_scale[l]               (out_scale: the output channels' range)
     logits = head_n(RMSNorm(x, final_gain))
 
-The graphs hold the weights multiplied by the matching factors (SmoothQuant-style migration of
+The `*_scale` outputs divide each output channel by its range over the median range (one static
+int8 scale per output tensor otherwise follows its widest channels). The graphs hold the weights multiplied by the matching factors (SmoothQuant-style migration of
 activation outliers into per-channel weight scales, exact in real arithmetic), so the CPU side and
 the graphs are made together by the converter (`convert/w8a8.py`) and stored together
 (`cpu_side.npz` beside `manifest.json`, its digest in the manifest identity).
@@ -30,7 +32,7 @@ import numpy as np
 from edge_llm.errors import ConfigError
 
 FILE = "cpu_side.npz"
-_FIELDS = ("in_gain", "attn_scale", "post_gain", "out_scale")
+_FIELDS = ("in_gain", "qkv_scale", "attn_scale", "post_gain", "out_scale")
 
 
 @dataclass
@@ -38,6 +40,7 @@ class CpuSide:
     """Per-layer float32 vectors (lists indexed by layer) and the final norm's gain."""
 
     in_gain: list[np.ndarray]  # (hidden,)
+    qkv_scale: list[np.ndarray]  # (q_dim + 2 kv_dim,)
     attn_scale: list[np.ndarray]  # (q_dim,)
     post_gain: list[np.ndarray]  # (hidden,)
     out_scale: list[np.ndarray]  # (hidden,)

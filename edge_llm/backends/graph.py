@@ -114,7 +114,8 @@ class GraphBackend:
                               "caller that changes h between the two layers (DeepStack image rows) needs graphs "
                               "with a qkv graph of its own there (graph_specs(unfused=N)): rebuild them")
         if spec.kind == QKV_N:
-            x = rms_norm(x, self.side.in_gain[layer], self.eps)
+            (y,) = self._call(spec, [rms_norm(x, self.side.in_gain[layer], self.eps)])
+            return self._split(y * self.side.qkv_scale[layer])
         (y,) = self._call(spec, [x])
         return self._split(y)
 

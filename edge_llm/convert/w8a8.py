@@ -14,8 +14,9 @@ static shape per file: three weight copies on the board). So:
    activations: s = max|a|^alpha / max|w|^(1 - alpha) per input channel; the input is divided by
    s (folded into the norm gain, or one multiply of attn on the CPU; for down_proj, folded into
    up_proj's output columns since SwiGLU is linear in up) and the weight rows multiplied by it;
-3. mlp's output channels divided by their range over the median range (`out_scale`, multiplied
-   back on the CPU): a layer that writes a massive activation no longer sets the scale alone.
+3. qkv's and mlp's output channels divided by their range over the median range (`qkv_scale`,
+   `out_scale`, multiplied back on the CPU): q, k and v share one output tensor, and a layer that
+   writes a massive activation no longer sets the mlp output's scale alone.
 What stays badly quantized is measured per graph by the converter and built fp16 instead
 (`convert/rknn.py`, `--w8a8-min-cosine`).
 """
@@ -52,6 +53,13 @@ def smoothing(a: np.ndarray, w: np.ndarray, alpha: float = ALPHA) -> np.ndarray:
     return np.clip(s, 1e-4, 1e4).astype(np.float32)
 
 
+def channel_scale(y: np.ndarray) -> np.ndarray:
+    """Per output channel: its range over the median channel's, at least 1 (multiplied back on
+    the CPU): the channels above the median no longer set the output tensor's one int8 scale."""
+    rng = np.abs(y).max(axis=0)
+    return np.maximum(rng / max(float(np.median(rng)), 1e-30), 1.0).astype(np.float32)
+
+
 def _silu_mul(gu: np.ndarray, inter: int) -> np.ndarray:
     g = gu[:, :inter]
     return g / (np.float32(1) + np.exp(-g)) * gu[:, inter:]
@@ -78,7 +86,7 @@ def export_w8a8(model_dir: str | Path, root: Path, chunks: tuple[int, ...], laye
     out.mkdir(parents=True, exist_ok=True)
     inputs: dict[str, list[np.ndarray]] = {}
     done = []
-    side = CpuSide([], [], [], [], np.ones(0, np.float32))
+    side = CpuSide([], [], [], [], [], np.ones(0, np.float32))
 
     def emit(spec: GraphSpec, build: Callable[[GraphBuilder], None], xs: list[np.ndarray],
              ref: Callable[..., np.ndarray]) -> None:
@@ -99,10 +107,14 @@ def export_w8a8(model_dir: str | Path, root: Path, chunks: tuple[int, ...], laye
         attn, xp = cap.inputs[layer_name(i, POST)]
         s1 = smoothing(rms_norm(x, L.in_norm, eps), L.w_qkv, alpha)
         in_gain = (L.in_norm / s1).astype(np.float32)
+        xn = rms_norm(x, in_gain, eps)
         w_qkv = s1[:, None] * L.w_qkv
+        qkv_scale = channel_scale(xn @ w_qkv + (0 if L.b_qkv is None else L.b_qkv))
+        w_qkv = w_qkv / qkv_scale[None, :]
+        b_qkv = None if L.b_qkv is None else (L.b_qkv / qkv_scale).astype(np.float32)
         spec = specs[layer_name(i, QKV_N)]
-        emit(spec, lambda g: f32_linear(g, "xn", w_qkv, L.b_qkv, "qkv"), [rms_norm(x, in_gain, eps)],
-             lambda xn: xn @ w_qkv + (0 if L.b_qkv is None else L.b_qkv))
+        emit(spec, lambda g: f32_linear(g, "xn", w_qkv, b_qkv, "qkv"), [xn],
+             lambda v: v @ w_qkv + (0 if b_qkv is None else b_qkv))
 
         s2 = smoothing(attn, L.w_o, alpha)
         w_o = s2[:, None] * L.w_o
@@ -118,8 +130,7 @@ def export_w8a8(model_dir: str | Path, root: Path, chunks: tuple[int, ...], laye
         act = _silu_mul(hn @ w_gu, inter)
         s4 = smoothing(act, L.w_down, alpha)
         mlp = act @ L.w_down
-        rng = np.abs(mlp).max(axis=0)
-        out_scale = np.maximum(rng / max(float(np.median(rng)), 1e-30), 1.0).astype(np.float32)
+        out_scale = channel_scale(mlp)
         w_gate, w_up = w_gu[:, :inter], w_gu[:, inter:] / s4[None, :]
         w_down = s4[:, None] * L.w_down / out_scale[None, :]
 
@@ -132,6 +143,7 @@ def export_w8a8(model_dir: str | Path, root: Path, chunks: tuple[int, ...], laye
         emit(specs[layer_name(i, MLP)], build_mlp, [hn],
              lambda v: _silu_mul(v @ np.concatenate([w_gate, w_up], axis=1), inter) @ w_down)
         side.in_gain.append(in_gain)
+        side.qkv_scale.append(qkv_scale)
         side.attn_scale.append((1 / s2).astype(np.float32))
         side.post_gain.append(post_gain)
         side.out_scale.append(out_scale)
