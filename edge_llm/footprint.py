@@ -99,6 +99,7 @@ class ModelSizes:
     kv_bytes_per_token: int
     kv_bytes_per_layer_token: int
     tied: bool
+    vision_f32: int = 0  # the vision tower as F32 (cpu-q's tower graph, mapped from its file)
 
     @property
     def weights_f32(self) -> int:
@@ -110,11 +111,12 @@ class ModelSizes:
 
         d = Path(model_dir)
         args = ModelArgs.from_dir(d)
-        matmul = embed = other = vision = 0
+        matmul = embed = other = vision = vision_f32 = 0
         for name, t in index_tensors(d).items():
             n = math.prod(t.shape)
             if "visual." in name:
                 vision += n * DTYPE_BYTES[t.dtype]
+                vision_f32 += 4 * n
             elif name.endswith("embed_tokens.weight"):
                 embed += 4 * n
             elif len(t.shape) == 2:
@@ -123,7 +125,7 @@ class ModelSizes:
                 other += 4 * n
         g = args.geometry
         return cls(label or d.name, matmul, embed, other, vision, g.kv_bytes_per_token,
-                   g.kv_bytes_per_token // g.n_layers, args.tie_word_embeddings)
+                   g.kv_bytes_per_token // g.n_layers, args.tie_word_embeddings, vision_f32)
 
     @classmethod
     def of_params(cls, label: str, params: int, kv_bytes_per_token: int, layers: int) -> ModelSizes:
@@ -181,6 +183,8 @@ def estimate_memory(s: Settings, backend: str, sizes: ModelSizes, model_dir: str
     parts.append(("KV", s.max_seq * sizes.kv_bytes_per_token))
     if sizes.vision_file:
         parts.append(("vision tower (mapped)", sizes.vision_file))
+        if backend == "cpu-q" and s.vision_graph:  # its F32 graph's weights, mapped as well
+            parts.append(("vision tower graph (mapped F32)", sizes.vision_f32))
     if s.disk_kv is not None:  # compaction reads one layer's rows of a chain into one buffer
         parts.append(("snapshot writer", s.max_seq * sizes.kv_bytes_per_layer_token))
     parts.append(("runtime", RUNTIME_BASE.get(backend, RUNTIME_BASE["cpu"])))

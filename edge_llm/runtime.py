@@ -43,6 +43,21 @@ def make_backend(s: Settings, choice: BackendChoice, model_dir: Path, say: Calla
                      progress=lambda spec: say(f"loading NPU graph {spec.name}"))
 
 
+def make_tower_graph(s: Settings, choice: BackendChoice, model_dir: Path, say: Callable[[str], None]):
+    """The vision tower as one graph for the chosen backend (docs/vision.md), or None: numpy."""
+    if not s.vision_graph:
+        return None
+    if choice.name == "cpu-q":
+        from edge_llm.backends.vision_graph import open_ort_tower
+
+        return open_ort_tower(model_dir, threads=s.threads, progress=say)
+    if choice.name == "rknn" and s.rknn_dir:
+        from edge_llm.backends.vision_graph import open_rknn_tower
+
+        return open_rknn_tower(s.rknn_dir, s.rknn_runner, model_dir=model_dir, progress=say)
+    return None
+
+
 def load_runtime(settings: Settings, progress: Callable[[str], None] | None = None,
                  import_progress=None) -> Engine:
     """Load model + tokenizer, allocate the KV cache, open and scan the snapshot store.
@@ -71,9 +86,9 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
         from edge_llm.vision.preprocess import ImageLimits
 
         say("loading the vision tower")
-        # the NPU backend covers the text decoder's dense layers; the vision tower stays on the CPU
         vision = VisionModel.load(model_dir, model.args, backend="cpu",
-                                  limits=ImageLimits(s.max_image_bytes, s.max_image_pixels))
+                                  limits=ImageLimits(s.max_image_bytes, s.max_image_pixels),
+                                  graph=make_tower_graph(s, choice, model_dir, say))
     tokenizer = Tokenizer.from_dir(model_dir)
     say("allocating the KV cache")
     cache = KVCache(model.args.geometry, max_seq=s.max_seq, kv_bs=s.kv_bs)

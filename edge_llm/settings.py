@@ -77,6 +77,12 @@ class Settings:
                               "one onnxruntime call over the whole decoder (faster decode; about +1.4 GiB "
                               "RAM for Qwen3-VL-2B: a second copy of the quantized weights). false: "
                               "per-layer graphs only (other numerics).", bool)
+    vision_graph: bool = _opt(True, "Backend cpu-q encodes images through the vision tower exported as one "
+                              "onnxruntime graph (F32, about 1.6x the numpy tower; built on first use under "
+                              "$EDGE_LLM_HOME/quant, twice the checkpoint's BF16 tower bytes on disk); backend "
+                              "rknn through the tower graphs of its rknn_dir when it has them. Images no graph "
+                              "shape holds, and every image with false, take the numpy tower (other "
+                              "numerics: other image keys). See docs/vision.md.", bool)
     memory_check: bool = _opt(True, "Refuse to start (exit 78) when the memory estimate of this "
                               "configuration (weights in the backend's format, KV for max_seq, vision "
                               "tower, runtime) exceeds the memory available to the process, MemAvailable "

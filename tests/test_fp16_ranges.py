@@ -14,7 +14,7 @@ import pytest
 from edge_llm.backends.cpu import DenseLayer, rms_norm
 from edge_llm.backends.graphs import QKV, GraphSpec, layer_name
 from edge_llm.backends.onnx_export import (
-    _export_one,
+    export_one,
     build_qkv,
     f32_linear,
     rms_norm_fp16_op,
@@ -60,7 +60,7 @@ def qkv_graphs(tmp_path_factory):
     out = {}
     for name, norm in (("plain", rms_norm_op), ("fp16", rms_norm_fp16_op)):
         d = tmp_path_factory.mktemp(name)
-        out[name] = _export_one(spec, d, lambda g, norm=norm: build_qkv(g, L, EPS, f32_linear, norm, 0))
+        out[name] = export_one(spec, d, lambda g, norm=norm: build_qkv(g, L, EPS, f32_linear, norm, 0))
     return L, spec, out
 
 

@@ -29,8 +29,8 @@ LAYERS = {
 # (`__init__` is the package's own __init__.py; a subpackage is one entry of its parent)
 ORDER = {
     "backends": ["wire", "toolkit_worker", "graphs", "manifest", "cpu", "cpu_side", "cpu_vision", "vision", "__init__",
-                 "runners", "rknnlite", "graph", "rknn", "onnx_export", "quant", "quant_export", "attn_kernel",
-                 "decode_export", "decode_step", "cpuq"],
+                 "runners", "rknnlite", "graph", "rknn", "onnx_export", "quant", "quant_export", "vision_export",
+                 "attn_kernel", "decode_export", "decode_step", "cpuq", "vision_graph"],
     "snapshot": ["writer", "layout", "encode", "decode", "format", "inspect", "entries", "chains", "catalog",
                  "chain_read", "saver", "identity", "store", "maintenance", "__init__"],
     "kvcache": ["records", "cache", "__init__"],
@@ -39,7 +39,7 @@ ORDER = {
     "checkpoints": ["packaged", "gguf_header", "safetensors_writer", "gguf_import", "synth", "default",
                     "gguf_blocks", "__init__"],
     "vision": ["preprocess", "positions", "encoder", "model", "__init__"],
-    "convert": ["report", "calibration", "w8a8", "rknn", "__init__"],
+    "convert": ["report", "calibration", "w8a8", "rknn", "vision", "__init__"],
     "server": ["errors", "schemas", "metrics", "prefetch", "worker", "budget", "images", "streaming", "state", "app",
                "__init__"],
     "bench": ["disk", "procstat", "prompts", "models", "client", "throttle", "restore", "conversation", "ttft",
@@ -202,13 +202,13 @@ def test_llama_cpp_is_imported_only_by_the_bench_peer():
 
 
 def test_onnx_only_in_the_exporters_and_onnxruntime_only_lazily():
-    """The `onnx` package builds graphs: only the exporters import it (onnx_export.py and cpu-q's
-    decode_export.py). onnxruntime is imported inside the functions that start sessions
+    """The `onnx` package builds graphs: only the exporters import it (onnx_export.py, cpu-q's
+    decode_export.py and the vision tower's vision_export.py). onnxruntime is imported inside the functions that start sessions
     (runners.py, decode_step.py), never at module import time, so the F32 backend runs without it."""
     seen = set()
     for path, n, top in imported_names():
         if n.split(".")[0] == "onnx":
-            assert path.name in ("onnx_export.py", "decode_export.py"), path
+            assert path.name in ("onnx_export.py", "decode_export.py", "vision_export.py"), path
             seen.add(path.name)
         if n.split(".")[0] == "onnxruntime":
             assert not top, path

@@ -43,10 +43,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edge_llm.config import ModelArgs
+from edge_llm.config import ModelArgs, VisionArgs
 from edge_llm.errors import ConfigError
 
 QKV, POST, HEAD, STEP, DECODE = "qkv", "post", "head", "step", "decode"
+VISION = "vision"  # the whole vision tower in one graph (vision_spec)
 QKV_N, O, MLP, HEAD_N = "qkv_n", "o", "mlp", "head_n"  # the norms-on-the-CPU partition
 INPUTS: dict[str, tuple[str, ...]] = {QKV: ("x",), POST: ("attn", "x"), HEAD: ("x",), STEP: ("attn", "x"),
                                       QKV_N: ("xn",), O: ("attn",), MLP: ("hn",), HEAD_N: ("xn",)}
@@ -56,6 +57,7 @@ OUTPUTS: dict[str, tuple[str, ...]] = {QKV: ("qkv",), POST: ("attn_out", "mlp_ou
 DEFAULT_CHUNKS: tuple[int, ...] = (1, 32, 128)
 HEAD_ROWS: tuple[int, ...] = (1,)
 OPSET = 13
+KEY_PAD = -30000.0  # kbias of a padding patch: exp() of it is 0 in F32 and fp16 alike
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,30 @@ def decode_spec(args: ModelArgs) -> GraphSpec:
     half = args.head_dim // 2
     return GraphSpec(DECODE, DECODE, 0, (1,), (("x", args.hidden_size), ("cos", half), ("sin", half)),
                      (("logits", args.vocab_size),), (0, args.vocab_size))
+
+
+def vision_spec(v: VisionArgs, rows: tuple[int, ...] = ()) -> GraphSpec:
+    """The vision tower in one graph (vision_export.py, docs/vision.md "The tower as one graph"):
+    patch embedding, every block, the final and the DeepStack mergers, for one image of N patches.
+
+    - pixels (N, patch_dim): flattened patches in merge-block order (`preprocess`)
+    - pos (N, hidden): the learned position embeddings resampled to the image's grid
+    - cos, sin (N, head_dim): the 2-D rotary tables of the grid
+    - kbias (N, 1): 0 for a patch, KEY_PAD for a padding patch (its key is never attended to)
+    -> features (N, W / merge^2) where W = (1 + DeepStack mergers) * out_hidden: the row-major
+       bytes of (N / merge^2, W), [merger | DeepStack 0 | DeepStack 1 ...] per decoder token.
+
+    Every tensor has N rows, so the graph is an ordinary row graph to every runner: `rows` are
+    the static patch counts an NPU build holds (padding fills a smaller image up to one), () is
+    any count (onnxruntime). What depends on the grid alone is computed on the CPU and fed in,
+    so one graph serves every grid of a given patch count."""
+    group = v.spatial_merge_size ** 2
+    width = (1 + len(v.deepstack_visual_indexes)) * v.out_hidden_size
+    if width % group:
+        raise ConfigError(f"vision features of width {width} do not split into {group} rows per token")
+    return GraphSpec(VISION, VISION, 0, tuple(rows),
+                     (("pixels", v.patch_dim), ("pos", v.hidden_size), ("cos", v.head_dim), ("sin", v.head_dim),
+                      ("kbias", 1)), (("features", width // group),))
 
 
 def head_name(part: int, parts: int, kind: str = HEAD) -> str:

@@ -250,7 +250,7 @@ def _digest(*paths: Path) -> str:
     return h.hexdigest()
 
 
-def _export_one(spec: GraphSpec, out_dir: Path, build: Callable[[GraphBuilder], None]) -> Exported:
+def export_one(spec: GraphSpec, out_dir: Path, build: Callable[[GraphBuilder], None]) -> Exported:
     path = out_dir / f"{spec.name}.onnx"
     data = out_dir / f"{spec.name}.onnx.data"
     g = GraphBuilder(spec.name, data)
@@ -320,26 +320,26 @@ def export_model(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
         i = spec.index
         if spec.kind == QKV:
             L = layer(i)
-            done.append(_export_one(spec, out, lambda g: build_qkv(g, L, eps, linear, norm, i)))
+            done.append(export_one(spec, out, lambda g: build_qkv(g, L, eps, linear, norm, i)))
             if samples is not None:
                 ref.layers = [L]
                 _write_samples(out, spec, samples, lambda x: [ref.qkv_fused(0, x)])
         elif spec.kind == POST:
             L = held.pop(i)
-            done.append(_export_one(spec, out, lambda g: build_post(g, L, eps, linear, norm, i)))
+            done.append(export_one(spec, out, lambda g: build_post(g, L, eps, linear, norm, i)))
             if samples is not None:
                 ref.layers = [L]
                 _write_samples(out, spec, samples, lambda a, x: list(ref.post_deltas(0, a, x)))
         elif spec.kind == STEP:
             L, nxt = held.pop(i), (layer(i + 1) if len(spec.outputs) > 1 else None)
-            done.append(_export_one(spec, out, lambda g: build_step(g, L, nxt, eps, linear, norm, i)))
+            done.append(export_one(spec, out, lambda g: build_step(g, L, nxt, eps, linear, norm, i)))
         else:
             if head is None:
                 head = _head_tensors(args, weights)
             final_norm, lm = head
             lo, hi = spec.vocab
             rows = lm[lo:hi]
-            done.append(_export_one(spec, out, lambda g: build_head(g, final_norm, rows, eps, linear, norm, i, spec.vocab)))
+            done.append(export_one(spec, out, lambda g: build_head(g, final_norm, rows, eps, linear, norm, i, spec.vocab)))
             if samples is not None:
                 _write_samples(out, spec, samples, lambda x: [rms_norm(x, final_norm, np.float32(eps)) @ rows.T])
         log.debug("exported %s (%.1f MB)", spec.name, done[-1].nbytes / 1e6)

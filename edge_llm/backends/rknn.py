@@ -44,6 +44,18 @@ def npu_present(sysroot: str | Path = "/") -> str | None:
     return None
 
 
+def resolve_runner(runner: str) -> str:
+    """`auto` -> rknnlite when this machine has an NPU; any other name must be one of RUNNERS."""
+    if runner == "auto":
+        if not npu_present():
+            raise ConfigError("no RKNPU device on this machine: use --rknn-runner sim or onnxruntime "
+                              "to run the graphs here, or --backend cpu")
+        return "rknnlite"
+    if runner not in RUNNERS:
+        raise ConfigError(f"unknown rknn runner {runner!r} (choose from {', '.join(RUNNERS)})")
+    return runner
+
+
 def open_rknn(rknn_dir: str | Path, runner: str = "auto", model_dir: str | Path | None = None,
               threads: int | None = None, converter_python: str | None = None, progress=None) -> GraphBackend:
     """Read the manifest, check it against the model, start the runner; a Backend to load."""
@@ -55,11 +67,7 @@ def open_rknn(rknn_dir: str | Path, runner: str = "auto", model_dir: str | Path 
 
         m.check_model(ModelArgs.from_dir(model_dir), weight_digest(model_dir))
     specs = m.specs()
-    if runner == "auto":
-        runner = "rknnlite" if npu_present() else ""
-        if not runner:
-            raise ConfigError("no RKNPU device on this machine: use --rknn-runner sim or onnxruntime "
-                              "to run the graphs here, or --backend cpu")
+    runner = resolve_runner(runner)
     if runner == "rknnlite":
         from edge_llm.backends.rknnlite import RKNNLiteRunner
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_llm.backends.graphs import HEAD, HEAD_N, GraphSpec
+from edge_llm.backends.graphs import HEAD, HEAD_N, VISION, GraphSpec
 from edge_llm.backends.runners import RunnerError, check_inputs
 
 log = logging.getLogger(__name__)
@@ -31,8 +31,9 @@ LAYER_CORES = (NPU_CORE_0, NPU_CORE_1, NPU_CORE_2)
 
 def core_mask_for(spec: GraphSpec, layer_masks: Sequence[int] = LAYER_CORES) -> int:
     """Layers round-robin over the given cores (each core holds a third of the weights);
-    the head (the largest matmul, T = 1) on all three."""
-    if spec.kind in (HEAD, HEAD_N):
+    the head (the largest matmul, T = 1) and the vision tower (one call per image, as
+    Rockchip's own multimodal demo runs it) on all three."""
+    if spec.kind in (HEAD, HEAD_N, VISION):
         return NPU_CORE_0_1_2
     return layer_masks[spec.index % len(layer_masks)]
 

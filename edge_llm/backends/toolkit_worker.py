@@ -141,17 +141,23 @@ def parse_cost(log_text: str) -> list[dict]:
     return tables
 
 
+def _sample(samples: dict, key: str, r: int):
+    """`key@r` when the samples hold one input of that shape (the vision tower: one image per
+    patch count), else the first r rows of `key` (decoder graphs: rows of one calibration run)."""
+    return samples[f"{key}@{r}"] if f"{key}@{r}" in samples else samples[key][:r]
+
+
 def _accuracy(rk, req: dict, samples: dict) -> dict:
     out = {}
     names_in = [n for n, _ in req["inputs"]]
     for r in req["rows"]:
-        xs = [np.ascontiguousarray(samples[f"in.{n}"][:r]) for n in names_in]
+        xs = [np.ascontiguousarray(_sample(samples, f"in.{n}", r)) for n in names_in]
         ys = rk.inference(inputs=xs)
         if ys is None:
             raise RuntimeError(f"simulator inference failed at {r} rows")
         per = {}
         for name, y in zip(req["outputs"], ys):
-            ref = samples[f"out.{name}"][:r].astype(np.float64)
+            ref = _sample(samples, f"out.{name}", r).astype(np.float64)
             y = np.asarray(y, dtype=np.float64).reshape(ref.shape)
             d = np.abs(y - ref)
             # per row too: one row with massive values dominates the whole-block cosine

@@ -52,14 +52,9 @@ def _time(fn: Callable[[], object]) -> float:
 
 
 def square_png(side: int, seed: int = 0) -> bytes:
-    from PIL import Image
+    from edge_llm.convert.vision import sample_image
 
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:side, 0:side]
-    arr = np.stack([x * 255 // side, y * 255 // side, (x ^ y) & 255], -1) + rng.integers(0, 40, (side, side, 3))
-    buf = io.BytesIO()
-    Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8)).save(buf, "PNG")
-    return buf.getvalue()
+    return sample_image(side, side, seed)
 
 
 def encoder_rows(vision, sizes=SIZES, repeats: int = 2, step: Callable[[str], None] = lambda s: None

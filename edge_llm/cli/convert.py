@@ -50,9 +50,14 @@ def convert() -> None:
               help="w8a8: weight scales per output channel or per tensor.")
 @click.option("--w8a8-min-cosine", type=click.FloatRange(0.0, 1.0), default=0.99, show_default=True,
               help="w8a8: a graph whose mean per-row cosine on the calibration rows is below this is built fp16.")
+@click.option("--vision-grids", default="256x256,448x448", show_default=True, metavar="WxH,...|none",
+              help="A model with a vision tower: the image sizes its one tower graph holds (an image is "
+                   "resized onto at most the largest one's patches and padded up to the smallest that "
+                   "holds it; docs/vision.md 'Grids on the NPU'); none: no tower graph.")
 @click.option("-v", "--verbose", is_flag=True)
 def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, no_accuracy, calib_text,
-             calib_tokens, fp16_headroom, dtype, quant_algorithm, quant_method, w8a8_min_cosine, verbose) -> None:
+             calib_tokens, fp16_headroom, dtype, quant_algorithm, quant_method, w8a8_min_cosine, vision_grids,
+             verbose) -> None:
     """Export ONNX graphs from MODEL_DIR's F32 weights, check every tensor's range on real
     activations, build fp16 .rknn files for rk3588 with rknn-toolkit2 (in the converter venv),
     check each in the simulator; write OUT_DIR/manifest.json and OUT_DIR/report.md. A full
@@ -78,6 +83,7 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
     from edge_llm.config import ModelArgs
     from edge_llm.convert.report import FP16_REL_LIMIT, predicted_ms, range_summary, worst
     from edge_llm.convert.rknn import convert_rknn
+    from edge_llm.convert.vision import parse_grids
     from edge_llm.errors import EdgeLLMError
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
@@ -85,6 +91,7 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
     console = Console(stderr=True)
     try:
         args = ModelArgs.from_dir(model_dir)
+        grids = None if vision_grids.strip().lower() == "none" else parse_grids(vision_grids)
     except EdgeLLMError as e:
         raise click.ClickException(str(e)) from None
     head_gb = args.vocab_size * args.hidden_size * 4 / head_split / 1e9
@@ -134,5 +141,34 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
         click.echo(f"w8a8: {len(m.graphs) - len(fp16)} graphs int8, {len(fp16)} fp16 "
                    f"(mean row cosine below {m.quant['min_cosine']}: {', '.join(fp16) or 'none'})")
     click.echo(f"report: {out_dir}/report.md")
+    if grids and args.model_type == "qwen3_vl":
+        _convert_tower(model_dir, out_dir, grids, converter_python, not no_accuracy, fp16_headroom, console)
     if bad:
         console.print(f"[yellow]above the fp16 expectation ({FP16_REL_LIMIT:g}): {'; '.join(bad)}[/yellow]")
+
+
+def _convert_tower(model_dir, out_dir, grids, converter_python, accuracy, headroom, console) -> None:
+    """The vision tower's graph into OUT_DIR/vision/ (convert/vision.py), with its own report."""
+    from edge_llm.convert.report import FP16_REL_LIMIT, worst
+    from edge_llm.convert.vision import convert_tower, tower_rows
+    from edge_llm.errors import EdgeLLMError
+
+    with console.status(f"vision tower: export, range check, build .rknn for {', '.join(f'{w}x{h}' for w, h in grids)}"):
+        try:
+            vm = convert_tower(model_dir, out_dir, grids, converter_python, accuracy, headroom)
+        except EdgeLLMError as e:
+            raise click.ClickException(f"vision tower: {e}") from None
+    if vm is None:
+        click.echo("vision tower: none in this model (its config declares one, its weights do not)")
+        return
+    (g,) = vm.graphs
+    for row in tower_rows(vm):
+        acc = row["accuracy"]
+        click.echo(f"vision tower at {row['patches']} patches: "
+                   + (f"compiler estimate {row['predicted_ms']:.1f} ms per image" if row["predicted_ms"] else "no estimate")
+                   + (f", cosine {acc['cosine']:.6f} vs numpy (max rel {acc['max_rel']:.2e})" if acc else ""))
+    click.echo(f"vision tower: {(g.rknn_bytes or 0) / 1e6:.0f} MB .rknn; report: {out_dir}/vision/report.md")
+    w = worst(g)
+    if w is not None and w["max_rel"] > FP16_REL_LIMIT:
+        console.print(f"[yellow]vision tower above the fp16 expectation ({FP16_REL_LIMIT:g}): "
+                      f"max rel {w['max_rel']:.2e}[/yellow]")

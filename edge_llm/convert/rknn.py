@@ -113,13 +113,13 @@ def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
         m.toolkit = worker.version
         for i, g in enumerate(m.graphs):
             step("build", g.name, i, len(m.graphs))
-            res, key, rel, fresh = _build(worker, m, g, out, accuracy or dtype != "float16")
+            res, key, rel, fresh = build_graph(worker, m, g, out, accuracy or dtype != "float16")
             if dtype != "float16" and (cos := _row_cosine(res)) < min_cosine:
                 log.info("%s: w8a8 mean row cosine %.4f < %.4f on the calibration rows: built fp16", g.name,
                          cos, min_cosine)
                 m.quant.setdefault("fp16_graphs", {})[g.name] = round(cos, 5)
                 g.dtype = "float16"
-                res, key, rel, fresh2 = _build(worker, m, g, out, accuracy)
+                res, key, rel, fresh2 = build_graph(worker, m, g, out, accuracy)
                 fresh = fresh or fresh2
             built, reused = built + fresh, reused + (not fresh)
             g.rknn, g.build_key, g.rknn_sha256, g.rknn_bytes = rel, key, res["sha256"], res["bytes"]
@@ -137,7 +137,7 @@ def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
     return m
 
 
-def _build(worker: ToolkitWorker, m: Manifest, g: GraphEntry, out: Path, accuracy: bool) -> tuple[dict, str, str, bool]:
+def build_graph(worker: ToolkitWorker, m: Manifest, g: GraphEntry, out: Path, accuracy: bool) -> tuple[dict, str, str, bool]:
     """Build `g` (or reuse an intact build of the same key): (result, key, .rknn path, built now)."""
     quant = m.quant_request(out, g)
     key = build_key(g, m.toolkit, m.target, m.graph_dtype(g), quant)

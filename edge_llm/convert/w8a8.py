@@ -34,7 +34,7 @@ from edge_llm.backends.cpu import load_layer, rms_norm
 from edge_llm.backends.cpu_side import CpuSide
 from edge_llm.backends.graphs import HEAD, HEAD_N, MLP, POST, QKV, QKV_N, O, GraphSpec, graph_specs, layer_name
 from edge_llm.backends.manifest import CALIB_DIR, Manifest
-from edge_llm.backends.onnx_export import GraphBuilder, _export_one, _head_tensors, f32_linear, manifest_for
+from edge_llm.backends.onnx_export import GraphBuilder, export_one, _head_tensors, f32_linear, manifest_for
 from edge_llm.config import ModelArgs
 from edge_llm.convert.calibration import Capture
 from edge_llm.weights import load_weights
@@ -92,7 +92,7 @@ def export_w8a8(model_dir: str | Path, root: Path, chunks: tuple[int, ...], laye
              ref: Callable[..., np.ndarray]) -> None:
         if progress:
             progress(spec)
-        done.append(_export_one(spec, out, build))
+        done.append(export_one(spec, out, build))
         inputs[spec.name] = xs
         r = max(spec.rows) if spec.rows else None
         head = [np.ascontiguousarray(x[:r]) for x in xs]

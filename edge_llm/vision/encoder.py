@@ -4,7 +4,10 @@ transformer blocks with full attention within each image, the 2x2 patch merger i
 hidden size, and the DeepStack mergers whose outputs the decoder adds to its hidden states at
 the image positions after its first layers.
 
-Dense work goes through a `VisionBackend`; this module owns positions and attention.
+Dense work goes through a `VisionBackend`; this module owns positions and attention. With a
+`TowerGraph` (the whole tower as one graph: onnxruntime for cpu-q, the NPU for rknn), an image
+whose patch count a graph shape holds runs there instead, fed this module's positions and
+rotary tables, padded up to the shape with masked patches; any other image runs here, logged.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edge_llm.backends.graphs import KEY_PAD
 from edge_llm.backends.vision import VisionBackend
+from edge_llm.backends.vision_graph import TowerGraph
 from edge_llm.config import VisionArgs
 from edge_llm.models.rope import apply_rope
 from edge_llm.progress import NO_WORK, VISION, Work
@@ -53,8 +58,9 @@ def _axis_taps(index: np.ndarray, size: int, side: int) -> tuple[np.ndarray, np.
 
 
 class VisionEncoder:
-    def __init__(self, args: VisionArgs, backend: VisionBackend, pos_table: np.ndarray):
-        self.args, self.backend = args, backend
+    def __init__(self, args: VisionArgs, backend: VisionBackend, pos_table: np.ndarray,
+                 graph: TowerGraph | None = None):
+        self.args, self.backend, self.graph = args, backend, graph
         self.pos_table = pos_table  # (num_position_embeddings, hidden)
         d = args.head_dim // 2  # the 2-D rotary rotates head_dim/2 frequencies per axis pair
         self.inv_freq = (np.float32(1.0) / np.power(
@@ -62,10 +68,21 @@ class VisionEncoder:
         self.scale = np.float32(args.head_dim ** -0.5)
 
     @classmethod
-    def from_weights(cls, args: VisionArgs, weights: Weights, backend: VisionBackend) -> "VisionEncoder":
+    def from_weights(cls, args: VisionArgs, weights: Weights, backend: VisionBackend,
+                     graph: TowerGraph | None = None) -> "VisionEncoder":
         pos = weights.pop(f"{args.weight_prefix}pos_embed.weight")
         backend.load_vision(args, weights)
-        return cls(args, backend, pos)
+        return cls(args, backend, pos, graph)
+
+    @property
+    def numerics(self) -> str:
+        """The tower path's numerics: the numpy backend's, and the graph's when there is one."""
+        return self.backend.numerics + (f"+{self.graph.numerics}" if self.graph is not None else "")
+
+    def graph_shape(self, grid_thw: tuple[int, int, int]) -> int | None:
+        """The graph shape an image of this grid runs at, or None: the numpy tower encodes it."""
+        t, gh, gw = grid_thw
+        return self.graph.shape_for(gh * gw) if self.graph is not None and t == 1 else None
 
     # ---- positions -----------------------------------------------------------------------
     def position_embeddings(self, gh: int, gw: int) -> np.ndarray:
@@ -125,6 +142,12 @@ class VisionEncoder:
         if pixel_values.shape != (t * gh * gw, a.patch_dim):
             raise ValueError(f"pixel_values {pixel_values.shape} do not match grid {grid_thw} "
                              f"x patch_dim {a.patch_dim}")
+        shape = self.graph_shape(grid_thw)
+        if shape is not None:
+            return self.encode_graph(pixel_values, gh, gw, shape, work)
+        if self.graph is not None:
+            log.info("vision: an image of %dx%d patches has no graph shape (%s): the numpy tower encodes it",
+                     gh, gw, list(self.graph.spec.rows) or f"at most {self.graph.max_patches} patches")
         x = be.vis_patch_embed(np.ascontiguousarray(pixel_values, dtype=np.float32))
         x += np.tile(self.position_embeddings(gh, gw), (t, 1))
         cos, sin = self.rotary(gh, gw)
@@ -140,3 +163,29 @@ class VisionEncoder:
                 deepstack.append(be.vis_merge(1 + a.deepstack_visual_indexes.index(i), x))
             work.report(VISION, i + 1, a.depth)
         return ImageFeatures(be.vis_merge(0, x), deepstack)
+
+    def encode_graph(self, pixel_values: np.ndarray, gh: int, gw: int, shape: int,
+                     work: Work = NO_WORK) -> ImageFeatures:
+        """One image through the tower graph at `shape` rows: patches [n, shape) are zeros whose
+        keys carry KEY_PAD, so no real patch attends to them; whole 2x2 groups of them are
+        padding, and their output rows are dropped."""
+        assert self.graph is not None
+        n, a = gh * gw, self.args
+        cos, sin = self.rotary(gh, gw)
+        kbias = np.zeros((shape, 1), np.float32)
+        kbias[n:] = KEY_PAD
+
+        def padded(x: np.ndarray) -> np.ndarray:
+            out = np.zeros((shape, x.shape[1]), np.float32)
+            out[:n] = x
+            return out
+
+        work.report(VISION, 0, a.depth)
+        feats = self.graph.run([padded(pixel_values), padded(self.position_embeddings(gh, gw)),
+                                padded(cos), padded(sin), kbias])
+        group = a.spatial_merge_size ** 2
+        feats = feats.reshape(shape // group, -1)[:n // group]
+        out = a.out_hidden_size
+        parts = [np.ascontiguousarray(feats[:, i * out:(i + 1) * out]) for i in range(feats.shape[1] // out)]
+        work.report(VISION, a.depth, a.depth)
+        return ImageFeatures(parts[0], parts[1:])

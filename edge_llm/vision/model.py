@@ -9,12 +9,13 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
 
 from edge_llm.backends.vision import VisionBackend, get_vision_backend
+from edge_llm.backends.vision_graph import TowerGraph
 from edge_llm.config import ModelArgs, VisionArgs, vision_args_from_dir
 from edge_llm.errors import ConfigError
 from edge_llm.models.qwen3 import VisualRows
@@ -34,6 +35,25 @@ from edge_llm.weights import load_vision_weights
 log = logging.getLogger(__name__)
 
 
+def fit_to_graph(pre: PreprocessConfig, graph: TowerGraph | None) -> PreprocessConfig:
+    """The grid rule of a tower graph with static shapes (the NPU): the resize rule's pixel
+    budget becomes the largest shape's patches, so every image is resized (aspect ratio kept,
+    never cropped) onto at most that many patches, then padded up to the smallest shape that
+    holds it (docs/vision.md, "Grids on the NPU"). Preprocessing, the image digest (the config
+    is in the tag) and so the prefix keys all follow this one rule."""
+    if graph is None or not graph.spec.rows:
+        return pre
+    budget = max(graph.spec.rows) * pre.patch_size ** 2
+    if budget >= pre.max_pixels:
+        return pre
+    if budget < pre.min_pixels:
+        raise ConfigError(f"the tower graph's largest shape ({max(graph.spec.rows)} patches) is below the "
+                          f"preprocessor's min_pixels {pre.min_pixels}: convert with a larger --vision-grids")
+    log.info("vision: images are resized to at most %d pixels (%d patches, the tower graph's largest shape)",
+             budget, max(graph.spec.rows))
+    return replace(pre, max_pixels=budget)
+
+
 class VisionModel:
     """A loaded Qwen3-VL vision tower with its preprocessing configuration."""
 
@@ -42,13 +62,16 @@ class VisionModel:
         self.args, self.encoder, self.pre, self.limits = args, encoder, pre, limits
         # the encoder configuration enters every image digest: a changed preprocessing or tower
         # configuration gives new image keys, so old image rows are never matched
-        self.tag = hashlib.sha256(json.dumps({"vision": asdict(args), "pre": asdict(pre)},
+        # and so does the tower's path (numpy, onnxruntime, NPU: their rows differ in the last bits)
+        self.tag = hashlib.sha256(json.dumps({"vision": asdict(args), "pre": asdict(pre),
+                                              "tower": encoder.numerics},
                                              sort_keys=True, default=list).encode()).digest()
 
     @classmethod
     def load(cls, model_dir: str | Path, text: ModelArgs, backend: str | VisionBackend = "cpu",
-             limits: ImageLimits = ImageLimits()) -> "VisionModel | None":
-        """The tower of a qwen3_vl checkpoint; None when the model has no vision weights."""
+             limits: ImageLimits = ImageLimits(), graph: TowerGraph | None = None) -> "VisionModel | None":
+        """The tower of a qwen3_vl checkpoint; None when the model has no vision weights.
+        `graph`: the tower as one graph (onnxruntime or the NPU), for the images it holds."""
         args = vision_args_from_dir(model_dir)
         if args is None:
             return None
@@ -60,10 +83,11 @@ class VisionModel:
             log.info("%s declares a vision tower but has no vision weights: text only", model_dir)
             return None
         be = get_vision_backend(backend) if isinstance(backend, str) else backend
-        encoder = VisionEncoder.from_weights(args, weights, be)
-        pre = PreprocessConfig.from_dir(model_dir, args)
-        log.info("loaded vision tower: %d blocks, hidden %d, patch %d, deepstack %s, backend %s",
-                 args.depth, args.hidden_size, args.patch_size, list(args.deepstack_visual_indexes), be.name)
+        encoder = VisionEncoder.from_weights(args, weights, be, graph)
+        pre = fit_to_graph(PreprocessConfig.from_dir(model_dir, args), graph)
+        log.info("loaded vision tower: %d blocks, hidden %d, patch %d, deepstack %s, backend %s%s",
+                 args.depth, args.hidden_size, args.patch_size, list(args.deepstack_visual_indexes), be.name,
+                 f" + one graph ({graph.runner.name})" if graph is not None else "")
         return cls(args, encoder, pre, limits)
 
     def header(self, data: bytes) -> ImageHeader:

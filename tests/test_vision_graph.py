@@ -1,0 +1,185 @@
+"""The vision tower as one graph (backends/vision_export.py, vision_graph.py; docs/vision.md):
+onnxruntime's tower against the numpy tower on the tiny synthetic Qwen3-VL (no real Qwen3-VL
+tower exists on this machine; the synthetic one keeps the published patch and merge geometry),
+padding with masked patches, the fallback, the tower path in the image keys, and the grid rule
+an NPU tower imposes (resize onto the largest shape, pad up to the smallest that holds it,
+never crop). The simulator's tower is tested in tests/test_rknn_sim.py."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from edge_llm.backends.graphs import vision_spec
+from edge_llm.backends.vision_graph import TowerGraph, open_ort_tower
+from edge_llm.config import ModelArgs
+from edge_llm.convert.vision import sample_image
+from edge_llm.engine import Engine, GenerationRequest
+from edge_llm.kvcache import KVCache
+from edge_llm.models.qwen3 import Model
+from edge_llm.sampling import SamplingParams
+from edge_llm.tokenizer import Tokenizer
+from edge_llm.vision.model import VisionModel, fit_to_graph
+from edge_llm.vision.preprocess import smart_resize
+
+# measured on the tiny tower: 6.9e-07 (224x224 .. 448x320); F32 rounding of a different summation
+# order (BLAS blocking, softmax over the whole row), not a different computation
+F32_REL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("EDGE_LLM_HOME", str(tmp_path_factory.mktemp("tower-home")))
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def towers(tiny_synth_dir, home):
+    """(numpy VisionModel, VisionModel with onnxruntime's tower graph)."""
+    args = ModelArgs.from_dir(tiny_synth_dir)
+    graph = open_ort_tower(tiny_synth_dir, threads=2)
+    assert graph is not None and graph.spec.rows == ()
+    return VisionModel.load(tiny_synth_dir, args), VisionModel.load(tiny_synth_dir, args, graph=graph)
+
+
+def _features(vm: VisionModel, data: bytes):
+    img = vm.prepare(data)
+    f = vm.encoder.encode(img.pixel_values, img.grid_thw)
+    return img, np.concatenate([f.embeds, *f.deepstack], axis=1)
+
+
+def _max_rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.mark.parametrize("size", [(224, 224), (448, 448), (448, 320), (256, 640)])
+def test_onnxruntime_tower_equals_numpy_within_f32_rounding(towers, size, record_property):
+    ref_vm, ort_vm = towers
+    data = sample_image(*size, seed=sum(size))
+    _, want = _features(ref_vm, data)
+    img, got = _features(ort_vm, data)
+    rel = _max_rel(got, want)
+    record_property("max_rel", rel)
+    print(f"{size[0]}x{size[1]} (grid {img.grid_thw}): onnxruntime vs numpy max rel {rel:.2e}")
+    assert got.shape == want.shape and rel <= F32_REL
+
+
+def test_padded_patches_are_masked_out(towers):
+    """Rows of real patches do not change when the call is padded with masked patches (the NPU's
+    static shapes rely on this), while the same padding without the mask changes them."""
+    _, ort_vm = towers
+    enc = ort_vm.encoder
+    img = ort_vm.prepare(sample_image(256, 320, seed=3))
+    _, gh, gw = img.grid_thw
+    plain = enc.encode_graph(img.pixel_values, gh, gw, gh * gw)
+    padded = enc.encode_graph(img.pixel_values, gh, gw, gh * gw + 64)
+    for a, b in zip([plain.embeds, *plain.deepstack], [padded.embeds, *padded.deepstack]):
+        assert a.shape == b.shape and _max_rel(b, a) <= F32_REL
+    # without the key bias the padding patches are attended to: the features move
+    import edge_llm.vision.encoder as encoder_mod
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(encoder_mod, "KEY_PAD", 0.0)
+    try:
+        unmasked = enc.encode_graph(img.pixel_values, gh, gw, gh * gw + 64)
+    finally:
+        mp.undo()
+    assert _max_rel(unmasked.embeds, plain.embeds) > 1e-3
+
+
+def test_tower_path_is_in_the_image_keys(towers):
+    """The same image under the numpy and the onnxruntime tower gets other digests, so rows
+    encoded by one never serve the other (docs/vision.md, "Tower paths")."""
+    ref_vm, ort_vm = towers
+    data = sample_image(256, 256)
+    assert ref_vm.prepare(data).digest != ort_vm.prepare(data).digest
+    assert ort_vm.prepare(data).digest == ort_vm.prepare(data).digest
+
+
+def test_images_beyond_the_graph_fall_back_to_numpy(towers, caplog):
+    ref_vm, ort_vm = towers
+    small = TowerGraph(ort_vm.encoder.graph.spec, ort_vm.encoder.graph.runner, "test", max_patches=256)
+    enc = ort_vm.encoder
+    mp = pytest.MonkeyPatch()
+    mp.setattr(enc, "graph", small)
+    try:
+        img = ort_vm.prepare(sample_image(448, 448))
+        with caplog.at_level(logging.INFO, logger="edge_llm.vision.encoder"):
+            got = enc.encode(img.pixel_values, img.grid_thw)
+    finally:
+        mp.undo()
+    want = ref_vm.encoder.encode(img.pixel_values, img.grid_thw)
+    assert np.array_equal(got.embeds, want.embeds)  # the numpy tower itself
+    assert "no graph shape" in caplog.text and "numpy tower" in caplog.text
+
+
+def _greedy_text(model_dir, vision: VisionModel, data: bytes, steps: int = 8) -> list[int]:
+    model = Model.load(model_dir)
+    tok = Tokenizer.from_dir(model_dir)
+    img = vision.prepare(data)
+    va = vision.args
+    ids = tok.encode("Describe the picture:") + [va.vision_start_token_id, va.image_token_id, va.vision_end_token_id]
+    ids = vision.expand(ids + tok.encode(" It shows"), [img])
+    eng = Engine(model, tok, KVCache(model.args.geometry, max_seq=512), vision=vision)
+    req = GenerationRequest(ids, max_tokens=steps, sampling=SamplingParams(temperature=0.0), images=[img])
+    events = list(eng.generate(req))
+    assert events[-1].timings.images_encoded == 1
+    return events[-1].completion_ids
+
+
+def test_same_greedy_text_with_either_tower(tiny_synth_dir, towers):
+    ref_vm, ort_vm = towers
+    data = sample_image(320, 256, seed=7)
+    a, b = _greedy_text(tiny_synth_dir, ref_vm, data), _greedy_text(tiny_synth_dir, ort_vm, data)
+    print(f"greedy ids numpy tower {a}, onnxruntime tower {b}")
+    assert len(a) == 8 and a == b
+
+
+# ---- the grid rule of a tower with static shapes (the NPU) ----------------------------------------
+def _npu_like(vm: VisionModel, rows: tuple[int, ...]) -> TowerGraph:
+    return TowerGraph(vision_spec(vm.args, rows), vm.encoder.graph.runner if vm.encoder.graph else None,
+                      "test-static")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("w,h", [(448, 448), (4032, 3024), (3024, 4032), (1920, 1080), (1080, 1920),
+                                 (640, 480), (100, 100), (300, 2000), (5000, 200)])
+def test_grid_rule_resizes_onto_the_held_shapes_and_never_crops(towers, w, h):
+    ref_vm, _ = towers
+    graph = _npu_like(ref_vm, (256, 784))
+    pre = fit_to_graph(ref_vm.pre, graph)
+    assert pre.max_pixels == 784 * 16 * 16
+    rh, rw = smart_resize(h, w, pre.factor, pre.min_pixels, pre.max_pixels)
+    patches = (rh // 16) * (rw // 16)
+    assert patches <= 784 and graph.shape_for(patches) in (256, 784)
+    assert graph.shape_for(patches) == (256 if patches <= 256 else 784)
+    # the whole image is kept: the aspect ratio survives the resize up to the 32-pixel rounding
+    assert abs(rw / rh - w / h) <= (w / h) * (32 / min(rh, rw) + 32 / max(rh, rw)) + 1e-9
+
+
+def test_images_differing_outside_a_crop_never_share_a_key(towers):
+    """A crop to a held grid would drop the border of a 16:9 image; the rule resizes instead, so
+    two images that differ only there get different digests (and prefix keys)."""
+    ref_vm, _ = towers
+    graph = _npu_like(ref_vm, (256, 784))
+    vm = VisionModel(ref_vm.args, ref_vm.encoder, fit_to_graph(ref_vm.pre, graph), ref_vm.limits)
+    base = np.asarray(Image.open(io.BytesIO(sample_image(1280, 720, seed=5))))
+    other = base.copy()
+    other[:, :160] = 255 - other[:, :160]  # the left eighth: what a centre crop to 4:3 would cut
+
+    def png(a):
+        buf = io.BytesIO()
+        Image.fromarray(a).save(buf, "PNG")
+        return buf.getvalue()
+
+    a, b = vm.prepare(png(base)), vm.prepare(png(other))
+    assert a.grid_thw == b.grid_thw and a.grid_thw[1] * a.grid_thw[2] <= 784
+    assert a.digest != b.digest
+    keys_a = vm.plan([1, vm.args.vision_start_token_id, *[vm.args.image_token_id] * a.n_tokens], [a]).keys
+    keys_b = vm.plan([1, vm.args.vision_start_token_id, *[vm.args.image_token_id] * b.n_tokens], [b]).keys
+    assert list(keys_a[:2]) == list(keys_b[:2]) and list(keys_a[2:]) != list(keys_b[2:])
