@@ -82,7 +82,7 @@ class Settings:
                               "$EDGE_LLM_HOME/quant, twice the checkpoint's BF16 tower bytes on disk); backend "
                               "rknn through the tower graphs of its rknn_dir when it has them. Images no graph "
                               "shape holds, and every image with false, take the numpy tower (other "
-                              "numerics: other image keys). See docs/vision.md.", bool)
+                              "numerics: other image keys).", bool)
     memory_check: bool = _opt(True, "Refuse to start (exit 78) when the memory estimate of this "
                               "configuration (weights in the backend's format, KV for max_seq, vision "
                               "tower, runtime) exceeds the memory available to the process, MemAvailable "

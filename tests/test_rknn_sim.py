@@ -166,3 +166,141 @@ def test_restore_is_a_cold_run_in_the_simulator(converted, tmp_path):
     model, d, _ = converted["qwen3_vl"]
     rows = check_restores(model, tmp_path, (45, 100), backend="rknn", chunk=32, n=150, rknn_dir=d, runner="sim")
     assert [r["restored"] for r in rows] == [32, 96]
+
+
+# ---- the vision tower on the simulator (convert/vision.py, backends/vision_graph.py) -----------
+def test_vision_tower_converts_within_fp16(converted, record_property):
+    """The tiny Qwen3-VL's tower: one .rknn for the default grids (256 and 784 patches), every
+    shape checked in the simulator against the numpy tower on an image of exactly that shape."""
+    import hashlib
+
+    from edge_llm.backends.manifest import Manifest
+
+    _, d, stdout = converted["qwen3_vl"]
+    assert "vision tower at 784 patches: compiler estimate" in stdout
+    m = Manifest.read(d / "vision")
+    (g,) = m.graphs
+    assert g.kind == "vision" and g.rows == [256, 784] and m.toolkit == "2.5.0"
+    assert hashlib.sha256((d / "vision" / g.rknn).read_bytes()).hexdigest() == g.rknn_sha256
+    assert sorted(t["rows"] for t in g.cost) == [256, 784] and all(t["cycles"] > 0 for t in g.cost)
+    assert not any("Erf" in t["cpu_ops"] for t in g.cost)  # the mergers' GELU stays on the NPU
+    for rows, per in g.accuracy.items():
+        acc = per["features"]
+        print(f"tower at {rows} patches: max rel {acc['max_rel']:.2e}, cosine {acc['cosine']:.7f}")
+        record_property(f"tower_{rows}_max_rel", acc["max_rel"])
+        assert acc["max_rel"] <= FP16_REL_LIMIT and acc["cosine"] >= 0.99999
+    assert (d / "vision" / "report.md").is_file()
+    # the decoder's manifest (and so its snapshot namespace) does not list the tower
+    assert all(g.kind != "vision" for g in Manifest.read(d).graphs)
+
+
+def _image_request(model_dir, seed: int = 11):
+    """(prompt ids with one expanded image, PreparedImage) for a 320x256 image (80 rows after
+    the grid rule: 20x16 patches, padded to the 256-patch shape)."""
+    from edge_llm.convert.vision import sample_image
+    from edge_llm.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+
+    def make(vision):
+        img = vision.prepare(sample_image(320, 256, seed=seed))
+        va = vision.args
+        ids = tok.encode("Look:") + [va.vision_start_token_id, va.image_token_id, va.vision_end_token_id]
+        tail = (" Describe the colours of it, the shapes you can see in it, and what the picture might show"
+                " to a person who cannot see it.")  # long enough that the reuse cut (chunk 32) lands after the image
+        return vision.expand(ids + tok.encode(tail), [img]), img
+    return make
+
+
+def test_image_on_simulator_agrees_with_cpu(converted, record_property):
+    """Tower and decoder both on the simulator answer an image with the CPU backend's (numpy
+    tower) first greedy token; every row's logits close."""
+    from edge_llm.backends.vision_graph import open_rknn_tower
+    from edge_llm.models.qwen3 import Model
+    from edge_llm.vision.model import VisionModel
+
+    model_dir, d, _ = converted["qwen3_vl"]
+    sim, tower = open_rknn(d, "sim", model_dir=model_dir), open_rknn_tower(d, "sim", model_dir=model_dir)
+    assert tower is not None and tower.numerics.startswith("rknn-tower:") and "rknn-sim" in tower.numerics
+    try:
+        out = {}
+        for name, backend, graph in (("sim", sim, tower), ("cpu", "cpu", None)):
+            model = Model.load(model_dir, backend=backend)
+            vision = VisionModel.load(model_dir, model.args, graph=graph)
+            ids, img = _image_request(model_dir)(vision)
+            plan = vision.plan(ids, [img])
+            vis, _, n = vision.visual_rows(plan, 0, plan.n)
+            cache = model.new_cache(256, check_memory=False)
+            out[name] = model.forward(plan.keys, cache, all_logits=True, positions=plan.positions, visual=vis)
+    finally:
+        sim.close()
+        tower.close()
+    a, b = out["sim"].astype(np.float64), out["cpu"].astype(np.float64)
+    cos = float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b))
+    agree = float(np.mean(a.argmax(1) == b.argmax(1)))
+    print(f"image prompt, simulator (tower + decoder) vs cpu: cosine {cos:.6f} over all rows' logits, "
+          f"argmax agreement {agree:.3f}, next token {int(a[-1].argmax())} vs {int(b[-1].argmax())}")
+    record_property("cosine", cos)
+    assert cos >= 0.999 and a[-1].argmax() == b[-1].argmax()
+
+
+def test_image_restore_is_bitwise_within_simulator_numerics(converted, tmp_path):
+    """An image conversation saved by one runtime (tower + decoder on the simulator) and
+    continued by a fresh one: the image rows come from disk (not encoded again) and the follow-up
+    computes the same bits as the runtime that kept its RAM cache."""
+    from edge_llm.engine import GenerationRequest
+    from edge_llm.runtime import load_runtime
+    from edge_llm.sampling import SamplingParams
+    from edge_llm.settings import Settings
+
+    model_dir, d, _ = converted["qwen3_vl"]
+    settings = Settings(model=str(model_dir), disk_kv=str(tmp_path / "kv"), max_seq=512, kv_bs=16, backend="rknn",
+                        rknn_dir=str(d), rknn_runner="sim", prefill_chunk=32)
+
+    def ask(eng, ids, img):
+        ev = list(eng.generate(GenerationRequest(ids, max_tokens=4, sampling=SamplingParams(temperature=0.0),
+                                                 images=[img])))[-1]
+        return ev.completion_ids, ev.timings
+
+    warm = load_runtime(settings)
+    assert warm.vision.encoder.graph is not None  # the simulator's tower, not numpy
+    ids, img = _image_request(model_dir)(warm.vision)
+    first, t1 = ask(warm, ids, img)
+    assert t1.images_encoded == 1
+    follow = ids + first + [100, 200, 300, 400, 500]
+    warm_out, tw = ask(warm, follow, img)
+    warm.store.close()
+    assert tw.cache_source == "ram" and tw.images_encoded == 0
+    n = warm.cache.length
+    warm_rows = warm.cache.data[:, :, :n].copy()
+    warm.model.backend.close()
+    warm.vision.encoder.graph.close()
+
+    fresh = load_runtime(settings)
+    ids2, img2 = _image_request(model_dir)(fresh.vision)
+    assert img2.digest == img.digest
+    fresh_out, tf = ask(fresh, follow, img2)
+    try:
+        assert tf.cache_source == "disk" and tf.images_encoded == 0 and tf.disk_cached_tokens > len(ids) // 2
+        assert fresh_out == warm_out and fresh.cache.length == n
+        assert np.array_equal(fresh.cache.data[:, :, :n].view(np.uint32), warm_rows.view(np.uint32))
+    finally:
+        fresh.store.close()
+        fresh.model.backend.close()
+        fresh.vision.encoder.graph.close()
+
+
+def test_bench_vision_reads_the_npu_estimates(converted, tiny_synth_dir):
+    """`bench vision --rknn-dir`: each size maps through the grid rule onto a held shape and gets
+    that shape's compiler estimate and simulator accuracy."""
+    from edge_llm.bench.vision import markdown, npu_rows
+    from edge_llm.config import ModelArgs
+    from edge_llm.vision.model import VisionModel
+
+    model_dir, d, _ = converted["qwen3_vl"]
+    vision = VisionModel.load(model_dir, ModelArgs.from_dir(model_dir))
+    rows = npu_rows(d, vision, (224, 448, 1280))
+    assert [(r["patches"], r["shape"]) for r in rows] == [(256, 256), (784, 784), (784, 784)]
+    assert all(r["predicted_ms"] > 0 and r["accuracy"]["max_rel"] <= FP16_REL_LIMIT for r in rows)
+    md = markdown({"label": "tiny", "machine": "x", "blas": "x", "command": "x", "encoder": [], "npu": rows})
+    assert "| 1280x1280 | 28x28 | 784 | 784 |" in md

@@ -24,6 +24,9 @@ from edge_llm.config import VisionArgs
 from edge_llm.snapshot.layout import SNAPSHOT_GLOB
 
 SIZES = (224, 448, 896)
+# Rockchip's own runtime (rknn-llm benchmark.md, multimodal table): Qwen3-VL-2B's tower on a
+# 448x448 image, fp16 on RK3588's three NPU cores
+RKLLM_ENCODE_MS_448 = 2080.0
 
 
 def encoder_flops(v: VisionArgs, n_patches: int) -> float:
@@ -83,6 +86,49 @@ def encoder_rows(vision, sizes=SIZES, repeats: int = 2, step: Callable[[str], No
                      "sgemm_gflops": peak, "roofline_ms": flops / (peak * 1e9) * 1e3,
                      "of_roofline": flops / secs / 1e9 / peak, "repeats": len(times)})
     return rows, best
+
+
+def graph_rows(numpy_rows: list[dict], graph_vision, sizes=SIZES, repeats: int = 2,
+               step: Callable[[str], None] = lambda s: None) -> list[dict]:
+    """The same sizes through the tower graph (onnxruntime): time and roofline as `encoder_rows`,
+    plus the speed-up over the numpy rows and the features' error against the numpy tower."""
+    rows, _ = encoder_rows(graph_vision, sizes, repeats, lambda m: step(f"onnxruntime tower: {m}"))
+    for r, ref in zip(rows, numpy_rows):
+        r["speedup"] = ref["ms"] / r["ms"]
+    for r, side in zip(rows, sizes):
+        img = graph_vision.prepare(square_png(side))
+        got = graph_vision.encode(img)
+        want = graph_vision.encoder.backend_encode(img.pixel_values, img.grid_thw)
+        a = np.concatenate([got.embeds, *got.deepstack], 1).astype(np.float64)
+        b = np.concatenate([want.embeds, *want.deepstack], 1).astype(np.float64)
+        r["max_rel"] = float(np.abs(a - b).max() / np.abs(b).max())
+        r["cosine"] = float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b))
+    return rows
+
+
+def npu_rows(rknn_dir: str | Path, vision, sizes=SIZES) -> list[dict]:
+    """The compiler-predicted NPU encode per size from a converted tower (`<rknn_dir>/vision/`):
+    the shape the grid rule pads the image to, its estimate, the simulator's accuracy there."""
+    from edge_llm.backends.manifest import Manifest
+    from edge_llm.backends.vision_graph import VISION_DIR, TowerGraph
+    from edge_llm.convert.vision import tower_rows
+    from edge_llm.vision.model import fit_to_graph
+    from edge_llm.vision.preprocess import prepare_image
+
+    m = Manifest.read(Path(rknn_dir) / VISION_DIR)
+    (spec,) = m.specs()
+    graph = TowerGraph(spec, None, "npu")  # type: ignore[arg-type]  # shapes only: nothing runs
+    pre = fit_to_graph(vision.pre, graph)
+    by_shape = {r["patches"]: r for r in tower_rows(m)}
+    out = []
+    for side in sizes:
+        img = prepare_image(square_png(side), pre, vision.limits)
+        n = img.pixel_values.shape[0]
+        shape = graph.shape_for(n)
+        row = by_shape.get(shape, {})
+        out.append({"size": side, "grid": list(img.grid_thw), "patches": n, "shape": shape,
+                    "predicted_ms": row.get("predicted_ms"), "accuracy": row.get("accuracy")})
+    return out
 
 
 def end_to_end(model_dir: Path, kv_dir: Path, side: int, max_tokens: int,
@@ -174,6 +220,30 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['size']}x{r['size']} | {g} | {r['patches']} | {r['tokens']} | {r['ms']:.0f} | "
                      f"{r['gflop']:.1f} | {r['gflops']:.1f} | {r['sgemm_gflops']:.1f} | {r['roofline_ms']:.0f} | "
                      f"{r['of_roofline']:.0%} |")
+    g = res.get("encoder_graph")
+    if g:
+        lines += ["", "## Tower paths: numpy, onnxruntime (cpu-q), NPU (rknn)", "",
+                  "onnxruntime: the tower as one F32 graph (docs/vision.md), same machine, same sizes, "
+                  "roofline measured the same way; error against the numpy tower's features.", "",
+                  "| image | numpy ms | onnxruntime ms | speed-up | GFLOP/s | of roofline | max rel | cosine |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r, ref in zip(g, res["encoder"]):
+            lines.append(f"| {r['size']}x{r['size']} | {ref['ms']:.0f} | {r['ms']:.0f} | {r['speedup']:.2f}x | "
+                         f"{r['gflops']:.1f} | {r['of_roofline']:.0%} | {r['max_rel']:.1e} | {r['cosine']:.7f} |")
+    n = res.get("npu")
+    if n:
+        lines += ["", f"## NPU (compiler estimate, {res.get('npu_dir', '')})", "",
+                  "Predicted from rknn-toolkit2's cycle tables at 1 GHz for the shape the grid rule pads the "
+                  f"image to; RKLLM encodes a 448x448 image in {RKLLM_ENCODE_MS_448:.0f} ms (its benchmark).", "",
+                  "| image | resized grid | patches | shape | predicted ms | RKLLM 448 / predicted | "
+                  "measured ms (board) | sim max rel |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for r in n:
+            ms, meas = r["predicted_ms"], r.get("measured_ms")
+            acc = (r["accuracy"] or {}).get("max_rel")
+            lines.append(f"| {r['size']}x{r['size']} | {'x'.join(map(str, r['grid'][1:]))} | {r['patches']} | "
+                         f"{r['shape']} | {'-' if ms is None else f'{ms:.0f}'} | "
+                         f"{'-' if ms is None else f'{RKLLM_ENCODE_MS_448 / ms:.2f}x'} | "
+                         f"{'-' if meas is None else f'{meas:.0f}'} | {'-' if acc is None else f'{acc:.1e}'} |")
     e = res.get("e2e")
     if e:
         lines += ["", f"## Image ({e['side']}x{e['side']}) + question, end to end ({res['e2e_label']})", "",

@@ -138,7 +138,7 @@ class VisionEncoder:
         """One image (or video) -> merged embeddings + DeepStack features for its token run.
         Each block reports to `work` (stage vision, block / depth), which may cancel."""
         t, gh, gw = grid_thw
-        a, be = self.args, self.backend
+        a = self.args
         if pixel_values.shape != (t * gh * gw, a.patch_dim):
             raise ValueError(f"pixel_values {pixel_values.shape} do not match grid {grid_thw} "
                              f"x patch_dim {a.patch_dim}")
@@ -148,6 +148,13 @@ class VisionEncoder:
         if self.graph is not None:
             log.info("vision: an image of %dx%d patches has no graph shape (%s): the numpy tower encodes it",
                      gh, gw, list(self.graph.spec.rows) or f"at most {self.graph.max_patches} patches")
+        return self.backend_encode(pixel_values, grid_thw, work)
+
+    def backend_encode(self, pixel_values: np.ndarray, grid_thw: tuple[int, int, int],
+                       work: Work = NO_WORK) -> ImageFeatures:
+        """The tower block by block on the `VisionBackend` (numpy), whatever graph there is."""
+        t, gh, gw = grid_thw
+        a, be = self.args, self.backend
         x = be.vis_patch_embed(np.ascontiguousarray(pixel_values, dtype=np.float32))
         x += np.tile(self.position_embeddings(gh, gw), (t, 1))
         cos, sin = self.rotary(gh, gw)

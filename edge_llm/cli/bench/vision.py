@@ -20,9 +20,13 @@ from edge_llm.cli.bench.common import bench, int_list, out_option, show_results,
               help="Image side of the end-to-end conversation, at least 32 (0 skips it).")
 @click.option("--max-tokens", type=click.IntRange(1), default=8, show_default=True)
 @click.option("--repeats", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--no-graph", is_flag=True, help="Skip the onnxruntime tower (cpu-q's path).")
+@click.option("--rknn-dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="A `convert rknn` directory of the same synthetic model: its tower's compiler estimates.")
 @out_option
-def vision_cmd(synth_layers, sizes, e2e_size, max_tokens, repeats, out) -> None:
-    """Vision encoder time per image size vs the sgemm roofline; image + question cold vs restored."""
+def vision_cmd(synth_layers, sizes, e2e_size, max_tokens, repeats, no_graph, rknn_dir, out) -> None:
+    """Vision encoder time per image size vs the sgemm roofline, numpy and the onnxruntime tower
+    (and the NPU's compiler estimate from --rknn-dir); image + question cold vs restored."""
     import os
     import platform
     import tempfile
@@ -50,7 +54,27 @@ def vision_cmd(synth_layers, sizes, e2e_size, max_tokens, repeats, out) -> None:
         args = ModelArgs.from_dir(model_dir)
         vision = VisionModel.load(model_dir, args)
         res["encoder"], res["peak_gflops"] = V.encoder_rows(vision, int_list(sizes), repeats, step)
+        if rknn_dir:
+            res["npu"], res["npu_dir"] = V.npu_rows(rknn_dir, vision, int_list(sizes)), str(rknn_dir)
+            from edge_llm.backends.rknn import npu_present
+
+            if npu_present():  # a board: the tower measured on the NPU as well
+                from edge_llm.backends.vision_graph import open_rknn_tower
+
+                npu_vision = VisionModel.load(model_dir, args, graph=open_rknn_tower(rknn_dir, "rknnlite"))
+                rows, _ = V.encoder_rows(npu_vision, int_list(sizes), repeats, lambda m: step(f"NPU tower: {m}"))
+                for n, r in zip(res["npu"], rows):
+                    n["measured_ms"] = r["ms"]
+                npu_vision.encoder.graph.close()
         del vision
+        if not no_graph:
+            from edge_llm.backends.vision_graph import open_ort_tower
+
+            step("onnxruntime tower: export (first use)")
+            graph_vision = VisionModel.load(model_dir, args, graph=open_ort_tower(model_dir))
+            res["encoder_graph"] = V.graph_rows(res["encoder"], graph_vision, int_list(sizes), repeats, step)
+            graph_vision.encoder.graph.close()
+            del graph_vision
         step("tower memory (fresh process)")
         res["memory"] = V.tower_memory(model_dir)
         if e2e_size:
