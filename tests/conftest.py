@@ -141,6 +141,17 @@ def edge_home(tmp_path_factory) -> Path:
     return home
 
 
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    """An EDGE_LLM_HOME of the test module's own: cpu-q builds its graphs, and the vision tower
+    its one graph, under it on first use."""
+    mp = pytest.MonkeyPatch()
+    h = tmp_path_factory.mktemp("q-home")
+    mp.setenv("EDGE_LLM_HOME", str(h))
+    yield h
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def tiny_synth_dir(tmp_path_factory) -> Path:
     """A tiny random qwen3_vl checkpoint with the real Qwen3 tokenizer: fast to run."""

@@ -26,15 +26,6 @@ LOGIT_REL, ROW_REL = 0.01, 0.01
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    h = tmp_path_factory.mktemp("q-home")
-    mp.setenv("EDGE_LLM_HOME", str(h))
-    yield h
-    mp.undo()
-
-
-@pytest.fixture(scope="module")
 def model(tiny_synth_dir, home):
     return Model.load(tiny_synth_dir, cpuq.open_cpu_q(tiny_synth_dir, "q4", threads=2, blocks=None))
 

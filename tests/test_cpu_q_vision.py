@@ -58,14 +58,6 @@ def vl_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("EDGE_LLM_HOME", str(tmp_path_factory.mktemp("q-home")))
-    yield
-    mp.undo()
-
-
-@pytest.fixture(scope="module")
 def models(vl_dir, home, tmp_path_factory):
     """cpu: F32; cpuq: the cpu-q backend as built; fused: every step fused, plus layers 1 and 2's
     qkv graphs of cpu-q's set; fused_only: every step fused and no qkv graph after layer 0."""

@@ -35,14 +35,6 @@ def vl4(tmp_path_factory):
     return d
 
 
-@pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    mp = pytest.MonkeyPatch()  # cpu-q builds its graphs under EDGE_LLM_HOME
-    mp.setenv("EDGE_LLM_HOME", str(tmp_path_factory.mktemp("q-home")))
-    yield
-    mp.undo()
-
-
 class Recorder:
     """A Work whose on_progress records every report; cancels once `cancel_at(event)` is true."""
 

@@ -32,14 +32,6 @@ F32_REL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("EDGE_LLM_HOME", str(tmp_path_factory.mktemp("tower-home")))
-    yield
-    mp.undo()
-
-
-@pytest.fixture(scope="module")
 def towers(tiny_synth_dir, home):
     """(numpy VisionModel, VisionModel with onnxruntime's tower graph)."""
     args = ModelArgs.from_dir(tiny_synth_dir)
