@@ -185,6 +185,8 @@ def estimate_memory(s: Settings, backend: str, sizes: ModelSizes, model_dir: str
         parts.append(("vision tower (mapped)", sizes.vision_file))
         if backend == "cpu-q" and s.vision_graph:  # its F32 graph's weights, mapped as well
             parts.append(("vision tower graph (mapped F32)", sizes.vision_f32))
+        elif backend == "rknn" and s.vision_graph and s.rknn_dir and (Path(s.rknn_dir) / "vision" / "manifest.json").is_file():
+            parts.append(("NPU fp16 vision tower", sizes.vision_f32 // 2))
     if s.disk_kv is not None:  # compaction reads one layer's rows of a chain into one buffer
         parts.append(("snapshot writer", s.max_seq * sizes.kv_bytes_per_layer_token))
     parts.append(("runtime", RUNTIME_BASE.get(backend, RUNTIME_BASE["cpu"])))

@@ -175,3 +175,25 @@ def test_images_differing_outside_a_crop_never_share_a_key(towers):
     keys_a = vm.plan([1, vm.args.vision_start_token_id, *[vm.args.image_token_id] * a.n_tokens], [a]).keys
     keys_b = vm.plan([1, vm.args.vision_start_token_id, *[vm.args.image_token_id] * b.n_tokens], [b]).keys
     assert list(keys_a[:2]) == list(keys_b[:2]) and list(keys_a[2:]) != list(keys_b[2:])
+
+
+def test_runtime_picks_the_tower_path_of_its_backend(tiny_synth_dir, home):
+    """cpu-q loads onnxruntime's tower graph, `vision_graph = false` and cpu keep numpy; the
+    memory estimate counts the graph's mapped F32 weights."""
+    from edge_llm.footprint import ModelSizes, estimate_memory
+    from edge_llm.runtime import load_runtime
+    from edge_llm.settings import Settings
+
+    def graph_of(**kw):
+        eng = load_runtime(Settings(model=str(tiny_synth_dir), disk_kv=None, max_seq=256, **kw))
+        return eng.vision.encoder.graph
+
+    g = graph_of(backend="cpu-q")
+    assert g is not None and g.runner.name == "onnxruntime" and g.numerics.startswith("ort-tower:f32:")
+    assert graph_of(backend="cpu-q", vision_graph=False) is None
+    assert graph_of(backend="cpu") is None
+    sizes = ModelSizes.of_dir(tiny_synth_dir)
+    parts = dict(estimate_memory(Settings(max_seq=256), "cpu-q", sizes, tiny_synth_dir).parts)
+    assert parts["vision tower graph (mapped F32)"] == sizes.vision_f32 == 2 * sizes.vision_file  # BF16 file
+    off = dict(estimate_memory(Settings(max_seq=256, vision_graph=False), "cpu-q", sizes, tiny_synth_dir).parts)
+    assert "vision tower graph (mapped F32)" not in off
