@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from edge_llm.backends.graphs import vision_spec
-from edge_llm.backends.vision_graph import TowerGraph, open_ort_tower
+from edge_llm.backends.vision_graph import TowerGraph, held_shape, open_ort_tower
 from edge_llm.config import ModelArgs
 from edge_llm.convert.vision import sample_image
 from edge_llm.engine import Engine, GenerationRequest
@@ -134,22 +133,15 @@ def test_same_greedy_text_with_either_tower(tiny_synth_dir, towers):
 
 
 # ---- the grid rule of a tower with static shapes (the NPU) ----------------------------------------
-def _npu_like(vm: VisionModel, rows: tuple[int, ...]) -> TowerGraph:
-    return TowerGraph(vision_spec(vm.args, rows), vm.encoder.graph.runner if vm.encoder.graph else None,
-                      "test-static")  # type: ignore[arg-type]
-
-
 @pytest.mark.parametrize("w,h", [(448, 448), (4032, 3024), (3024, 4032), (1920, 1080), (1080, 1920),
                                  (640, 480), (100, 100), (300, 2000), (5000, 200)])
 def test_grid_rule_resizes_onto_the_held_shapes_and_never_crops(towers, w, h):
     ref_vm, _ = towers
-    graph = _npu_like(ref_vm, (256, 784))
-    pre = fit_to_graph(ref_vm.pre, graph)
+    pre = fit_to_graph(ref_vm.pre, (256, 784))
     assert pre.max_pixels == 784 * 16 * 16
     rh, rw = smart_resize(h, w, pre.factor, pre.min_pixels, pre.max_pixels)
     patches = (rh // 16) * (rw // 16)
-    assert patches <= 784 and graph.shape_for(patches) in (256, 784)
-    assert graph.shape_for(patches) == (256 if patches <= 256 else 784)
+    assert patches <= 784 and held_shape((256, 784), patches) == (256 if patches <= 256 else 784)
     # the whole image is kept: the aspect ratio survives the resize up to the 32-pixel rounding
     assert abs(rw / rh - w / h) <= (w / h) * (32 / min(rh, rw) + 32 / max(rh, rw)) + 1e-9
 
@@ -158,8 +150,7 @@ def test_images_differing_outside_a_crop_never_share_a_key(towers):
     """A crop to a held grid would drop the border of a 16:9 image; the rule resizes instead, so
     two images that differ only there get different digests (and prefix keys)."""
     ref_vm, _ = towers
-    graph = _npu_like(ref_vm, (256, 784))
-    vm = VisionModel(ref_vm.args, ref_vm.encoder, fit_to_graph(ref_vm.pre, graph), ref_vm.limits)
+    vm = VisionModel(ref_vm.args, ref_vm.encoder, fit_to_graph(ref_vm.pre, (256, 784)), ref_vm.limits)
     base = np.asarray(Image.open(io.BytesIO(sample_image(1280, 720, seed=5))))
     other = base.copy()
     other[:, :160] = 255 - other[:, :160]  # the left eighth: what a centre crop to 4:3 would cut

@@ -62,17 +62,22 @@ class TowerGraph:
     max_patches: int = ORT_MAX_PATCHES
 
     def shape_for(self, patches: int) -> int | None:
-        """The row count a call for `patches` patches runs at (padded up), or None: not held."""
-        if not self.spec.rows:
-            return patches if patches <= self.max_patches else None
-        fits = [r for r in self.spec.rows if r >= patches]
-        return min(fits) if fits else None
+        return held_shape(self.spec.rows, patches, self.max_patches)
 
     def run(self, inputs: list[np.ndarray]) -> np.ndarray:
         return self.runner.run(self.spec, inputs)[0]
 
     def close(self) -> None:
         self.runner.close()
+
+
+def held_shape(rows: tuple[int, ...], patches: int, max_patches: int = ORT_MAX_PATCHES) -> int | None:
+    """The row count a call for `patches` patches runs at: the smallest static shape that holds
+    them (padded up), any count up to `max_patches` for a dynamic graph (`rows == ()`), or None."""
+    if not rows:
+        return patches if patches <= max_patches else None
+    fits = [r for r in rows if r >= patches]
+    return min(fits) if fits else None
 
 
 def tower_mode(name: str) -> TowerMode:

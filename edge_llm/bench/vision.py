@@ -110,21 +110,20 @@ def npu_rows(rknn_dir: str | Path, vision, sizes=SIZES) -> list[dict]:
     """The compiler-predicted NPU encode per size from a converted tower (`<rknn_dir>/vision/`):
     the shape the grid rule pads the image to, its estimate, the simulator's accuracy there."""
     from edge_llm.backends.manifest import Manifest
-    from edge_llm.backends.vision_graph import VISION_DIR, TowerGraph
+    from edge_llm.backends.vision_graph import VISION_DIR, held_shape
     from edge_llm.convert.vision import tower_rows
     from edge_llm.vision.model import fit_to_graph
     from edge_llm.vision.preprocess import prepare_image
 
     m = Manifest.read(Path(rknn_dir) / VISION_DIR)
     (spec,) = m.specs()
-    graph = TowerGraph(spec, None, "npu")  # type: ignore[arg-type]  # shapes only: nothing runs
-    pre = fit_to_graph(vision.pre, graph)
+    pre = fit_to_graph(vision.pre, spec.rows)
     by_shape = {r["patches"]: r for r in tower_rows(m)}
     out = []
     for side in sizes:
         img = prepare_image(square_png(side), pre, vision.limits)
         n = img.pixel_values.shape[0]
-        shape = graph.shape_for(n)
+        shape = held_shape(spec.rows, n)
         row = by_shape.get(shape, {})
         out.append({"size": side, "grid": list(img.grid_thw), "patches": n, "shape": shape,
                     "predicted_ms": row.get("predicted_ms"), "accuracy": row.get("accuracy")})

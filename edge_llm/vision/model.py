@@ -35,22 +35,22 @@ from edge_llm.weights import load_vision_weights
 log = logging.getLogger(__name__)
 
 
-def fit_to_graph(pre: PreprocessConfig, graph: TowerGraph | None) -> PreprocessConfig:
-    """The grid rule of a tower graph with static shapes (the NPU): the resize rule's pixel
+def fit_to_graph(pre: PreprocessConfig, rows: tuple[int, ...]) -> PreprocessConfig:
+    """The grid rule of a tower graph with static shapes `rows` (the NPU): the resize rule's pixel
     budget becomes the largest shape's patches, so every image is resized (aspect ratio kept,
     never cropped) onto at most that many patches, then padded up to the smallest shape that
     holds it (docs/vision.md, "Grids on the NPU"). Preprocessing, the image digest (the config
     is in the tag) and so the prefix keys all follow this one rule."""
-    if graph is None or not graph.spec.rows:
+    if not rows:
         return pre
-    budget = max(graph.spec.rows) * pre.patch_size ** 2
+    budget = max(rows) * pre.patch_size ** 2
     if budget >= pre.max_pixels:
         return pre
     if budget < pre.min_pixels:
-        raise ConfigError(f"the tower graph's largest shape ({max(graph.spec.rows)} patches) is below the "
+        raise ConfigError(f"the tower graph's largest shape ({max(rows)} patches) is below the "
                           f"preprocessor's min_pixels {pre.min_pixels}: convert with a larger --vision-grids")
     log.info("vision: images are resized to at most %d pixels (%d patches, the tower graph's largest shape)",
-             budget, max(graph.spec.rows))
+             budget, max(rows))
     return replace(pre, max_pixels=budget)
 
 
@@ -84,7 +84,7 @@ class VisionModel:
             return None
         be = get_vision_backend(backend) if isinstance(backend, str) else backend
         encoder = VisionEncoder.from_weights(args, weights, be, graph)
-        pre = fit_to_graph(PreprocessConfig.from_dir(model_dir, args), graph)
+        pre = fit_to_graph(PreprocessConfig.from_dir(model_dir, args), graph.spec.rows if graph else ())
         log.info("loaded vision tower: %d blocks, hidden %d, patch %d, deepstack %s, backend %s%s",
                  args.depth, args.hidden_size, args.patch_size, list(args.deepstack_visual_indexes), be.name,
                  f" + one graph ({graph.runner.name})" if graph is not None else "")
