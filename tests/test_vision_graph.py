@@ -35,7 +35,7 @@ def towers(tiny_synth_dir, home):
     """(numpy VisionModel, VisionModel with onnxruntime's tower graph)."""
     args = ModelArgs.from_dir(tiny_synth_dir)
     graph = open_ort_tower(tiny_synth_dir, threads=2)
-    assert graph is not None and graph.spec.rows == ()
+    assert graph is not None and graph.rows == () and len(graph.specs) == 1  # the tiny tower: 2 blocks
     return VisionModel.load(tiny_synth_dir, args), VisionModel.load(tiny_synth_dir, args, graph=graph)
 
 
@@ -84,6 +84,35 @@ def test_padded_patches_are_masked_out(towers):
     assert _max_rel(unmasked.embeds, plain.embeds) > 1e-3
 
 
+def test_tower_in_segments_equals_one_graph_and_reports_each(towers, tiny_synth_dir, tmp_path):
+    """onnxruntime runs the tower in segments (progress and the watchdog between them): one block
+    a segment gives the one graph's features, and each segment is reported."""
+    from edge_llm.backends.runners import OrtRunner
+    from edge_llm.backends.vision_export import export_tower
+    from edge_llm.progress import Work
+
+    _, ort_vm = towers
+    done = export_tower(tiny_synth_dir, tmp_path, blocks=1)
+    assert [e.spec.name for e in done] == ["vision.00-01", "vision.01-02"]
+    assert [n for n, _ in done[0].spec.outputs] == ["h", "features"]  # DeepStack after block 0
+    runner = OrtRunner({e.spec.name: e.onnx for e in done}, threads=2)
+    seg = TowerGraph([e.spec for e in done], runner, "test")
+    img = ort_vm.prepare(sample_image(320, 256, seed=4))
+    _, gh, gw = img.grid_thw
+    whole = ort_vm.encoder.encode_graph(img.pixel_values, gh, gw, gh * gw)
+    seen = []
+    mp = pytest.MonkeyPatch()
+    mp.setattr(ort_vm.encoder, "graph", seg)
+    try:
+        parts = ort_vm.encoder.encode_graph(img.pixel_values, gh, gw, gh * gw,
+                                            Work(on_progress=lambda *a: seen.append(a)))
+    finally:
+        mp.undo()
+    for a, b in zip([parts.embeds, *parts.deepstack], [whole.embeds, *whole.deepstack]):
+        assert a.shape == b.shape and _max_rel(a, b) <= F32_REL
+    assert seen == [("vision", 0, 2), ("vision", 1, 2), ("vision", 2, 2)]
+
+
 def test_tower_path_is_in_the_image_keys(towers):
     """The same image under the numpy and the onnxruntime tower gets other digests, so rows
     encoded by one never serve the other (docs/vision.md, "Tower paths")."""
@@ -95,7 +124,7 @@ def test_tower_path_is_in_the_image_keys(towers):
 
 def test_images_beyond_the_graph_fall_back_to_numpy(towers, caplog):
     ref_vm, ort_vm = towers
-    small = TowerGraph(ort_vm.encoder.graph.spec, ort_vm.encoder.graph.runner, "test", max_patches=256)
+    small = TowerGraph(ort_vm.encoder.graph.specs, ort_vm.encoder.graph.runner, "test", max_patches=256)
     enc = ort_vm.encoder
     mp = pytest.MonkeyPatch()
     mp.setattr(enc, "graph", small)

@@ -106,28 +106,45 @@ def decode_spec(args: ModelArgs) -> GraphSpec:
                      (("logits", args.vocab_size),), (0, args.vocab_size))
 
 
-def vision_spec(v: VisionArgs, rows: tuple[int, ...] = ()) -> GraphSpec:
-    """The vision tower in one graph (vision_export.py, docs/vision.md "The tower as one graph"):
-    patch embedding, every block, the final and the DeepStack mergers, for one image of N patches.
+def vision_spec(v: VisionArgs, rows: tuple[int, ...] = (), blocks: tuple[int, int] | None = None) -> GraphSpec:
+    """The vision tower as a graph (vision_export.py, docs/vision.md "The tower as one graph"):
+    patch embedding, every block, the final and the DeepStack mergers, for one image of N patches;
+    or one segment of it, blocks [a, b) (onnxruntime runs the tower in segments, so a long encode
+    reports progress between them). Inputs:
 
-    - pixels (N, patch_dim): flattened patches in merge-block order (`preprocess`)
-    - pos (N, hidden): the learned position embeddings resampled to the image's grid
+    - pixels (N, patch_dim), pos (N, hidden) (the first segment) or h (N, hidden) (the others):
+      flattened patches in merge-block order and the learned position embeddings resampled to
+      the image's grid, or the hidden states the previous segment returned
     - cos, sin (N, head_dim): the 2-D rotary tables of the grid
     - kbias (N, 1): 0 for a patch, KEY_PAD for a padding patch (its key is never attended to)
-    -> features (N, W / merge^2) where W = (1 + DeepStack mergers) * out_hidden: the row-major
-       bytes of (N / merge^2, W), [merger | DeepStack 0 | DeepStack 1 ...] per decoder token.
+
+    Outputs: h (N, hidden) unless the segment ends the tower; features (N, W / merge^2) when it
+    ends the tower or holds a DeepStack block: the row-major bytes of (N / merge^2, W), per
+    decoder token [final merger if it ends the tower | its DeepStack mergers in order], each
+    out_hidden wide. The whole tower: [merger | DeepStack 0 | DeepStack 1 ...].
 
     Every tensor has N rows, so the graph is an ordinary row graph to every runner: `rows` are
     the static patch counts an NPU build holds (padding fills a smaller image up to one), () is
     any count (onnxruntime). What depends on the grid alone is computed on the CPU and fed in,
     so one graph serves every grid of a given patch count."""
+    a, b = blocks or (0, v.depth)
+    if not 0 <= a < b <= v.depth:
+        raise ConfigError(f"vision blocks [{a}, {b}) outside [0, {v.depth})")
     group = v.spatial_merge_size ** 2
-    width = (1 + len(v.deepstack_visual_indexes)) * v.out_hidden_size
+    width = ((b == v.depth) + sum(a <= i < b for i in v.deepstack_visual_indexes)) * v.out_hidden_size
     if width % group:
         raise ConfigError(f"vision features of width {width} do not split into {group} rows per token")
-    return GraphSpec(VISION, VISION, 0, tuple(rows),
-                     (("pixels", v.patch_dim), ("pos", v.hidden_size), ("cos", v.head_dim), ("sin", v.head_dim),
-                      ("kbias", 1)), (("features", width // group),))
+    ins = (("pixels", v.patch_dim), ("pos", v.hidden_size)) if a == 0 else (("h", v.hidden_size),)
+    ins += (("cos", v.head_dim), ("sin", v.head_dim), ("kbias", 1))
+    outs = ((("h", v.hidden_size),) if b < v.depth else ()) + ((("features", width // group),) if width else ())
+    name = VISION if (a, b) == (0, v.depth) else f"{VISION}.{a:02d}-{b:02d}"
+    return GraphSpec(name, VISION, a, tuple(rows), ins, outs)
+
+
+def vision_segments(v: VisionArgs, rows: tuple[int, ...] = (), blocks: int | None = None) -> list[GraphSpec]:
+    """The tower in segments of `blocks` blocks (None: one graph), in call order."""
+    step = blocks or v.depth
+    return [vision_spec(v, rows, (a, min(a + step, v.depth))) for a in range(0, v.depth, step)]
 
 
 def head_name(part: int, parts: int, kind: str = HEAD) -> str:

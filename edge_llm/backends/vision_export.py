@@ -1,4 +1,5 @@
-"""Export the Qwen3-VL vision tower to one ONNX graph (schema: `graphs.vision_spec`).
+"""Export the Qwen3-VL vision tower to one ONNX graph, or to segments of it (schema:
+`graphs.vision_spec`).
 
 The same arithmetic as the numpy tower (`vision/encoder.py` + `cpu_vision.py`), written with
 plain ONNX ops that onnxruntime and rknn-toolkit2 both run: patch embedding as one MatMul, per
@@ -21,7 +22,7 @@ import numpy as np
 
 from onnx import helper
 
-from edge_llm.backends.graphs import vision_spec
+from edge_llm.backends.graphs import GraphSpec, vision_segments
 from edge_llm.backends.onnx_export import Exported, GraphBuilder, Linear, WeightKey, export_one, f32_linear
 from edge_llm.backends.quant import center, quantize
 from edge_llm.backends.quant_export import write_nbits
@@ -110,22 +111,28 @@ def _linear(g: GraphBuilder, linear: Linear, x: str, weights: Weights, name: str
     return linear(g, x, w, weights.pop(f"{name}.bias"), out, key)
 
 
-def build_tower(g: GraphBuilder, v: VisionArgs, weights: Weights, linear: Linear, exact_gelu: bool = True) -> None:
-    """The tower (see the module docstring). `exact_gelu=False`: the mergers' exact GELU is
-    written in its tanh form, whose largest difference (~3e-4 absolute, near x = -2) lies below
-    fp16's rounding, because rknn-toolkit2 2.5.0 places `Erf` on the CPU (measured)."""
+def build_tower(g: GraphBuilder, v: VisionArgs, weights: Weights, linear: Linear, spec: GraphSpec, end: int,
+                exact_gelu: bool = True) -> None:
+    """The tower, or its segment `spec` (graphs.vision_spec) of blocks [spec.index, end); segments
+    are built in order from one `weights` (each pops what it uses). `exact_gelu=False`: the mergers' exact
+    GELU is written in its tanh form, whose largest difference (~3e-4 absolute, near x = -2) lies
+    below fp16's rounding, because rknn-toolkit2 2.5.0 places `Erf` on the CPU (measured)."""
     merger_act = gelu_erf if exact_gelu else gelu_tanh
     p, H, D, h = v.weight_prefix, v.num_heads, v.head_dim, v.hidden_size
-    pw = weights.pop(f"{p}patch_embed.proj.weight")
-    x = f32_linear(g, "pixels", np.ascontiguousarray(pw.reshape(h, -1).T), weights.pop(f"{p}patch_embed.proj.bias"))
-    x = g.op("Add", [x, "pos"])
-    weights.pop(f"{p}pos_embed.weight")  # resampled on the CPU: the `pos` input
+    a, b = spec.index, end
+    if a == 0:
+        pw = weights.pop(f"{p}patch_embed.proj.weight")
+        x = f32_linear(g, "pixels", np.ascontiguousarray(pw.reshape(h, -1).T), weights.pop(f"{p}patch_embed.proj.bias"))
+        x = g.op("Add", [x, "pos"])
+        weights.pop(f"{p}pos_embed.weight")  # resampled on the CPU: the `pos` input
+    else:
+        x = "h"
     kbias = g.op("Reshape", ["kbias", _c(g, "row", [1, -1])])
     g.op("Reshape", ["cos", _c(g, "n1d", [0, 1, D])], out="cos3")
     g.op("Reshape", ["sin", _c(g, "n1d", [0, 1, D])], out="sin3")
     scale = _c(g, "scale", D ** -0.5)
     features: list[str] = []
-    for i in range(v.depth):
+    for i in range(a, b):
         bp = f"{p}blocks.{i}."
         n1 = layer_norm(g, x, weights.pop(f"{bp}norm1.weight"), weights.pop(f"{bp}norm1.bias"))
         qkv = _linear(g, linear, n1, weights, f"{bp}attn.qkv", WeightKey("vision.qkv", i))
@@ -136,13 +143,16 @@ def build_tower(g: GraphBuilder, v: VisionArgs, weights: Weights, linear: Linear
         n2 = layer_norm(g, x, weights.pop(f"{bp}norm2.weight"), weights.pop(f"{bp}norm2.bias"))
         act = ACTIVATIONS[v.hidden_act](g, _linear(g, linear, n2, weights, f"{bp}mlp.linear_fc1",
                                                    WeightKey("vision.fc1", i)))
-        x = g.op("Add", [x, _linear(g, linear, act, weights, f"{bp}mlp.linear_fc2", WeightKey("vision.fc2", i))])
+        x = g.op("Add", [x, _linear(g, linear, act, weights, f"{bp}mlp.linear_fc2", WeightKey("vision.fc2", i))],
+                 out="h" if i == b - 1 and b < v.depth else None)
         if i in v.deepstack_visual_indexes:
             j = 1 + v.deepstack_visual_indexes.index(i)
             features.append(_merger(g, v, weights, linear, x, f"{p}deepstack_merger_list.{j - 1}.", j, merger_act))
-    features.insert(0, _merger(g, v, weights, linear, x, f"{p}merger.", 0, merger_act))
-    cat = g.op("Concat", features, axis=1) if len(features) > 1 else features[0]
-    g.op("Reshape", [cat, _c(g, "out_rows", [-1, vision_spec(v).outputs[0][1]])], out="features")
+    if b == v.depth:
+        features.insert(0, _merger(g, v, weights, linear, x, f"{p}merger.", 0, merger_act))
+    if features:
+        cat = g.op("Concat", features, axis=1) if len(features) > 1 else features[0]
+        g.op("Reshape", [cat, _c(g, "out_rows", [-1, dict(spec.outputs)["features"]])], out="features")
 
 
 def _merger(g: GraphBuilder, v: VisionArgs, weights: Weights, linear: Linear, x: str, mp: str, j: int,
@@ -160,9 +170,10 @@ def _merger(g: GraphBuilder, v: VisionArgs, weights: Weights, linear: Linear, x:
 
 
 def export_tower(model_dir: str | Path, out_dir: str | Path, rows: tuple[int, ...] = (),
-                 linear: Linear = f32_linear, exact_gelu: bool = True) -> Exported:
-    """Write `out_dir/vision.onnx` (+ `.onnx.data`) of the model's vision tower (`exact_gelu`:
-    as `build_tower`)."""
+                 linear: Linear = f32_linear, exact_gelu: bool = True, blocks: int | None = None) -> list[Exported]:
+    """Write the model's vision tower to `out_dir` as one graph `vision.onnx` (+ `.onnx.data`),
+    or with `blocks` as segments `vision.AA-BB.onnx` of that many blocks (`exact_gelu`: as
+    `build_tower`)."""
     v = vision_args_from_dir(model_dir)
     if v is None:
         raise ConfigError(f"{model_dir} has no vision tower")
@@ -171,4 +182,8 @@ def export_tower(model_dir: str | Path, out_dir: str | Path, rows: tuple[int, ..
         raise ConfigError(f"{model_dir} declares a vision tower but has no vision weights")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return export_one(vision_spec(v, rows), out, lambda g: build_tower(g, v, weights, linear, exact_gelu))
+    specs = vision_segments(v, rows, blocks)
+    ends = [s.index for s in specs[1:]] + [v.depth]
+    return [export_one(spec, out, lambda g, spec=spec, end=end: build_tower(g, v, weights, linear, spec, end,
+                                                                         exact_gelu))
+            for spec, end in zip(specs, ends)]

@@ -4,7 +4,7 @@
 holds the image's patches, and to the numpy tower otherwise (docs/vision.md).
 
 onnxruntime's tower lives in `$EDGE_LLM_HOME/quant/<model>-<weights digest>-vision-<mode>/`
-(`vision.onnx` + data + `tower.json`), built on first use under a lock (files.publish_dir) and
+(`vision.AA-BB.onnx` segments + data + `tower.json`), built on first use under a lock (files.publish_dir) and
 reused while the weights are unchanged. Modes: `f32` (the numpy tower's arithmetic in
 onnxruntime's kernels) and weight-only `q8` (MatMulNBits, int8 activations per block: the
 decoder's cpu-q kernel family); docs/vision.md "Tower paths" has the measured speed and error.
@@ -12,6 +12,7 @@ decoder's cpu-q kernel family); docs/vision.md "Tower paths" has the measured sp
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Callable
@@ -27,12 +28,16 @@ from edge_llm.files import publish_dir, write_atomic
 
 log = logging.getLogger(__name__)
 
-TOWER_FORMAT = 1
+TOWER_FORMAT = 2  # 2: segments
 TOWER_FILE = "tower.json"
 # onnxruntime runs any patch count, but a head's (N, N) scores (and the softmax's copy) grow as
 # N^2: 4096 patches (a 1024x1024 image) is 64 MiB each; larger images take the numpy tower,
 # which bounds its score buffer (vision/encoder.py)
 ORT_MAX_PATCHES = 4096
+# onnxruntime runs the tower in segments of this many blocks, so that an encode reports progress
+# (cancellation, the service watchdog) between them: a 1024x1024 image is ~4 TFLOP, a minute or
+# more on a board's CPU, longer than the unit's WatchdogSec in one call (docs/vision.md)
+ORT_SEGMENT_BLOCKS = 4
 # no prepacked copies of the weights: onnxruntime then maps the page-aligned external data file
 # and reads the weights in place, so between images the tower holds file pages the kernel may
 # drop, not 1.6 GB of anonymous memory (Qwen3-VL-2B), for ~5 % of an encode (docs/vision.md)
@@ -52,20 +57,25 @@ TOWER_MODES = {"f32": TowerMode("f32", 32), "q8": TowerMode("q8", 8), "q4": Towe
 
 @dataclass
 class TowerGraph:
-    """A runner holding the tower graph. `spec.rows`: the patch counts it holds (static shapes;
-    () = any count up to `max_patches`); `numerics`: what decides its output bits, which enters
-    every image digest (VisionModel.tag), so rows from another tower path never match."""
+    """A runner holding the tower as graphs `specs`: one, or segments run in order
+    (`graphs.vision_segments`). `rows`: the patch counts they hold (static shapes; () = any
+    count up to `max_patches`); `numerics`: what decides their output bits, which enters every
+    image digest (VisionModel.tag), so rows from another tower path never match."""
 
-    spec: GraphSpec
+    specs: list[GraphSpec]
     runner: GraphRunner
     numerics: str
     max_patches: int = ORT_MAX_PATCHES
 
-    def shape_for(self, patches: int) -> int | None:
-        return held_shape(self.spec.rows, patches, self.max_patches)
+    @property
+    def rows(self) -> tuple[int, ...]:
+        return self.specs[0].rows
 
-    def run(self, inputs: list[np.ndarray]) -> np.ndarray:
-        return self.runner.run(self.spec, inputs)[0]
+    def shape_for(self, patches: int) -> int | None:
+        return held_shape(self.rows, patches, self.max_patches)
+
+    def run(self, spec: GraphSpec, inputs: list[np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(zip((n for n, _ in spec.outputs), self.runner.run(spec, inputs)))
 
     def close(self) -> None:
         self.runner.close()
@@ -100,14 +110,15 @@ def _usable(root: Path, tm: TowerMode) -> dict | None:
         meta = json.loads((root / TOWER_FILE).read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    if meta.get("format") != TOWER_FORMAT or meta.get("mode") != tm.name or not (root / meta["onnx"]).is_file():
+    if meta.get("format") != TOWER_FORMAT or meta.get("mode") != tm.name or \
+            not all((root / f).is_file() for f in meta.get("onnx", {}).values()):
         log.warning("%s is stale: rebuilding", root)
         return None
     return meta
 
 
-def build_tower(model_dir: str | Path, out: Path, tm: TowerMode) -> dict:
-    """Export the tower in mode `tm` into `out` (vision.onnx + data + tower.json)."""
+def build_ort_tower(model_dir: str | Path, out: Path, tm: TowerMode) -> dict:
+    """Export the tower's segments in mode `tm` into `out` (onnx + data + tower.json)."""
     try:
         from edge_llm.backends.onnx_export import f32_linear
         from edge_llm.backends.vision_export import NBitsLinear, export_tower
@@ -115,9 +126,10 @@ def build_tower(model_dir: str | Path, out: Path, tm: TowerMode) -> dict:
         raise ConfigError(f"the onnxruntime vision tower needs onnx ({e}): pip install 'edge-llm[quant]'") from None
     linear = f32_linear if tm.bits == 32 else NBitsLinear(tm.bits, tm.block, tm.accuracy_level)
     log.info("exporting the vision tower of %s (%s) into %s", Path(model_dir).name, tm.name, out)
-    e = export_tower(model_dir, out, linear=linear)
-    meta = {"format": TOWER_FORMAT, "mode": tm.name, "onnx": e.onnx.name, "sha256": e.input_key,
-            "bytes": e.nbytes}
+    done = export_tower(model_dir, out, linear=linear, blocks=ORT_SEGMENT_BLOCKS)
+    digest = hashlib.sha256("".join(e.input_key for e in done).encode()).hexdigest()
+    meta = {"format": TOWER_FORMAT, "mode": tm.name, "onnx": {e.spec.name: e.onnx.name for e in done},
+            "sha256": digest, "bytes": sum(e.nbytes for e in done)}
     write_atomic(out / TOWER_FILE, json.dumps(meta, indent=1))
     return meta
 
@@ -126,7 +138,7 @@ def open_ort_tower(model_dir: str | Path, mode: str = "f32", threads: int | None
                    progress: Callable[[str], None] | None = None) -> TowerGraph | None:
     """The model's tower on onnxruntime (built first if needed); None if it has no tower."""
     from edge_llm.backends.cpuq import SESSION_CONFIG, kernel_isa
-    from edge_llm.backends.graphs import vision_spec
+    from edge_llm.backends.graphs import vision_segments
     from edge_llm.config import vision_args_from_dir
 
     v = vision_args_from_dir(model_dir)
@@ -136,16 +148,15 @@ def open_ort_tower(model_dir: str | Path, mode: str = "f32", threads: int | None
     root = tower_dir(model_dir, tm)
     if progress:
         progress(f"vision tower graph ({tm.name})")
-    meta = publish_dir(root, lambda tmp: build_tower(model_dir, tmp, tm), lambda d: _usable(d, tm))
-    spec = vision_spec(v)
-    runner = OrtRunner({spec.name: root / meta["onnx"]}, threads=threads, kind=f"vision-{tm.name}",
-                       config={**SESSION_CONFIG, **TOWER_CONFIG}, shared_arena=True)
+    meta = publish_dir(root, lambda tmp: build_ort_tower(model_dir, tmp, tm), lambda d: _usable(d, tm))
+    specs = vision_segments(v, (), ORT_SEGMENT_BLOCKS)
+    runner = OrtRunner({s.name: root / meta["onnx"][s.name] for s in specs}, threads=threads,
+                       kind=f"vision-{tm.name}", config={**SESSION_CONFIG, **TOWER_CONFIG}, shared_arena=True)
     # not the thread count: MLAS splits no reduction across threads (as for cpu-q's graphs)
     numerics = f"ort-tower:{tm.name}:{meta['sha256'][:16]}:onnxruntime-{runner.version}:{kernel_isa()}"
-    log.info("vision tower on onnxruntime (%s, %.0f MB of graph, mapped), up to %d patches a call",
-             tm.name, meta["bytes"] / 1e6, ORT_MAX_PATCHES)
-    return TowerGraph(spec, runner, numerics)
-
+    log.info("vision tower on onnxruntime (%s, %d segments, %.0f MB of graphs, mapped), up to %d patches a call",
+             tm.name, len(specs), meta["bytes"] / 1e6, ORT_MAX_PATCHES)
+    return TowerGraph(specs, runner, numerics)
 
 
 # ---- the NPU's tower: `edge-llm convert rknn` writes it to <rknn_dir>/vision/ ------------------
@@ -172,18 +183,18 @@ def open_rknn_tower(rknn_dir: str | Path, runner: str = "auto", model_dir: str |
         if m.model.get("weights_sha256") != weight_digest(model_dir):
             raise ConfigError(f"{root}: the tower graph was converted from other weights: "
                               "re-run `edge-llm convert rknn` for this model")
-    (spec,) = m.specs()
+    specs = m.specs()
     if progress:
-        progress(f"loading the NPU vision tower ({', '.join(map(str, spec.rows))} patches)")
+        progress(f"loading the NPU vision tower ({', '.join(map(str, specs[0].rows))} patches)")
     kind = resolve_runner(runner)
     if kind == "rknnlite":
         from edge_llm.backends.rknnlite import RKNNLiteRunner
 
-        r: GraphRunner = RKNNLiteRunner([spec], m.rknn_files(root))
+        r: GraphRunner = RKNNLiteRunner(specs, m.rknn_files(root))
     elif kind == "sim":
         from edge_llm.backends.runners import SimRunner
 
-        r = SimRunner([spec], m.onnx_files(root), python=converter_python)
+        r = SimRunner(specs, m.onnx_files(root), python=converter_python)
     else:
         r = OrtRunner(m.onnx_files(root), kind="vision-f32", config={**TOWER_CONFIG})
-    return TowerGraph(spec, r, f"rknn-tower:{m.identity()}:{r.numerics}")
+    return TowerGraph(specs, r, f"rknn-tower:{m.identity()}:{r.numerics}")

@@ -147,7 +147,7 @@ class VisionEncoder:
             return self.encode_graph(pixel_values, gh, gw, shape, work)
         if self.graph is not None:
             log.info("vision: an image of %dx%d patches has no graph shape (%s): the numpy tower encodes it",
-                     gh, gw, list(self.graph.spec.rows) or f"at most {self.graph.max_patches} patches")
+                     gh, gw, list(self.graph.rows) or f"at most {self.graph.max_patches} patches")
         return self.backend_encode(pixel_values, grid_thw, work)
 
     def backend_encode(self, pixel_values: np.ndarray, grid_thw: tuple[int, int, int],
@@ -173,26 +173,37 @@ class VisionEncoder:
 
     def encode_graph(self, pixel_values: np.ndarray, gh: int, gw: int, shape: int,
                      work: Work = NO_WORK) -> ImageFeatures:
-        """One image through the tower graph at `shape` rows: patches [n, shape) are zeros whose
-        keys carry KEY_PAD, so no real patch attends to them; whole 2x2 groups of them are
-        padding, and their output rows are dropped."""
+        """One image through the tower graph(s) at `shape` rows: patches [n, shape) are zeros
+        whose keys carry KEY_PAD, so no real patch attends to them; whole 2x2 groups of them are
+        padding, and their output rows are dropped. A tower in segments reports each to `work`."""
         assert self.graph is not None
         n, a = gh * gw, self.args
+        group, out = a.spatial_merge_size ** 2, a.out_hidden_size
         cos, sin = self.rotary(gh, gw)
         kbias = np.zeros((shape, 1), np.float32)
         kbias[n:] = KEY_PAD
 
         def padded(x: np.ndarray) -> np.ndarray:
-            out = np.zeros((shape, x.shape[1]), np.float32)
-            out[:n] = x
-            return out
+            buf = np.zeros((shape, x.shape[1]), np.float32)
+            buf[:n] = x
+            return buf
 
+        feed = {"pixels": padded(pixel_values), "pos": padded(self.position_embeddings(gh, gw)),
+                "cos": padded(cos), "sin": padded(sin), "kbias": kbias}
+        embeds, deepstack = None, []
         work.report(VISION, 0, a.depth)
-        feats = self.graph.run([padded(pixel_values), padded(self.position_embeddings(gh, gw)),
-                                padded(cos), padded(sin), kbias])
-        group = a.spatial_merge_size ** 2
-        feats = feats.reshape(shape // group, -1)[:n // group]
-        out = a.out_hidden_size
-        parts = [np.ascontiguousarray(feats[:, i * out:(i + 1) * out]) for i in range(feats.shape[1] // out)]
-        work.report(VISION, a.depth, a.depth)
-        return ImageFeatures(parts[0], parts[1:])
+        for i, spec in enumerate(self.graph.specs):
+            res = self.graph.run(spec, [feed[name] for name, _ in spec.inputs])
+            last = "h" not in res
+            if not last:
+                feed["h"] = res["h"]
+            if "features" in res:
+                feats = res["features"].reshape(shape // group, -1)[:n // group]
+                parts = [np.ascontiguousarray(feats[:, j * out:(j + 1) * out]) for j in range(feats.shape[1] // out)]
+                if last:
+                    embeds, parts = parts[0], parts[1:]
+                deepstack += parts
+            done = self.graph.specs[i + 1].index if not last else a.depth
+            work.report(VISION, done, a.depth)
+        assert embeds is not None
+        return ImageFeatures(embeds, deepstack)

@@ -84,7 +84,7 @@ class VisionModel:
             return None
         be = get_vision_backend(backend) if isinstance(backend, str) else backend
         encoder = VisionEncoder.from_weights(args, weights, be, graph)
-        pre = fit_to_graph(PreprocessConfig.from_dir(model_dir, args), graph.spec.rows if graph else ())
+        pre = fit_to_graph(PreprocessConfig.from_dir(model_dir, args), graph.rows if graph else ())
         log.info("loaded vision tower: %d blocks, hidden %d, patch %d, deepstack %s, backend %s%s",
                  args.depth, args.hidden_size, args.patch_size, list(args.deepstack_visual_indexes), be.name,
                  f" + one graph ({graph.runner.name})" if graph is not None else "")
