@@ -219,16 +219,17 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['size']}x{r['size']} | {g} | {r['patches']} | {r['tokens']} | {r['ms']:.0f} | "
                      f"{r['gflop']:.1f} | {r['gflops']:.1f} | {r['sgemm_gflops']:.1f} | {r['roofline_ms']:.0f} | "
                      f"{r['of_roofline']:.0%} |")
-    g = res.get("encoder_graph")
-    if g:
+    if res.get("encoder_graph"):
         lines += ["", "## Tower paths: numpy, onnxruntime (cpu-q), NPU (rknn)", "",
-                  "onnxruntime: the tower as one F32 graph (docs/vision.md), same machine, same sizes, "
-                  "roofline measured the same way; error against the numpy tower's features.", "",
-                  "| image | numpy ms | onnxruntime ms | speed-up | GFLOP/s | of roofline | max rel | cosine |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for r, ref in zip(g, res["encoder"]):
-            lines.append(f"| {r['size']}x{r['size']} | {ref['ms']:.0f} | {r['ms']:.0f} | {r['speedup']:.2f}x | "
-                         f"{r['gflops']:.1f} | {r['of_roofline']:.0%} | {r['max_rel']:.1e} | {r['cosine']:.7f} |")
+                  "onnxruntime: the tower graph (docs/vision.md) in each weight format, same machine, same "
+                  "sizes, roofline measured the same way; error against the numpy tower's features.", "",
+                  "| image | weights | numpy ms | onnxruntime ms | speed-up | GFLOP/s | of roofline | max rel | cosine |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for mode, g in res["encoder_graph"].items():
+            for r, ref in zip(g, res["encoder"]):
+                lines.append(f"| {r['size']}x{r['size']} | {mode} | {ref['ms']:.0f} | {r['ms']:.0f} | "
+                             f"{r['speedup']:.2f}x | {r['gflops']:.1f} | {r['of_roofline']:.0%} | {r['max_rel']:.1e} | "
+                             f"{r['cosine']:.7f} |")
     n = res.get("npu")
     if n:
         lines += ["", f"## NPU (compiler estimate, {res.get('npu_dir', '')})", "",

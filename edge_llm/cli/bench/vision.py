@@ -20,11 +20,13 @@ from edge_llm.cli.bench.common import bench, int_list, out_option, show_results,
               help="Image side of the end-to-end conversation, at least 32 (0 skips it).")
 @click.option("--max-tokens", type=click.IntRange(1), default=8, show_default=True)
 @click.option("--repeats", type=click.IntRange(1), default=2, show_default=True)
-@click.option("--no-graph", is_flag=True, help="Skip the onnxruntime tower (cpu-q's path).")
+@click.option("--graph-modes", default="f32", show_default=True, metavar="f32,q8,q4|none",
+              help="The onnxruntime tower (cpu-q's path) in these weight formats: f32 (what cpu-q runs), "
+                   "q8 / q4 (weight-only MatMulNBits, measured and not kept: docs/vision.md); none skips it.")
 @click.option("--rknn-dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="A `convert rknn` directory of the same synthetic model: its tower's compiler estimates.")
 @out_option
-def vision_cmd(synth_layers, sizes, e2e_size, max_tokens, repeats, no_graph, rknn_dir, out) -> None:
+def vision_cmd(synth_layers, sizes, e2e_size, max_tokens, repeats, graph_modes, rknn_dir, out) -> None:
     """Vision encoder time per image size vs the sgemm roofline, numpy and the onnxruntime tower
     (and the NPU's compiler estimate from --rknn-dir); image + question cold vs restored."""
     import os
@@ -38,6 +40,11 @@ def vision_cmd(synth_layers, sizes, e2e_size, max_tokens, repeats, no_graph, rkn
     from edge_llm.config import ModelArgs
     from edge_llm.vision.model import VisionModel
 
+    from edge_llm.backends.vision_graph import TOWER_MODES
+
+    modes = [] if graph_modes.strip() == "none" else [m.strip() for m in graph_modes.split(",") if m.strip()]
+    if any(m not in TOWER_MODES for m in modes):
+        raise click.BadParameter(f"weight formats are {', '.join(TOWER_MODES)} or none", param_hint="--graph-modes")
     if 0 < e2e_size < 32:
         raise click.BadParameter("an image side is at least 32 pixels (0 skips it)", param_hint="--e2e-size")
     model_dir = synth_model(synth_layers, vision=True)
@@ -67,12 +74,13 @@ def vision_cmd(synth_layers, sizes, e2e_size, max_tokens, repeats, no_graph, rkn
                     n["measured_ms"] = r["ms"]
                 npu_vision.encoder.graph.close()
         del vision
-        if not no_graph:
+        res["encoder_graph"] = {}
+        for mode in modes:
             from edge_llm.backends.vision_graph import open_ort_tower
 
-            step("onnxruntime tower: export (first use)")
-            graph_vision = VisionModel.load(model_dir, args, graph=open_ort_tower(model_dir))
-            res["encoder_graph"] = V.graph_rows(res["encoder"], graph_vision, int_list(sizes), repeats, step)
+            step(f"onnxruntime tower ({mode}): export (first use)")
+            graph_vision = VisionModel.load(model_dir, args, graph=open_ort_tower(model_dir, mode))
+            res["encoder_graph"][mode] = V.graph_rows(res["encoder"], graph_vision, int_list(sizes), repeats, step)
             graph_vision.encoder.graph.close()
             del graph_vision
         step("tower memory (fresh process)")
