@@ -167,7 +167,10 @@ def _convert_tower(model_dir, out_dir, grids, converter_python, accuracy, headro
         click.echo(f"vision tower at {row['patches']} patches: "
                    + (f"compiler estimate {row['predicted_ms']:.1f} ms per image" if row["predicted_ms"] else "no estimate")
                    + (f", cosine {acc['cosine']:.6f} vs numpy (max rel {acc['max_rel']:.2e})" if acc else ""))
-    click.echo(f"vision tower: {(g.rknn_bytes or 0) / 1e6:.0f} MB .rknn; report: {out_dir}/vision/report.md")
+    b = vm.build
+    click.echo(f"vision tower: {(g.rknn_bytes or 0) / 1e6:.0f} MB .rknn in {b['total_seconds']:.0f} s, peak RSS "
+               f"{b['peak_rss_mb_export']:.0f} MB (export), {b['peak_rss_mb_toolkit']:.0f} MB (toolkit); "
+               f"report: {out_dir}/vision/report.md")
     w = worst(g)
     if w is not None and w["max_rel"] > FP16_REL_LIMIT:
         console.print(f"[yellow]vision tower above the fp16 expectation ({FP16_REL_LIMIT:g}): "

@@ -51,7 +51,7 @@ def build_key(entry: GraphEntry, toolkit: str, target: str, dtype: str, quant: d
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
-def _peak_rss_mb() -> float:
+def peak_rss_mb() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
@@ -103,7 +103,7 @@ def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
     m.calibration = {"source": source, "tokens": cap.tokens, "fp16_max": C.FP16_MAX, "headroom": headroom}
     del cap
     t_export = time.perf_counter() - t0
-    export_rss = _peak_rss_mb()
+    export_rss = peak_rss_mb()
     m.write(out)
     (out / "report.md").write_text(markdown_report(m))  # a refused conversion still shows its ranges
     C.check_ranges({g.name: g.ranges for g in m.graphs}, headroom)

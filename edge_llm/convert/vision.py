@@ -18,6 +18,8 @@ from __future__ import annotations
 import io
 import json
 import logging
+import resource
+import time
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +32,7 @@ from edge_llm.backends.vision_graph import VISION_DIR
 from edge_llm.config import ModelArgs, VisionArgs, vision_args_from_dir
 from edge_llm.convert import calibration as C
 from edge_llm.convert.report import NPU_HZ, cycles, worst
-from edge_llm.convert.rknn import build_graph
+from edge_llm.convert.rknn import peak_rss_mb, build_graph
 from edge_llm.errors import ConfigError
 from edge_llm.files import write_atomic
 
@@ -126,6 +128,7 @@ def convert_tower(model_dir: str | Path, out_dir: str | Path, grids=DEFAULT_GRID
     v = vision_args_from_dir(model_dir)
     if v is None:
         return None
+    t0 = time.perf_counter()
     args = ModelArgs.from_dir(model_dir)
     rows = grid_rows(v, tuple(grids), PreprocessConfig.from_dir(model_dir, v).min_pixels)
     root = Path(out_dir).resolve() / VISION_DIR
@@ -146,12 +149,16 @@ def convert_tower(model_dir: str | Path, out_dir: str | Path, grids=DEFAULT_GRID
                               "fp16_max": C.FP16_MAX, "headroom": headroom})
     m.write(root)
     C.check_ranges({entry.name: entry.ranges}, headroom)
+    export_rss, t_export = peak_rss_mb(), time.perf_counter() - t0
     worker = ToolkitWorker(converter_python, log_file=root / "build.log")
     try:
         m.toolkit = worker.version
-        res, key, rel, _fresh = build_graph(worker, m, entry, root, accuracy)
+        res, key, rel, fresh = build_graph(worker, m, entry, root, accuracy)
     finally:
         worker.close()
+    m.build = {"export_seconds": round(t_export, 2), "total_seconds": round(time.perf_counter() - t0, 2),
+               "built": int(fresh), "reused": int(not fresh), "peak_rss_mb_export": round(export_rss, 1),
+               "peak_rss_mb_toolkit": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)}
     entry.rknn, entry.build_key, entry.rknn_sha256, entry.rknn_bytes = rel, key, res["sha256"], res["bytes"]
     entry.accuracy, entry.cost, entry.build_seconds = res.get("accuracy"), res.get("cost"), res.get("build_seconds")
     m.write(root)
