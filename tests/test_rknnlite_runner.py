@@ -33,6 +33,7 @@ class FakeRKNNLite:
     fail_inference_after: int | None = None
     cpu: CPUBackend | None = None
     specs: dict = {}
+    tower = None  # vision graphs: a runner of the same graph in F32 (onnxruntime)
 
     def __init__(self, verbose=False, verbose_file=None):
         self.path = None
@@ -71,7 +72,9 @@ class FakeRKNNLite:
         if self.fail_inference_after is not None and self.calls > self.fail_inference_after:
             return None  # what RKNNLite does on a runtime error
         cpu, i = self.cpu, spec.index
-        if spec.kind == "qkv":
+        if spec.kind == "vision":
+            out = self.tower.run(spec, inputs)
+        elif spec.kind == "qkv":
             out = [cpu.qkv_fused(i, inputs[0])]
         elif spec.kind == "post":
             out = list(cpu.post_deltas(i, *inputs))
@@ -154,3 +157,35 @@ def test_missing_toolkit_lite_says_how_to_install(fake):
     path, specs, files = fake
     with pytest.raises(RunnerError, match=r"edge-llm\[board\]"):
         RKNNLiteRunner(specs, files)
+
+
+def test_vision_tower_on_the_board_runner(tiny_synth_dir, tmp_path):
+    """The tower's `.rknn` through RKNNLiteRunner (the fake computes the graph in F32 with
+    onnxruntime and rounds to fp16, as the NPU hands back): all three cores, a static shape per
+    image (an image of 80 patches padded to 256), features close to the numpy tower's."""
+    from edge_llm.backends.graphs import vision_spec
+    from edge_llm.backends.runners import OrtRunner
+    from edge_llm.backends.vision_export import export_tower
+    from edge_llm.backends.vision_graph import TowerGraph
+    from edge_llm.convert.vision import sample_image
+    from edge_llm.vision.model import VisionModel
+
+    args = ModelArgs.from_dir(tiny_synth_dir)
+    (e,) = export_tower(tiny_synth_dir, tmp_path / "onnx", rows=(256, 784))
+    spec = e.spec
+    assert spec == vision_spec(VisionModel.load(tiny_synth_dir, args).args, (256, 784))
+    path = tmp_path / "vision.rknn"
+    path.write_bytes(b"RKNN vision")
+    FakeRKNNLite.instances, FakeRKNNLite.fail_init, FakeRKNNLite.fail_inference_after = [], set(), None
+    FakeRKNNLite.specs, FakeRKNNLite.tower = {"vision": spec}, OrtRunner({"vision": e.onnx}, threads=2)
+    runner = RKNNLiteRunner([spec], {"vision": path}, lite_cls=FakeRKNNLite)
+    assert [f.mask for f in FakeRKNNLite.instances] == [NPU_CORE_0_1_2]
+    npu = VisionModel.load(tiny_synth_dir, args, graph=TowerGraph([spec], runner, "rknn-tower:test"))
+    ref = VisionModel.load(tiny_synth_dir, args)
+    img = npu.prepare(sample_image(320, 256, seed=2))
+    assert img.grid_thw == (1, 16, 20)
+    got, want = npu.encode(img), ref.encoder.encode(img.pixel_values, img.grid_thw)
+    for a, b in zip([got.embeds, *got.deepstack], [want.embeds, *want.deepstack]):
+        assert a.shape == b.shape and np.abs(a - b).max() / np.abs(b).max() < 3e-3
+    assert FakeRKNNLite.instances[0].calls == 1  # one call per image
+    runner.close()
