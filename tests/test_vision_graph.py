@@ -217,3 +217,47 @@ def test_runtime_picks_the_tower_path_of_its_backend(tiny_synth_dir, home):
     assert parts["vision tower graph (mapped F32)"] == sizes.vision_f32 == 2 * sizes.vision_file  # BF16 file
     off = dict(estimate_memory(Settings(max_seq=256, vision_graph=False), "cpu-q", sizes, tiny_synth_dir).parts)
     assert "vision tower graph (mapped F32)" not in off
+
+
+# ---- the fp16-safe LayerNorm of the NPU tower -----------------------------------------------------
+def _ln_graph(tmp_path, norm, n: int):
+    from edge_llm.backends.graphs import GraphSpec
+    from edge_llm.backends.onnx_export import GraphBuilder
+
+    rng = np.random.default_rng(0)
+    w, b = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32), (0.1 * rng.standard_normal(n)).astype(np.float32)
+    spec = GraphSpec("ln", "vision", 0, (), (("x", n),), (("y", n),))
+    path = tmp_path / f"{norm.__name__}.onnx"
+    g = GraphBuilder("ln", tmp_path / f"{norm.__name__}.onnx.data")
+    g.op("Identity", [norm(g, "x", w, b)], out="y")
+    g.finish(spec, path)
+    return spec, path, w, b
+
+
+@pytest.mark.parametrize("big", [3000.0, 0.0])
+def test_fp16_safe_layer_norm(tmp_path, big):
+    """A row with one channel at 3000 (ViT residual streams carry such channels): the plain
+    LayerNorm squares it past fp16's 65,504, the fp16-safe form keeps every tensor within the
+    input's range and gives torch's LayerNorm within F32 rounding, zero (padding) row included."""
+    import onnxruntime as ort
+
+    from edge_llm.backends.cpu_vision import layer_norm
+    from edge_llm.backends.vision_export import layer_norm_f32, layer_norm_fp16
+    from edge_llm.convert.calibration import FP16_MAX, tensor_ranges, worst_tensor
+
+    n = 1024
+    x = np.random.default_rng(1).standard_normal((4, n)).astype(np.float32)
+    x[0, 7] = big
+    x[2] *= 1e-4
+    x[3] = 0
+    for norm in (layer_norm_f32, layer_norm_fp16):
+        spec, path, w, b = _ln_graph(tmp_path, norm, n)
+        _, v = worst_tensor(tensor_ranges(path, spec, [x]))
+        (y,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+        ref = layer_norm(x, w, b)
+        assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
+        if norm is layer_norm_fp16:
+            # nothing beyond the input, or the bounded sum of squares (sum(d^2) < 4n) and the output
+            assert v <= max(np.abs(x).max() * (1 + 1e-4), 4 * n, 2 * np.abs(y).max())
+        elif big:
+            assert v > FP16_MAX  # the square of the 3000 channel's deviation

@@ -154,7 +154,7 @@ def rms_norm_op(g: GraphBuilder, x: str, weight: np.ndarray, eps: float) -> str:
     return g.op("Mul", [g.op("Div", [x, denom]), g.const("norm", weight)])
 
 
-def _row_absmax(g: GraphBuilder, x: str, n: int) -> str:
+def row_absmax(g: GraphBuilder, x: str, n: int) -> str:
     """max |x| of each row, (T, 1), as GlobalMaxPool over (1, T, 1, n): rknn-toolkit2 2.5.0 keeps
     GlobalMaxPool on the NPU for every row count, while it places ReduceMax on the CPU."""
     grid = g.op("Reshape", [g.op("Abs", [x]), g.const("rows_grid", np.array([1, -1, 1, n], np.int64))])
@@ -172,10 +172,10 @@ def rms_norm_fp16_op(g: GraphBuilder, x: str, weight: np.ndarray, eps: float) ->
     not by s, so the ordinary channels of a row with a massive activation (|x| ~ 1 next to
     ~24,900) stay normal fp16 numbers instead of subnormals. A zero (padding) row gives 0."""
     n = weight.shape[0]
-    s = g.op("Add", [_row_absmax(g, x, n), g.const("floor", np.array(np.sqrt(n * eps), np.float32))])
+    s = g.op("Add", [row_absmax(g, x, n), g.const("floor", np.array(np.sqrt(n * eps), np.float32))])
     u = g.op("Div", [x, s])
     ss = g.op("ReduceSum", [g.op("Mul", [u, u]), g.const("axes", np.array([-1], np.int64))], keepdims=1)
-    f = g.op("Sub", [g.const("one", np.array(1.0, np.float32)), _row_absmax(g, u, n)])  # F / s
+    f = g.op("Sub", [g.const("one", np.array(1.0, np.float32)), row_absmax(g, u, n)])  # F / s
     t = g.op("Mul", [f, g.const("inv_sqrt_n", np.array(1.0 / np.sqrt(n), np.float32))])  # sqrt(eps) / s
     var = g.op("Add", [g.op("Mul", [ss, g.const("inv_n", np.array(1.0 / n, np.float32))]), g.op("Mul", [t, t])])
     rms = g.op("Mul", [g.op("Sqrt", [var]), s])

@@ -23,7 +23,15 @@ import numpy as np
 from onnx import helper
 
 from edge_llm.backends.graphs import GraphSpec, vision_segments
-from edge_llm.backends.onnx_export import Exported, GraphBuilder, Linear, WeightKey, export_one, f32_linear
+from edge_llm.backends.onnx_export import (
+    Exported,
+    GraphBuilder,
+    Linear,
+    WeightKey,
+    row_absmax,
+    export_one,
+    f32_linear,
+)
 from edge_llm.backends.quant import center, quantize
 from edge_llm.backends.quant_export import write_nbits
 from edge_llm.config import ModelArgs, VisionArgs, vision_args_from_dir
@@ -54,12 +62,38 @@ def _c(g: GraphBuilder, hint: str, value) -> str:
     return g.const(hint, np.asarray(value, dtype=np.int64 if isinstance(value, list) else np.float32))
 
 
-def layer_norm(g: GraphBuilder, x: str, w: np.ndarray, b: np.ndarray) -> str:
+def layer_norm_f32(g: GraphBuilder, x: str, w: np.ndarray, b: np.ndarray) -> str:
     """(x - mean) / sqrt(var + eps) * w + b over the last axis (torch's LayerNorm, float32)."""
     d = g.op("Sub", [x, g.op("ReduceMean", [x], axes=[-1], keepdims=1)])
     var = g.op("ReduceMean", [g.op("Mul", [d, d])], axes=[-1], keepdims=1)
     n = g.op("Div", [d, g.op("Sqrt", [g.op("Add", [var, _c(g, "eps", LN_EPS)])])])
     return g.op("Add", [g.op("Mul", [n, g.const("ln_w", w)]), g.const("ln_b", b)])
+
+
+def _row_mean(g: GraphBuilder, x: str, n: int) -> str:
+    """ReduceSum(x) / n: rknn-toolkit2 2.5.0 keeps ReduceSum on the NPU, and places a ReduceMean
+    outside its own LayerNorm pattern on the CPU (measured)."""
+    total = g.op("ReduceSum", [x, _c(g, "axes", [-1])], keepdims=1)
+    return g.op("Mul", [total, _c(g, "inv_n", 1.0 / n)])
+
+
+def layer_norm_fp16(g: GraphBuilder, x: str, w: np.ndarray, b: np.ndarray) -> str:
+    """The same LayerNorm with every intermediate inside fp16's range for any finite fp16 row (the
+    decoder's `rms_norm_fp16_op` idea; rknn-toolkit2 #149 reports fp16 LayerNorm precision loss,
+    and a ViT's residual stream can carry channels in the thousands, whose squares pass 65,504).
+
+    s = max|x| + F per row with F = sqrt(n eps); u = x / s, |u| < 1; d = u - mean(u), |d| < 2,
+    sum(d^2) < 4n. (x - mean(x)) / sqrt(var(x) + eps) = d / sqrt(mean(d^2) + eps / s^2), and
+    sqrt(eps) / s = (F / s) / sqrt(n) = (1 - max|u|) / sqrt(n): no constant divided by a tensor,
+    which the compiler would run on the CPU. Means as `_row_mean`. A zero (padding) row gives b."""
+    n = w.shape[0]
+    s = g.op("Add", [row_absmax(g, x, n), _c(g, "floor", np.sqrt(n * LN_EPS))])
+    u = g.op("Div", [x, s])
+    d = g.op("Sub", [u, _row_mean(g, u, n)])
+    t = g.op("Mul", [g.op("Sub", [_c(g, "one", 1.0), row_absmax(g, u, n)]), _c(g, "inv_sqrt_n", 1.0 / np.sqrt(n))])
+    var = g.op("Add", [_row_mean(g, g.op("Mul", [d, d]), n), g.op("Mul", [t, t])])
+    normed = g.op("Div", [d, g.op("Sqrt", [var])])
+    return g.op("Add", [g.op("Mul", [normed, g.const("ln_w", w)]), g.const("ln_b", b)])
 
 
 def gelu_tanh(g: GraphBuilder, x: str) -> str:
@@ -112,12 +146,13 @@ def _linear(g: GraphBuilder, linear: Linear, x: str, weights: Weights, name: str
 
 
 def build_tower(g: GraphBuilder, v: VisionArgs, weights: Weights, linear: Linear, spec: GraphSpec, end: int,
-                exact_gelu: bool = True) -> None:
+                fp16: bool = False) -> None:
     """The tower, or its segment `spec` (graphs.vision_spec) of blocks [spec.index, end); segments
-    are built in order from one `weights` (each pops what it uses). `exact_gelu=False`: the mergers' exact
-    GELU is written in its tanh form, whose largest difference (~3e-4 absolute, near x = -2) lies
-    below fp16's rounding, because rknn-toolkit2 2.5.0 places `Erf` on the CPU (measured)."""
-    merger_act = gelu_erf if exact_gelu else gelu_tanh
+    are built in order from one `weights` (each pops what it uses). `fp16`: for an fp16 NPU, the
+    LayerNorms in their fp16-safe form (`layer_norm_fp16`) and the mergers' exact GELU in its tanh
+    form, whose largest difference (~3e-4 absolute, near x = -2) lies below fp16's rounding,
+    because rknn-toolkit2 2.5.0 places `Erf` on the CPU (measured)."""
+    merger_act, layer_norm = (gelu_tanh, layer_norm_fp16) if fp16 else (gelu_erf, layer_norm_f32)
     p, H, D, h = v.weight_prefix, v.num_heads, v.head_dim, v.hidden_size
     a, b = spec.index, end
     if a == 0:
@@ -147,16 +182,17 @@ def build_tower(g: GraphBuilder, v: VisionArgs, weights: Weights, linear: Linear
                  out="h" if i == b - 1 and b < v.depth else None)
         if i in v.deepstack_visual_indexes:
             j = 1 + v.deepstack_visual_indexes.index(i)
-            features.append(_merger(g, v, weights, linear, x, f"{p}deepstack_merger_list.{j - 1}.", j, merger_act))
+            features.append(_merger(g, v, weights, linear, x, f"{p}deepstack_merger_list.{j - 1}.", j, merger_act,
+                                    layer_norm))
     if b == v.depth:
-        features.insert(0, _merger(g, v, weights, linear, x, f"{p}merger.", 0, merger_act))
+        features.insert(0, _merger(g, v, weights, linear, x, f"{p}merger.", 0, merger_act, layer_norm))
     if features:
         cat = g.op("Concat", features, axis=1) if len(features) > 1 else features[0]
         g.op("Reshape", [cat, _c(g, "out_rows", [-1, dict(spec.outputs)["features"]])], out="features")
 
 
 def _merger(g: GraphBuilder, v: VisionArgs, weights: Weights, linear: Linear, x: str, mp: str, j: int,
-            act: Callable[[GraphBuilder, str], str]) -> str:
+            act: Callable[[GraphBuilder, str], str], layer_norm: Callable[..., str]) -> str:
     """Merger j (0 = final: LayerNorm per patch; else DeepStack: LayerNorm over the 2x2 group),
     fc1, exact GELU, fc2: (N, hidden) -> (N / merge^2, out_hidden)."""
     group = _c(g, "group", [-1, v.merged_dim])
@@ -170,9 +206,9 @@ def _merger(g: GraphBuilder, v: VisionArgs, weights: Weights, linear: Linear, x:
 
 
 def export_tower(model_dir: str | Path, out_dir: str | Path, rows: tuple[int, ...] = (),
-                 linear: Linear = f32_linear, exact_gelu: bool = True, blocks: int | None = None) -> list[Exported]:
+                 linear: Linear = f32_linear, fp16: bool = False, blocks: int | None = None) -> list[Exported]:
     """Write the model's vision tower to `out_dir` as one graph `vision.onnx` (+ `.onnx.data`),
-    or with `blocks` as segments `vision.AA-BB.onnx` of that many blocks (`exact_gelu`: as
+    or with `blocks` as segments `vision.AA-BB.onnx` of that many blocks (`fp16`: as
     `build_tower`)."""
     v = vision_args_from_dir(model_dir)
     if v is None:
@@ -185,5 +221,5 @@ def export_tower(model_dir: str | Path, out_dir: str | Path, rows: tuple[int, ..
     specs = vision_segments(v, rows, blocks)
     ends = [s.index for s in specs[1:]] + [v.depth]
     return [export_one(spec, out, lambda g, spec=spec, end=end: build_tower(g, v, weights, linear, spec, end,
-                                                                         exact_gelu))
+                                                                         fp16))
             for spec, end in zip(specs, ends)]
