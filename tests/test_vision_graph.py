@@ -84,33 +84,49 @@ def test_padded_patches_are_masked_out(towers):
     assert _max_rel(unmasked.embeds, plain.embeds) > 1e-3
 
 
-def test_tower_in_segments_equals_one_graph_and_reports_each(towers, tiny_synth_dir, tmp_path):
+@pytest.fixture(scope="module")
+def deep_tower(tmp_path_factory):
+    """A tiny Qwen3-VL whose tower has 5 blocks, DeepStack after blocks 1 and 3: cut one block a
+    segment it has first, middle (h in, h out), DeepStack and last segments."""
+    from edge_llm.checkpoints import synth
+
+    mp = pytest.MonkeyPatch()
+    mp.setitem(synth.TINY_VISION_OVERRIDES, "depth", 5)
+    mp.setitem(synth.TINY_VISION_OVERRIDES, "deepstack_visual_indexes", [1, 3])
+    try:
+        return synth.synth_checkpoint(tmp_path_factory.mktemp("deep") / "tiny-vl5", preset="tiny", durable=False)
+    finally:
+        mp.undo()
+
+
+def test_tower_in_segments_equals_one_graph_and_reports_each(deep_tower, tmp_path):
     """onnxruntime runs the tower in segments (progress and the watchdog between them): one block
     a segment gives the one graph's features, and each segment is reported."""
     from edge_llm.backends.runners import OrtRunner
     from edge_llm.backends.vision_export import export_tower
     from edge_llm.progress import Work
 
-    _, ort_vm = towers
-    done = export_tower(tiny_synth_dir, tmp_path, blocks=1)
-    assert [e.spec.name for e in done] == ["vision.00-01", "vision.01-02"]
-    assert [n for n, _ in done[0].spec.outputs] == ["h", "features"]  # DeepStack after block 0
-    runner = OrtRunner({e.spec.name: e.onnx for e in done}, threads=2)
-    seg = TowerGraph([e.spec for e in done], runner, "test")
-    img = ort_vm.prepare(sample_image(320, 256, seed=4))
+    args = ModelArgs.from_dir(deep_tower)
+    (one,) = export_tower(deep_tower, tmp_path / "one")
+    done = export_tower(deep_tower, tmp_path / "seg", blocks=1)
+    assert [e.spec.name for e in done] == [f"vision.{i:02d}-{i + 1:02d}" for i in range(5)]
+    assert [[n for n, _ in e.spec.outputs] for e in done] == [
+        ["h_out"], ["h_out", "features"], ["h_out"], ["h_out", "features"], ["features"]]
+    assert [n for n, _ in done[2].spec.inputs][0] == "h"
+    whole_vm = VisionModel.load(deep_tower, args, graph=TowerGraph(
+        [one.spec], OrtRunner({one.spec.name: one.onnx}, threads=2), "one"))
+    seg_vm = VisionModel.load(deep_tower, args, graph=TowerGraph(
+        [e.spec for e in done], OrtRunner({e.spec.name: e.onnx for e in done}, threads=2), "segments"))
+    img = seg_vm.prepare(sample_image(320, 256, seed=4))
     _, gh, gw = img.grid_thw
-    whole = ort_vm.encoder.encode_graph(img.pixel_values, gh, gw, gh * gw)
+    whole = whole_vm.encoder.encode_graph(img.pixel_values, gh, gw, gh * gw)
     seen = []
-    mp = pytest.MonkeyPatch()
-    mp.setattr(ort_vm.encoder, "graph", seg)
-    try:
-        parts = ort_vm.encoder.encode_graph(img.pixel_values, gh, gw, gh * gw,
-                                            Work(on_progress=lambda *a: seen.append(a)))
-    finally:
-        mp.undo()
-    for a, b in zip([parts.embeds, *parts.deepstack], [whole.embeds, *whole.deepstack]):
-        assert a.shape == b.shape and _max_rel(a, b) <= F32_REL
-    assert seen == [("vision", 0, 2), ("vision", 1, 2), ("vision", 2, 2)]
+    parts = seg_vm.encoder.encode_graph(img.pixel_values, gh, gw, gh * gw, Work(on_progress=lambda *a: seen.append(a)))
+    ref = VisionModel.load(deep_tower, args).encoder.encode(img.pixel_values, img.grid_thw)
+    assert len(parts.deepstack) == len(whole.deepstack) == 2
+    for a, b, c in zip([parts.embeds, *parts.deepstack], [whole.embeds, *whole.deepstack], [ref.embeds, *ref.deepstack]):
+        assert a.shape == b.shape and _max_rel(a, b) <= F32_REL and _max_rel(a, c) <= F32_REL
+    assert seen == [("vision", i, 5) for i in range(6)]
 
 
 def test_tower_path_is_in_the_image_keys(towers):

@@ -118,7 +118,7 @@ def vision_spec(v: VisionArgs, rows: tuple[int, ...] = (), blocks: tuple[int, in
     - cos, sin (N, head_dim): the 2-D rotary tables of the grid
     - kbias (N, 1): 0 for a patch, KEY_PAD for a padding patch (its key is never attended to)
 
-    Outputs: h (N, hidden) unless the segment ends the tower; features (N, W / merge^2) when it
+    Outputs: h_out (N, hidden) (the next segment's h) unless the segment ends the tower; features (N, W / merge^2) when it
     ends the tower or holds a DeepStack block: the row-major bytes of (N / merge^2, W), per
     decoder token [final merger if it ends the tower | its DeepStack mergers in order], each
     out_hidden wide. The whole tower: [merger | DeepStack 0 | DeepStack 1 ...].
@@ -136,7 +136,7 @@ def vision_spec(v: VisionArgs, rows: tuple[int, ...] = (), blocks: tuple[int, in
         raise ConfigError(f"vision features of width {width} do not split into {group} rows per token")
     ins = (("pixels", v.patch_dim), ("pos", v.hidden_size)) if a == 0 else (("h", v.hidden_size),)
     ins += (("cos", v.head_dim), ("sin", v.head_dim), ("kbias", 1))
-    outs = ((("h", v.hidden_size),) if b < v.depth else ()) + ((("features", width // group),) if width else ())
+    outs = ((("h_out", v.hidden_size),) if b < v.depth else ()) + ((("features", width // group),) if width else ())
     name = VISION if (a, b) == (0, v.depth) else f"{VISION}.{a:02d}-{b:02d}"
     return GraphSpec(name, VISION, a, tuple(rows), ins, outs)
 

@@ -179,7 +179,7 @@ def build_tower(g: GraphBuilder, v: VisionArgs, weights: Weights, linear: Linear
         act = ACTIVATIONS[v.hidden_act](g, _linear(g, linear, n2, weights, f"{bp}mlp.linear_fc1",
                                                    WeightKey("vision.fc1", i)))
         x = g.op("Add", [x, _linear(g, linear, act, weights, f"{bp}mlp.linear_fc2", WeightKey("vision.fc2", i))],
-                 out="h" if i == b - 1 and b < v.depth else None)
+                 out="h_out" if i == b - 1 and b < v.depth else None)
         if i in v.deepstack_visual_indexes:
             j = 1 + v.deepstack_visual_indexes.index(i)
             features.append(_merger(g, v, weights, linear, x, f"{p}deepstack_merger_list.{j - 1}.", j, merger_act,

@@ -194,9 +194,9 @@ class VisionEncoder:
         work.report(VISION, 0, a.depth)
         for i, spec in enumerate(self.graph.specs):
             res = self.graph.run(spec, [feed[name] for name, _ in spec.inputs])
-            last = "h" not in res
+            last = "h_out" not in res
             if not last:
-                feed["h"] = res["h"]
+                feed["h"] = res["h_out"]
             if "features" in res:
                 feats = res["features"].reshape(shape // group, -1)[:n // group]
                 parts = [np.ascontiguousarray(feats[:, j * out:(j + 1) * out]) for j in range(feats.shape[1] // out)]
