@@ -78,7 +78,7 @@ class Settings:
                               "RAM for Qwen3-VL-2B: a second copy of the quantized weights). false: "
                               "per-layer graphs only (other numerics).", bool)
     vision_graph: bool = _opt(True, "Backend cpu-q encodes images through the vision tower exported as one "
-                              "onnxruntime graph (F32, about 1.6x the numpy tower; built on first use under "
+                              "onnxruntime graph (F32, 1.3-2x the numpy tower's speed; built on first use under "
                               "$EDGE_LLM_HOME/quant, twice the checkpoint's BF16 tower bytes on disk); backend "
                               "rknn through the tower graphs of its rknn_dir when it has them. Images no graph "
                               "shape holds, and every image with false, take the numpy tower (other "

@@ -133,7 +133,7 @@ def convert_tower(model_dir: str | Path, out_dir: str | Path, grids=DEFAULT_GRID
     rows = grid_rows(v, tuple(grids), PreprocessConfig.from_dir(model_dir, v).min_pixels)
     root = Path(out_dir).resolve() / VISION_DIR
     (root / "rknn").mkdir(parents=True, exist_ok=True)
-    (e,) = export_tower(model_dir, root / "onnx", rows=tuple(rows), fp16=True)
+    (e,) = export_tower(model_dir, root / "onnx", rows=tuple(rows), npu=True)
     samples = root / "onnx" / "vision.samples.npz"
     inputs = write_samples(model_dir, samples, rows)
     entry = GraphEntry(name=e.spec.name, kind=e.spec.kind, index=0, rows=rows,
