@@ -52,9 +52,14 @@ def make_tower_graph(s: Settings, choice: BackendChoice, model_dir: Path, say: C
 
         return open_ort_tower(model_dir, threads=s.threads, progress=say)
     if choice.name == "rknn" and s.rknn_dir:
+        from edge_llm.backends.runners import RunnerError
         from edge_llm.backends.vision_graph import open_rknn_tower
 
-        return open_rknn_tower(s.rknn_dir, s.rknn_runner, model_dir=model_dir, progress=say)
+        try:
+            return open_rknn_tower(s.rknn_dir, s.rknn_runner, model_dir=model_dir, progress=say)
+        except RunnerError as e:  # e.g. the NPU's 4 GB window full with an fp16 decoder (docs/vision.md)
+            log.warning("vision: the NPU tower did not load (%s): images take the numpy tower", e)
+            return None
     return None
 
 

@@ -277,3 +277,22 @@ def test_fp16_safe_layer_norm(tmp_path, big):
             assert v <= max(np.abs(x).max() * (1 + 1e-4), 4 * n, 2 * np.abs(y).max())
         elif big:
             assert v > FP16_MAX  # the square of the 3000 channel's deviation
+
+
+def test_an_npu_tower_that_does_not_load_leaves_the_numpy_tower(tiny_synth_dir, tmp_path, monkeypatch, caplog):
+    """On a board the tower's init_runtime can be refused (the NPU's 4 GiB window full with an fp16
+    decoder): the service logs why and serves images on the numpy tower instead of failing."""
+    import edge_llm.backends.vision_graph as vg
+    from edge_llm.backends.runners import RunnerError
+    from edge_llm.footprint import BackendChoice
+    from edge_llm.runtime import make_tower_graph
+    from edge_llm.settings import Settings
+
+    def refused(*a, **k):
+        raise RunnerError("vision: init_runtime(core_mask=7) failed (NPU memory full?)")
+
+    monkeypatch.setattr(vg, "open_rknn_tower", refused)
+    s = Settings(model=str(tiny_synth_dir), backend="rknn", rknn_dir=str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="edge_llm.runtime"):
+        assert make_tower_graph(s, BackendChoice("rknn", "test", False), tiny_synth_dir, lambda _t: None) is None
+    assert "the NPU tower did not load" in caplog.text and "numpy tower" in caplog.text

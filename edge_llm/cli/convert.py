@@ -147,6 +147,9 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
         console.print(f"[yellow]above the fp16 expectation ({FP16_REL_LIMIT:g}): {'; '.join(bad)}[/yellow]")
 
 
+NPU_WINDOW = 4 << 30  # the RK3588 NPU's IOMMU window: every graph of a process maps into it
+
+
 def _convert_tower(model_dir, out_dir, grids, converter_python, accuracy, headroom, console) -> None:
     """The vision tower's graph into OUT_DIR/vision/ (convert/vision.py), with its own report."""
     from edge_llm.convert.report import FP16_REL_LIMIT, worst
@@ -171,6 +174,13 @@ def _convert_tower(model_dir, out_dir, grids, converter_python, accuracy, headro
     click.echo(f"vision tower: {(g.rknn_bytes or 0) / 1e6:.0f} MB .rknn in {b['total_seconds']:.0f} s, peak RSS "
                f"{b['peak_rss_mb_export']:.0f} MB (export), {b['peak_rss_mb_toolkit']:.0f} MB (toolkit); "
                f"report: {out_dir}/vision/report.md")
+    from edge_llm.backends.manifest import Manifest
+
+    npu_bytes = sum(d.rknn_bytes or 0 for d in Manifest.read(out_dir).graphs) + (g.rknn_bytes or 0)
+    if npu_bytes > NPU_WINDOW:
+        console.print(f"[yellow]decoder + vision tower: {npu_bytes / 2**30:.2f} GiB of graphs, more than the NPU's "
+                      f"4 GiB window: on a board the tower will not load and images take the numpy tower "
+                      f"(convert with --dtype w8a8, or --vision-grids none; docs/vision.md 'NPU memory')[/yellow]")
     w = worst(g)
     if w is not None and w["max_rel"] > FP16_REL_LIMIT:
         console.print(f"[yellow]vision tower above the fp16 expectation ({FP16_REL_LIMIT:g}): "
