@@ -206,6 +206,12 @@ def tower_memory(model_dir: Path, side: int = 448) -> dict:
     return in_child(_tower_memory, str(model_dir), side)
 
 
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table: the first column left-aligned, the others right-aligned."""
+    out = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    return out + ["| " + " | ".join(r) + " |" for r in rows]
+
+
 def markdown(res: dict) -> str:
     lines = [f"# Vision encoder and image conversation ({res['label']})", "",
              f"Machine: {res['machine']}; BLAS: {res['blas']}.",
@@ -222,28 +228,27 @@ def markdown(res: dict) -> str:
     if res.get("encoder_graph"):
         lines += ["", "## Tower paths: numpy, onnxruntime (cpu-q), NPU (rknn)", "",
                   "onnxruntime: the tower graph (docs/vision.md) in each weight format, same machine, same "
-                  "sizes, roofline measured the same way; error against the numpy tower's features.", "",
-                  "| image | weights | numpy ms | onnxruntime ms | speed-up | GFLOP/s | of roofline | max rel | cosine |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-        for mode, g in res["encoder_graph"].items():
-            for r, ref in zip(g, res["encoder"]):
-                lines.append(f"| {r['size']}x{r['size']} | {mode} | {ref['ms']:.0f} | {r['ms']:.0f} | "
-                             f"{r['speedup']:.2f}x | {r['gflops']:.1f} | {r['of_roofline']:.0%} | {r['max_rel']:.1e} | "
-                             f"{r['cosine']:.7f} |")
-    n = res.get("npu")
-    if n:
+                  "sizes, roofline measured the same way; error against the numpy tower's features.", ""]
+        lines += _table(["image", "weights", "numpy ms", "onnxruntime ms", "speed-up", "GFLOP/s", "of roofline",
+                         "max rel", "cosine"],
+                        [[f"{r['size']}x{r['size']}", mode, f"{ref['ms']:.0f}", f"{r['ms']:.0f}", f"{r['speedup']:.2f}x",
+                          f"{r['gflops']:.1f}", f"{r['of_roofline']:.0%}", f"{r['max_rel']:.1e}", f"{r['cosine']:.7f}"]
+                         for mode, g in res["encoder_graph"].items() for r, ref in zip(g, res["encoder"])])
+    if res.get("npu"):
         lines += ["", f"## NPU (compiler estimate, {res.get('npu_dir', '')})", "",
                   "Predicted from rknn-toolkit2's cycle tables at 1 GHz for the shape the grid rule pads the "
-                  f"image to; RKLLM encodes a 448x448 image in {RKLLM_ENCODE_MS_448:.0f} ms (its benchmark).", "",
-                  "| image | resized grid | patches | shape | predicted ms | RKLLM 448 / predicted | "
-                  "measured ms (board) | sim max rel |", "|---|---|---:|---:|---:|---:|---:|---:|"]
-        for r in n:
-            ms, meas = r["predicted_ms"], r.get("measured_ms")
-            acc = (r["accuracy"] or {}).get("max_rel")
-            lines.append(f"| {r['size']}x{r['size']} | {'x'.join(map(str, r['grid'][1:]))} | {r['patches']} | "
-                         f"{r['shape']} | {'-' if ms is None else f'{ms:.0f}'} | "
-                         f"{'-' if ms is None else f'{RKLLM_ENCODE_MS_448 / ms:.2f}x'} | "
-                         f"{'-' if meas is None else f'{meas:.0f}'} | {'-' if acc is None else f'{acc:.1e}'} |")
+                  f"image to; RKLLM encodes a 448x448 image in {RKLLM_ENCODE_MS_448:.0f} ms (its benchmark).", ""]
+
+        def num(v, fmt: str) -> str:
+            return "-" if v is None else format(v, fmt)
+
+        lines += _table(["image", "resized grid", "patches", "shape", "predicted ms", "RKLLM 448 / predicted",
+                         "measured ms (board)", "sim max rel"],
+                        [[f"{r['size']}x{r['size']}", "x".join(map(str, r["grid"][1:])), str(r["patches"]), str(r["shape"]),
+                          num(r["predicted_ms"], ".0f"),
+                          "-" if r["predicted_ms"] is None else f"{RKLLM_ENCODE_MS_448 / r['predicted_ms']:.2f}x",
+                          num(r.get("measured_ms"), ".0f"), num((r["accuracy"] or {}).get("max_rel"), ".1e")]
+                         for r in res["npu"]])
     e = res.get("e2e")
     if e:
         lines += ["", f"## Image ({e['side']}x{e['side']}) + question, end to end ({res['e2e_label']})", "",
