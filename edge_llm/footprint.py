@@ -163,6 +163,13 @@ def _quantized_bytes(model_dir: Path | None, quant: str) -> int | None:
         return None
 
 
+def _has_npu_tower(rknn_dir: str | Path) -> bool:
+    from edge_llm.backends.manifest import MANIFEST
+    from edge_llm.backends.vision_graph import VISION_DIR
+
+    return (Path(rknn_dir) / VISION_DIR / MANIFEST).is_file()
+
+
 def estimate_memory(s: Settings, backend: str, sizes: ModelSizes, model_dir: str | Path | None = None
                     ) -> MemoryEstimate:
     """The resident memory of `backend` (a chosen one: cpu, cpu-q or rknn) for a model of `sizes`
@@ -185,7 +192,7 @@ def estimate_memory(s: Settings, backend: str, sizes: ModelSizes, model_dir: str
         parts.append(("vision tower (mapped)", sizes.vision_file))
         if backend == "cpu-q" and s.vision_graph:  # its F32 graph's weights, mapped as well
             parts.append(("vision tower graph (mapped F32)", sizes.vision_f32))
-        elif backend == "rknn" and s.vision_graph and s.rknn_dir and (Path(s.rknn_dir) / "vision" / "manifest.json").is_file():
+        elif backend == "rknn" and s.vision_graph and s.rknn_dir and _has_npu_tower(s.rknn_dir):
             parts.append(("NPU fp16 vision tower", sizes.vision_f32 // 2))
     if s.disk_kv is not None:  # compaction reads one layer's rows of a chain into one buffer
         parts.append(("snapshot writer", s.max_seq * sizes.kv_bytes_per_layer_token))
