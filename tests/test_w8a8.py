@@ -17,7 +17,7 @@ from edge_llm.backends.manifest import Manifest
 from edge_llm.bench import accuracy
 from edge_llm.config import ModelArgs
 from edge_llm.convert import calibration as C
-from edge_llm.convert.w8a8 import export_w8a8, smoothing
+from edge_llm.convert.w8a8 import export_w8a8, hadamard, orthogonal, smoothing
 from edge_llm.errors import ConfigError
 
 
@@ -40,14 +40,15 @@ def test_partition_names_every_layer_and_head():
     assert kinds == [QKV_N, O, MLP, QKV_N, O, MLP, HEAD_N, HEAD_N]
 
 
-@pytest.fixture(scope="module")
-def exported(edge_home, tmp_path_factory):
+@pytest.fixture(scope="module", params=["none", "hadamard"])
+def exported(edge_home, tmp_path_factory, request):
     model_dir = next(edge_home.glob("models/*/config.json")).parent
     out = tmp_path_factory.mktemp("w8a8-onnx")
     ids, source = C.calibration_ids(model_dir, None, 128)
-    ex = export_w8a8(model_dir, out, (1, 32, 128), None, 1, C.capture(model_dir, ids, source))
+    ex = export_w8a8(model_dir, out, (1, 32, 128), None, 1, C.capture(model_dir, ids, source),
+                     rotation=request.param)
     ex.manifest.dtype = "w8a8"
-    ex.manifest.quant = {"algorithm": "normal", "method": "channel", "max_samples": 4,
+    ex.manifest.quant = {"algorithm": "normal", "method": "channel", "max_samples": 4, "rotation": request.param,
                          "cpu_side_sha256": ex.side.save(out)}
     ex.manifest.calibration = {"source": source}
     ex.manifest.write(out)
@@ -76,5 +77,50 @@ def test_cpu_side_is_part_of_the_identity_and_required(exported):
             CpuSide.load(out, m.layers)
     finally:
         (out / "gone.npz").rename(out / "cpu_side.npz")
-    # the massive-activation writer's output channels got a scale: the partition's point
-    assert max(float(s.max()) for s in ex.side.out_scale) > 100
+    widest = max(float(s.max()) for s in ex.side.out_scale)
+    if ex.side.rotation is None:  # the massive-activation writer's output channels got a scale
+        assert widest > 100
+    else:  # rotated, its one massive channel is spread over all 576 (the rotation's point)
+        assert widest < 10 and m.quant["rotation"] == "hadamard"
+
+
+def test_hadamard_is_orthogonal_at_model_widths():
+    """The rotation is exact up to float32 (576 = 8 x Paley 72, 2048 = Sylvester, 960 = 16 x 60)
+    and spreads one massive channel evenly: what takes the attention-sink row out of the int8
+    scales."""
+    for n in (576, 960, 2048, 100):  # 100: no Hadamard construction here, a random orthogonal matrix
+        r = orthogonal(n).astype(np.float64)
+        assert np.abs(r @ r.T - np.eye(n)).max() < 1e-5, n
+        if hadamard(n) is not None:
+            assert np.allclose(np.abs(r), 1 / np.sqrt(n), rtol=1e-6), n  # e_c R: all entries equal in size
+    assert hadamard(100) is None and hadamard(576) is not None
+
+
+def test_rotated_graphs_take_image_rows_in_their_basis(tiny_model_dir, tmp_path):
+    """Image embeddings and DeepStack features enter the residual stream outside `embed`: rotated
+    w8a8 graphs (F32, onnxruntime) must see them rotated too (`Backend.residual`), or the image
+    rows' logits are of another input. Tiny random Qwen3-VL: the shape of the path, not accuracy."""
+    from edge_llm.backends.rknn import open_rknn
+    from edge_llm.models.qwen3 import Model, VisualRows
+
+    model_dir = tiny_model_dir("qwen3_vl")
+    ids, source = C.calibration_ids(model_dir, None, 64)
+    ex = export_w8a8(model_dir, tmp_path, (1, 32), None, 1, C.capture(model_dir, ids, source), rotation="hadamard")
+    ex.manifest.dtype = "w8a8"
+    ex.manifest.quant = {"rotation": "hadamard", "cpu_side_sha256": ex.side.save(tmp_path)}
+    ex.manifest.calibration = {"source": source}
+    ex.manifest.write(tmp_path)
+    args = ModelArgs.from_dir(model_dir)
+    rng = np.random.default_rng(3)
+    rows = np.array([2, 3, 4, 5])
+    vis = VisualRows(rows, rng.standard_normal((4, args.hidden_size)).astype(np.float32),
+                     [rng.standard_normal((4, args.hidden_size)).astype(np.float32) for _ in range(2)])
+    out = {}
+    for name, backend in (("graphs", open_rknn(tmp_path, "onnxruntime", model_dir=model_dir)), ("cpu", "cpu")):
+        model = Model.load(model_dir, backend=backend)
+        try:
+            out[name] = model.forward(np.arange(10), model.new_cache(16, check_memory=False), all_logits=True,
+                                      visual=vis)
+        finally:
+            model.close()
+    assert np.abs(out["graphs"] - out["cpu"]).max() < 1e-3 * np.abs(out["cpu"]).max()

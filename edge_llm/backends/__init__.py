@@ -71,6 +71,11 @@ class Backend(Protocol):
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """(T,) token ids -> (T, hidden) embeddings."""
 
+    def residual(self, rows: np.ndarray) -> np.ndarray:
+        """(T, hidden) rows of the model's hidden space (image embeddings, DeepStack features)
+        -> the same rows in the basis of this backend's residual stream (what `embed` returns and
+        `post` keeps). The identity except for rotated w8a8 graphs (backends/cpu_side.py)."""
+
     def qkv(self, layer: int, x: np.ndarray) -> QKVArrays:
         """input RMSNorm + q/k/v projections (+bias): (T, hidden) -> q (T, q_dim), k, v (T, kv_dim)."""
 

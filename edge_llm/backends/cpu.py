@@ -114,6 +114,9 @@ class CPUBackend:
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         return self.embed_tokens[tokens]
 
+    def residual(self, rows: np.ndarray) -> np.ndarray:
+        return rows
+
     def qkv_fused(self, layer: int, x: np.ndarray) -> np.ndarray:
         """(T, hidden) -> (T, q_dim + 2 kv_dim): what the `qkv` graph computes."""
         L = self.layers[layer]

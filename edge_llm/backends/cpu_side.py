@@ -14,6 +14,12 @@ row): a scale that holds them rounds every ordinary row to zero. Per layer l, in
     out  = h + mlp(l)(hn) * out_scale[l]               (out_scale: the output channels' range)
     logits = head_n(RMSNorm(x, final_gain))
 
+With `--w8a8-rotation hadamard` the residual stream lives in a rotated basis x R (R orthogonal,
+`rotation`): the embeddings and image rows are rotated on their way in (`GraphBackend.embed`,
+`residual`), the norm gains and R^T go into the weights of qkv_n, mlp's gate/up and head_n (the
+CPU's gains are then the smoothing alone), and o's and mlp's output columns are rotated. RMSNorm
+commutes with R, so nothing else on the CPU changes; q, k, v and the logits are the model's own.
+
 The `*_scale` outputs divide each output channel by its range over the median range (one static
 int8 scale per output tensor otherwise follows its widest channels). The graphs hold the weights multiplied by the matching factors (SmoothQuant-style migration of
 activation outliers into per-channel weight scales, exact in real arithmetic), so the CPU side and
@@ -45,10 +51,13 @@ class CpuSide:
     post_gain: list[np.ndarray]  # (hidden,)
     out_scale: list[np.ndarray]  # (hidden,)
     final_gain: np.ndarray  # (hidden,)
+    rotation: np.ndarray | None = None  # (hidden, hidden) orthogonal: the residual basis, or None
 
     def save(self, root: Path) -> str:
         arrays = {f"{k}.{i:02d}": np.asarray(v, np.float32) for k in _FIELDS for i, v in enumerate(getattr(self, k))}
         arrays["final_gain"] = np.asarray(self.final_gain, np.float32)
+        if self.rotation is not None:
+            arrays["rotation"] = np.asarray(self.rotation, np.float32)
         np.savez(root / FILE, **arrays)
         return digest(root)
 
@@ -57,7 +66,8 @@ class CpuSide:
         try:
             with np.load(root / FILE) as z:
                 fields = {k: [np.array(z[f"{k}.{i:02d}"], np.float32) for i in range(layers)] for k in _FIELDS}
-                return cls(**fields, final_gain=np.array(z["final_gain"], np.float32))
+                rot = np.array(z["rotation"], np.float32) if "rotation" in z.files else None
+                return cls(**fields, final_gain=np.array(z["final_gain"], np.float32), rotation=rot)
         except (OSError, KeyError, ValueError) as e:
             raise ConfigError(f"{root / FILE}: unreadable ({e}): re-run `edge-llm convert rknn --dtype w8a8`") from None
 

@@ -105,7 +105,12 @@ class GraphBackend:
 
     # ---- the seam -------------------------------------------------------------------------
     def embed(self, tokens: np.ndarray) -> np.ndarray:
-        return self.table[tokens].astype(np.float32, copy=False)  # rows of a mapped table are fresh F32
+        return self.residual(self.table[tokens].astype(np.float32, copy=False))  # mapped rows are fresh F32
+
+    def residual(self, rows: np.ndarray) -> np.ndarray:
+        if self.side is None or self.side.rotation is None:
+            return rows
+        return rows @ self.side.rotation  # the rotated basis of w8a8 graphs (cpu_side.py)
 
     def qkv(self, layer: int, x: np.ndarray) -> QKVArrays:
         spec = self.qkv_g.get(layer)

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from edge_llm.cli.bench.common import int_list
+from edge_llm.convert.calibration_text import CALIB_TOKENS
 
 
 def _importable(name: str) -> bool:
@@ -36,9 +37,10 @@ def convert() -> None:
 @click.option("--converter-python", envvar="EDGE_LLM_CONVERTER_PYTHON", default=None, metavar="PATH",
               help="python of the converter venv (tools/setup-converter.sh).  [default: .venv-converter]")
 @click.option("--no-accuracy", is_flag=True, help="Skip the simulator accuracy check (the range check stays).")
-@click.option("--calib-text", type=click.Path(exists=True, dir_okay=False), default=None, metavar="FILE",
-              help="UTF-8 text the F32 model runs on to capture real graph inputs.  [default: built-in English text]")
-@click.option("--calib-tokens", type=click.IntRange(8), default=256, show_default=True,
+@click.option("--calibration", "--calib-text", "calib_text", type=click.Path(exists=True, dir_okay=False),
+              default=None, metavar="FILE", help="UTF-8 text the F32 model runs on to capture real graph inputs "
+              "(activation ranges, w8a8's scales).  [default: the built-in mixed calibration text]")
+@click.option("--calib-tokens", type=click.IntRange(8), default=CALIB_TOKENS, show_default=True,
               help="Calibration tokens (the text as a chat user message, cut to N).")
 @click.option("--fp16-headroom", type=click.FloatRange(1.0), default=2.0, show_default=True,
               help="Refuse a graph whose largest tensor on the calibration text passes 65504 / this.")
@@ -50,14 +52,17 @@ def convert() -> None:
               help="w8a8: weight scales per output channel or per tensor.")
 @click.option("--w8a8-min-cosine", type=click.FloatRange(0.0, 1.0), default=0.99, show_default=True,
               help="w8a8: a graph whose mean per-row cosine on the calibration rows is below this is built fp16.")
+@click.option("--w8a8-rotation", type=click.Choice(["none", "hadamard"]), default="none", show_default=True,
+              help="w8a8: hadamard keeps the residual stream in a rotated basis folded into the weights "
+                   "(docs/npu.md 'w8a8').")
 @click.option("--vision-grids", default="256x256,448x448", show_default=True, metavar="WxH,...|none",
               help="A model with a vision tower: the image sizes its one tower graph holds (an image is "
                    "resized onto at most the largest one's patches and padded up to the smallest that "
                    "holds it; docs/vision.md 'Grids on the NPU'); none: no tower graph.")
 @click.option("-v", "--verbose", is_flag=True)
 def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, no_accuracy, calib_text,
-             calib_tokens, fp16_headroom, dtype, quant_algorithm, quant_method, w8a8_min_cosine, vision_grids,
-             verbose) -> None:
+             calib_tokens, fp16_headroom, dtype, quant_algorithm, quant_method, w8a8_min_cosine, w8a8_rotation,
+             vision_grids, verbose) -> None:
     """Export ONNX graphs from MODEL_DIR's F32 weights, check every tensor's range on real
     activations, build fp16 .rknn files for rk3588 with rknn-toolkit2 (in the converter venv),
     check each in the simulator; write OUT_DIR/manifest.json and OUT_DIR/report.md. A full
@@ -117,7 +122,8 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
                              converter_python=converter_python, accuracy=not no_accuracy, progress=step,
                              calib_text=Path(calib_text).read_text(encoding="utf-8") if calib_text else None,
                              calib_tokens=calib_tokens, headroom=fp16_headroom, dtype=dtype,
-                             algorithm=quant_algorithm, method=quant_method, min_cosine=w8a8_min_cosine)
+                             algorithm=quant_algorithm, method=quant_method, min_cosine=w8a8_min_cosine,
+                             rotation=w8a8_rotation)
         except EdgeLLMError as e:
             raise click.ClickException(str(e)) from None
         prog.update(tasks["build"], completed=n_graphs, description="build .rknn + simulate")

@@ -30,14 +30,14 @@ from edge_llm.backends.onnx_export import Samples
 from edge_llm.config import ModelArgs
 from edge_llm.convert.report import FP16_MAX, worst_tensor
 from edge_llm.errors import ConfigError, EdgeLLMError
-from edge_llm.quality_text import QUALITY_TEXT
+from edge_llm.convert.calibration_text import CALIB_TOKENS, CALIBRATION_TEXT
 from edge_llm.weights import Weights
 
 log = logging.getLogger(__name__)
 
 HEADROOM = 2.0  # a tensor must stay below FP16_MAX / HEADROOM on the calibration text
-CALIB_TOKENS = 256
 _SEED = 4321
+RANDOM_TOKENS = 256  # a model without a tokenizer (tiny test models) calibrates on this many random ids
 
 
 class RangeError(EdgeLLMError):
@@ -61,6 +61,9 @@ class _Recorder:
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         return self.cpu.embed(tokens)
+
+    def residual(self, rows: np.ndarray) -> np.ndarray:
+        return self.cpu.residual(rows)
 
     def qkv(self, layer: int, x: np.ndarray):
         self._keep(layer_name(layer, QKV), x)
@@ -95,7 +98,8 @@ class Capture:
 
 
 def calibration_ids(model_dir: str | Path, text: str | None = None, tokens: int = CALIB_TOKENS) -> tuple[list[int], str]:
-    """The calibration tokens and what they are: `text` (default: the built-in English text) as a
+    """The calibration tokens and what they are: `text` (default: the built-in calibration text,
+    `calibration_text.py`, which the accuracy benchmarks' text is not part of) as a
     user message in the model's chat template, cut to `tokens`; fixed random ids for a model
     without a tokenizer (tiny test models)."""
     from edge_llm.tokenizer import Tokenizer
@@ -106,15 +110,16 @@ def calibration_ids(model_dir: str | Path, text: str | None = None, tokens: int 
         tok = None
     if tok is None:
         vocab = ModelArgs.from_dir(model_dir).vocab_size
-        ids = np.random.default_rng(_SEED).integers(0, vocab, tokens).tolist()
-        return ids, f"{tokens} fixed random token ids (the model has no tokenizer)"
-    body = text if text is not None else QUALITY_TEXT
+        n = min(tokens, RANDOM_TOKENS)
+        ids = np.random.default_rng(_SEED).integers(0, vocab, n).tolist()
+        return ids, f"{n} fixed random token ids (the model has no tokenizer)"
+    body = text if text is not None else CALIBRATION_TEXT
     try:
         ids = tok.apply_chat_template_ids([{"role": "user", "content": body}])
         how = "as a chat user message"
     except EdgeLLMError:
         ids, how = tok.encode(body), "as plain text (no chat template)"
-    what = "the built-in English text" if text is None else "the given text"
+    what = "the built-in calibration text" if text is None else "the given text"
     if len(ids) < 8:
         raise ConfigError(f"calibration text gives {len(ids)} tokens: give a longer text")
     return ids[:tokens], f"{min(tokens, len(ids))} tokens of {what} {how}"

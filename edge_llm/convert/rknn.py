@@ -62,15 +62,19 @@ def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
                  head_split: int = 1, converter_python: str | None = None, accuracy: bool = True,
                  progress: Progress | None = None, calib_text: str | None = None,
                  calib_tokens: int = C.CALIB_TOKENS, headroom: float = C.HEADROOM, dtype: str = "float16",
-                 algorithm: str = "normal", method: str = "channel", min_cosine: float = MIN_COSINE) -> Manifest:
+                 algorithm: str = "normal", method: str = "channel", min_cosine: float = MIN_COSINE,
+                 rotation: str = "none") -> Manifest:
     """Calibrate + export + range-check + build every graph; write manifest.json and report.md.
     Returns the manifest. Raises `calibration.RangeError` (after writing the report) when a
     graph's tensor passes FP16_MAX / headroom on the calibration text, before any build.
     `dtype="w8a8"`: the norms-on-the-CPU graphs (`convert/w8a8.py`) quantized by the toolkit
     (`algorithm`, `method`) on the calibration activations; a graph whose mean per-row cosine on
-    them stays below `min_cosine` is built fp16 instead."""
-    if dtype not in DTYPES or algorithm not in ALGORITHMS or method not in METHODS:
-        raise ValueError(f"dtype {dtype!r}, algorithm {algorithm!r}, method {method!r}")
+    them stays below `min_cosine` is built fp16 instead; `rotation` "hadamard" rotates the residual
+    stream's basis first (`w8a8.orthogonal`)."""
+    from edge_llm.convert.w8a8 import ROTATIONS
+
+    if dtype not in DTYPES or algorithm not in ALGORITHMS or method not in METHODS or rotation not in ROTATIONS:
+        raise ValueError(f"dtype {dtype!r}, algorithm {algorithm!r}, method {method!r}, rotation {rotation!r}")
     out = Path(out_dir).resolve()  # the toolkit worker runs in a directory of its own
     (out / "rknn").mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -88,11 +92,12 @@ def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
     if dtype == "w8a8":
         from edge_llm.convert.w8a8 import ALPHA, export_w8a8, write_datasets
 
-        ex = export_w8a8(model_dir, out, chunks, layers, head_split, cap, progress=on_export)
+        ex = export_w8a8(model_dir, out, chunks, layers, head_split, cap, rotation=rotation, progress=on_export)
         m, inputs_for = ex.manifest, (lambda spec: ex.inputs[spec.name])
         m.dtype = dtype
         write_datasets(out, m, ex.inputs)
-        m.quant = {"algorithm": algorithm, "method": method, "alpha": ALPHA, "max_samples": MAX_SAMPLES,
+        m.quant = {"algorithm": algorithm, "method": method, "alpha": ALPHA, "rotation": rotation,
+                   "max_samples": MAX_SAMPLES,
                    "min_cosine": min_cosine, "cpu_side_sha256": ex.side.save(out),
                    "calibration_sha256": hashlib.sha256(json.dumps(list(map(int, ids))).encode()).hexdigest()}
     else:

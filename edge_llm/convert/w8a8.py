@@ -60,6 +60,49 @@ def channel_scale(y: np.ndarray) -> np.ndarray:
     return np.maximum(rng / max(float(np.median(rng)), 1e-30), 1.0).astype(np.float32)
 
 
+ROTATIONS = ("none", "hadamard")
+ROTATION_SEED = 20260  # the random signs of the Hadamard rotation (part of cpu_side.npz, so of the identity)
+
+
+def hadamard(n: int) -> np.ndarray | None:
+    """A Hadamard matrix of order n (entries +-1, H H^T = n I) as Sylvester's 2^k times a Paley
+    block of order m = q + 1 (q prime, q = 3 mod 4), or None if n has no such form."""
+    for k in range(n.bit_length()):
+        m, rest = n >> k, n - ((n >> k) << k)
+        if rest or m < 1:
+            continue
+        if m == 1:
+            block = np.ones((1, 1))
+        else:
+            q = m - 1
+            if q < 3 or q % 4 != 3 or any(q % d == 0 for d in range(2, int(q ** 0.5) + 1)):
+                continue
+            chi = np.full(q, -1.0)
+            chi[[(i * i) % q for i in range(1, q)]] = 1.0
+            chi[0] = 0.0
+            jac = chi[(np.arange(q)[None, :] - np.arange(q)[:, None]) % q]  # Jacobsthal matrix
+            block = np.eye(m)
+            block[0, 1:], block[1:, 0], block[1:, 1:] = 1.0, -1.0, block[1:, 1:] + jac
+        h = block
+        for _ in range(k):
+            h = np.block([[h, h], [h, -h]])
+        assert np.array_equal(h @ h.T, n * np.eye(n)), n
+        return h
+    return None
+
+
+def orthogonal(n: int, seed: int = ROTATION_SEED) -> np.ndarray:
+    """The residual stream's rotation: a Hadamard matrix with random column signs, divided by
+    sqrt(n) (QuaRot's randomized Hadamard: one massive channel becomes n entries of equal size);
+    for an n without a Hadamard construction here, a random orthogonal matrix (QR)."""
+    rng = np.random.default_rng(seed)
+    h = hadamard(n)
+    if h is None:
+        q, r = np.linalg.qr(rng.standard_normal((n, n)))
+        return (q * np.sign(np.diag(r))).astype(np.float32)
+    return (h * rng.choice([-1.0, 1.0], n)[None, :] / np.sqrt(n)).astype(np.float32)
+
+
 def _silu_mul(gu: np.ndarray, inter: int) -> np.ndarray:
     g = gu[:, :inter]
     return g / (np.float32(1) + np.exp(-g)) * gu[:, inter:]
@@ -73,11 +116,13 @@ class W8A8Export:
 
 
 def export_w8a8(model_dir: str | Path, root: Path, chunks: tuple[int, ...], layers: int | None, head_split: int,
-                cap: Capture, alpha: float = ALPHA, progress: Callable[[GraphSpec], None] | None = None) -> W8A8Export:
+                cap: Capture, alpha: float = ALPHA, rotation: str = "none",
+                progress: Callable[[GraphSpec], None] | None = None) -> W8A8Export:
     """Export the cpu-norm graph set under `root/onnx` with `.samples.npz` (inputs and the F32
     reference outputs on the first max(shape) calibration rows); return the manifest (not yet
     written), every graph's inputs on all calibration rows (ranges, quantization dataset) and the
-    CPU side (not yet saved)."""
+    CPU side (not yet saved). `rotation="hadamard"`: the residual stream in a rotated basis
+    (`orthogonal`), folded into the weights as described in the module docstring."""
     args = ModelArgs.from_dir(model_dir)
     weights = load_weights(model_dir, args)
     eps = np.float32(args.rms_norm_eps)
@@ -101,14 +146,29 @@ def export_w8a8(model_dir: str | Path, root: Path, chunks: tuple[int, ...], laye
         np.savez(out / f"{spec.name}.samples.npz", **arrays)
 
     n = layers or args.num_hidden_layers
+    R = None if rotation == "none" else orthogonal(args.hidden_size)
+    side.rotation = R
+
+    def res(a: np.ndarray) -> np.ndarray:  # residual rows -> the graphs' residual basis
+        return a if R is None else (a @ R).astype(np.float32)
+
+    def fold(w: np.ndarray, gain: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A matmul after an RMSNorm: (the gain the CPU keeps, the weight). Rotated, the gain
+        goes into the weight with R^T (RMSNorm(x R) R^T = RMSNorm(x) for orthogonal R)."""
+        if R is None:
+            return gain, w
+        return np.ones_like(gain), (R.T @ (gain[:, None] * w)).astype(np.float32)
+
     for i in range(n):
         L = load_layer(args, weights, i)
         (x,) = cap.inputs[layer_name(i, QKV)]
         attn, xp = cap.inputs[layer_name(i, POST)]
-        s1 = smoothing(rms_norm(x, L.in_norm, eps), L.w_qkv, alpha)
-        in_gain = (L.in_norm / s1).astype(np.float32)
+        x, xp = res(x), res(xp)
+        g1, w_qkv = fold(L.w_qkv, L.in_norm)
+        s1 = smoothing(rms_norm(x, g1, eps), w_qkv, alpha)
+        in_gain = (g1 / s1).astype(np.float32)
         xn = rms_norm(x, in_gain, eps)
-        w_qkv = s1[:, None] * L.w_qkv
+        w_qkv = s1[:, None] * w_qkv
         qkv_scale = channel_scale(xn @ w_qkv + (0 if L.b_qkv is None else L.b_qkv))
         w_qkv = w_qkv / qkv_scale[None, :]
         b_qkv = None if L.b_qkv is None else (L.b_qkv / qkv_scale).astype(np.float32)
@@ -116,23 +176,25 @@ def export_w8a8(model_dir: str | Path, root: Path, chunks: tuple[int, ...], laye
         emit(spec, lambda g: f32_linear(g, "xn", w_qkv, b_qkv, "qkv"), [xn],
              lambda v: v @ w_qkv + (0 if b_qkv is None else b_qkv))
 
-        s2 = smoothing(attn, L.w_o, alpha)
-        w_o = s2[:, None] * L.w_o
+        w_o = res(L.w_o)  # o_proj writes the residual stream: its output columns rotate
+        s2 = smoothing(attn, w_o, alpha)
+        h = xp + attn @ w_o
+        w_o = s2[:, None] * w_o
         emit(specs[layer_name(i, O)], lambda g: f32_linear(g, "attn", w_o, None, "attn_out"),
              [(attn / s2).astype(np.float32)], lambda a: a @ w_o)
 
-        h = xp + attn @ L.w_o
         inter = L.w_down.shape[0]
-        s3 = smoothing(rms_norm(h, L.post_norm, eps), L.w_gu, alpha)
-        post_gain = (L.post_norm / s3).astype(np.float32)
+        g2, w_gu = fold(L.w_gu, L.post_norm)
+        s3 = smoothing(rms_norm(h, g2, eps), w_gu, alpha)
+        post_gain = (g2 / s3).astype(np.float32)
         hn = rms_norm(h, post_gain, eps)
-        w_gu = s3[:, None] * L.w_gu
+        w_gu = s3[:, None] * w_gu
         act = _silu_mul(hn @ w_gu, inter)
-        s4 = smoothing(act, L.w_down, alpha)
-        mlp = act @ L.w_down
-        out_scale = channel_scale(mlp)
+        w_down = res(L.w_down)
+        s4 = smoothing(act, w_down, alpha)
+        out_scale = channel_scale(act @ w_down)
         w_gate, w_up = w_gu[:, :inter], w_gu[:, inter:] / s4[None, :]
-        w_down = s4[:, None] * L.w_down / out_scale[None, :]
+        w_down = s4[:, None] * w_down / out_scale[None, :]
 
         def build_mlp(g: GraphBuilder) -> None:
             gate = f32_linear(g, "hn", w_gate)
@@ -148,13 +210,15 @@ def export_w8a8(model_dir: str | Path, root: Path, chunks: tuple[int, ...], laye
         side.post_gain.append(post_gain)
         side.out_scale.append(out_scale)
     final_norm, lm = _head_tensors(args, weights)
-    (xh,) = cap.inputs[HEAD]
-    s5 = smoothing(rms_norm(xh, final_norm, eps), lm.T, alpha)
-    side.final_gain = (final_norm / s5).astype(np.float32)
+    xh = res(cap.inputs[HEAD][0])
+    g5, w_head = fold(lm.T, final_norm)
+    del lm
+    s5 = smoothing(rms_norm(xh, g5, eps), w_head, alpha)
+    side.final_gain = (g5 / s5).astype(np.float32)
     xn = rms_norm(xh, side.final_gain, eps)
     for spec in (s for s in specs.values() if s.kind == HEAD_N):
         lo, hi = spec.vocab
-        w = s5[:, None] * lm[lo:hi].T
+        w = s5[:, None] * w_head[:, lo:hi]
         emit(spec, lambda g, w=w: f32_linear(g, "xn", w, None, "logits"), [xn], lambda v, w=w: v @ w)
     m = manifest_for(model_dir, root, done, layers, head_split)
     return W8A8Export(m, inputs, side)

@@ -202,7 +202,7 @@ class Model:
         x = be.embed(lookup)  # (T, hidden)
         if visual is not None:
             x = np.array(x, dtype=np.float32)  # own the buffer before writing image rows into it
-            x[visual.rows] = visual.embeds
+            x[visual.rows] = be.residual(visual.embeds)
         fused = None  # this layer's q/k/v if the previous post computed them (a fused graph)
         for layer in range(args.num_hidden_layers):
             q, k, v = fused if fused is not None else be.qkv(layer, x)
@@ -220,7 +220,7 @@ class Model:
             deepstack = visual is not None and layer < len(visual.deepstack)
             x, fused = be.post(layer, attn, x, fuse_next=not deepstack)
             if deepstack:
-                x[visual.rows] += visual.deepstack[layer]
+                x[visual.rows] += be.residual(visual.deepstack[layer])
             work.layer(layer + 1, args.num_hidden_layers)  # may cancel: no row of this run is valid yet
         cache.append_tokens(ids.tolist())  # after the last layer: a cancelled run leaves no valid row
         if want == "none":
