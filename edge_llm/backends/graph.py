@@ -151,7 +151,10 @@ class GraphBackend:
         if self.head_g[0].kind == HEAD_N:
             x = rms_norm(x, self.side.final_gain, self.eps)
         parts = [self._call(spec, [x])[0] for spec in self.head_g]
-        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+        out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+        if self.side is not None and self.side.head_scale is not None:
+            out *= self.side.head_scale
+        return out
 
     # ---- static shapes --------------------------------------------------------------------
     def _call(self, spec: GraphSpec, inputs: list[np.ndarray]) -> list[np.ndarray]:

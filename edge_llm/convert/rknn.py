@@ -90,13 +90,14 @@ def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
     cap = C.capture(model_dir, ids, source)
     t_calib = time.perf_counter() - t0
     if dtype == "w8a8":
-        from edge_llm.convert.w8a8 import ALPHA, export_w8a8, write_datasets
+        from edge_llm.convert.w8a8 import ALPHA, ALPHA_DOWN, export_w8a8, write_datasets
 
         ex = export_w8a8(model_dir, out, chunks, layers, head_split, cap, rotation=rotation, progress=on_export)
         m, inputs_for = ex.manifest, (lambda spec: ex.inputs[spec.name])
         m.dtype = dtype
         write_datasets(out, m, ex.inputs)
-        m.quant = {"algorithm": algorithm, "method": method, "alpha": ALPHA, "rotation": rotation,
+        m.quant = {"algorithm": algorithm, "method": method, "alpha": ALPHA, "alpha_down": ALPHA_DOWN,
+                   "rotation": rotation,
                    "max_samples": MAX_SAMPLES,
                    "min_cosine": min_cosine, "cpu_side_sha256": ex.side.save(out),
                    "calibration_sha256": hashlib.sha256(json.dumps(list(map(int, ids))).encode()).hexdigest()}

@@ -14,9 +14,14 @@ static shape per file: three weight copies on the board). So:
    activations: s = max|a|^alpha / max|w|^(1 - alpha) per input channel; the input is divided by
    s (folded into the norm gain, or one multiply of attn on the CPU; for down_proj, folded into
    up_proj's output columns since SwiGLU is linear in up) and the weight rows multiplied by it;
-3. qkv's and mlp's output channels divided by their range over the median range (`qkv_scale`,
-   `out_scale`, multiplied back on the CPU): q, k and v share one output tensor, and a layer that
-   writes a massive activation no longer sets the mlp output's scale alone.
+3. qkv's, mlp's and the head's output channels divided by their range over the median range
+   (`qkv_scale`, `out_scale`, `head_scale`, multiplied back on the CPU): q, k and v share one
+   output tensor, a layer that writes a massive activation no longer sets the mlp output's scale
+   alone, and the few logits with the widest range no longer set every logit's step;
+4. optionally (`rotation="hadamard"`) the residual stream in a rotated basis x R, R a randomized
+   Hadamard matrix (QuaRot): RMSNorm(x R) R^T = RMSNorm(x), so R^T and the norm gain fold into
+   the weights that read a normalized row and R into the weights that write the stream; a
+   massive channel is spread over all channels before any int8 scale sees it.
 What stays badly quantized is measured per graph by the converter and built fp16 instead
 (`convert/rknn.py`, `--w8a8-min-cosine`).
 """
@@ -42,6 +47,7 @@ from edge_llm.weights import load_weights
 log = logging.getLogger(__name__)
 
 ALPHA = 0.5
+ALPHA_DOWN = 0.5  # down_proj's input (SwiGLU's output, the widest outliers); measured in docs/npu.md
 
 
 def smoothing(a: np.ndarray, w: np.ndarray, alpha: float = ALPHA) -> np.ndarray:
@@ -116,7 +122,7 @@ class W8A8Export:
 
 
 def export_w8a8(model_dir: str | Path, root: Path, chunks: tuple[int, ...], layers: int | None, head_split: int,
-                cap: Capture, alpha: float = ALPHA, rotation: str = "none",
+                cap: Capture, alpha: float = ALPHA, rotation: str = "none", alpha_down: float = ALPHA_DOWN,
                 progress: Callable[[GraphSpec], None] | None = None) -> W8A8Export:
     """Export the cpu-norm graph set under `root/onnx` with `.samples.npz` (inputs and the F32
     reference outputs on the first max(shape) calibration rows); return the manifest (not yet
@@ -191,7 +197,7 @@ def export_w8a8(model_dir: str | Path, root: Path, chunks: tuple[int, ...], laye
         w_gu = s3[:, None] * w_gu
         act = _silu_mul(hn @ w_gu, inter)
         w_down = res(L.w_down)
-        s4 = smoothing(act, w_down, alpha)
+        s4 = smoothing(act, w_down, alpha_down)
         out_scale = channel_scale(act @ w_down)
         w_gate, w_up = w_gu[:, :inter], w_gu[:, inter:] / s4[None, :]
         w_down = s4[:, None] * w_down / out_scale[None, :]
@@ -216,9 +222,13 @@ def export_w8a8(model_dir: str | Path, root: Path, chunks: tuple[int, ...], laye
     s5 = smoothing(rms_norm(xh, g5, eps), w_head, alpha)
     side.final_gain = (g5 / s5).astype(np.float32)
     xn = rms_norm(xh, side.final_gain, eps)
+    side.head_scale = np.ones(w_head.shape[1], np.float32)
     for spec in (s for s in specs.values() if s.kind == HEAD_N):
         lo, hi = spec.vocab
         w = s5[:, None] * w_head[:, lo:hi]
+        peak = np.max([np.abs(xn[a:a + 256] @ w).max(axis=0) for a in range(0, len(xn), 256)], axis=0)
+        side.head_scale[lo:hi] = channel_scale(peak[None, :])  # in row blocks: 2B's logits are 0.6 MB a row
+        w = w / side.head_scale[None, lo:hi]
         emit(spec, lambda g, w=w: f32_linear(g, "xn", w, None, "logits"), [xn], lambda v, w=w: v @ w)
     m = manifest_for(model_dir, root, done, layers, head_split)
     return W8A8Export(m, inputs, side)
