@@ -168,6 +168,24 @@ def test_restore_is_a_cold_run_in_the_simulator(converted, tmp_path):
     assert [r["restored"] for r in rows] == [32, 96]
 
 
+def test_w8a8_restore_is_a_cold_run_in_the_simulator(tiny_synth_dir, tmp_path):
+    """The same property under the simulator's w8a8 numerics, rotated graphs included: the
+    simulator quantizes every int8 graph again from `calib/` each time it loads, so this holds
+    only if that is deterministic, and the rotation (cpu_side.npz) must be applied identically
+    by the saving and the restoring process."""
+    from test_restore_recompute import check_restores
+
+    d = tmp_path / "rknn-w8a8"
+    r = subprocess.run([sys.executable, "-m", "edge_llm", "convert", "rknn", str(tiny_synth_dir), str(d), "--dtype",
+                        "w8a8", "--w8a8-rotation", "hadamard", "--vision-grids", "none", "--calib-tokens", "512"],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((d / "manifest.json").read_text())["quant"]["rotation"] == "hadamard"
+    rows = check_restores(tiny_synth_dir, tmp_path, (45, 100), backend="rknn", chunk=32, n=150, rknn_dir=d,
+                          runner="sim")
+    assert [r["restored"] for r in rows] == [32, 96]
+
+
 # ---- the vision tower on the simulator (convert/vision.py, backends/vision_graph.py) -----------
 def test_vision_tower_converts_within_fp16(converted, record_property):
     """The tiny Qwen3-VL's tower: one .rknn for the default grids (256 and 784 patches), every

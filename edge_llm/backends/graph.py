@@ -153,7 +153,7 @@ class GraphBackend:
         parts = [self._call(spec, [x])[0] for spec in self.head_g]
         out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
         if self.side is not None and self.side.head_scale is not None:
-            out *= self.side.head_scale
+            out = out * self.side.head_scale  # runner outputs may be read-only views
         return out
 
     # ---- static shapes --------------------------------------------------------------------
