@@ -90,7 +90,7 @@ def _simulator_meets(out, default_dir, record_property, dtype: str, cosine: floa
     """The engine on the simulator vs the CPU backend: floors on the prompts' last-token cosine
     and argmax, teacher-forced top-1 and KL, and the France answer (token for token, or naming
     Paris)."""
-    res = accuracy.run(str(default_dir), "rknn", str(out), "sim", teacher_tokens=256)
+    res = accuracy.run(str(default_dir), "rknn", str(out), "sim", teacher_tokens=256, greedy_tokens=0)
     print(accuracy.markdown(res))
     record_property("min_cosine", res["min_cosine"])
     assert f"rknn-sim-2.5.0-{dtype}" in res["numerics"]
@@ -106,7 +106,7 @@ def test_simulator_agrees_with_cpu_on_the_default_model(converted, default_dir, 
 def test_onnxruntime_runs_the_same_graphs_as_cpu(converted, default_dir):
     """The graphs themselves (F32): what the simulator adds on top of them is fp16 alone."""
     out, _ = converted
-    res = accuracy.run(str(default_dir), "rknn", str(out), "onnxruntime", teacher_tokens=64)
+    res = accuracy.run(str(default_dir), "rknn", str(out), "onnxruntime", teacher_tokens=64, greedy_tokens=0)
     assert res["min_cosine"] >= 0.99999 and res["teacher"]["top1"] == 1.0
     assert res["answer"]["same_tokens"]
 
@@ -120,12 +120,12 @@ def test_cpu_q_agrees_with_cpu_on_the_default_model(default_dir, edge_home, monk
     from edge_llm.backends import cpuq
 
     monkeypatch.setenv("EDGE_LLM_HOME", str(edge_home))  # cpu-q's graph directory: the session's
-    res = accuracy.run(str(default_dir), "cpu-q", teacher_tokens=256)
+    res = accuracy.run(str(default_dir), "cpu-q", teacher_tokens=256, greedy_tokens=0)
     print(accuracy.markdown(res))
     assert res["min_cosine"] >= Q_COSINE and res["teacher"]["top1"] >= Q_TOP1 and res["teacher"]["kl"] <= Q_KL
     json.dumps(res)  # what `bench accuracy` saves
     monkeypatch.setitem(cpuq.MODES, "q4f", cpuq.QuantMode("q4f", 4, cpuq.BLOCK, 0))
-    f = accuracy.run(str(default_dir), "cpu-q", teacher_tokens=64, quant="q4f")
+    f = accuracy.run(str(default_dir), "cpu-q", teacher_tokens=64, quant="q4f", greedy_tokens=0)
     assert "acc0" in f["numerics"] and f["min_cosine"] >= 0.99999
     assert f["answer"]["same_tokens"] and "Paris" in f["answer"]["other"]
 

@@ -12,7 +12,7 @@ row): a scale that holds them rounds every ordinary row to zero. Per layer l, in
     h    = x + o
     hn   = RMSNorm(h, post_gain[l])      -> mlp(l)
     out  = h + mlp(l)(hn) * out_scale[l]               (out_scale: the output channels' range)
-    logits = head_n(RMSNorm(x, final_gain)) * head_scale  (one scale per vocab column)
+    logits = head_n(RMSNorm(x, final_gain))
 
 With `--w8a8-rotation hadamard` the residual stream lives in a rotated basis x R (R orthogonal,
 `rotation`): the embeddings and image rows are rotated on their way in (`GraphBackend.embed`,
@@ -52,14 +52,12 @@ class CpuSide:
     out_scale: list[np.ndarray]  # (hidden,)
     final_gain: np.ndarray  # (hidden,)
     rotation: np.ndarray | None = None  # (hidden, hidden) orthogonal: the residual basis, or None
-    head_scale: np.ndarray | None = None  # (vocab,) the logits' output-channel scales, or None (all 1)
 
     def save(self, root: Path) -> str:
         arrays = {f"{k}.{i:02d}": np.asarray(v, np.float32) for k in _FIELDS for i, v in enumerate(getattr(self, k))}
         arrays["final_gain"] = np.asarray(self.final_gain, np.float32)
-        for k in ("rotation", "head_scale"):
-            if getattr(self, k) is not None:
-                arrays[k] = np.asarray(getattr(self, k), np.float32)
+        if self.rotation is not None:
+            arrays["rotation"] = np.asarray(self.rotation, np.float32)
         np.savez(root / FILE, **arrays)
         return digest(root)
 
@@ -68,8 +66,8 @@ class CpuSide:
         try:
             with np.load(root / FILE) as z:
                 fields = {k: [np.array(z[f"{k}.{i:02d}"], np.float32) for i in range(layers)] for k in _FIELDS}
-                opt = {k: np.array(z[k], np.float32) for k in ("rotation", "head_scale") if k in z.files}
-                return cls(**fields, final_gain=np.array(z["final_gain"], np.float32), **opt)
+                rot = np.array(z["rotation"], np.float32) if "rotation" in z.files else None
+                return cls(**fields, final_gain=np.array(z["final_gain"], np.float32), rotation=rot)
         except (OSError, KeyError, ValueError) as e:
             raise ConfigError(f"{root / FILE}: unreadable ({e}): re-run `edge-llm convert rknn --dtype w8a8`") from None
 

@@ -151,10 +151,7 @@ class GraphBackend:
         if self.head_g[0].kind == HEAD_N:
             x = rms_norm(x, self.side.final_gain, self.eps)
         parts = [self._call(spec, [x])[0] for spec in self.head_g]
-        out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
-        if self.side is not None and self.side.head_scale is not None:
-            out = out * self.side.head_scale  # runner outputs may be read-only views
-        return out
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
 
     # ---- static shapes --------------------------------------------------------------------
     def _call(self, spec: GraphSpec, inputs: list[np.ndarray]) -> list[np.ndarray]:

@@ -2,12 +2,14 @@
 real text and the real model: what a user of `--backend rknn` or `cpu-q` gets, not per-graph
 numbers on synthetic inputs.
 
-Three measures (docs/npu.md "Accuracy on real weights", docs/quantization.md):
+Four measures (docs/npu.md "Accuracy on real weights", docs/quantization.md):
 - last-token logits of several chat prompts (short questions and a ~200-token one): cosine,
   max |difference|, same argmax;
 - teacher-forced over a fixed English text: top-1 agreement with the CPU backend, mean
   KL(cpu || backend) per position, both perplexities;
-- the greedy chat answer to a factual question, token for token (until the first end token).
+- the greedy chat answer to a factual question, token for token (until the first end token);
+- greedy agreement: `greedy_tokens` greedy tokens after a longer chat prompt (end tokens do not
+  stop it), and how many of them the backend produces before its first different token.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ PROMPTS: tuple[str, ...] = (
 )
 TEACHER_TOKENS = 320
 ANSWER_TOKENS = 24
+GREEDY_TOKENS = 100
+GREEDY_PROMPT = PROMPTS[2]
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -41,7 +45,8 @@ def last_logits(model, ids: list[int]) -> np.ndarray:
 
 
 def compare(ref, other, tok, step: Callable[[str], None] = lambda _m: None,
-            teacher_tokens: int = TEACHER_TOKENS, answer_tokens: int = ANSWER_TOKENS) -> dict:
+            teacher_tokens: int = TEACHER_TOKENS, answer_tokens: int = ANSWER_TOKENS,
+            greedy_tokens: int = GREEDY_TOKENS) -> dict:
     """`ref` (the CPU backend) and `other` (two loaded `Model`s of one checkpoint), `tok` its
     tokenizer -> the three measures of the module docstring."""
     res: dict = {"prompts": []}
@@ -65,6 +70,12 @@ def compare(ref, other, tok, step: Callable[[str], None] = lambda _m: None,
     ta, tb = greedy(ref, ids, answer_tokens, stop), greedy(other, ids, answer_tokens, stop)
     res["answer"] = {"question": FACT, "ref": tok.decode(ta, skip_special_tokens=True),
                      "other": tok.decode(tb, skip_special_tokens=True), "same_tokens": ta == tb}
+    if greedy_tokens:
+        step(f"greedy agreement over {greedy_tokens} tokens")
+        ids = tok.apply_chat_template_ids([{"role": "user", "content": GREEDY_PROMPT}])
+        ta, tb = greedy(ref, ids, greedy_tokens), greedy(other, ids, greedy_tokens)
+        same = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
+        res["greedy"] = {"prompt": GREEDY_PROMPT, "tokens": len(ta), "same_prefix": same}
     res["min_cosine"] = min(p["cosine"] for p in res["prompts"])
     return res
 
@@ -82,12 +93,16 @@ def markdown(res: dict) -> str:
               f"(cpu {t['ppl_ref']:.3f}).", "",
               f"Greedy answer to {a['question']!r}: cpu {a['ref']!r}; backend {a['other']!r} "
               f"({'the same tokens' if a['same_tokens'] else '**different tokens**'}).", ""]
+    if "greedy" in res:
+        g = res["greedy"]
+        lines += [f"Greedy agreement after {g['prompt']!r}: the first {g['same_prefix']} of {g['tokens']} tokens "
+                  "are the CPU's.", ""]
     return "\n".join(lines)
 
 
 def run(model: str, backend: str, rknn_dir: str | None = None, runner: str = "sim",
         teacher_tokens: int = TEACHER_TOKENS, step: Callable[[str], None] = lambda _m: None,
-        quant: str = "q4") -> dict:
+        quant: str = "q4", greedy_tokens: int = GREEDY_TOKENS) -> dict:
     """Load the model twice (cpu, and `backend`: "rknn" over `rknn_dir` with `runner`, or
     "cpu-q" in mode `quant`) and `compare` them."""
     from edge_llm.checkpoints.default import resolve_model_dir
@@ -112,7 +127,7 @@ def run(model: str, backend: str, rknn_dir: str | None = None, runner: str = "si
         raise ConfigError(f"bench accuracy compares rknn or cpu-q with cpu, not {backend!r}")
     try:
         other, ref = Model.load(model_dir, backend=be), Model.load(model_dir)
-        res = compare(ref, other, Tokenizer.from_dir(model_dir), step, teacher_tokens)
+        res = compare(ref, other, Tokenizer.from_dir(model_dir), step, teacher_tokens, greedy_tokens=greedy_tokens)
     finally:
         be.close()
     res.update(backend=backend if backend != "rknn" else f"rknn ({runner})", model=str(model_dir.name),

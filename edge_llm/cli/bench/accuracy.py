@@ -18,10 +18,13 @@ from edge_llm.cli.bench.common import bench, out_option, save_results, spinner
               show_default=True, help="sim: the toolkit's fp16 simulator (converter venv); rknnlite: the board.")
 @click.option("--teacher-tokens", type=click.IntRange(16), default=320, show_default=True,
               help="Tokens of the teacher-forced text (top-1 agreement, KL).")
+@click.option("--greedy-tokens", type=click.IntRange(0), default=100, show_default=True,
+              help="Greedy tokens compared after a chat prompt (0: skip; slow on the simulator).")
 @out_option
-def accuracy_cmd(model, backend, rknn_dir, rknn_runner, teacher_tokens, out) -> None:
+def accuracy_cmd(model, backend, rknn_dir, rknn_runner, teacher_tokens, greedy_tokens, out) -> None:
     """Last-token logit cosine on several chat prompts, teacher-forced top-1 agreement and KL, and
-    the greedy answer to a factual question: BACKEND vs cpu (F32) on the same checkpoint."""
+    the greedy answer to a factual question, greedy agreement over N tokens: BACKEND vs cpu (F32)
+    on the same checkpoint."""
     from edge_llm.bench import accuracy as B
     from edge_llm.bench.disk import new_results_dir
     from edge_llm.errors import EdgeLLMError
@@ -30,7 +33,7 @@ def accuracy_cmd(model, backend, rknn_dir, rknn_runner, teacher_tokens, out) -> 
         task = prog.add_task("accuracy", total=None)
         try:
             res = B.run(model, backend, rknn_dir, rknn_runner, teacher_tokens,
-                        step=lambda msg: prog.update(task, description=msg))
+                        step=lambda msg: prog.update(task, description=msg), greedy_tokens=greedy_tokens)
         except EdgeLLMError as e:
             raise click.ClickException(str(e)) from None
     res["command"] = " ".join(sys.argv)
