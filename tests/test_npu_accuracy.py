@@ -67,7 +67,9 @@ def converted_w8a8(default_dir, edge_home, tmp_path_factory):
 def test_range_report_sees_the_massive_activation(converted):
     out, stdout = converted
     m = Manifest.read(out)
-    assert m.calibration["tokens"] == 256 and "chat user message" in m.calibration["source"]
+    # all of the shipped calibration text (2,420 tokens in SmolLM2's tokenizer), as a chat message
+    assert 2000 < m.calibration["tokens"] < 4096 and "built-in calibration text as a chat user message" in \
+        m.calibration["source"]
     ranges = {g.name: range_summary(g) for g in m.graphs}
     assert None not in ranges.values()
     # what broke the old norm is in the capture: layer 12's input row 0 carries ~24,900

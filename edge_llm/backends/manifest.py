@@ -100,7 +100,8 @@ class Manifest:
                "weights": self.model.get("weights_sha256"),
                "graphs": [[g.name, g.input_key, g.rows] + ([g.dtype] if g.dtype else []) for g in self.graphs]}
         if self.quant:  # absent for fp16 directories: their identity is unchanged
-            doc["quant"] = self.quant
+            # which graphs fell back to fp16 (and why) is in each graph's dtype above
+            doc["quant"] = {k: v for k, v in self.quant.items() if k not in ("fp16_graphs", "min_cosine")}
         blob = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

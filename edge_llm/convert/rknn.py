@@ -63,7 +63,7 @@ def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
                  progress: Progress | None = None, calib_text: str | None = None,
                  calib_tokens: int = C.CALIB_TOKENS, headroom: float = C.HEADROOM, dtype: str = "float16",
                  algorithm: str = "normal", method: str = "channel", min_cosine: float = MIN_COSINE,
-                 rotation: str = "none") -> Manifest:
+                 rotation: str = "hadamard") -> Manifest:
     """Calibrate + export + range-check + build every graph; write manifest.json and report.md.
     Returns the manifest. Raises `calibration.RangeError` (after writing the report) when a
     graph's tensor passes FP16_MAX / headroom on the calibration text, before any build.
