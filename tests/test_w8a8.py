@@ -17,7 +17,7 @@ from edge_llm.backends.manifest import Manifest
 from edge_llm.bench import accuracy
 from edge_llm.config import ModelArgs
 from edge_llm.convert import calibration as C
-from edge_llm.convert.w8a8 import export_w8a8, hadamard, kron_factors, orthogonal, smoothing
+from edge_llm.convert.w8a8 import export_w8a8, hadamard, orthogonal, smoothing
 from edge_llm.errors import ConfigError
 
 
@@ -94,14 +94,6 @@ def test_hadamard_is_orthogonal_at_model_widths():
         if hadamard(n) is not None:
             assert np.allclose(np.abs(r), 1 / np.sqrt(n), rtol=1e-6), n  # e_c R: all entries equal in size
     assert hadamard(100) is None and hadamard(576) is not None
-    # the online rotation of down_proj's input: two small matmuls are one orthogonal map
-    for n in (1536, 6144):  # SmolLM2-135M's and Qwen3-VL-2B's intermediate sizes
-        ha, hb = kron_factors(n)
-        assert len(ha) * len(hb) == n and max(len(ha), len(hb)) <= 2 * min(len(ha), len(hb))
-        x = np.random.default_rng(n).standard_normal((3, n)).astype(np.float32)
-        k = np.kron(ha.T, hb).astype(np.float64)
-        np.testing.assert_allclose((ha @ x.reshape(3, len(ha), len(hb)) @ hb).reshape(3, n), x @ k, atol=1e-4)
-        assert np.abs(k @ k.T - np.eye(n)).max() < 1e-5
 
 
 def test_rotated_graphs_take_image_rows_in_their_basis(tiny_model_dir, tmp_path):

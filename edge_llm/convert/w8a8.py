@@ -17,12 +17,12 @@ static shape per file: three weight copies on the board). So:
 3. qkv's and mlp's output channels divided by their range over the median range (`qkv_scale`,
    `out_scale`, multiplied back on the CPU): q, k and v share one output tensor, and a layer that
    writes a massive activation no longer sets the mlp output's scale alone;
-4. optionally (`rotation="hadamard"`) the residual stream in a rotated basis x R, R a randomized
+4. by default (`rotation="hadamard"`; "none" without) the residual stream in a rotated basis x R, R a randomized
    Hadamard matrix (QuaRot): RMSNorm(x R) R^T = RMSNorm(x), so R^T and the norm gain fold into
    the weights that read a normalized row and R into the weights that write the stream; a
-   massive channel is spread over all channels before any int8 scale sees it; and down_proj's
-   input (SwiGLU's output, the int8 tensor that loses most: docs/npu.md) rotated inside the mlp
-   graph by a Kronecker-factored Hadamard (`kron_factors`), its transpose folded into W_down.
+   massive channel is spread over all channels before any int8 scale sees it. down_proj's input
+   (SwiGLU's output) is not rotated: the toolkit fuses SiLU * up into one conv whose output is
+   int8 before any rotation could act (measured, docs/npu.md "w8a8").
 What stays badly quantized is measured per graph by the converter and built fp16 instead
 (`convert/rknn.py`, `--w8a8-min-cosine`).
 """
@@ -110,21 +110,6 @@ def orthogonal(n: int, seed: int = ROTATION_SEED) -> np.ndarray:
     return (h * rng.choice([-1.0, 1.0], n)[None, :] / np.sqrt(n)).astype(np.float32)
 
 
-def kron_factors(n: int, seed: int = ROTATION_SEED) -> tuple[np.ndarray, np.ndarray] | None:
-    """(Ha (a, a), Hb (b, b)) with a * b = n, both normalized Hadamard (Hb with random column
-    signs), a and b as close as possible; None if n has no such split. A row x of width n
-    reshaped to (a, b) and multiplied Ha @ X @ Hb is x @ kron(Ha^T, Hb): an orthogonal map of
-    n (a + b) multiply-adds instead of n^2 (QuaRot's online Hadamard, here before down_proj)."""
-    splits = [(a, n // a) for a in range(2, n) if n % a == 0 and hadamard(a) is not None
-              and hadamard(n // a) is not None]
-    if not splits:
-        return None
-    a, b = min(splits, key=lambda ab: abs(ab[0] - ab[1]))
-    signs = np.random.default_rng(seed).choice([-1.0, 1.0], b)
-    return ((hadamard(a) / np.sqrt(a)).astype(np.float32),
-            (hadamard(b) * signs[None, :] / np.sqrt(b)).astype(np.float32))
-
-
 def _silu_mul(gu: np.ndarray, inter: int) -> np.ndarray:
     g = gu[:, :inter]
     return g / (np.float32(1) + np.exp(-g)) * gu[:, inter:]
@@ -138,7 +123,7 @@ class W8A8Export:
 
 
 def export_w8a8(model_dir: str | Path, root: Path, chunks: tuple[int, ...], layers: int | None, head_split: int,
-                cap: Capture, alpha: float = ALPHA, rotation: str = "none", alpha_down: float = ALPHA_DOWN,
+                cap: Capture, alpha: float = ALPHA, rotation: str = "hadamard", alpha_down: float = ALPHA_DOWN,
                 progress: Callable[[GraphSpec], None] | None = None) -> W8A8Export:
     """Export the cpu-norm graph set under `root/onnx` with `.samples.npz` (inputs and the F32
     reference outputs on the first max(shape) calibration rows); return the manifest (not yet
@@ -170,7 +155,6 @@ def export_w8a8(model_dir: str | Path, root: Path, chunks: tuple[int, ...], laye
     n = layers or args.num_hidden_layers
     R = None if rotation == "none" else orthogonal(args.hidden_size)
     side.rotation = R
-    kron = None if rotation == "none" else kron_factors(args.intermediate_size)
 
     def res(a: np.ndarray) -> np.ndarray:  # residual rows -> the graphs' residual basis
         return a if R is None else (a @ R).astype(np.float32)
@@ -218,27 +202,15 @@ def export_w8a8(model_dir: str | Path, root: Path, chunks: tuple[int, ...], laye
         out_scale = channel_scale(act @ w_down)
         w_gate, w_up = w_gu[:, :inter], w_gu[:, inter:] / s4[None, :]
         w_down = s4[:, None] * w_down / out_scale[None, :]
-        if kron is not None:  # act -> act @ kron(Ha^T, Hb) in the graph, so kron(Ha, Hb^T) into w_down
-            w_down = (np.kron(kron[0], kron[1].T) @ w_down).astype(np.float32)
 
         def build_mlp(g: GraphBuilder) -> None:
             gate = f32_linear(g, "hn", w_gate)
             up = f32_linear(g, "hn", w_up)
             a = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-            if kron is not None:
-                ha, hb = kron
-                x = g.op("Reshape", [a, g.const("shape", np.array([-1, len(ha), len(hb)], np.int64))])
-                x = g.op("MatMul", [g.const("ha", ha), g.op("MatMul", [x, g.const("hb", hb)])])
-                a = g.op("Reshape", [x, g.const("shape", np.array([-1, inter], np.int64))])
             f32_linear(g, a, w_down, None, "mlp_out")
 
-        def ref_mlp(v: np.ndarray) -> np.ndarray:
-            a = _silu_mul(v @ np.concatenate([w_gate, w_up], axis=1), inter)
-            if kron is not None:
-                a = (kron[0] @ a.reshape(len(a), *map(len, kron)) @ kron[1]).reshape(len(a), inter)
-            return a @ w_down
-
-        emit(specs[layer_name(i, MLP)], build_mlp, [hn], ref_mlp)
+        emit(specs[layer_name(i, MLP)], build_mlp, [hn],
+             lambda v: _silu_mul(v @ np.concatenate([w_gate, w_up], axis=1), inter) @ w_down)
         side.in_gain.append(in_gain)
         side.qkv_scale.append(qkv_scale)
         side.attn_scale.append((1 / s2).astype(np.float32))
