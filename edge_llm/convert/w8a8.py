@@ -17,12 +17,12 @@ static shape per file: three weight copies on the board). So:
 3. qkv's and mlp's output channels divided by their range over the median range (`qkv_scale`,
    `out_scale`, multiplied back on the CPU): q, k and v share one output tensor, and a layer that
    writes a massive activation no longer sets the mlp output's scale alone;
-4. by default (`rotation="hadamard"`; "none" without) the residual stream in a rotated basis x R, R a randomized
-   Hadamard matrix (QuaRot): RMSNorm(x R) R^T = RMSNorm(x), so R^T and the norm gain fold into
-   the weights that read a normalized row and R into the weights that write the stream; a
-   massive channel is spread over all channels before any int8 scale sees it. down_proj's input
-   (SwiGLU's output) is not rotated: the toolkit fuses SiLU * up into one conv whose output is
-   int8 before any rotation could act (measured, docs/npu.md "w8a8").
+4. by default (`rotation="hadamard"`; "none" turns it off) the residual stream in a rotated
+   basis x R, R a randomized Hadamard matrix (QuaRot): RMSNorm(x R) R^T = RMSNorm(x), so R^T
+   and the norm gain fold into the weights that read a normalized row and R into the weights
+   that write the stream; a massive channel is spread over all channels before any int8 scale
+   sees it. down_proj's input (SwiGLU's output) is not rotated: the toolkit fuses SiLU * up into
+   one conv whose output is int8 before any rotation could act (measured, docs/npu.md "w8a8").
 What stays badly quantized is measured per graph by the converter and built fp16 instead
 (`convert/rknn.py`, `--w8a8-min-cosine`).
 """
