@@ -124,3 +124,17 @@ def test_rotated_graphs_take_image_rows_in_their_basis(tiny_model_dir, tmp_path)
         finally:
             model.close()
     assert np.abs(out["graphs"] - out["cpu"]).max() < 1e-3 * np.abs(out["cpu"]).max()
+
+
+def test_convert_names_the_graph_kinds_it_can_build_fp16(tiny_model_dir, tmp_path):
+    """`--w8a8-fp16` takes only the partition's kinds; anything else is refused before any work,
+    with the kinds named, and nothing is written."""
+    from click.testing import CliRunner
+
+    from edge_llm.cli import cli
+
+    out = tmp_path / "out"
+    r = CliRunner().invoke(cli, ["convert", "rknn", str(tiny_model_dir("qwen3")), str(out), "--dtype", "w8a8",
+                                 "--w8a8-fp16", "mlp,post"])
+    assert r.exit_code == 1 and "graph kinds are qkv_n, o, mlp, head_n" in r.output, r.output
+    assert not out.exists()

@@ -55,6 +55,9 @@ def convert() -> None:
 @click.option("--w8a8-rotation", type=click.Choice(["hadamard", "none"]), default="hadamard", show_default=True,
               help="w8a8: hadamard keeps the residual stream in a rotated basis folded into the weights "
                    "(measured better on every count: docs/npu.md 'w8a8').")
+@click.option("--w8a8-fp16", "w8a8_fp16", default="", metavar="KIND,...",
+              help="w8a8: build these graph kinds fp16 outright (qkv_n, o, mlp, head_n; e.g. mlp, the hybrid "
+                   "docs/npu.md 'w8a8' measures).")
 @click.option("--vision-grids", default="256x256,448x448", show_default=True, metavar="WxH,...|none",
               help="A model with a vision tower: the image sizes its one tower graph holds (an image is "
                    "resized onto at most the largest one's patches and padded up to the smallest that "
@@ -62,7 +65,7 @@ def convert() -> None:
 @click.option("-v", "--verbose", is_flag=True)
 def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, no_accuracy, calib_text,
              calib_tokens, fp16_headroom, dtype, quant_algorithm, quant_method, w8a8_min_cosine, w8a8_rotation,
-             vision_grids, verbose) -> None:
+             w8a8_fp16, vision_grids, verbose) -> None:
     """Export ONNX graphs from MODEL_DIR's F32 weights, check every tensor's range on real
     activations, build fp16 .rknn files for rk3588 with rknn-toolkit2 (in the converter venv),
     check each in the simulator; write OUT_DIR/manifest.json and OUT_DIR/report.md. A full
@@ -87,9 +90,9 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
 
     from edge_llm.config import ModelArgs
     from edge_llm.convert.report import FP16_REL_LIMIT, predicted_ms, range_summary, worst
-    from edge_llm.convert.rknn import convert_rknn
+    from edge_llm.convert.rknn import W8A8_KINDS, convert_rknn
     from edge_llm.convert.vision import parse_grids
-    from edge_llm.errors import EdgeLLMError
+    from edge_llm.errors import ConfigError, EdgeLLMError
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="%(message)s")
@@ -97,6 +100,9 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
     try:
         args = ModelArgs.from_dir(model_dir)
         grids = None if vision_grids.strip().lower() == "none" else parse_grids(vision_grids)
+        fp16_kinds = tuple(k.strip() for k in w8a8_fp16.split(",") if k.strip())
+        if not set(fp16_kinds) <= set(W8A8_KINDS):
+            raise ConfigError(f"--w8a8-fp16 {w8a8_fp16!r}: graph kinds are {', '.join(W8A8_KINDS)}")
     except EdgeLLMError as e:
         raise click.ClickException(str(e)) from None
     head_gb = args.vocab_size * args.hidden_size * 4 / head_split / 1e9
@@ -123,7 +129,7 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
                              calib_text=Path(calib_text).read_text(encoding="utf-8") if calib_text else None,
                              calib_tokens=calib_tokens, headroom=fp16_headroom, dtype=dtype,
                              algorithm=quant_algorithm, method=quant_method, min_cosine=w8a8_min_cosine,
-                             rotation=w8a8_rotation)
+                             rotation=w8a8_rotation, fp16_kinds=fp16_kinds)
         except EdgeLLMError as e:
             raise click.ClickException(str(e)) from None
         prog.update(tasks["build"], completed=n_graphs, description="build .rknn + simulate")
@@ -144,8 +150,11 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
         click.echo(f"fp16 range on real activations: smallest headroom {head:.2f}x ({name}, {where})")
     if m.quant:
         fp16 = m.quant.get("fp16_graphs", {})
-        click.echo(f"w8a8: {len(m.graphs) - len(fp16)} graphs int8, {len(fp16)} fp16 "
-                   f"(mean row cosine below {m.quant['min_cosine']}: {', '.join(fp16) or 'none'})")
+        n16 = sum(m.graph_dtype(g) == "float16" for g in m.graphs)
+        kinds = m.quant.get("fp16_kinds")
+        click.echo(f"w8a8: {len(m.graphs) - n16} graphs int8, {n16} fp16 ("
+                   + (f"kinds {', '.join(kinds)} by --w8a8-fp16; " if kinds else "")
+                   + f"mean row cosine below {m.quant['min_cosine']}: {', '.join(fp16) or 'none'})")
     click.echo(f"report: {out_dir}/report.md")
     if grids and args.model_type == "qwen3_vl":
         _convert_tower(model_dir, out_dir, grids, converter_python, not no_accuracy, fp16_headroom, console)

@@ -101,7 +101,10 @@ def markdown_report(m: Manifest) -> str:
         fp16 = m.quant.get("fp16_graphs", {})
         lines[-1:-1] = [f"- w8a8: toolkit {m.quant.get('algorithm')}/{m.quant.get('method')}, smoothing alpha "
                         f"{m.quant.get('alpha')} (down_proj {m.quant.get('alpha_down', m.quant.get('alpha'))}), "
-                        f"residual rotation {m.quant.get('rotation', 'none')}; {len(fp16)} graph(s) built fp16 (mean row cosine of the int8 "
+                        f"residual rotation {m.quant.get('rotation', 'none')}; "
+                        + (f"kinds built fp16 outright: {', '.join(m.quant['fp16_kinds'])}; "
+                           if m.quant.get("fp16_kinds") else "")
+                        + f"{len(fp16)} graph(s) built fp16 (mean row cosine of the int8 "
                         f"build below {m.quant.get('min_cosine')}): "
                         + (", ".join(f"{k} {v:.4f}" for k, v in fp16.items()) or "none")]
     for rows in m.chunks:

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from edge_llm.backends.graphs import HEAD_N, MLP, QKV_N, O
 from edge_llm.backends.manifest import GraphEntry, Manifest
 from edge_llm.backends.onnx_export import export_graph_set
 from edge_llm.backends.runners import ToolkitWorker, compile_request
@@ -41,6 +42,7 @@ ALGORITHMS = ("normal", "mmse", "kl_divergence")  # rknn-toolkit2's quantized_al
 METHODS = ("channel", "layer")  # its quantized_method (weights: per channel or per tensor)
 MIN_COSINE = 0.99  # a w8a8 graph below this mean per-row cosine on calibration rows is built fp16
 MAX_SAMPLES = 64  # calibration samples (of the largest shape) per graph
+W8A8_KINDS = (QKV_N, O, MLP, HEAD_N)  # the graph kinds of the w8a8 partition (`--w8a8-fp16` picks from them)
 
 
 def build_key(entry: GraphEntry, toolkit: str, target: str, dtype: str, quant: dict | None = None) -> str:
@@ -63,18 +65,21 @@ def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
                  progress: Progress | None = None, calib_text: str | None = None,
                  calib_tokens: int = C.CALIB_TOKENS, headroom: float = C.HEADROOM, dtype: str = "float16",
                  algorithm: str = "normal", method: str = "channel", min_cosine: float = MIN_COSINE,
-                 rotation: str = "hadamard") -> Manifest:
+                 rotation: str = "hadamard", fp16_kinds: tuple[str, ...] = ()) -> Manifest:
     """Calibrate + export + range-check + build every graph; write manifest.json and report.md.
     Returns the manifest. Raises `calibration.RangeError` (after writing the report) when a
     graph's tensor passes FP16_MAX / headroom on the calibration text, before any build.
     `dtype="w8a8"`: the norms-on-the-CPU graphs (`convert/w8a8.py`) quantized by the toolkit
     (`algorithm`, `method`) on the calibration activations; a graph whose mean per-row cosine on
     them stays below `min_cosine` is built fp16 instead; `rotation` "hadamard" rotates the residual
-    stream's basis first (`w8a8.orthogonal`)."""
+    stream's basis first (`w8a8.orthogonal`); graphs of a kind in `fp16_kinds` (of `W8A8_KINDS`)
+    are built fp16 outright (a hybrid: docs/npu.md "w8a8")."""
     from edge_llm.convert.w8a8 import ROTATIONS
 
-    if dtype not in DTYPES or algorithm not in ALGORITHMS or method not in METHODS or rotation not in ROTATIONS:
-        raise ValueError(f"dtype {dtype!r}, algorithm {algorithm!r}, method {method!r}, rotation {rotation!r}")
+    if (dtype not in DTYPES or algorithm not in ALGORITHMS or method not in METHODS or rotation not in ROTATIONS
+            or not set(fp16_kinds) <= set(W8A8_KINDS)):
+        raise ValueError(f"dtype {dtype!r}, algorithm {algorithm!r}, method {method!r}, rotation {rotation!r}, "
+                         f"fp16 kinds {fp16_kinds!r}")
     out = Path(out_dir).resolve()  # the toolkit worker runs in a directory of its own
     (out / "rknn").mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -97,7 +102,7 @@ def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
         m.dtype = dtype
         write_datasets(out, m, ex.inputs)
         m.quant = {"algorithm": algorithm, "method": method, "alpha": ALPHA, "alpha_down": ALPHA_DOWN,
-                   "rotation": rotation,
+                   "rotation": rotation, "fp16_kinds": sorted(fp16_kinds),
                    "max_samples": MAX_SAMPLES,
                    "min_cosine": min_cosine, "cpu_side_sha256": ex.side.save(out),
                    "calibration_sha256": hashlib.sha256(json.dumps(list(map(int, ids))).encode()).hexdigest()}
@@ -119,8 +124,10 @@ def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
         m.toolkit = worker.version
         for i, g in enumerate(m.graphs):
             step("build", g.name, i, len(m.graphs))
+            if dtype != "float16" and g.kind in fp16_kinds:
+                g.dtype = "float16"
             res, key, rel, fresh = build_graph(worker, m, g, out, accuracy or dtype != "float16")
-            if dtype != "float16" and (cos := _row_cosine(res)) < min_cosine:
+            if m.graph_dtype(g) != "float16" and (cos := _row_cosine(res)) < min_cosine:
                 log.info("%s: w8a8 mean row cosine %.4f < %.4f on the calibration rows: built fp16", g.name,
                          cos, min_cosine)
                 m.quant.setdefault("fp16_graphs", {})[g.name] = round(cos, 5)
