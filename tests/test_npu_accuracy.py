@@ -30,9 +30,10 @@ except ConfigError as e:  # `make test` builds it; a bare pytest run may not hav
 
 SIM_COSINE, SIM_TOP1, SIM_KL = 0.999, 0.98, 1e-3  # fp16 simulator vs F32 (measured: 0.99999+, 100 %, 2e-5)
 Q_COSINE, Q_TOP1, Q_KL = 0.998, 0.95, 0.005  # cpu-q vs F32 (measured: 0.99885, 98.0 %, 0.0029)
-# w8a8 in the simulator vs F32: floors under what it measures today (0.9824, 89.7 %, 0.027), not the
-# targets of docs/npu.md "w8a8" (top-1 >= 95 %, KL <= 0.005), which it does not reach yet
-W8_COSINE, W8_TOP1, W8_KL = 0.97, 0.85, 0.05
+# w8a8 (rotated, the default) in the simulator vs F32: floors under what `bench accuracy` measures
+# today (0.9963, 93.1 %, 0.024 on 320 tokens), not the targets of docs/npu.md "w8a8" (top-1 >= 95 %,
+# KL <= 0.005), which it does not reach yet; unrotated graphs measure 90.0 % and 0.034, under them
+W8_COSINE, W8_TOP1, W8_KL = 0.98, 0.90, 0.035
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +159,6 @@ def test_w8a8_conversion_is_int8_where_it_holds_and_cheaper(converted, converted
 
 
 def test_w8a8_simulator_on_the_default_model(converted_w8a8, default_dir, record_property):
-    # measured: the answer names Paris and then goes on ("..., located in the heart of ...")
-    _simulator_meets(converted_w8a8[0], default_dir, record_property, "w8a8", W8_COSINE, W8_TOP1, W8_KL,
-                     same_answer=False)
+    assert Manifest.read(converted_w8a8[0]).quant["rotation"] == "hadamard"
+    # measured: "The capital of France is Paris.", the CPU's tokens (unrotated graphs went on after it)
+    _simulator_meets(converted_w8a8[0], default_dir, record_property, "w8a8", W8_COSINE, W8_TOP1, W8_KL)
