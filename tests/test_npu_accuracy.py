@@ -160,5 +160,5 @@ def test_w8a8_conversion_is_int8_where_it_holds_and_cheaper(converted, converted
 
 def test_w8a8_simulator_on_the_default_model(converted_w8a8, default_dir, record_property):
     assert Manifest.read(converted_w8a8[0]).quant["rotation"] == "hadamard"
-    # measured: "The capital of France is Paris.", the CPU's tokens (unrotated graphs went on after it)
+    # measured: "The capital of France is Paris.", the CPU's tokens (the first w8a8 graphs went on after it)
     _simulator_meets(converted_w8a8[0], default_dir, record_property, "w8a8", W8_COSINE, W8_TOP1, W8_KL)
