@@ -33,3 +33,7 @@ def test_host_runner_measures_everything(tiny_synth_dir, tmp_path):
     assert [p["chunk"] for p in res["prefill"]] == [1, 32, 128] and all(p["tok_s"] > 0 for p in res["prefill"])
     assert res["decode_tok_s"] > 0 and res["ttft_128_ms"] > 0 and res["ratio_to_rkllm"]["decode"] > 0
     assert "onnxruntime" in res["numerics"] and "TTFT 128 tokens" in r.stdout
+    # qkv + post per layer and the head: what a decode token costs in calls (no estimate: no overhead)
+    layers = json.loads((tiny_synth_dir / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    assert res["calls_per_token"] == 2 * layers + 1 and res["per_call_overhead_ms"] is None
+    assert "graph calls per decode token" in r.stdout

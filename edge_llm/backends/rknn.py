@@ -57,8 +57,10 @@ def resolve_runner(runner: str) -> str:
 
 
 def open_rknn(rknn_dir: str | Path, runner: str = "auto", model_dir: str | Path | None = None,
-              threads: int | None = None, converter_python: str | None = None, progress=None) -> GraphBackend:
-    """Read the manifest, check it against the model, start the runner; a Backend to load."""
+              threads: int | None = None, converter_python: str | None = None, progress=None,
+              layer_masks: tuple[int, ...] | None = None) -> GraphBackend:
+    """Read the manifest, check it against the model, start the runner; a Backend to load.
+    `layer_masks`: the board runner's NPU core masks for layer graphs (None: its default)."""
     root = Path(rknn_dir)
     m = Manifest.read(root)
     if model_dir is not None:
@@ -69,11 +71,11 @@ def open_rknn(rknn_dir: str | Path, runner: str = "auto", model_dir: str | Path 
     specs = m.specs()
     runner = resolve_runner(runner)
     if runner == "rknnlite":
-        from edge_llm.backends.rknnlite import RKNNLiteRunner
+        from edge_llm.backends.rknnlite import LAYER_CORES, RKNNLiteRunner
 
         files = m.rknn_files(root)
         m.check_fp16(root)
-        r = RKNNLiteRunner(specs, files, progress=progress)
+        r = RKNNLiteRunner(specs, files, layer_masks=layer_masks or LAYER_CORES, progress=progress)
     elif runner == "sim":
         from edge_llm.backends.runners import SimRunner
 

@@ -97,6 +97,13 @@ def run(model_dir: str | Path, rknn_dir: str | Path, runner: str = "rknnlite", r
                                    "predicted_tok_s": chunk / pred * 1e3 if pred else None})
         step("decode")
         res["decode_tok_s"] = _decode_tok_s(model, cache, decode_steps)
+        before = sum(be.calls.values())
+        model.forward([1], cache)
+        res["calls_per_token"] = sum(be.calls.values()) - before
+        # what a call costs beyond the compiler's cycles (inputs converted on the CPU, the driver):
+        # the median over one-row graphs of measured - predicted; meaningful on a board only
+        ones = [g["ms"] - g["predicted_ms"] for g in res["graphs"] if g["rows"] == 1 and g["predicted_ms"]]
+        res["per_call_overhead_ms"] = statistics.median(ones) if ones else None
         pred = predicted_ms(m, 1)
         res["decode_predicted_ms"] = pred
         res["decode_ms"] = 1e3 / res["decode_tok_s"]
@@ -119,16 +126,14 @@ def run(model_dir: str | Path, rknn_dir: str | Path, runner: str = "rknnlite", r
 
 def _core_layouts(model_dir, rknn_dir, m: Manifest, steps: int, step) -> list[dict]:
     """Decode tok/s with layers round-robin on cores 0/1/2 vs all on core 0 vs all on 0+1+2."""
-    from edge_llm.backends.graph import GraphBackend
-    from edge_llm.backends.rknnlite import NPU_CORE_0, NPU_CORE_0_1_2, RKNNLiteRunner
+    from edge_llm.backends.rknnlite import NPU_CORE_0, NPU_CORE_0_1_2
     from edge_llm.models.qwen3 import Model
 
     out = []
     for label, masks in (("round-robin 0/1/2", (1, 2, 4)), ("core 0", (NPU_CORE_0,)),
                          ("cores 0+1+2", (NPU_CORE_0_1_2,))):
         step(f"decode, layers on {label}")
-        r = RKNNLiteRunner(m.specs(), m.rknn_files(Path(rknn_dir)), layer_masks=masks)
-        be = GraphBackend("rknn", m.specs(), r, "bench")
+        be = open_rknn(rknn_dir, "rknnlite", model_dir=model_dir, layer_masks=masks)
         try:
             model = Model.load(model_dir, backend=be)
             cache = model.new_cache(64 + steps, check_memory=False)
@@ -148,7 +153,12 @@ def markdown(res: dict) -> str:
              f"{res['ratio_to_rkllm']['ttft_128']:.2f}x)",
              f"- decode {res['decode_tok_s']:.2f} tok/s = {res['decode_ms']:.1f} ms/token; compiler predicted "
              + (f"{res['decode_predicted_ms']:.1f} ms/token" if res["decode_predicted_ms"] else "n/a")
-             + f" (RKLLM {a['decode_tok_s']} tok/s: ratio {res['ratio_to_rkllm']['decode']:.2f}x)", "",
+             + f" (RKLLM {a['decode_tok_s']} tok/s: ratio {res['ratio_to_rkllm']['decode']:.2f}x)",
+             f"- {res['calls_per_token']} graph calls per decode token; per-call overhead (median of measured - "
+             "predicted over one-row graphs): " + (f"{res['per_call_overhead_ms']:.3f} ms, "
+                                                   f"{res['per_call_overhead_ms'] * res['calls_per_token']:.1f} ms "
+                                                   "per token" if res["per_call_overhead_ms"] is not None
+                                                   else "n/a (no compiler estimate)"), "",
              "| chunk | prefill tok/s | predicted tok/s |", "|---|---|---|"]
     for p in res["prefill"]:
         pred = f"{p['predicted_tok_s']:.0f}" if p["predicted_tok_s"] else "-"
