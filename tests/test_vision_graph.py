@@ -296,3 +296,15 @@ def test_an_npu_tower_that_does_not_load_leaves_the_numpy_tower(tiny_synth_dir, 
     with caplog.at_level(logging.WARNING, logger="edge_llm.runtime"):
         assert make_tower_graph(s, BackendChoice("rknn", "test", False), tiny_synth_dir, lambda _t: None) is None
     assert "the NPU tower did not load" in caplog.text and "numpy tower" in caplog.text
+
+
+def test_tower_conversion_skips_a_text_only_export(tmp_path):
+    """A qwen3_vl checkpoint whose config declares a tower but whose weights have none (a
+    text-only export, `model synth --no-vision`) converts its decoder and no tower: `convert rknn`
+    said so only after the decoder's build, as an error, before."""
+    from edge_llm.checkpoints.synth import synth_checkpoint
+    from edge_llm.convert.vision import convert_tower
+
+    model = synth_checkpoint(tmp_path / "m", preset="tiny", vision=False, durable=False)
+    assert convert_tower(model, tmp_path / "out") is None
+    assert not (tmp_path / "out").exists()

@@ -35,6 +35,7 @@ from edge_llm.convert.report import NPU_HZ, cycles, worst
 from edge_llm.convert.rknn import peak_rss_mb, build_graph
 from edge_llm.errors import ConfigError
 from edge_llm.files import write_atomic
+from edge_llm.weights import load_vision_weights
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,8 @@ def convert_tower(model_dir: str | Path, out_dir: str | Path, grids=DEFAULT_GRID
         return None
     t0 = time.perf_counter()
     args = ModelArgs.from_dir(model_dir)
+    if load_vision_weights(model_dir, args, v) is None:  # declared, not shipped: a text-only export
+        return None
     rows = grid_rows(v, tuple(grids), PreprocessConfig.from_dir(model_dir, v).min_pixels)
     root = Path(out_dir).resolve() / VISION_DIR
     (root / "rknn").mkdir(parents=True, exist_ok=True)
