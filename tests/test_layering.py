@@ -39,7 +39,7 @@ ORDER = {
     "checkpoints": ["packaged", "gguf_header", "safetensors_writer", "gguf_import", "synth", "default",
                     "gguf_blocks", "__init__"],
     "vision": ["preprocess", "positions", "encoder", "model", "__init__"],
-    "convert": ["report", "calibration", "w8a8", "rknn", "vision", "__init__"],
+    "convert": ["report", "calibration_text", "calibration", "w8a8", "rknn", "vision", "__init__"],
     "server": ["errors", "schemas", "metrics", "prefetch", "worker", "budget", "images", "streaming", "state", "app",
                "__init__"],
     "bench": ["disk", "procstat", "prompts", "models", "client", "throttle", "restore", "conversation", "ttft",
