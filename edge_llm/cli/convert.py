@@ -90,9 +90,9 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
 
     from edge_llm.config import ModelArgs
     from edge_llm.convert.report import FP16_REL_LIMIT, predicted_ms, range_summary, worst
-    from edge_llm.convert.rknn import W8A8_KINDS, convert_rknn
+    from edge_llm.convert.rknn import convert_rknn
     from edge_llm.convert.vision import parse_grids
-    from edge_llm.errors import ConfigError, EdgeLLMError
+    from edge_llm.errors import EdgeLLMError
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
                         format="%(message)s")
@@ -100,9 +100,6 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
     try:
         args = ModelArgs.from_dir(model_dir)
         grids = None if vision_grids.strip().lower() == "none" else parse_grids(vision_grids)
-        fp16_kinds = tuple(k.strip() for k in w8a8_fp16.split(",") if k.strip())
-        if not set(fp16_kinds) <= set(W8A8_KINDS):
-            raise ConfigError(f"--w8a8-fp16 {w8a8_fp16!r}: graph kinds are {', '.join(W8A8_KINDS)}")
     except EdgeLLMError as e:
         raise click.ClickException(str(e)) from None
     head_gb = args.vocab_size * args.hidden_size * 4 / head_split / 1e9
@@ -129,7 +126,8 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
                              calib_text=Path(calib_text).read_text(encoding="utf-8") if calib_text else None,
                              calib_tokens=calib_tokens, headroom=fp16_headroom, dtype=dtype,
                              algorithm=quant_algorithm, method=quant_method, min_cosine=w8a8_min_cosine,
-                             rotation=w8a8_rotation, fp16_kinds=fp16_kinds)
+                             rotation=w8a8_rotation,
+                             fp16_kinds=tuple(k.strip() for k in w8a8_fp16.split(",") if k.strip()))
         except EdgeLLMError as e:
             raise click.ClickException(str(e)) from None
         prog.update(tasks["build"], completed=n_graphs, description="build .rknn + simulate")

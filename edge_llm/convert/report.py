@@ -100,7 +100,7 @@ def markdown_report(m: Manifest) -> str:
     if m.quant:
         fp16 = m.quant.get("fp16_graphs", {})
         lines[-1:-1] = [f"- w8a8: toolkit {m.quant.get('algorithm')}/{m.quant.get('method')}, smoothing alpha "
-                        f"{m.quant.get('alpha')} (down_proj {m.quant.get('alpha_down', m.quant.get('alpha'))}), "
+                        f"{m.quant.get('alpha')}, "
                         f"residual rotation {m.quant.get('rotation', 'none')}; "
                         + (f"kinds built fp16 outright: {', '.join(m.quant['fp16_kinds'])}; "
                            if m.quant.get("fp16_kinds") else "")

@@ -30,6 +30,7 @@ from edge_llm.backends.onnx_export import export_graph_set
 from edge_llm.backends.runners import ToolkitWorker, compile_request
 from edge_llm.convert import calibration as C
 from edge_llm.convert.report import markdown_report
+from edge_llm.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +77,10 @@ def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
     are built fp16 outright (a hybrid: docs/npu.md "w8a8")."""
     from edge_llm.convert.w8a8 import ROTATIONS
 
-    if (dtype not in DTYPES or algorithm not in ALGORITHMS or method not in METHODS or rotation not in ROTATIONS
-            or not set(fp16_kinds) <= set(W8A8_KINDS)):
-        raise ValueError(f"dtype {dtype!r}, algorithm {algorithm!r}, method {method!r}, rotation {rotation!r}, "
-                         f"fp16 kinds {fp16_kinds!r}")
+    if dtype not in DTYPES or algorithm not in ALGORITHMS or method not in METHODS or rotation not in ROTATIONS:
+        raise ValueError(f"dtype {dtype!r}, algorithm {algorithm!r}, method {method!r}, rotation {rotation!r}")
+    if not set(fp16_kinds) <= set(W8A8_KINDS):
+        raise ConfigError(f"--w8a8-fp16 {','.join(fp16_kinds)}: graph kinds are {', '.join(W8A8_KINDS)}")
     out = Path(out_dir).resolve()  # the toolkit worker runs in a directory of its own
     (out / "rknn").mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -95,14 +96,13 @@ def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
     cap = C.capture(model_dir, ids, source)
     t_calib = time.perf_counter() - t0
     if dtype == "w8a8":
-        from edge_llm.convert.w8a8 import ALPHA, ALPHA_DOWN, export_w8a8, write_datasets
+        from edge_llm.convert.w8a8 import ALPHA, export_w8a8, write_datasets
 
         ex = export_w8a8(model_dir, out, chunks, layers, head_split, cap, rotation=rotation, progress=on_export)
         m, inputs_for = ex.manifest, (lambda spec: ex.inputs[spec.name])
         m.dtype = dtype
         write_datasets(out, m, ex.inputs)
-        m.quant = {"algorithm": algorithm, "method": method, "alpha": ALPHA, "alpha_down": ALPHA_DOWN,
-                   "rotation": rotation, "fp16_kinds": sorted(fp16_kinds),
+        m.quant = {"algorithm": algorithm, "method": method, "alpha": ALPHA, "rotation": rotation, "fp16_kinds": sorted(fp16_kinds),
                    "max_samples": MAX_SAMPLES,
                    "min_cosine": min_cosine, "cpu_side_sha256": ex.side.save(out),
                    "calibration_sha256": hashlib.sha256(json.dumps(list(map(int, ids))).encode()).hexdigest()}

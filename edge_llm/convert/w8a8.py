@@ -48,7 +48,6 @@ from edge_llm.weights import load_weights
 log = logging.getLogger(__name__)
 
 ALPHA = 0.5
-ALPHA_DOWN = 0.5  # down_proj's input (SwiGLU's output): 0.7 and 0.85 gained nothing once rotated (docs/npu.md)
 
 
 def smoothing(a: np.ndarray, w: np.ndarray, alpha: float = ALPHA) -> np.ndarray:
@@ -123,7 +122,7 @@ class W8A8Export:
 
 
 def export_w8a8(model_dir: str | Path, root: Path, chunks: tuple[int, ...], layers: int | None, head_split: int,
-                cap: Capture, alpha: float = ALPHA, rotation: str = "hadamard", alpha_down: float = ALPHA_DOWN,
+                cap: Capture, alpha: float = ALPHA, rotation: str = "hadamard",
                 progress: Callable[[GraphSpec], None] | None = None) -> W8A8Export:
     """Export the cpu-norm graph set under `root/onnx` with `.samples.npz` (inputs and the F32
     reference outputs on the first max(shape) calibration rows); return the manifest (not yet
@@ -198,7 +197,7 @@ def export_w8a8(model_dir: str | Path, root: Path, chunks: tuple[int, ...], laye
         w_gu = s3[:, None] * w_gu
         act = _silu_mul(hn @ w_gu, inter)
         w_down = res(L.w_down)
-        s4 = smoothing(act, w_down, alpha_down)
+        s4 = smoothing(act, w_down, alpha)
         out_scale = channel_scale(act @ w_down)
         w_gate, w_up = w_gu[:, :inter], w_gu[:, inter:] / s4[None, :]
         w_down = s4[:, None] * w_down / out_scale[None, :]
