@@ -401,7 +401,7 @@ class Engine:
         pos = None
         if self.cache.spans:  # after an image the next MRoPE position is not the row count
             pos = np.repeat((self.cache.next_pos + np.arange(len(ids)))[None], 3, axis=0)
-        logits = self.model.forward(ids, self.cache, all_logits=len(ids) > 1, positions=pos, work=work)
+        logits = self.model.forward(ids, self.cache, all_logits=len(ids) > 1, positions=pos, work=work, decode=True)
         t.decode_forwards += 1
         if len(ids) == 1:
             return [sampler(logits)]

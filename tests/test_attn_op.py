@@ -3,7 +3,10 @@ against a float64 numpy reference of GQA softmax attention, across head shapes (
 D = 64 / 128 bodies and the generic loop), row counts on both sides of its 256-row chunks and
 the empty cache; the same bits on 1, 2 and 3 onnxruntime threads and from the one-thread entry
 point (cpu-q's numerics leaves the thread count out); only its output written; bad shapes
-refused with onnxruntime's error, not a crash. Real onnxruntime sessions, real compiled library."""
+refused with onnxruntime's error, not a crash. T query rows (a speculative verify forward): row t
+is bitwise a one-row call over the S cached rows + new rows 0..t-1 (so a verified token's row is
+the row a plain decode step computes), causal among the new rows. Real onnxruntime sessions,
+real compiled library."""
 
 from __future__ import annotations
 
@@ -27,8 +30,8 @@ def session(H: int, n_kv: int, D: int, threads: int):
     node = helper.make_node(attn_kernel.ATTN_OP, ["q", "k", "v", "kn", "vn"], ["y"], domain=attn_kernel.ATTN_DOMAIN,
                             num_heads=H, kv_heads=n_kv)
     ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT, s)
-           for n, s in (("q", [1, H * D]), ("k", ["S", kv]), ("v", ["S", kv]), ("kn", [1, kv]), ("vn", [1, kv]))]
-    graph = helper.make_graph([node], "attn", ins, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, H * D])])
+           for n, s in (("q", ["T", H * D]), ("k", ["S", kv]), ("v", ["S", kv]), ("kn", ["T", kv]), ("vn", ["T", kv]))]
+    graph = helper.make_graph([node], "attn", ins, [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", H * D])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                     helper.make_opsetid(attn_kernel.ATTN_DOMAIN, 1)])
     model.ir_version = 8
@@ -77,6 +80,32 @@ def test_matches_reference_and_threads_do_not_change_bits(H, n_kv, D):
         assert all(np.array_equal(a, b) for a, b in zip(before, (K, V, q)))  # inputs only read
 
 
+@pytest.mark.parametrize("H,n_kv,D", SHAPES)
+def test_query_rows_are_one_row_calls_over_the_rows_before_them(H, n_kv, D):
+    rng = np.random.default_rng(H * 7 + D)
+    sessions = [session(H, n_kv, D, t) for t in (1, 2)]
+    lib = attn_kernel.library()
+    # S across the chunk edges, T whose new rows cross them (255 + 2, 250 + 9, 500 + 17)
+    for S, T in ((0, 2), (1, 5), (250, 9), (255, 2), (256, 9), (500, 17), (1000, 3)):
+        K = rng.standard_normal((S + T, n_kv * D), dtype=np.float32)
+        V = rng.standard_normal((S + T, n_kv * D), dtype=np.float32)
+        q = (rng.standard_normal((T, H * D)) * 0.3).astype(np.float32)
+        q[:, :D] *= 20
+        feeds = {"q": q, "k": K[:S], "v": V[:S], "kn": K[S:], "vn": V[S:]}
+        outs = [s.run(None, feeds)[0] for s in sessions]
+        direct_out = np.full((T, H * D), np.nan, np.float32)
+        work = np.empty(lib.edge_attn_rows_work_size(S, T, H, D), np.float32)
+        assert lib.edge_attn_rows(q.ctypes.data, K.ctypes.data, V.ctypes.data, K[S:].ctypes.data, V[S:].ctypes.data,
+                                  S, T, n_kv * D, H, n_kv, D, direct_out.ctypes.data, work.ctypes.data) == 0
+        for o in outs[1:] + [direct_out]:
+            assert np.array_equal(o.view(np.uint32), outs[0].view(np.uint32)), (S, T)
+        for t in range(T):
+            one = direct(np.ascontiguousarray(q[t:t + 1]), K, V, S + t, H, n_kv, D).reshape(-1)
+            assert np.array_equal(one.view(np.uint32), outs[0][t].view(np.uint32)), (S, T, t)
+            ref = reference(q[t].reshape(H, D), K[:S + t + 1], V[:S + t + 1], H, n_kv, D)  # causal
+            assert float(np.abs(outs[0][t].reshape(H, D) - ref).max()) < 5e-5, (S, T, t)
+
+
 def test_bad_shapes_are_refused_by_onnxruntime():
     s = session(9, 3, 64, 2)
     ok = {"q": np.zeros((1, 576), np.float32), "k": np.zeros((5, 192), np.float32),
@@ -85,6 +114,8 @@ def test_bad_shapes_are_refused_by_onnxruntime():
     assert s.run(None, ok)[0].shape == (1, 576)
     with pytest.raises(Exception, match="k, v must be"):
         s.run(None, ok | {"v": np.zeros((4, 192), np.float32)})  # V rows != K rows
+    with pytest.raises(Exception, match="k_new, v_new must be"):
+        s.run(None, ok | {"q": np.zeros((2, 576), np.float32)})  # 2 query rows, 1 new row
     lib = attn_kernel.library()
     assert lib.edge_attn_row(None, None, None, None, None, 5, 192, 9, 2, 64, None, None) == -1  # 9 % 2 heads
 

@@ -51,7 +51,7 @@ class _Counted:
     """The backend's row step, counting its calls (a one-row forward must go through it)."""
 
     def __init__(self, step):
-        self.step, self.calls = step, 0
+        self.step, self.calls, self.max_rows = step, 0, step.max_rows
 
     def __call__(self, *a, **kw):
         self.calls += 1
@@ -100,6 +100,36 @@ def test_one_row_step_agrees_with_per_layer_path(model, record_property, monkeyp
     before = counted.calls
     assert greedy(True) == greedy(False)
     assert counted.calls == before + 16
+
+
+def test_a_verify_forward_is_the_one_row_steps_in_one_call(model, record_property, monkeypatch):
+    """A speculative verify forward (`decode=True`, T rows) runs the decode graph once and gives
+    each row what a one-row step after the rows before it gives: bitwise where onnxruntime's
+    MatMulNBits rounds one row as it rounds several (AVX-512 VNNI here), else within the int8
+    rounding of a different kernel (docs/quantization.md, "Bits and batches"). A prompt's rows
+    never take it (they keep a cold prefill's batches), nor more rows than it takes."""
+    counted = _Counted(model.backend.row_step)
+    monkeypatch.setattr(model.backend, "row_step", counted)
+    cache = model.new_cache(max_seq=128)
+    model.prefill(PROMPT, cache, chunk=16)
+    S, toks = cache.length, [5, 77, 3000, 42, 151000]
+    steps = [model.forward([t], cache).copy() for t in toks]
+    step_rows = cache.data[:, :, S:S + len(toks)].copy()
+    cache.truncate(S)
+    calls = counted.calls
+    rows = model.forward(toks, cache, all_logits=True, decode=True)
+    assert counted.calls == calls + 1 and rows.shape == (len(toks), model.args.vocab_size)
+    verify_rows = cache.data[:, :, S:S + len(toks)]
+    logit_rel = max(float(np.abs(r - p).max() / np.abs(p).max()) for r, p in zip(rows, steps))
+    row_rel = float(np.abs(verify_rows - step_rows).max() / np.abs(step_rows).max())
+    record_property("verify_bitwise", bool(np.array_equal(rows, np.stack(steps))))
+    print(f"verify vs one-row steps: logits {logit_rel:.2e}, K/V rows {row_rel:.2e} of max")
+    assert logit_rel <= LOGIT_REL and row_rel <= ROW_REL
+    assert [int(np.argmax(r)) for r in rows] == [int(np.argmax(p)) for p in steps]
+    cache.truncate(S)
+    model.forward(toks, cache, all_logits=True)  # a prompt's rows: the per-layer graphs
+    model.forward(list(range(7, 7 + counted.max_rows + 1)), cache, decode=True)  # too many rows for a call
+    assert counted.calls == calls + 1
 
 
 def test_cached_rows_are_read_in_place_and_never_written(model):

@@ -1,7 +1,8 @@
 """Speculative decoding in the engine on the real default model (docs/speculative.md): the text
-is plain decoding's (greedy, and seeded sampling), up to a near-tie where a batched verify row
-rounds differently from a one-row step; stops inside a verified run; rejected rows never reach
-a snapshot; a restart after a speculative turn restores bitwise.
+is plain decoding's (greedy, and seeded sampling; backends cpu and cpu-q), up to a near-tie
+where a batched verify row rounds differently from a one-row step; stops inside a verified run;
+rejected rows never reach a snapshot; a restart after a speculative turn restores bitwise (cpu
+and cpu-q).
 
 The backend's cost profile is replaced by "T rows cost one" so that every test drafts wherever
 the lookup finds a match (the shipped profiles draft only once acceptance is high)."""
@@ -48,14 +49,22 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
+def plain_logits(eng, prompt, plain, i, images=()):
+    """The logits plain decoding sampled token i from: the prompt, then one-row steps."""
+    eng.cache.reset()
+    logits, _ = eng.prefill_prompt(prompt, images=images)
+    for tok in plain[:i]:
+        pos = np.repeat(np.array([[eng.cache.next_pos]]), 3, axis=0) if eng.cache.spans else None
+        logits = eng.model.forward([tok], eng.cache, positions=pos, decode=True)
+    return logits
+
+
 def assert_same_or_near_tie(eng, prompt, plain, spec, sampling: SamplingParams, images=()):
     """Equal ids, or the first difference is a near-tie of plain decoding's own choice there."""
     i = first_difference(plain, spec)
     if i is None:
         return
-    eng.draft = DraftConfig("off")
-    eng.cache.reset()
-    logits, _ = eng.prefill_prompt(prompt + plain[:i], images=images)
+    logits = plain_logits(eng, prompt, plain, i, images)
     if sampling.greedy:
         top2 = np.sort(logits)[-2:]
         assert top2[1] - top2[0] < 1e-3, f"greedy token {i} differs ({plain[i]} vs {spec[i]}) without a tie"
@@ -68,8 +77,9 @@ def assert_same_or_near_tie(eng, prompt, plain, spec, sampling: SamplingParams, 
     assert np.min(np.abs(cdf - u)) < 1e-4, f"sampled token {i} differs ({plain[i]} vs {spec[i]}) away from a tie"
 
 
-def test_greedy_drafting_is_plain_greedy_in_fewer_forwards(default_model):
-    eng = engine(default_model)
+@pytest.mark.parametrize("backend", ["cpu", "cpu-q"])
+def test_greedy_drafting_is_plain_greedy_in_fewer_forwards(default_model, backend):
+    eng = engine(default_model, backend=backend)
     ids = eng.tokenizer.encode(RECALL)
     text_off, off = run(eng, ids, "off", max_tokens=40)
     eng.cache.reset()
@@ -137,9 +147,10 @@ def test_a_stop_inside_a_verified_run_ends_the_cache_where_plain_decoding_does(d
     assert eng.cache.tokens == ids + last.completion_ids[:-1]
 
 
-def test_rejected_rows_are_never_saved_and_a_restart_restores_bitwise(default_model, tmp_path):
+@pytest.mark.parametrize("backend", ["cpu", "cpu-q"])
+def test_rejected_rows_are_never_saved_and_a_restart_restores_bitwise(default_model, tmp_path, backend):
     kv = tmp_path / "kv"
-    eng = engine(default_model, kv)
+    eng = engine(default_model, kv, backend)
     # a prompt longer than a prefill chunk: a reused prefix is cut back to a multiple of 128
     ids = eng.tokenizer.encode(f"<|im_start|>user\n{DOC * 3}\nWrite a short poem about these warehouses."
                                "<|im_end|>\n<|im_start|>assistant\n")
@@ -156,7 +167,7 @@ def test_rejected_rows_are_never_saved_and_a_restart_restores_bitwise(default_mo
     warm_rows = eng.cache.data[:, :, :len(follow)].copy()
     eng.close()
 
-    eng2 = engine(default_model, kv)  # a restart: the rows come back from the snapshot
+    eng2 = engine(default_model, kv, backend)  # a restart: the rows come back from the snapshot
     logits, t2 = eng2.prefill_prompt(follow)
     assert t2.cache_source == "disk" and t2.disk_cached_tokens == warm_t.ram_cached_tokens
     assert np.array_equal(logits.view(np.uint32), warm_logits.view(np.uint32))

@@ -21,11 +21,13 @@ final chunk to its graph shape and drops the padded rows (one place: `graphs.row
 method must be deterministic for identical inputs of identical shape: bit-exact KV restore
 relies on it.
 
-A backend may also offer a `row_step` (`RowStep`): a one-row step of the whole decoder + head in
+A backend may also offer a `row_step` (`RowStep`): a decode step of the whole decoder + head in
 one call, reading the cached K/V rows in place and returning the new rows for the model to
-write (backend cpu-q: decode_step.py, docs/quantization.md). The model then runs every one-row
-forward with it (decode, and the last prompt token), and everything else through the seam above;
-the choice depends only on the row count, so bit-exact restore still holds.
+write (backend cpu-q: decode_step.py, docs/quantization.md). The model runs every one-row
+forward with it (decode, and the last prompt token) and every decode forward of up to
+`row_step.max_rows` rows (a speculative verify), and prompt chunks through the seam above; the
+choice depends only on the row count and on whether the rows are a prompt's, so bit-exact
+restore still holds.
 
 Every backend states what a forward of T rows costs relative to one row (`forward_cost`, a
 declared profile such as `graphs.ForwardCost`, not a timing): speculative decoding drafts only
@@ -49,12 +51,15 @@ QKVArrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # q (T, q_dim), k, v (T, 
 
 
 class RowStep(Protocol):
+    max_rows: int  # rows one call takes (a decode step is one; a verify forward more)
+
     def __call__(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                  past: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """One row through every layer and the head. x (1, hidden) embedding, cos/sin (1,
-        head_dim/2) of its position, past[l] = layer l's cached (K, V) rows [0, S), S >= 1, read
-        in place and never written -> (logits (1, vocab), new K (n_layers, 1, kv_dim) rotated,
-        new V), buffers the next call reuses."""
+        """T <= max_rows rows through every layer and the head. x (T, hidden) embeddings,
+        cos/sin (T, head_dim/2) of their positions, past[l] = layer l's cached (K, V) rows [0, S),
+        S >= 1, read in place and never written; row t attends to them and new rows 0..t ->
+        (logits (T, vocab), new K (n_layers, T, kv_dim) rotated, new V), buffers the next call
+        reuses."""
 
 
 @runtime_checkable
@@ -62,7 +67,7 @@ class Backend(Protocol):
     name: str
     numerics: str  # goes into the snapshot identity: KV values depend on it
     chunk_sizes: tuple[int, ...]  # static chunk shapes the backend runs natively; () = any
-    row_step: RowStep | None  # one-row forwards in one call (see the module docstring), or None
+    row_step: RowStep | None  # decode forwards in one call (see the module docstring), or None
     forward_cost: Callable[[int], float]  # rows -> cost relative to one row (see the module docstring)
 
     def load(self, args: ModelArgs, weights: Weights) -> None:

@@ -4,8 +4,8 @@
 onnxruntime custom operator library, registered into the decode graph's session options
 (`register`). It is optional: without a C compiler at install time the package installs, and
 backend cpu-q runs one-row steps on its per-layer graphs instead (`library_path()` is None).
-The library also exports the same computation on one thread (`edge_attn_row`, used by the
-tests) and the code path it picked for this CPU (`isa()`, part of cpu-q's numerics).
+The library also exports the same computation on one thread (`edge_attn_row` for one query
+row, `edge_attn_rows` for T; used by the tests) and the code path it picked for this CPU (`isa()`, part of cpu-q's numerics).
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ def library() -> ctypes.CDLL | None:
     P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.edge_attn_row.argtypes = [P, P, P, P, P, I64, I64, I, I, I, P, P]
     lib.edge_attn_row.restype = I
+    lib.edge_attn_rows.argtypes = [P, P, P, P, P, I64, I64, I64, I, I, I, P, P]
+    lib.edge_attn_rows.restype = I
+    lib.edge_attn_rows_work_size.argtypes = [I64, I64, I, I]
+    lib.edge_attn_rows_work_size.restype = I64
     lib.edge_attn_work_size.argtypes = [I64, I, I]
     lib.edge_attn_work_size.restype = I64
     lib.edge_attn_isa.restype = ctypes.c_char_p

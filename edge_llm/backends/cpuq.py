@@ -54,8 +54,9 @@ class QuantMode:
 MODES = {"q4": QuantMode("q4", 4, BLOCK, 4)}
 TARGET = "onnxruntime-cpu"
 # what a quantized graph directory holds; older directories are rebuilt on first use
-# (2: the decode graph's attention is the AttnRow operator, backends/_attn.c)
-QUANT_FORMAT = 2
+# (2: the decode graph's attention is the AttnRow operator, backends/_attn.c; 3: the decode graph
+# takes T rows, a verify forward of speculative decoding)
+QUANT_FORMAT = 3
 # onnxruntime's pool threads spin between runs by default; here numpy (attention) runs between
 # every two graph calls and would share its cores with spinning threads
 SESSION_CONFIG = {"session.intra_op.allow_spinning": "0"}
@@ -107,11 +108,12 @@ def plan_threads(threads: int | None, sysroot: str | Path = "/") -> tuple[int, l
 
 
 # speculative decoding's cost profiles (edge_llm/backends/__init__.py), default model, 2 threads,
-# AVX-512: rows after the first run the per-layer graphs, and their numpy attention grows with the
-# context that the decode graph's AttnRow reads cheaply: two rows cost 1.9 (200 rows of context),
-# 2.4 (800) and 2.6 (2000) one-row steps, nine 3.4, 4.4 and 4.7 (docs/speculative.md); without
-# the decode graph one row runs the per-layer graphs as well
-DECODE_GRAPH_COST = ForwardCost(2.6, 0.3)
+# AVX-512 VNNI: a verify forward of T rows is one call of the decode graph (AttnRow reads the
+# cached rows once for all T query rows); MatMulNBits' several-row kernel costs about a third of a
+# one-row step per extra row on this small model: two rows cost 1.1-1.45 one-row steps, five
+# 2.0-2.2, nine 2.7-3.3 at 200-2000 rows of context (docs/speculative.md). Without the decode
+# graph, every forward runs the per-layer graphs
+DECODE_GRAPH_COST = ForwardCost(1.45, 0.27)
 PER_LAYER_COST = ForwardCost(1.1, 0.15)
 
 
@@ -154,7 +156,7 @@ def _usable(root: Path, model_dir: Path, qm: QuantMode) -> Manifest | None:
         m.check_model(ModelArgs.from_dir(model_dir), weight_digest(model_dir))
         if (m.target, m.dtype) != (TARGET, qm.label):
             raise ConfigError(f"made as {m.target} {m.dtype}, wanted {TARGET} {qm.label}")
-        if m.build.get("format") != QUANT_FORMAT:  # format 2 always holds the decode graph
+        if m.build.get("format") != QUANT_FORMAT:  # format 2 on always holds the decode graph
             raise ConfigError(f"quant format {m.build.get('format', 1)}, this edge-llm makes {QUANT_FORMAT}")
         return m
     except ConfigError as e:

@@ -1,24 +1,29 @@
-"""The one-row decode graph of backend cpu-q: a whole token step in one onnxruntime call.
+"""The decode graph of backend cpu-q: a whole decode step in one onnxruntime call.
 
-A decode step (and the last prompt token, which the engine computes alone) is one row. Run as
-the chunk path does (a graph per layer plus numpy for q/k norm, RoPE and attention) it costs
-~30 runtime calls and ~600 small numpy operations per token, and that overhead, not the weight
-bytes, decided the speed. This graph holds every layer of the decoder and the head:
+A decode step (and the last prompt token, which the engine computes alone) is one row; a
+speculative verify forward is a few (docs/speculative.md). Run as the chunk path does (a graph
+per layer plus numpy for q/k norm, RoPE and attention) it costs ~30 runtime calls and ~600 small
+numpy operations per token, and that overhead, not the weight bytes, decided the speed. This
+graph holds every layer of the decoder and the head, for T rows after the S cached ones:
 
-    inputs   x (1, hidden)                 the token's embedding row
-             cos, sin (1, head_dim / 2)    RoPE (or MRoPE) of the token's position, from numpy
+    inputs   x (T, hidden)                 the rows' embeddings
+             cos, sin (T, head_dim / 2)    RoPE (or MRoPE) of their positions, from numpy
              kLL, vLL (S, kv_dim)          layer LL's cached K/V rows [0, S): the F32 cache rows
                                            themselves, bound zero-copy (decode_step.OrtDecodeStep)
-    outputs  logits (1, vocab)
-             knewLL, vnewLL (1, kv_dim)    layer LL's new row (K rotated): the model writes them
+    outputs  logits (T, vocab)
+             knewLL, vnewLL (T, kv_dim)    layer LL's new rows (K rotated): the model writes them
                                            with `KVCache.write`, the one writer of rows
+
+Row t attends to the S cached rows and new rows 0..t (causal). Every node computes a row from
+that row alone, so row t's result is row-independent except where onnxruntime's `MatMulNBits`
+takes another kernel for one row than for several (docs/quantization.md, "Bits and batches").
 
 Per layer: RMSNorm (ONNX opset 23 `RMSNormalization`; after the first layer fused with the
 residual add as `SkipSimplifiedLayerNormalization`), the fused q/k/v `MatMulNBits`, per-head
-q/k RMSNorm (Qwen3), `RotaryEmbedding` (rotate-half, cos/sin given for the one position), GQA
-attention over S + 1 rows, o_proj, the SwiGLU MLP; the residual stream stays float32.
+q/k RMSNorm (Qwen3), `RotaryEmbedding` (rotate-half, cos/sin given per row), GQA attention
+over the S cached rows and the new ones, o_proj, the SwiGLU MLP; the residual stream stays float32.
 
-Attention of the one query row over the S cached rows and the new row is one node of our own,
+Attention of the query rows over the S cached rows and the new rows is one node of our own,
 `ai.edge_llm.AttnRow` (C, backends/_attn.c, loaded into the session by `attn_kernel`): it reads
 each layer's rows in place, in the cache's layout (S, n_kv * D), once per token (~18 GB/s here),
 splitting its work over onnxruntime's own pool threads. onnxruntime's operators would copy or
@@ -61,7 +66,8 @@ class DecodeGraph:
         self.g, self.args, self.linear = g, args, linear
         self.eps = float(args.rms_norm_eps)
         self.scale = g.const("scale", np.array(1.0 / np.sqrt(args.head_dim), np.float32))
-        self.pos0 = g.const("pos0", np.zeros((1, 1), np.int64))
+        # position_ids of one element: an offset, row t takes cos/sin row 0 + t
+        self.pos0 = g.const("pos0", np.zeros((1,), np.int64))
 
     # ---- small pieces -----------------------------------------------------------------------
     def norm(self, x: str, w: np.ndarray) -> str:
@@ -76,18 +82,18 @@ class DecodeGraph:
         return y, s
 
     def rope(self, x: str, heads: int, norm: np.ndarray | None) -> str:
-        """(1, heads * D) -> per-head RMSNorm (if any) -> RoPE, as (1, 1, heads * D)."""
+        """(T, heads * D) -> per-head RMSNorm (if any) -> RoPE, as (1, T, heads * D)."""
         g, D = self.g, self.args.head_dim
         if norm is not None:
-            x = self.norm(g.op("Reshape", [x, g.const("heads", _i64(heads, D))]), norm)
-        x3 = g.op("Reshape", [x, g.const("row3", _i64(1, 1, heads * D))])
+            x = self.norm(g.op("Reshape", [x, g.const("heads", _i64(-1, heads, D))]), norm)
+        x3 = g.op("Reshape", [x, g.const("row3", _i64(1, -1, heads * D))])
         return g.op("RotaryEmbedding", [x3, self.pos0, "cos", "sin"], domain=MS_DOMAIN, interleaved=0,
                     num_heads=heads)
 
     def attention(self, q3: str, k_new: str, v_new: str, k_past: str, v_past: str) -> str:
-        """(1, 1, H * D) rotated query -> (1, H * D): the `AttnRow` node over the cached rows + the new row."""
+        """(1, T, H * D) rotated queries -> (T, H * D): the `AttnRow` node over the cached rows + the new rows."""
         g, a = self.g, self.args
-        q = g.op("Mul", [g.op("Reshape", [q3, g.const("qrow", _i64(1, a.q_dim))]), self.scale])
+        q = g.op("Mul", [g.op("Reshape", [q3, g.const("qrow", _i64(-1, a.q_dim))]), self.scale])
         return g.op(ATTN_OP, [q, k_past, v_past, k_new, v_new], domain=ATTN_DOMAIN,
                     num_heads=a.num_attention_heads, kv_heads=a.num_key_value_heads)
 
@@ -104,7 +110,7 @@ class DecodeGraph:
         q, k, v = g.fresh("q"), g.fresh("k"), v_out
         g.nodes.append(helper.make_node("Split", [qkv, g.const("qkv_split", _i64(q_dim, kv, kv))], [q, k, v], axis=1))
         q3 = self.rope(q, a.num_attention_heads, q_norm)
-        k_row = g.op("Reshape", [self.rope(k, a.num_key_value_heads, k_norm), g.const("kvrow", _i64(1, kv))],
+        k_row = g.op("Reshape", [self.rope(k, a.num_key_value_heads, k_norm), g.const("kvrow", _i64(-1, kv))],
                      out=k_out)
         attn = self.attention(q3, k_row, v, k_past, v_past)
         o = self.linear(g, attn, L.w_o, None, None, WeightKey("o", i))
@@ -142,11 +148,11 @@ def export_decode(model_dir: str | Path, out_dir: Path, linear: Linear,
     lm = weights.pop(f"{p}embed_tokens.weight") if args.tie_word_embeddings else weights.pop(args.lm_head_name)
     linear(g, hn, lm.T, None, "logits", WeightKey("head", 0, (0, args.vocab_size)))
     half, kv = args.head_dim // 2, args.kv_dim
-    ins = [("x", [1, args.hidden_size]), ("cos", [1, half]), ("sin", [1, half])]
-    outs = [("logits", [1, args.vocab_size])]
+    ins = [("x", ["T", args.hidden_size]), ("cos", ["T", half]), ("sin", ["T", half])]
+    outs = [("logits", ["T", args.vocab_size])]
     for i in range(n):
         kp, vp, kn_, vn = decode_kv_names(i)
         ins += [(kp, ["S", kv]), (vp, ["S", kv])]
-        outs += [(kn_, [1, kv]), (vn, [1, kv])]
+        outs += [(kn_, ["T", kv]), (vn, ["T", kv])]
     g.write(ins, outs, path, opset=DECODE_OPSET)
     return Exported(spec, path, data, _digest(path, data))

@@ -99,10 +99,11 @@ def decode_kv_names(layer: int) -> tuple[str, str, str, str]:
 
 
 def decode_spec(args: ModelArgs) -> GraphSpec:
-    """The decode graph's manifest entry: one row in, the logits out; its per-layer K/V tensors
-    (`decode_kv_names`) are not listed (their row count S is the cache length)."""
+    """The decode graph's manifest entry: T rows in (any T: a decode step or a verify forward),
+    their logits out; its per-layer K/V tensors (`decode_kv_names`) are not listed (their row
+    count S is the cache length)."""
     half = args.head_dim // 2
-    return GraphSpec(DECODE, DECODE, 0, (1,), (("x", args.hidden_size), ("cos", half), ("sin", half)),
+    return GraphSpec(DECODE, DECODE, 0, (), (("x", args.hidden_size), ("cos", half), ("sin", half)),
                      (("logits", args.vocab_size),), (0, args.vocab_size))
 
 

@@ -2,8 +2,9 @@
 
 Dense work (norms, projections, MLP, lm_head) runs in a backend; this module owns what touches
 positions and KV rows: per-head q/k RMSNorm, RoPE / MRoPE, and GQA attention over the F32 rows of
-`KVCache`. A backend with a `row_step` (cpu-q) runs one-row forwards after the first row whole,
-reading the cache rows in place; the model still writes every KV row (`KVCache.write`). Given
+`KVCache`. A backend with a `row_step` (cpu-q) runs one-row forwards after the first row, and
+decode forwards of a few rows (speculative verify), whole, reading the cache rows in place; the
+model still writes every KV row (`KVCache.write`). Given
 the same tokens, the same cached rows and the same chunk shape, the logits are bitwise identical
 (no reduction depends on thread timing).
 """
@@ -138,15 +139,18 @@ class Model:
     # ---- forward --------------------------------------------------------------------------
     def forward(self, tokens, cache: KVCache, all_logits: bool = False,
                 positions: np.ndarray | None = None, work: Work = NO_WORK,
-                visual: VisualRows | None = None) -> np.ndarray:
+                visual: VisualRows | None = None, decode: bool = False) -> np.ndarray:
         """Run `tokens` at rows [cache.length, +T): write their K/V rows, extend cache.tokens.
 
         Returns float32 logits of the last position (vocab,), or (T, vocab) if all_logits.
         `positions` overrides the text positions (T,) or MRoPE (3, T) (for image tokens).
         `visual` rows take their embeddings from the vision encoder; their entries in `tokens`
         are the image key ids stored in the cache (any value, not looked up).
+        `decode`: the rows are decode rows (a speculative verify forward), not a prompt's: a
+        backend's `row_step` takes them whole when they fit (a prompt's rows keep the batches of
+        a cold prefill, engine.py).
         """
-        return self._run(tokens, cache, "all" if all_logits else "last", positions, work, visual)
+        return self._run(tokens, cache, "all" if all_logits else "last", positions, work, visual, decode)
 
     def prefill(self, tokens, cache: KVCache, chunk: int = DEFAULTS.prefill_chunk,
                 work: Work = NO_WORK, positions: np.ndarray | None = None,
@@ -178,7 +182,7 @@ class Model:
         return out
 
     def _run(self, tokens, cache: KVCache, want: str, positions: np.ndarray | None, work: Work = NO_WORK,
-             visual: VisualRows | None = None):
+             visual: VisualRows | None = None, decode: bool = False):
         args, be = self.args, self.backend
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
         T, start = ids.size, cache.length
@@ -197,8 +201,9 @@ class Model:
         H, n_kv, D = args.num_attention_heads, args.num_key_value_heads, args.head_dim
         eps = np.float32(args.rms_norm_eps)
 
-        if T == 1 and start > 0 and visual is None and be.row_step is not None:
-            return self._one_row(be.row_step, ids, cache, want, cos, sin, work)
+        step = be.row_step
+        if step is not None and start > 0 and visual is None and (T == 1 or decode and T <= step.max_rows):
+            return self._row_step(step, ids, cache, want, cos, sin, work)
         x = be.embed(lookup)  # (T, hidden)
         if visual is not None:
             x = np.array(x, dtype=np.float32)  # own the buffer before writing image rows into it
@@ -229,9 +234,9 @@ class Model:
             return be.logits(x[-1:])[0]
         return be.logits(x)
 
-    def _one_row(self, step: RowStep, ids: np.ndarray, cache: KVCache, want: str, cos: np.ndarray,
-                 sin: np.ndarray, work: Work):
-        """A one-row forward in one backend call (`Backend.row_step`): the call reads every
+    def _row_step(self, step: RowStep, ids: np.ndarray, cache: KVCache, want: str, cos: np.ndarray,
+                  sin: np.ndarray, work: Work):
+        """A decode forward in one backend call (`Backend.row_step`): the call reads every
         layer's cached rows [0, start) in place; the new K/V rows it returns are written here.
         One call is one progress step (a decode step's work), so it reports no layers."""
         start, n, half = cache.length, self.args.num_hidden_layers, self.args.head_dim // 2
@@ -243,4 +248,4 @@ class Model:
         cache.append_tokens(ids.tolist())
         if want == "none":
             return None
-        return logits[0].copy() if want == "last" else logits.copy()
+        return logits[-1].copy() if want == "last" else logits.copy()
