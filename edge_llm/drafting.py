@@ -14,7 +14,8 @@ forward of k + 1 rows; the k with the most tokens per unit of cost is taken if i
 step by GAIN, else the step is plain. p is estimated per request, from the verified drafts and,
 during plain steps, from the draft the lookup offered but the policy declined (compared with the
 tokens the model then chose, as a verify would have: free), so drafting switches itself back on when the conversation
-starts repeating itself.
+starts repeating itself; and per drafting site (the last two tokens), so that the sites where
+copying fails stop drafting while the others go on.
 See docs/speculative.md.
 """
 
@@ -89,6 +90,11 @@ class Drafter:
         self.ctx[:prompt.size] = prompt
         self.n = prompt.size
         self.p = P_PRIOR
+        # the estimate per drafting site (the last two tokens when the draft was made), the global p
+        # its prior: where the conversation repeats its structure but not its content (a line
+        # whose number changes), the sites where copying fails learn it and stop drafting
+        self.site_p: dict[tuple[int, int], float] = {}
+        self.site: tuple[int, int] = (-1, -1)  # the site of the pending verify or declined draft
         # a declined draft, checked against the tokens the model then chose (`shadow_hits` so far)
         self.shadow: np.ndarray | None = None
         self.shadow_hits = 0
@@ -108,10 +114,8 @@ class Drafter:
         self.n += 1
 
     def _observe(self, accepted: int, drafted: int) -> None:
-        for _ in range(accepted):
-            self.p += EMA * (1.0 - self.p)
-        if accepted < drafted:  # tokens after the first rejection say nothing
-            self.p -= EMA * self.p
+        self.p = _update(self.p, accepted, drafted)
+        self.site_p[self.site] = _update(self.site_p.get(self.site, self.p), accepted, drafted)
 
     def propose(self, room: int) -> np.ndarray:
         """The draft for the next forward (empty: a plain step); `room`: tokens the request may
@@ -122,17 +126,18 @@ class Drafter:
         cand = lookup(self.ctx[:self.n], self.config.ngram, limit)
         if cand.size == 0:
             return cand
-        k = self._best_length(cand.size)
+        site = (int(self.ctx[self.n - 2]), int(self.ctx[self.n - 1])) if self.n >= 2 else (-1, -1)
+        k = self._best_length(cand.size, self.site_p.get(site, self.p))
         if k > 0:  # the verify scores this draft: a pending declined one would count twice
-            self.shadow = None
+            self.shadow, self.site = None, site
         elif self.shadow is None:  # declined: learn from it for free
-            self.shadow, self.shadow_hits = cand.copy(), 0
+            self.shadow, self.shadow_hits, self.site = cand.copy(), 0, site
         return cand[:k]
 
-    def _best_length(self, available: int) -> int:
+    def _best_length(self, available: int, p: float) -> int:
         best_k, best_rate = 0, GAIN  # a plain step: one token for a cost of 1
         for k in range(1, available + 1):
-            rate = expected_tokens(self.p, k) / self.cost(k + 1)
+            rate = expected_tokens(p, k) / self.cost(k + 1)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
@@ -140,6 +145,15 @@ class Drafter:
     def verified(self, drafted: int, accepted: int) -> None:
         """A verify forward's outcome (the emitted tokens are `append`ed separately)."""
         self._observe(accepted, drafted)
+
+
+def _update(p: float, accepted: int, drafted: int) -> float:
+    """An acceptance estimate after a draft of which `accepted` of `drafted` tokens were kept."""
+    for _ in range(accepted):
+        p += EMA * (1.0 - p)
+    if accepted < drafted:  # tokens after the first rejection say nothing
+        p -= EMA * p
+    return p
 
 
 def verify(logits: np.ndarray, draft: Sequence[int], sample: Callable[[np.ndarray], int]) -> list[int]:

@@ -395,7 +395,9 @@ class Engine:
         chooses it, so the output is the model's (seeded: the same tokens as plain steps, up to
         batched-vs-one-row rounding). The rows of rejected draft tokens are dropped
         (`KVCache.truncate`): no save or later request sees them."""
-        draft = drafter.propose(room - 1) if drafter is not None else ()
+        step = self.model.backend.row_step  # a verify forward stays within one call of it
+        limit = room - 1 if step is None else min(room - 1, step.max_rows - 1)
+        draft = drafter.propose(limit) if drafter is not None else ()
         ids = [tok, *map(int, draft)]
         start = self.cache.length
         pos = None

@@ -53,6 +53,35 @@ def test_policy_drafts_only_where_the_cost_profile_says_it_pays():
     assert d.propose(room=20).size == 0
 
 
+def test_a_site_where_copying_fails_stops_drafting_there_only():
+    """Lines that repeat their structure but not their numbers (the 135M model's answers from a
+    log): after a drafting site (the last two tokens) fails, drafts there need its own estimate
+    to recover, while the other sites keep the conversation's."""
+    from edge_llm.backends.graphs import ForwardCost
+
+    line = [5, 6, 7, 8]  # "the east warehouse received" ... then a number that changes
+    d = Drafter(DraftConfig(), ForwardCost(1.15, 0.17), arr(*line, 100, 9, *line, 101, 9), max_new=40)
+    d.p = 0.8
+    d.append(5)
+    d.append(6)  # site (5, 6): the line's head
+    assert d.propose(room=20).tolist()[:3] == [7, 8, 101]
+    d.verified(3, 2)  # 7 8 kept, 101 was not: the model wrote 102
+    for t in (7, 8, 102, 9, 5, 6):
+        d.append(t)
+    assert d.site_p[(5, 6)] < 0.8 and d.p < 0.8  # both learnt from it
+    d.site_p[(5, 6)] = 0.2  # after a few more failures there
+    assert d.propose(room=20).size == 0  # ... site (5, 6) declines (its lookup is watched instead)
+    assert d.site == (5, 6) and d.shadow is not None
+    d.append(7)
+    d.append(8)
+    d.append(103)  # the watched draft failed at the number: scored for site (5, 6) only
+    assert d.site_p[(5, 6)] < 0.2 + 2 * 0.2 * 0.8 and d.shadow is None
+    d.append(9)
+    d.append(5)
+    d.p = 0.8
+    assert d.propose(room=20).tolist()[:2] == [6, 7]  # site (9, 5), never seen: the conversation's estimate
+
+
 def test_expected_tokens_per_forward():
     assert expected_tokens(0.0, 5) == 1.0
     assert expected_tokens(1.0, 5) == 6.0

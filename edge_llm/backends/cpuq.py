@@ -108,12 +108,11 @@ def plan_threads(threads: int | None, sysroot: str | Path = "/") -> tuple[int, l
 
 
 # speculative decoding's cost profiles (edge_llm/backends/__init__.py), default model, 2 threads,
-# AVX-512 VNNI: a verify forward of T rows is one call of the decode graph (AttnRow reads the
-# cached rows once for all T query rows); MatMulNBits' several-row kernel costs about a third of a
-# one-row step per extra row on this small model: two rows cost 1.1-1.45 one-row steps, five
-# 2.0-2.2, nine 2.7-3.3 at 200-2000 rows of context (docs/speculative.md). Without the decode
-# graph, every forward runs the per-layer graphs
-DECODE_GRAPH_COST = ForwardCost(1.45, 0.27)
+# AVX-512 VNNI, quiet machine: a verify forward of T rows is one call of the decode graph (AttnRow
+# reads the cached rows once for all T query rows; onnxruntime's 4-bit matmul computes each row):
+# two rows cost 1.12-1.17 one-row steps, five 1.55-1.87, nine 2.15-2.62 at 200-2000 rows of
+# context (docs/speculative.md). Without the decode graph, every forward runs the per-layer graphs
+DECODE_GRAPH_COST = ForwardCost(1.15, 0.17)
 PER_LAYER_COST = ForwardCost(1.1, 0.15)
 
 
