@@ -27,6 +27,25 @@ def test_npu_prediction_runs_a_one_row_head_once_per_row():
     assert p["effective_tps"] == pytest.approx(10 / ((4 * 1.1 + 2 * (0.2 + 4.0)) / 1e3))
 
 
+def test_npu_prediction_with_a_head_that_batches_the_verify_rows():
+    """What `convert rknn` builds now (graphs.head_rows): the head also at the smallest multi-row
+    chunk, so a verify forward of up to 32 rows runs it once."""
+    from edge_llm.backends.graphs import graph_specs, head_rows
+    from edge_llm.config import ModelArgs
+
+    assert head_rows((1, 32, 128)) == (1, 32) and head_rows((1,)) == (1,)
+    args = ModelArgs(vocab_size=64, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=4, rms_norm_eps=1e-6,
+                     rope_theta=1e4, model_type="qwen3")
+    assert [s.rows for s in graph_specs(args, (1, 32, 128)) if s.kind == "head"] == [(1, 32)]
+    m = Manifest({}, [1, 32], 1, 1, [graph("layer00.qkv", "qkv", [1, 32], {1: 100_000, 32: 200_000}),
+                                      graph("head", "head", [1, 32], {1: 1_000_000, 32: 1_300_000})])
+    assert npu_forward_ms(m, 5) == pytest.approx(0.2 + 1.3)
+    p = npu_prediction(m, {"tokens": 11, "forwards": 6, "draft_forwards": 2, "drafted": 6, "accepted": 4})
+    assert p["head_rows"] == [1, 32]
+    assert p["effective_tps"] == pytest.approx(10 / ((4 * 1.1 + 2 * 1.5) / 1e3))
+
+
 def test_bench_decode_end_to_end(edge_home, tmp_path, monkeypatch):
     from edge_llm.cli import cli
 

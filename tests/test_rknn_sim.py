@@ -125,6 +125,39 @@ def test_simulator_padding_rows_do_not_change_real_rows(converted):
         be.close()
 
 
+def test_a_verify_forward_runs_the_head_once_at_its_multi_row_shape(converted, monkeypatch):
+    """Speculative decoding on the NPU (docs/speculative.md): a verify forward of T rows runs the
+    32-row layer graphs and the head's 32-row shape once (`graphs.head_rows`), not the one-row
+    head T times; its rows are the one-row steps' up to the simulator's fp16 rounding, and the
+    compiler's estimates price it below T one-row steps (the cost profile drafting reads)."""
+    from edge_llm.backends.graphs import HEAD
+    from edge_llm.models.qwen3 import Model
+
+    model_dir, d, _ = converted["qwen3"]
+    be = open_rknn(d, "sim", model_dir=model_dir)
+    try:
+        heads = [s for s in be.specs if s.kind == HEAD]
+        assert heads and all(s.rows == (1, 32) for s in heads)
+        calls: list[tuple[str, int]] = []
+        run = be.runner.run
+        monkeypatch.setattr(be.runner, "run", lambda spec, xs: calls.append((spec.kind, xs[0].shape[0])) or run(spec, xs))
+        m = Model.load(model_dir, backend=be)
+        cache = m.new_cache(max_seq=256)
+        m.prefill(list(range(40, 80)), cache, chunk=32)
+        S, toks = cache.length, [5, 77, 200, 42, 11]
+        steps = [m.forward([t], cache).copy() for t in toks]
+        cache.truncate(S)
+        calls.clear()
+        rows = m.forward(toks, cache, all_logits=True, decode=True)
+        assert [c for c in calls if c[0] == HEAD] == [(HEAD, 32)] * len(heads)  # each head part once, 32 rows
+        for r, p in zip(rows, steps):
+            assert int(np.argmax(r)) == int(np.argmax(p))
+            assert float(r @ p / (np.linalg.norm(r) * np.linalg.norm(p))) >= 0.9999
+        assert 1.0 < be.forward_cost(5) < 5.0
+    finally:
+        be.close()
+
+
 def _session(model, kv, mode, tmp, state, backend="rknn", rknn_dir=None):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     out = tmp / f"{mode}-{backend}.npz"

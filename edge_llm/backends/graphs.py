@@ -22,9 +22,10 @@ set every static scale), per layer
 and `head_n` / `head_n.P`: xn (T, hidden) -> logits (the final RMSNorm on the CPU);
 and one head (or `--head-split N` parts over vocab ranges):
 - `head` / `head.P`: x (T, hidden) -> logits (T, vocab part), final RMSNorm + lm_head
-The quantized CPU backend adds one graph for one-row steps (decode_export.py):
-- `decode`:       x (1, hidden), cos, sin (1, head_dim/2), kLL, vLL (S, kv_dim) per layer ->
-                  logits (1, vocab), knewLL, vnewLL (1, kv_dim) per layer (`decode_kv_names`)
+The quantized CPU backend adds one graph for decode forwards (decode_export.py: a one-row step,
+or a speculative verify forward of T rows):
+- `decode`:       x (T, hidden), cos, sin (T, head_dim/2), kLL, vLL (S, kv_dim) per layer ->
+                  logits (T, vocab), knewLL, vnewLL (T, kv_dim) per layer (`decode_kv_names`)
 
 A `post` graph returns deltas, not the new residual stream: `GraphBackend.post` adds them in
 float32 (`x + attn_out + mlp_out`, in that order, as the CPU backend does), so on an fp16 NPU the
@@ -35,7 +36,8 @@ after its first N layers (DeepStack), so its steps there stop at h and the next 
 graph of its own (`graph_specs(unfused=N)`).
 
 NPU graphs are static-shape: layer graphs are built for the row counts `chunks` (default 1, 32,
-128), the head for 1 row. `row_plan` is the one place that maps T rows onto those shapes.
+128), the head for 1 row and for the smallest multi-row chunk (`head_rows`: a speculative
+verify forward's rows). `row_plan` is the one place that maps T rows onto those shapes.
 Graphs for onnxruntime alone may be dynamic (`rows == ()`: any row count, no padding).
 """
 
@@ -55,7 +57,12 @@ OUTPUTS: dict[str, tuple[str, ...]] = {QKV: ("qkv",), POST: ("attn_out", "mlp_ou
                                        STEP: ("h", "qkv"), QKV_N: ("qkv",), O: ("attn_out",), MLP: ("mlp_out",),
                                        HEAD_N: ("logits",)}
 DEFAULT_CHUNKS: tuple[int, ...] = (1, 32, 128)
-HEAD_ROWS: tuple[int, ...] = (1,)
+def head_rows(chunks: tuple[int, ...]) -> tuple[int, ...]:
+    """The head's static shapes: one row (a decode step, a prompt's last row) and the smallest
+    multi-row layer chunk, which a speculative verify forward's T rows run at (their logits all
+    count; one `.rknn` with both shapes shares one copy of the weights: docs/speculative.md)."""
+    multi = [c for c in chunks if c > 1]
+    return (1, min(multi)) if multi else (1,)
 OPSET = 13
 KEY_PAD = -30000.0  # kbias of a padding patch: exp() of it is 0 in F32 and fp16 alike
 
@@ -184,7 +191,7 @@ def graph_specs(args: ModelArgs, chunks: tuple[int, ...] | None = DEFAULT_CHUNKS
     (Qwen3-VL adds DeepStack image rows after layers 0..N-1, and then calls post with
     fuse_next=False and qkv for the next layer: that qkv needs a graph)."""
     chunks = () if chunks is None else check_chunks(chunks)
-    head_rows = HEAD_ROWS if chunks else ()
+    heads = head_rows(chunks) if chunks else ()
     n = args.num_hidden_layers if layers is None else layers
     if not 1 <= n <= args.num_hidden_layers:
         raise ConfigError(f"--layers {n} must be in [1, {args.num_hidden_layers}]")
@@ -209,7 +216,7 @@ def graph_specs(args: ModelArgs, chunks: tuple[int, ...] | None = DEFAULT_CHUNKS
     ranges = head_ranges(args.vocab_size, head_split)
     kind, x = (HEAD_N, "xn") if cpu_norm else (HEAD, "x")
     for p, (lo, hi) in enumerate(ranges):
-        out.append(GraphSpec(head_name(p, len(ranges), kind), kind, p, head_rows, ((x, h),),
+        out.append(GraphSpec(head_name(p, len(ranges), kind), kind, p, heads, ((x, h),),
                              (("logits", hi - lo),), vocab=(lo, hi)))
     return out
 
