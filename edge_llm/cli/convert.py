@@ -32,8 +32,9 @@ def convert() -> None:
               help="Static row counts of the layer graphs (prefill chunk sizes; must include 1).")
 @click.option("--layers", type=click.IntRange(1), default=None,
               help="Convert only the first N layers (to measure; such a directory cannot serve).")
-@click.option("--head-split", type=click.IntRange(1), default=1, show_default=True,
-              help="Split lm_head into N graphs over vocab ranges (less RAM while converting).")
+@click.option("--head-split", type=click.IntRange(1), default=None,
+              help="Split lm_head into N graphs over vocab ranges (less RAM while converting).  "
+                   "[default: parts of at most 320 MB of F32 weights: 4 for Qwen3-VL-2B, 1 for the default model]")
 @click.option("--converter-python", envvar="EDGE_LLM_CONVERTER_PYTHON", default=None, metavar="PATH",
               help="python of the converter venv (tools/setup-converter.sh).  [default: .venv-converter]")
 @click.option("--no-accuracy", is_flag=True, help="Skip the simulator accuracy check (the range check stays).")
@@ -90,7 +91,7 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
 
     from edge_llm.config import ModelArgs
     from edge_llm.convert.report import FP16_REL_LIMIT, predicted_ms, range_summary, worst
-    from edge_llm.convert.rknn import convert_rknn
+    from edge_llm.convert.rknn import convert_rknn, head_parts
     from edge_llm.convert.vision import parse_grids
     from edge_llm.errors import EdgeLLMError
 
@@ -102,6 +103,7 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
         grids = None if vision_grids.strip().lower() == "none" else parse_grids(vision_grids)
     except EdgeLLMError as e:
         raise click.ClickException(str(e)) from None
+    head_split = head_split or head_parts(args)
     head_gb = args.vocab_size * args.hidden_size * 4 / head_split / 1e9
     if head_gb > 1.0:
         console.print(f"[yellow]note: each lm_head graph holds {head_gb:.1f} GB of F32 weights; exporting and "

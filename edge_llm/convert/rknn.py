@@ -30,6 +30,7 @@ from edge_llm.backends.onnx_export import export_graph_set
 from edge_llm.backends.runners import ToolkitWorker, compile_request
 from edge_llm.convert import calibration as C
 from edge_llm.convert.report import markdown_report
+from edge_llm.config import ModelArgs
 from edge_llm.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,20 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+# the most F32 weight bytes of one head graph: the head is built at two shapes (graphs.head_rows),
+# and rknn-toolkit2 2.5.0's dynamic-shape save failed on Qwen3-VL-2B's whole head (1.24 GB of F32:
+# an onnx checker error inside save_dynamic_shape_onnx) and built its quarters (311 MB each)
+HEAD_PART_BYTES = 320_000_000
+
+
+def head_parts(args: ModelArgs) -> int:
+    """The default `head_split`: parts of at most HEAD_PART_BYTES of F32 weights (Qwen3-VL-2B: 4,
+    the default model: 1)."""
+    return max(1, -(-args.vocab_size * args.hidden_size * 4 // HEAD_PART_BYTES))
+
+
 def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, ...], layers: int | None = None,
-                 head_split: int = 1, converter_python: str | None = None, accuracy: bool = True,
+                 head_split: int | None = None, converter_python: str | None = None, accuracy: bool = True,
                  progress: Progress | None = None, calib_text: str | None = None,
                  calib_tokens: int = C.CALIB_TOKENS, headroom: float = C.HEADROOM, dtype: str = "float16",
                  algorithm: str = "normal", method: str = "channel", min_cosine: float = MIN_COSINE,
@@ -74,13 +87,15 @@ def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
     (`algorithm`, `method`) on the calibration activations; a graph whose mean per-row cosine on
     them stays below `min_cosine` is built fp16 instead; `rotation` "hadamard" rotates the residual
     stream's basis first (`w8a8.orthogonal`); graphs of a kind in `fp16_kinds` (of `W8A8_KINDS`)
-    are built fp16 outright (a hybrid: docs/npu.md "w8a8")."""
+    are built fp16 outright (a hybrid: docs/npu.md "w8a8"). `head_split` None: `head_parts`."""
     from edge_llm.convert.w8a8 import ROTATIONS
 
     if dtype not in DTYPES or algorithm not in ALGORITHMS or method not in METHODS or rotation not in ROTATIONS:
         raise ValueError(f"dtype {dtype!r}, algorithm {algorithm!r}, method {method!r}, rotation {rotation!r}")
     if not set(fp16_kinds) <= set(W8A8_KINDS):
         raise ConfigError(f"--w8a8-fp16 {','.join(fp16_kinds)}: graph kinds are {', '.join(W8A8_KINDS)}")
+    if head_split is None:
+        head_split = head_parts(ModelArgs.from_dir(model_dir))
     out = Path(out_dir).resolve()  # the toolkit worker runs in a directory of its own
     (out / "rknn").mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
