@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from edge_llm.backends.manifest import GraphEntry, Manifest
-from edge_llm.bench.decode import npu_forward_ms, npu_prediction
+from edge_llm.bench.decode import npu_forward_ms, npu_prediction, replay
 
 
 def graph(name, kind, rows, cyc):
@@ -15,21 +15,37 @@ def graph(name, kind, rows, cyc):
                       cost=[{"rows": r, "cycles": c} for r, c in cyc.items()])
 
 
-def test_npu_prediction_runs_a_one_row_head_once_per_row():
+def test_replay_runs_the_engines_drafting_on_a_known_answer():
+    """The forwards the engine would run for a greedy answer: a free profile drafts the repeated
+    text and verifies it in few forwards; a profile where drafts never pay runs one row per token."""
+    from edge_llm.backends.graphs import NEVER_PAYS, ForwardCost
+
+    text = [5, 6, 7, 8, 9, 10, 11, 12]
+    prompt, answer = text * 2, text * 2  # the answer repeats the prompt
+    free = replay(prompt, answer, ForwardCost(1.0, 0.0))
+    assert sum(free) > len(free) and len(free) < len(answer) - 1
+    plain = replay(prompt, answer, NEVER_PAYS)
+    assert plain == [1] * (len(answer) - 1)
+    # every forward yields at least one token and the answer is covered exactly once
+    assert len(free) <= len(answer) - 1
+
+
+def test_npu_prediction_with_a_one_row_head_runs_it_once_per_row():
     m = Manifest({}, [1, 32], 1, 1, [graph("layer00.qkv", "qkv", [1, 32], {1: 100_000, 32: 200_000}),
                                       graph("head", "head", [1], {1: 1_000_000})])
     assert npu_forward_ms(m, 1) == pytest.approx(1.1)  # cycles at 1 GHz -> ms
     assert npu_forward_ms(m, 5) == pytest.approx(0.2 + 5 * 1.0)  # the 32-row layer shape, the head 5 times
     assert npu_forward_ms(m, 40) == pytest.approx(2 * 0.2 + 40 * 1.0)  # 32 + 8 (padded to 32)
-    # 11 tokens: 4 plain forwards + 2 verify forwards of 1 + 3 rows; 10 tokens after the first
-    p = npu_prediction(m, {"tokens": 11, "forwards": 6, "draft_forwards": 2, "drafted": 6, "accepted": 4})
-    assert p["verify_rows"] == 4 and p["head_rows"] == [1]
-    assert p["effective_tps"] == pytest.approx(10 / ((4 * 1.1 + 2 * (0.2 + 4.0)) / 1e3))
+    assert npu_forward_ms(m, 1, layers=28) == pytest.approx(28 * 0.1 + 1.0)  # a 1-layer conversion scaled
+    text = list(range(100, 120))
+    p = npu_prediction(m, text * 2, text, layers=1)
+    assert p["head_rows"] == [1] and p["verify_forwards"] == 0  # 5 rows cost 4.7 steps: never pays
+    assert p["effective_tps"] == pytest.approx(p["plain_tps"])
 
 
 def test_npu_prediction_with_a_head_that_batches_the_verify_rows():
     """What `convert rknn` builds now (graphs.head_rows): the head also at the smallest multi-row
-    chunk, so a verify forward of up to 32 rows runs it once."""
+    chunk, so a verify forward of up to 32 rows runs it once, and drafting pays."""
     from edge_llm.backends.graphs import graph_specs, head_rows
     from edge_llm.config import ModelArgs
 
@@ -41,9 +57,10 @@ def test_npu_prediction_with_a_head_that_batches_the_verify_rows():
     m = Manifest({}, [1, 32], 1, 1, [graph("layer00.qkv", "qkv", [1, 32], {1: 100_000, 32: 200_000}),
                                       graph("head", "head", [1, 32], {1: 1_000_000, 32: 1_300_000})])
     assert npu_forward_ms(m, 5) == pytest.approx(0.2 + 1.3)
-    p = npu_prediction(m, {"tokens": 11, "forwards": 6, "draft_forwards": 2, "drafted": 6, "accepted": 4})
-    assert p["head_rows"] == [1, 32]
-    assert p["effective_tps"] == pytest.approx(10 / ((4 * 1.1 + 2 * 1.5) / 1e3))
+    text = list(range(100, 180))
+    p = npu_prediction(m, text * 2, text)  # the answer is in the prompt: every draft is kept
+    assert p["head_rows"] == [1, 32] and p["verify_forwards"] > 0 and p["tokens_per_forward"] > 3
+    assert p["effective_tps"] > 2 * p["plain_tps"]
 
 
 def test_bench_decode_end_to_end(edge_home, tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from edge_llm.backends.graph import GraphBackend
-from edge_llm.backends.graphs import NEVER_PAYS, row_plan
+from edge_llm.backends.graphs import HEAD, HEAD_N, NEVER_PAYS, row_plan
 from edge_llm.backends.manifest import MANIFEST, Manifest
 from edge_llm.errors import ConfigError, EdgeLLMError
 
@@ -98,18 +98,21 @@ def open_rknn(rknn_dir: str | Path, runner: str = "auto", model_dir: str | Path 
                         cpu_side=side)
 
 
-def compiler_cycles(m: Manifest, rows: int) -> int | None:
+def compiler_cycles(m: Manifest, rows: int, layers: int | None = None) -> int | None:
     """NPU cycles of one forward of `rows` rows by the compiler's estimates: every graph at the
-    static shapes `row_plan` covers the rows with (a one-row head runs once per row); None if a
-    shape has no estimate (converted without the toolkit)."""
-    total = 0
+    static shapes `row_plan` covers the rows with (a head without a multi-row shape runs once per
+    row); None if a shape has no estimate (converted without the toolkit). `layers`: scale the
+    layer graphs from the `m.layers` converted to that many (every layer has the same geometry:
+    a prediction from a `--layers N` conversion)."""
+    scale = 1.0 if layers is None else layers / m.layers
+    total = 0.0
     for g in m.graphs:
         table = {int(c["rows"]): int(c["cycles"]) for c in g.cost or [] if "cycles" in c}
         for _a, _b, shape in row_plan(rows, tuple(g.rows)):
             if shape not in table:
                 return None
-            total += table[shape]
-    return total
+            total += table[shape] * (1.0 if g.kind in (HEAD, HEAD_N) else scale)
+    return round(total)
 
 
 def compiler_cost(m: Manifest) -> Callable[[int], float]:

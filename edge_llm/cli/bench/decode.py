@@ -23,16 +23,20 @@ from edge_llm.cli.bench.common import bench, out_option, save_results, spinner
                    "without one, no llama.cpp column]")
 @click.option("--rknn-dir", default=None, metavar="DIR",
               help="A converted model (`edge-llm convert rknn`): predict the NPU's effective decode from its "
-                   "compiler estimates and the measured acceptance.")
+                   "compiler estimates, drafting replayed on each answer with that profile.")
+@click.option("--npu-layers", type=click.IntRange(1), default=None,
+              help="Predict for this many decoder layers from a `--layers N` conversion (the layer graphs' "
+                   "estimates scaled).  [default: the converted layers]")
 @out_option
-def decode_cmd(backends, families, max_tokens, threads, repeats, llamacpp_python, rknn_dir, out) -> None:
+def decode_cmd(backends, families, max_tokens, threads, repeats, llamacpp_python, rknn_dir, npu_layers, out) -> None:
     """Plain vs speculative decoding on the default model: tok/s, acceptance, tokens per forward,
     same text, next to llama.cpp's plain decode in the same run (docs/speculative.md)."""
-    run_decode(backends.split(","), families.split(","), max_tokens, threads, repeats, llamacpp_python, rknn_dir, out)
+    run_decode(backends.split(","), families.split(","), max_tokens, threads, repeats, llamacpp_python, rknn_dir, out,
+               npu_layers)
 
 
 def run_decode(backends, families, max_tokens=128, threads=2, repeats=2, llamacpp_python=None, rknn_dir=None,
-               out="benchmarks/results") -> Path:
+               out="benchmarks/results", npu_layers=None) -> Path:
     from edge_llm.bench import decode as B
     from edge_llm.bench.disk import new_results_dir
 
@@ -43,7 +47,7 @@ def run_decode(backends, families, max_tokens=128, threads=2, repeats=2, llamacp
     with spinner() as prog:
         task = prog.add_task("decode bench", total=None)
         res = B.run(tuple(backends), tuple(families), max_tokens, threads, repeats, llamacpp_python, rknn_dir,
-                    step=lambda msg: prog.update(task, description=msg))
+                    step=lambda msg: prog.update(task, description=msg), npu_layers=npu_layers)
     res["command"] = " ".join(sys.argv)
     res["env"] = {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
     save_results(res_dir, "decode", res, B.markdown(res))
