@@ -165,7 +165,7 @@ def test_graph_specs_shapes(tiny_qwen3):
     assert [s.name for s in specs[:2]] == ["layer00.qkv", "layer00.post"]
     assert specs[0].outputs == (("qkv", args.q_dim + 2 * args.kv_dim),)
     assert [s.vocab for s in specs[-3:]] == head_ranges(args.vocab_size, 3)
-    assert all(s.rows == (1,) for s in specs[-3:])
+    assert all(s.rows == (1, 32) for s in specs[-3:])  # one row, and a verify forward's 32 (head_rows)
 
 
 def test_snapshot_namespaces_are_per_numerics(tiny_synth_dir, tmp_path):
