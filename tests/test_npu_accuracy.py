@@ -65,6 +65,17 @@ def converted_w8a8(default_dir, edge_home, tmp_path_factory):
     return out, r.stdout
 
 
+def on_cpu(m: Manifest) -> set[tuple[str, int, str]]:
+    """(graph, rows, op) of every op the compiler left to the CPU."""
+    return {(g.name, int(t["rows"]), op) for g in m.graphs for t in g.cost for op in t["cpu_ops"]}
+
+
+def verify_head_transposes(m: Manifest) -> set[tuple[str, int, str]]:
+    """The one CPU op allowed: the output Transpose of a head part at its multi-row shape (the
+    speculative verify forward's, graphs.head_rows; docs/npu.md)."""
+    return {(g.name, max(g.rows), "Transpose") for g in m.graphs if g.kind in ("head", "head_n") and len(g.rows) > 1}
+
+
 def test_range_report_sees_the_massive_activation(converted):
     out, stdout = converted
     m = Manifest.read(out)
@@ -80,8 +91,9 @@ def test_range_report_sees_the_massive_activation(converted):
           f"({ranges[worst_graph]['worst']})")
     assert ranges[worst_graph]["headroom"] >= 2.0 and "smallest headroom" in stdout
     assert "Tensor ranges on real activations" in (out / "report.md").read_text()
-    # every op of every graph on the NPU: no CPU round trip inside a graph (the norm's design)
-    assert [g.name for g in m.graphs if any(t["cpu_ops"] for t in g.cost)] == []
+    # every op of every graph on the NPU: no CPU round trip inside a graph (the norm's design),
+    # but for the head's verify shape, whose output leaves the NPU's layout on the CPU
+    assert on_cpu(m) <= verify_head_transposes(m)
     # per-graph simulator accuracy, on real activations (row 0 = the attention-sink token)
     for g in m.graphs:
         w = worst(g)
@@ -150,7 +162,7 @@ def test_w8a8_conversion_is_int8_where_it_holds_and_cheaper(converted, converted
     for g in kept:
         per = g.accuracy[str(max(g.rows))]
         assert min(o["row_cosine_mean"] for o in per.values()) >= m8.quant["min_cosine"], g.name
-    assert [g.name for g in m8.graphs if any(t["cpu_ops"] for t in g.cost)] == []
+    assert on_cpu(m8) <= verify_head_transposes(m8)
     for rows in m8.chunks:
         print(f"{rows} rows: fp16 {predicted_ms(m16, rows):.3f} ms, w8a8 {predicted_ms(m8, rows):.3f} ms")
         assert predicted_ms(m8, rows) < 0.8 * predicted_ms(m16, rows)
