@@ -54,9 +54,14 @@ def compare(ref, other, tok, step: Callable[[str], None] = lambda _m: None,
         step(f"last-token logits: {p[:40]!r}")
         ids = tok.apply_chat_template_ids([{"role": "user", "content": p}])
         a, b = last_logits(ref, ids), last_logits(other, ids)
+        top2 = np.argsort(a)[-2:]  # the reference's second and first choice
         res["prompts"].append({"prompt": p[:60], "tokens": len(ids), "cosine": cosine(a, b),
                                "max_abs": float(np.abs(a - b).max()),
-                               "argmax_equal": int(a.argmax()) == int(b.argmax())})
+                               "argmax_equal": int(a.argmax()) == int(b.argmax()),
+                               # how near the reference's own choice was: a flip to its second
+                               # choice by less than this is a near tie, not a wrong graph
+                               "ref_margin": float(a[top2[1]] - a[top2[0]]),
+                               "other_is_ref_second": int(b.argmax()) == int(top2[0])})
     step(f"teacher-forced over {teacher_tokens} tokens")
     ids = tok.encode(QUALITY_TEXT)[:teacher_tokens]
     lr, lo = teacher_logits(ref, ids), teacher_logits(other, ids)
