@@ -298,7 +298,8 @@ def test_sigterm_past_the_grace_period_answers_cancelled(tiny_synth_dir, tmp_pat
         srv.start()
 
         def run() -> None:
-            body = {"prompt": long_prompt(12000, seed=5), "max_tokens": 4, "temperature": 0, "stream": stream}
+            # LONG: still prefilling when the 1 s grace ends, also on a fast machine (12000 took 0.9 s here)
+            body = {"prompt": long_prompt(LONG, seed=5), "max_tokens": 4, "temperature": 0, "stream": stream}
             with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=600) as r:
                 got["status"], got["type"] = r.status_code, r.headers.get("content-type", "")
                 got["body"] = r.read().decode()
