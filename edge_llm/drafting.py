@@ -114,8 +114,9 @@ class Drafter:
         self.n += 1
 
     def _observe(self, accepted: int, drafted: int) -> None:
-        self.p = _update(self.p, accepted, drafted)
+        # a new site starts from the conversation's estimate as it was before this outcome
         self.site_p[self.site] = _update(self.site_p.get(self.site, self.p), accepted, drafted)
+        self.p = _update(self.p, accepted, drafted)
 
     def propose(self, room: int) -> np.ndarray:
         """The draft for the next forward (empty: a plain step); `room`: tokens the request may
