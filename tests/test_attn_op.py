@@ -125,6 +125,30 @@ def test_isa_names_the_code_path():
     assert isa.endswith("-c256") and isa.split("-")[0] in ("x86_64", "aarch64", "generic")
 
 
+@pytest.mark.parametrize("march,flag", [("haswell", "avx2"), ("x86-64", "sse2")])
+def test_x86_clones_each_built_alone(tmp_path, march, flag):
+    """The AVX2 and SSE2 code of the operator, which this CPU's clone dispatch may never pick
+    (AVX-512 here): _attn.c built for that -march alone (EDGE_ATTN_ONE_ISA) and run natively
+    against the float64 reference and the rows-vs-one-row-calls check (tests/c/attn_check.c)."""
+    import platform
+    import subprocess
+    from pathlib import Path
+
+    if platform.machine() != "x86_64" or flag not in Path("/proc/cpuinfo").read_text():
+        pytest.skip(f"needs an x86_64 CPU with {flag}")
+    repo = Path(__file__).resolve().parents[1]
+    exe = tmp_path / "attn_check"
+    build = subprocess.run(["gcc", "-O3", "-fopenmp-simd", "-Wno-psabi", "-Wall", "-Werror", f"-march={march}",
+                            "-DEDGE_ATTN_ONE_ISA", f"-I{repo / 'third_party/onnxruntime/include'}", "-o", str(exe),
+                            str(repo / "tests/c/attn_check.c"), str(repo / "edge_llm/backends/_attn.c"), "-lm"],
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    print(march, run.stdout.strip())
+    assert float(run.stdout.split()[-1]) < 5e-6
+
+
 def test_aarch64_neon_build_under_qemu(tmp_path):
     """The board's build of the operator: _attn.c cross-compiled for aarch64 (NEON; the x86
     clones are not in it) with the same flags as setup.py, run under qemu-user against a float64

@@ -31,7 +31,9 @@
 #define CHUNK 256  /* rows per chunk: changing it changes the bits (it is in the numerics) */
 #define PREFETCH 8 /* rows ahead */
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+/* EDGE_ATTN_ONE_ISA: no clones, the code of -march alone (tests/test_attn_op.py builds the AVX2 and
+ * SSE2 paths that way, to check them on a CPU whose clone dispatch would pick AVX-512) */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(EDGE_ATTN_ONE_ISA)
 #define CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
 #else
 #define CLONES
