@@ -26,8 +26,6 @@ def test_replay_runs_the_engines_drafting_on_a_known_answer():
     assert sum(free) > len(free) and len(free) < len(answer) - 1
     plain = replay(prompt, answer, NEVER_PAYS)
     assert plain == [1] * (len(answer) - 1)
-    # every forward yields at least one token and the answer is covered exactly once
-    assert len(free) <= len(answer) - 1
 
 
 def test_npu_prediction_with_a_one_row_head_runs_it_once_per_row():
