@@ -54,11 +54,16 @@ def test_mode_is_exact_whatever_the_umask_and_durable_fsyncs(tmp_path, monkeypat
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "a").stat().st_mode) == 0o640
     assert stat.S_IMODE((tmp_path / "b").stat().st_mode) == 0o600
-    synced = []
-    real = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+    synced, others = [], []
+    real, me = os.fsync, threading.get_ident()
+
+    def fsync(fd):  # count this thread's calls: a store writer another test left may fsync too
+        (synced if threading.get_ident() == me else others).append(threading.current_thread().name)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
     files.write_atomic(tmp_path / "c", b"x")
-    assert len(synced) == 2  # the file, then its directory (the rename)
+    assert len(synced) == 2, others  # the file, then its directory (the rename)
     files.write_atomic(tmp_path / "d", b"x", durable=False)
     assert len(synced) == 2
 

@@ -476,7 +476,10 @@ static OrtCustomOp attn_row_op = {
     .GetEndVersion = op_until,
 };
 
-/* Called by onnxruntime for SessionOptions.register_custom_ops_library(this file). */
+OrtCustomOp *edge_qmatmul_op(const OrtApi *api);
+
+/* Called by onnxruntime for SessionOptions.register_custom_ops_library(this library): both of
+ * its operators, AttnRow (here) and MatMulQ4 (_qmatmul.c). */
 __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options,
                                                                     const OrtApiBase *api_base) {
     ort = api_base->GetApi(ORT_API_VERSION);
@@ -484,5 +487,6 @@ __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOp
     OrtCustomOpDomain *domain;
     CHECK(ort->CreateCustomOpDomain("ai.edge_llm", &domain)); /* lives as long as the process */
     CHECK(ort->CustomOpDomain_Add(domain, &attn_row_op));
+    CHECK(ort->CustomOpDomain_Add(domain, edge_qmatmul_op(ort))); /* the 4-bit weights' matmul, _qmatmul.c */
     return ort->AddCustomOpDomain(options, domain);
 }

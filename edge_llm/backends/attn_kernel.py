@@ -1,11 +1,14 @@
-"""The attention operator `ai.edge_llm.AttnRow` (backends/_attn.c): where it is, what it runs.
+"""cpu-q's operator library: `ai.edge_llm.AttnRow` (backends/_attn.c, attention over the cache's
+rows) and `ai.edge_llm.MatMulQ4` (backends/_qmatmul.c, the 4-bit linears): where it is, what it runs.
 
-`pip install` builds `_attn.c` (setup.py) into a shared library next to this file: an
+`pip install` builds both files (setup.py) into one shared library next to this file: an
 onnxruntime custom operator library, registered into the decode graph's session options
 (`register`). It is optional: without a C compiler at install time the package installs, and
 backend cpu-q runs one-row steps on its per-layer graphs instead (`library_path()` is None).
-The library also exports the same computation on one thread (`edge_attn_row` for one query
-row, `edge_attn_rows` for T; used by the tests) and the code path it picked for this CPU (`isa()`, part of cpu-q's numerics).
+The library also exports the same computations on one thread (`edge_attn_row` for one query
+row, `edge_attn_rows` for T, `edge_qmatmul`; used by the tests) and the code paths it picked for
+this CPU: `isa()` (attention's, part of cpu-q's numerics) and `qmatmul_isa()` (the same bits on
+every path, so not in the numerics).
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-ATTN_DOMAIN, ATTN_OP = "ai.edge_llm", "AttnRow"
+OPS_DOMAIN = "ai.edge_llm"
+ATTN_DOMAIN, ATTN_OP = OPS_DOMAIN, "AttnRow"
+QMATMUL_OP = "MatMulQ4"  # _qmatmul.c, the decode graph's 4-bit linears
 
 
 def library_path() -> Path | None:
@@ -43,6 +48,13 @@ def library() -> ctypes.CDLL | None:
     lib.edge_attn_rows_work_size.restype = I64
     lib.edge_attn_work_size.argtypes = [I64, I, I]
     lib.edge_attn_work_size.restype = I64
+    lib.edge_qmatmul.argtypes = [P, P, I64, I64, I64, I, P, P]
+    lib.edge_qmatmul.restype = I
+    lib.edge_qmatmul_work_size.argtypes = [I64, I64]
+    lib.edge_qmatmul_work_size.restype = I64
+    lib.edge_qmatmul_isa.restype = ctypes.c_char_p
+    lib.edge_qmatmul_force.argtypes = [ctypes.c_char_p]
+    lib.edge_qmatmul_force.restype = I
     lib.edge_attn_isa.restype = ctypes.c_char_p
     lib.edge_attn_chunk.restype = I
     return lib
@@ -52,6 +64,12 @@ def isa() -> str:
     """e.g. `x86_64-avx512f-c256`: the clone this CPU runs and the chunk size (both decide bits)."""
     lib = library()
     return "none" if lib is None else f"{lib.edge_attn_isa().decode()}-c{lib.edge_attn_chunk()}"
+
+
+def qmatmul_isa() -> str:
+    """MatMulQ4's path on this CPU: avx512vnni, avxvnni, avx2, sdot or c."""
+    lib = library()
+    return "none" if lib is None else lib.edge_qmatmul_isa().decode()
 
 
 def register(opts: Any) -> None:

@@ -55,8 +55,9 @@ MODES = {"q4": QuantMode("q4", 4, BLOCK, 4)}
 TARGET = "onnxruntime-cpu"
 # what a quantized graph directory holds; older directories are rebuilt on first use
 # (2: the decode graph's attention is the AttnRow operator, backends/_attn.c; 3: the decode graph
-# takes T rows, a verify forward of speculative decoding)
-QUANT_FORMAT = 3
+# takes T rows, a verify forward of speculative decoding; 4: its 4-bit linears are the MatMulQ4
+# operator, backends/_qmatmul.c)
+QUANT_FORMAT = 4
 # onnxruntime's pool threads spin between runs by default; here numpy (attention) runs between
 # every two graph calls and would share its cores with spinning threads
 SESSION_CONFIG = {"session.intra_op.allow_spinning": "0"}
@@ -209,10 +210,11 @@ def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], N
     m = export_graph_set(model_dir, out, chunks=None, linear=linear, norm=rms_norm_op, fused=True, unfused=deepstack,
                          progress=(lambda s: progress(f"quantizing {s.name}")) if progress else None,
                          target=TARGET, dtype=qm.label)
-    report = list(linear.report)
-    e = export_decode(model_dir, out / "onnx", linear,  # the same weights again, in one graph
+    # the same weights again, in one graph, its 4-bit linears as MatMulQ4 (reported once, above)
+    row_linear = QuantLinear(args, blocks, qm.bits, qm.block, qm.accuracy_level, row_op=True)
+    e = export_decode(model_dir, out / "onnx", row_linear,
                       progress=(lambda s: progress(f"quantizing the decode graph: {s}")) if progress else None)
-    linear.report = report  # ... so they are reported once
+    report = linear.report
     m.graphs.append(GraphEntry(name=e.spec.name, kind=e.spec.kind, index=0, rows=list(e.spec.rows),
                                inputs=[list(i) for i in e.spec.inputs], outputs=[list(o) for o in e.spec.outputs],
                                vocab=list(e.spec.vocab), onnx=str(e.onnx.relative_to(out)),

@@ -10,6 +10,11 @@ are quantized to the mode's bit width ("re-quantized"). `report` lists the decis
 
 Graph form of one weight: `MatMulNBits(x, B, scales[, zero_points])`, plus
 `ReduceSum(Reshape(x, (T, K/block, block))) @ mins` when the blocks carry a float minimum (Q4_1).
+The decode graph's linears (`QuantLinear(row_op=True)`) are instead one node of our own,
+`ai.edge_llm.MatMulQ4` (backends/_qmatmul.c), when the weight is 4-bit in 32-blocks: the same
+blocks, regrouped into its records (`q4_records`), the minimum included. It is faster for the
+few rows of a decode step and gives the same bits on every CPU; prefill keeps `MatMulNBits`
+(docs/quantization.md, "The weight operator").
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from edge_llm.backends.attn_kernel import OPS_DOMAIN, QMATMUL_OP
 from edge_llm.backends.onnx_export import MS_DOMAIN, GraphBuilder, WeightKey
 from edge_llm.backends.quant import (
     BlockSource,
@@ -45,8 +51,10 @@ class QuantLinear:
     """`onnx_export.Linear` writing `MatMulNBits`; see the module docstring. `source`: the
     blocks of the file the model was imported from (None: every weight is quantized here)."""
 
-    def __init__(self, args: ModelArgs, source: BlockSource | None, bits: int, block: int, accuracy_level: int):
+    def __init__(self, args: ModelArgs, source: BlockSource | None, bits: int, block: int, accuracy_level: int,
+                 row_op: bool = False):
         self.args, self.bits, self.block, self.accuracy_level = args, bits, block, accuracy_level
+        self.row_op = row_op  # MatMulQ4 where it holds the weight (the decode graph)
         self.report: list[dict[str, Any]] = []
         self.source = source
 
@@ -54,7 +62,8 @@ class QuantLinear:
     def __call__(self, g: GraphBuilder, x: str, w: np.ndarray, bias: np.ndarray | None, out: str | None,
                  key: WeightKey) -> str:
         qw = center(self.weight(w, key))
-        y = write_nbits(g, x, qw, self.accuracy_level, out if bias is None else None)
+        o = out if bias is None else None
+        y = write_q4(g, x, qw, o) if self.row_op and q4_holds(qw) else write_nbits(g, x, qw, self.accuracy_level, o)
         return y if bias is None else g.op("Add", [y, g.const("b", bias)], out=out)
 
     # ---- choosing the blocks ----------------------------------------------------------------
@@ -116,6 +125,44 @@ def write_nbits(g: GraphBuilder, x: str, qw: QuantWeight, accuracy_level: int, o
     xb = g.op("Reshape", [x, g.const("blocks", np.array([0, qw.n_blocks, qw.block], np.int64))])
     sums = g.op("ReduceSum", [xb, g.const("axes", np.array([-1], np.int64))], keepdims=0)
     return g.op("Add", [y, g.op("MatMul", [sums, g.const("mins", qw.mins)])], out=out)
+
+
+# ---- MatMulQ4's records (the layout is described at the top of backends/_qmatmul.c) ----------------
+Q4_TILE, Q4_LEVELS = 16, 256  # columns per record; bytes of their levels
+
+
+def q4_holds(qw: QuantWeight) -> bool:
+    return qw.bits == 4 and qw.block == 32 and qw.K % 32 == 0
+
+
+def q4_records(qw: QuantWeight) -> np.ndarray:
+    """(ceil(N / 16), K / 32, 336 or 400) uint8: per 16 columns and block, the columns' levels
+    (byte 64 i + 4 c + u = column c's q[4 i + u] | q[16 + 4 i + u] << 4), d (float32), z (uint8)
+    and, if any, m (float32); columns
+    past N are zero. Little-endian floats, as on x86-64 and aarch64."""
+    if not q4_holds(qw):
+        raise ValueError("MatMulQ4 holds 4-bit weights in 32-blocks along K")
+    N, nb, T = qw.N, qw.n_blocks, Q4_TILE
+    tiles, pad = -(-N // T), -N % T
+
+    def per_tile(a: np.ndarray) -> np.ndarray:  # (N, nb, w) -> (tiles, nb, 16 * w) bytes
+        a = np.pad(a, ((0, pad), (0, 0), (0, 0)))
+        return np.ascontiguousarray(a.reshape(tiles, T, nb, -1).transpose(0, 2, 1, 3)).view(np.uint8).reshape(
+            tiles, nb, -1)
+
+    lv = (qw.q[..., :16] | (qw.q[..., 16:] << 4)).astype(np.uint8).reshape(N, nb, 4, 4)  # (n, b, i, u)
+    lv = np.pad(lv, ((0, pad), (0, 0), (0, 0), (0, 0))).reshape(tiles, T, nb, 4, 4).transpose(0, 2, 3, 1, 4)
+    parts = [np.ascontiguousarray(lv).reshape(tiles, nb, Q4_LEVELS),  # byte 64 i + 4 c + u
+             per_tile(qw.scales.astype("<f4")[..., None]), per_tile(qw.zp[..., None])]
+    if qw.mins is not None:
+        parts.append(per_tile(np.ascontiguousarray(qw.mins.T).astype("<f4")[..., None]))
+    return np.concatenate(parts, axis=-1)
+
+
+def write_q4(g: GraphBuilder, x: str, qw: QuantWeight, out: str | None) -> str:
+    """x (T, K) @ W as one MatMulQ4 node."""
+    return g.op(QMATMUL_OP, [x, g.const("q4", q4_records(qw))], out=out, domain=OPS_DOMAIN, N=qw.N, K=qw.K,
+                mins=int(qw.mins is not None))
 
 
 def summarize(report: list[dict[str, Any]]) -> dict[str, Any]:
