@@ -1,7 +1,7 @@
-"""MatMulQ4, cpu-q's 4-bit weight operator (edge_llm/backends/_qmatmul.c): the record layout, the
+"""MatMulQ, cpu-q's 4/8-bit weight operator (edge_llm/backends/_qmatmul.c): the record layout, the
 same bits on every code path (AVX-512 VNNI, AVX-VNNI, AVX2, C here; NEON sdot and C for aarch64
 under qemu), rows independent of each other, the thread count out of the bits, accuracy on the
-default model's own Q4_1 blocks against float64 and against onnxruntime's MatMulNBits, and bad
+default model's own Q4_1 and Q8_0 blocks against float64 and against onnxruntime's MatMulNBits, and bad
 shapes refused."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from edge_llm.backends import attn_kernel
 from edge_llm.backends import quant as Q
-from edge_llm.backends.quant_export import q4_records, write_nbits, write_q4
+from edge_llm.backends.quant_export import qmatmul_records, write_nbits, write_qmatmul
 
 REPO = Path(__file__).resolve().parents[1]
 LIB = attn_kernel.library()
@@ -33,13 +33,14 @@ def paths():
     assert LIB.edge_qmatmul_force(native) == 0
 
 
-def qmatmul(x: np.ndarray, rec: np.ndarray, K: int, N: int, mins: bool) -> np.ndarray:
+def qmatmul(x: np.ndarray, qw: Q.QuantWeight, rec: np.ndarray | None = None) -> np.ndarray:
     """The operator's computation on this thread (edge_qmatmul)."""
+    rec = qmatmul_records(qw) if rec is None else rec
     x = np.ascontiguousarray(x, np.float32)
-    y = np.empty((x.shape[0], N), np.float32)
-    work = np.empty(LIB.edge_qmatmul_work_size(x.shape[0], K), np.uint8)
-    assert LIB.edge_qmatmul(x.ctypes.data, rec.ctypes.data, x.shape[0], K, N, int(mins), y.ctypes.data,
-                            work.ctypes.data) == 0
+    y = np.empty((x.shape[0], qw.N), np.float32)
+    work = np.empty(LIB.edge_qmatmul_work_size(x.shape[0], qw.K), np.uint8)
+    assert LIB.edge_qmatmul(x.ctypes.data, rec.ctypes.data, x.shape[0], qw.K, qw.N, qw.bits, int(qw.mins is not None),
+                            y.ctypes.data, work.ctypes.data) == 0
     return y
 
 
@@ -47,8 +48,8 @@ def bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, np.float32).view(np.uint32)
 
 
-@pytest.mark.parametrize("mins", [False, True])
-def test_exact_where_every_float_step_is_exact(paths, mins):
+@pytest.mark.parametrize("bits,mins", [(4, False), (4, True), (8, False), (8, True)])
+def test_exact_where_every_float_step_is_exact(paths, bits, mins):
     """Activations that int8 holds exactly (integers, 127 in every block), dyadic scales and
     minimums: every product and sum is exact, so each path must give x @ W to the last bit. A
     level, zero point or minimum read from the wrong place, or a column in the wrong lane, fails."""
@@ -58,21 +59,23 @@ def test_exact_where_every_float_step_is_exact(paths, mins):
     x[:, ::32] = 127
     d = (2.0 ** rng.integers(-4, -1, (N, K // 32))).astype(np.float32)
     m = (rng.integers(-15, 16, (K // 32, N)) * 2.0 ** -6).astype(np.float32) if mins else None
-    qw = Q.QuantWeight(4, 32, K, N, rng.integers(0, 16, (N, K // 32, 32)).astype(np.uint8), d,
-                       rng.integers(0, 16, (N, K // 32)).astype(np.uint8), m, "test", True)
+    top = 1 << bits
+    qw = Q.QuantWeight(bits, 32, K, N, rng.integers(0, top, (N, K // 32, 32)).astype(np.uint8), d,
+                       rng.integers(0, top, (N, K // 32)).astype(np.uint8), m, "test", True)
+    qw.q[0, 0, :] = top - 1  # the extremes (8-bit: 255 - z with x = 127, where AVX2 could saturate)
+    qw.q[1, 0, :] = 0
     want = (x.astype(np.float64) @ Q.dequantize(qw).astype(np.float64)).astype(np.float32)
     assert np.abs(want).max() > 1000
-    rec = q4_records(qw)
     for p in paths:
         LIB.edge_qmatmul_force(p.encode())
-        assert np.array_equal(qmatmul(x, rec, K, N, mins), want), p
+        assert np.array_equal(qmatmul(x, qw), want), p
 
 
 @pytest.fixture(scope="module")
 def layer0(edge_home):
-    """The default model's layer 0: its q/k/v and down blocks from the GGUF (Q4_1, centred as cpu-q
-    does), and the inputs those matmuls get for real tokens (RMSNorm of the embeddings; the SwiGLU
-    product)."""
+    """The default model's layer 0 q/k/v and down blocks (Q4_1, centred as cpu-q does) and its
+    head (the tied embedding, Q8_0) from the GGUF, and the inputs those matmuls get for real tokens
+    (RMSNorm of the embeddings; the SwiGLU product; the head takes the normed rows too)."""
     from edge_llm.checkpoints.gguf_blocks import gguf_blocks
     from edge_llm.config import ModelArgs
     from edge_llm.weights import load_weights
@@ -81,11 +84,11 @@ def layer0(edge_home):
     args, src = ModelArgs.from_dir(model_dir), gguf_blocks(model_dir)
     p = args.weight_prefix
 
-    def blocks(*names: str) -> Q.QuantWeight:
+    def blocks(*names: str, kind: str = "Q4_1") -> Q.QuantWeight:
         parts = []
         for n in names:
-            t = src.tensor(f"{p}layers.0.{n}.weight")
-            assert t.type_name == "Q4_1"
+            t = src.tensor(n if n.startswith(p) else f"{p}layers.0.{n}.weight")
+            assert t.type_name == kind
             qw = Q.from_gguf(t.type_name, t.data, t.K, t.N)
             parts.append(Q.permute_rows(qw, t.order) if t.order is not None else qw)
         return Q.center(Q.concat(parts))
@@ -97,35 +100,36 @@ def layer0(edge_home):
     gate, up = x @ w[f"{p}layers.0.mlp.gate_proj.weight"].T, x @ w[f"{p}layers.0.mlp.up_proj.weight"].T
     act = (gate / (1 + np.exp(-gate)) * up).astype(np.float32)
     return {"qkv": (blocks("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), x.astype(np.float32)),
-            "down": (blocks("mlp.down_proj"), act)}
+            "down": (blocks("mlp.down_proj"), act),
+            "head": (blocks(f"{p}embed_tokens.weight", kind="Q8_0"), x.astype(np.float32))}
 
 
-@pytest.mark.parametrize("which", ["qkv", "down"])
+@pytest.mark.parametrize("which", ["qkv", "down", "head"])
 def test_paths_agree_and_rows_are_independent(layer0, paths, which):
     """On the model's own weights: every path gives the same bits, and row t of a call with T rows
     is bitwise row t called alone (what speculative verify relies on)."""
     qw, x = layer0[which]
-    rec = q4_records(qw)
+    rec = qmatmul_records(qw)
     LIB.edge_qmatmul_force(paths[0].encode())
-    ref = qmatmul(x, rec, qw.K, qw.N, True)
-    alone = np.concatenate([qmatmul(x[t:t + 1], rec, qw.K, qw.N, True) for t in range(len(x))])
+    ref = qmatmul(x, qw, rec)
+    alone = np.concatenate([qmatmul(x[t:t + 1], qw, rec) for t in range(len(x))])
     assert np.array_equal(bits(ref), bits(alone))
-    assert np.array_equal(bits(ref[:5]), bits(qmatmul(x[:5], rec, qw.K, qw.N, True)))
+    assert np.array_equal(bits(ref[:5]), bits(qmatmul(x[:5], qw, rec)))
     for p in paths[1:]:
         LIB.edge_qmatmul_force(p.encode())
-        assert np.array_equal(bits(qmatmul(x, rec, qw.K, qw.N, True)), bits(ref)), p
+        assert np.array_equal(bits(qmatmul(x, qw, rec)), bits(ref)), p
 
 
 def _session(tmp_path: Path, qw: Q.QuantWeight, threads: int, nbits: bool = True):
-    """One graph, both forms of x @ W: MatMulQ4 (y_q4) and MatMulNBits with int8 activations plus
-    the minimum's block-sum term (y_nbits, what the per-layer graphs run). `nbits=False`: MatMulQ4
+    """One graph, both forms of x @ W: MatMulQ (y_q4) and MatMulNBits with int8 activations plus
+    the minimum's block-sum term (y_nbits, what the per-layer graphs run). `nbits=False`: MatMulQ
     alone, x of any width (for the operator's own checks)."""
     import onnxruntime as ort
 
     from edge_llm.backends.onnx_export import GraphBuilder
 
     g = GraphBuilder("q4", tmp_path / "q4.onnx.data")
-    write_q4(g, "x", qw, "y_q4")
+    write_qmatmul(g, "x", qw, "y_q4")
     outs = [("y_q4", ["T", qw.N])]
     if nbits:
         write_nbits(g, "x", qw, 4, "y_nbits")
@@ -137,20 +141,20 @@ def _session(tmp_path: Path, qw: Q.QuantWeight, threads: int, nbits: bool = True
     return ort.InferenceSession(str(tmp_path / "q4.onnx"), opts, providers=["CPUExecutionProvider"])
 
 
-@pytest.mark.parametrize("which", ["qkv", "down"])
+@pytest.mark.parametrize("which", ["qkv", "down", "head"])
 def test_in_onnxruntime_threads_and_accuracy(layer0, tmp_path, which, record_property):
     """The operator in a session on 1 and 2 threads gives edge_qmatmul's bits; its error against
     float64 is at most MatMulNBits' (both quantize activations to int8 per 32-block)."""
     qw, x = layer0[which]
     want = x.astype(np.float64) @ Q.dequantize(qw).astype(np.float64)
-    ref = qmatmul(x, q4_records(qw), qw.K, qw.N, True)
+    ref = qmatmul(x, qw)
     for threads in (1, 2):
         y_q4, y_nb = _session(tmp_path, qw, threads).run(None, {"x": x})
         assert np.array_equal(bits(y_q4), bits(ref)), threads
     scale = np.abs(want).max()
     err_q4, err_nb = np.abs(y_q4 - want).max() / scale, np.abs(y_nb - want).max() / scale
-    record_property("rel_err", {"MatMulQ4": float(err_q4), "MatMulNBits": float(err_nb)})
-    print(which, "max error / max |y|: MatMulQ4", err_q4, "MatMulNBits", err_nb)
+    record_property("rel_err", {"MatMulQ": float(err_q4), "MatMulNBits": float(err_nb)})
+    print(which, "max error / max |y|: MatMulQ", err_q4, "MatMulNBits", err_nb)
     assert err_q4 <= 1.1 * err_nb and err_q4 < 0.02
 
 
@@ -161,17 +165,19 @@ def test_bad_shapes_are_refused(layer0, tmp_path):
 
     qw, x = layer0["down"]
     s = _session(tmp_path, qw, 1, nbits=False)
-    with pytest.raises(InvalidArgument, match="MatMulQ4: x must be"):
+    with pytest.raises(InvalidArgument, match="MatMulQ: x must be"):
         s.run(None, {"x": x[:, :-32]})
     y, work = np.empty((1, 16), np.float32), np.empty(1 << 16, np.uint8)
-    assert LIB.edge_qmatmul(x.ctypes.data, q4_records(qw).ctypes.data, 1, 48, 16, 1, y.ctypes.data,
+    assert LIB.edge_qmatmul(x.ctypes.data, qmatmul_records(qw).ctypes.data, 1, 48, 16, 4, 1, y.ctypes.data,
+                            work.ctypes.data) == -1
+    assert LIB.edge_qmatmul(x.ctypes.data, qmatmul_records(qw).ctypes.data, 1, 64, 16, 6, 1, y.ctypes.data,
                             work.ctypes.data) == -1
 
 
 def test_aarch64_build_under_qemu_gives_the_same_bits(layer0, tmp_path):
     """The board's build: _qmatmul.c cross-compiled for aarch64 with setup.py's flags, run under
     qemu-user (a CPU with the dot-product extension) on the model's own weights: the sdot path and
-    the C path both give the x86 library's bits (tests/c/qmatmul_check.c). The cross compiler and
+    the C path both give the x86 library's bits, for 4-bit (q/k/v) and 8-bit (head) blocks (tests/c/qmatmul_check.c). The cross compiler and
     qemu come with `make board-deps`."""
     cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64-static")
     if cc is None or qemu is None:
@@ -182,15 +188,16 @@ def test_aarch64_build_under_qemu_gives_the_same_bits(layer0, tmp_path):
                             str(REPO / "tests/c/qmatmul_check.c"), str(REPO / "edge_llm/backends/_qmatmul.c"), "-lm"],
                            capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr
-    qw, x = layer0["qkv"]
-    x = x[:5]
-    rec = q4_records(qw)
-    (tmp_path / "in.bin").write_bytes(np.array([len(x), qw.K, qw.N, 1], np.int64).tobytes() + x.tobytes()
-                                      + rec.tobytes())
-    run = subprocess.run([qemu, "-cpu", "max", "-L", "/usr/aarch64-linux-gnu", str(exe), str(tmp_path / "in.bin"),
-                          str(tmp_path / "out.bin")], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.split() == ["sdot", "c"]
-    got = np.fromfile(tmp_path / "out.bin", np.float32).reshape(2, len(x), qw.N)
-    ref = qmatmul(x, rec, qw.K, qw.N, True)
-    assert np.array_equal(bits(got[0]), bits(ref)) and np.array_equal(bits(got[1]), bits(ref))
+    for which in ("qkv", "head"):
+        qw, x = layer0[which]
+        qw = Q.rows(qw, 0, 1000) if which == "head" else qw  # 1000 of the vocabulary (qemu is slow)
+        x, rec = x[:5], qmatmul_records(qw)
+        (tmp_path / "in.bin").write_bytes(np.array([len(x), qw.K, qw.N, qw.bits, qw.mins is not None], np.int64)
+                                          .tobytes() + x.tobytes() + rec.tobytes())
+        run = subprocess.run([qemu, "-cpu", "max", "-L", "/usr/aarch64-linux-gnu", str(exe), str(tmp_path / "in.bin"),
+                              str(tmp_path / "out.bin")], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert run.stdout.split() == ["sdot", "c"]
+        got = np.fromfile(tmp_path / "out.bin", np.float32).reshape(2, len(x), qw.N)
+        ref = qmatmul(x, qw, rec)
+        assert np.array_equal(bits(got[0]), bits(ref)) and np.array_equal(bits(got[1]), bits(ref)), which

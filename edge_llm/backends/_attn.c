@@ -479,7 +479,7 @@ static OrtCustomOp attn_row_op = {
 OrtCustomOp *edge_qmatmul_op(const OrtApi *api);
 
 /* Called by onnxruntime for SessionOptions.register_custom_ops_library(this library): both of
- * its operators, AttnRow (here) and MatMulQ4 (_qmatmul.c). */
+ * its operators, AttnRow (here) and MatMulQ (_qmatmul.c). */
 __attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options,
                                                                     const OrtApiBase *api_base) {
     ort = api_base->GetApi(ORT_API_VERSION);

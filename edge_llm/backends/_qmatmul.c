@@ -1,27 +1,28 @@
-/* x (T, K) @ W for 4-bit block weights: the onnxruntime custom operator `ai.edge_llm.MatMulQ4`
- * of backend cpu-q's decode graph (quant_export.py writes it; docs/quantization.md, "The weight
- * operator").
+/* x (T, K) @ W for 4-bit and 8-bit block weights: the onnxruntime custom operator
+ * `ai.edge_llm.MatMulQ` of backend cpu-q's decode graph (quant_export.py writes it;
+ * docs/quantization.md, "The weight operator").
  *
  * Why by hand: a decode step reads every weight once, so a step costs the weight bytes over the
  * memory bandwidth, plus what the kernel adds. onnxruntime's MatMulNBits holds an integer zero
  * point but not GGUF Q4_1's float block minimum, so every linear of the graph was MatMulNBits +
- * Reshape + ReduceSum + MatMul + Add (480 of the decode graph's 1052 nodes), and its 4-bit kernel
- * reads the weights at a fraction of the bandwidth on AVX2. No library multiplies these blocks
+ * Reshape + ReduceSum + MatMul + Add (480 of the decode graph's 1052 nodes), and its kernels round
+ * one row differently from several on AVX2. No library multiplies these blocks in place
  * (llama.cpp's kernels live inside ggml, behind its own graph and threads).
  *
  * The weights: the blocks of quant.QuantWeight as they are (GGUF blocks stay exact), centred
- * (quant.center: W[k, n] = d (q - z) + m, q in [0, 16), integer z, float d and m per column and
- * 32-row block), regrouped for streaming: 16 columns (a tile) x one block per record,
- *     [0, 256)    the 16 columns' levels, 16 bytes each: byte j = q[j] | q[j + 16] << 4
- *     [256, 320)  d, 16 float32        [320, 336)  z, 16 uint8        [336, 400)  m, 16 float32
- * (m only when the operator has `mins`; records of a tile are consecutive, tiles follow).
+ * (quant.center: W[k, n] = d (q - z) + m, integer q and z, float d and m per column and 32-row
+ * block), regrouped for streaming: 16 columns (a tile) x one block per record,
+ *     levels   64 * bits bytes: 4-bit: byte 64 i + 4 c + u = q_c[4 i + u] | q_c[16 + 4 i + u] << 4
+ *                               8-bit: byte 64 i + 4 c + u = q_c[4 i + u]       (c < 16; i, u < 4 or 8)
+ *     d        16 float32          z   16 uint8          m   16 float32 (only with `mins`)
+ * (records of a tile are consecutive, tiles follow; columns past N are zero).
  *
  * The arithmetic: each row of x is quantized per 32-block to int8 (xq = round-half-even(x / dx),
  * dx = max|x| / 127, llama.cpp's Q8_1), and the block sum of x is kept in float. Per column and
- * block the integer dot  i = sum_j q[j] xq[j] - z * sum_j xq[j]  is exact, whichever instructions
- * compute it: AVX-512 VNNI / AVX-VNNI `vpdpbusd`, AVX2 `vpmaddubsw`, NEON `sdot`, or plain C. Then
- * per column, in block order, acc = fma(d * dx, i, acc) and acc = fma(m, sum x, acc): the same
- * float operations on every path (explicit fmaf, never a compiler's contraction). So the result is
+ * block the integer dot  i = sum_k (q_k - z) xq_k  is exact, whichever instructions compute it:
+ * AVX-512 VNNI / AVX-VNNI `vpdpbusd`, AVX2 `vpmaddubsw`, NEON `sdot`, or plain C. Then per
+ * column, in block order, acc = fma(d * dx, i, acc) and acc = fma(m, sum x, acc): the same float
+ * operations on every path (explicit fma, never a compiler's contraction). So the result is
  * bitwise the same on every CPU, and a row's result depends only on that row (rows never mix).
  * The work items are tiles of 16 columns, spread over onnxruntime's pool threads; the thread
  * count does not change a bit. `edge_qmatmul` is the same computation on one thread (tests).
@@ -44,9 +45,8 @@
 
 #define QB 32             /* weights per block */
 #define TILE 16           /* columns per record */
-#define LEVELS 256        /* bytes of levels per record */
-#define REC_PLAIN 336     /* record bytes without m */
-#define REC_MINS 400      /* record bytes with m */
+/* record bytes: the levels (16 columns x 32 levels x bits / 8), d, z, m if any */
+static int64_t rec_bytes(int bits, int mins) { return 16 * 4 * bits + 64 + 16 + (mins ? 64 : 0); }
 
 /* One row's activations, quantized per block. */
 typedef struct {
@@ -60,12 +60,13 @@ typedef struct {
  * Lane c of every vector is column c: the levels of a record are laid out so that one int32 lane
  * sums four products of its own column (vpdpbusd, vpmaddubsw + vpmaddwd and sdot all sum four
  * byte products per lane), so no horizontal sums are needed. Per column and block:
- *     i = dot - z * sum(xq)   (exact integers),   acc = fma(d * dx, (float)i, acc),   acc = fma(m, sum x, acc). */
+ *     i = sum_k (q_k - z) xq_k   (exact integers),
+ *     acc = fma(d * dx, (float)i, acc),   acc = fma(m, sum x, acc). */
 typedef struct {
     const uint8_t *blocks;
     const Row *rows;
-    int64_t T, N, nb, rec;
-    int mins;
+    int64_t T, N, nb, rec, lv; /* record bytes, of which levels */
+    int bits, mins;
     float *y; /* (T, N) */
 } Job;
 
@@ -84,26 +85,30 @@ static void store_cols(const Job *j, int64_t t, int64_t tile, const float acc[TI
     memcpy(j->y + t * j->N + c0, acc, sizeof(float) * (size_t)nc);
 }
 
+/* Level k of column c in a record: 4-bit byte 64 (k % 16 / 4) + 4 c + k % 4, low nibble for k < 16;
+ * 8-bit byte 64 (k / 4) + 4 c + k % 4. */
+static inline int32_t level(const uint8_t *rec, int bits, int c, int k) {
+    if (bits == 8) return rec[64 * (k / 4) + 4 * c + k % 4];
+    const uint8_t v = rec[64 * (k % 16 / 4) + 4 * c + k % 4];
+    return k < 16 ? v & 15 : v >> 4;
+}
+
 /* Plain C: any CPU. */
 static void tile_c(const Job *j, int64_t tile) {
     for (int64_t t = 0; t < j->T; t++) {
         const Row *r = &j->rows[t];
         float acc[TILE] = {0};
         for (int64_t b = 0; b < j->nb; b++) {
-            const uint8_t *rec = record(j, tile, b), *z = rec + LEVELS + 64;
+            const uint8_t *rec = record(j, tile, b), *z = rec + j->lv + 64;
             const int8_t *x = r->xq + b * QB;
             for (int c = 0; c < TILE; c++) {
                 int32_t s = 0;
-                for (int i = 0; i < 4; i++)
-                    for (int u = 0; u < 4; u++) {
-                        const uint8_t v = rec[64 * i + 4 * c + u];
-                        s += (v & 15) * x[4 * i + u] + (v >> 4) * x[16 + 4 * i + u];
-                    }
+                for (int k = 0; k < QB; k++) s += level(rec, j->bits, c, k) * x[k];
                 float d, m;
-                memcpy(&d, rec + LEVELS + 4 * c, sizeof d);
+                memcpy(&d, rec + j->lv + 4 * c, sizeof d);
                 acc[c] = fmaf(d * r->dx[b], (float)(s - (int32_t)z[c] * r->sq[b]), acc[c]);
                 if (j->mins) {
-                    memcpy(&m, rec + REC_PLAIN + 4 * c, sizeof m);
+                    memcpy(&m, rec + j->lv + 80 + 4 * c, sizeof m);
                     acc[c] = fmaf(m, r->sx[b], acc[c]);
                 }
             }
@@ -113,28 +118,37 @@ static void tile_c(const Job *j, int64_t tile) {
 }
 
 #ifdef EDGE_X86
-/* AVX-512 VNNI: the 16 columns in one register. */
+/* AVX-512 VNNI: the 16 columns in one register; vpdpbusd multiplies the unsigned levels by the
+ * signed activations (four per lane). */
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void tile_vnni512(const Job *j, int64_t tile) {
     const __m512i m4 = _mm512_set1_epi8(15);
     for (int64_t t = 0; t < j->T; t++) {
         const Row *r = &j->rows[t];
         __m512 acc = _mm512_setzero_ps();
         for (int64_t b = 0; b < j->nb; b++) {
-            const uint8_t *rec = record(j, tile, b);
-            if (b + 1 < j->nb) __builtin_prefetch(rec + j->rec + LEVELS);
+            const uint8_t *rec = record(j, tile, b), *dz = rec + j->lv;
+            if (b + 1 < j->nb) __builtin_prefetch(rec + j->rec + j->lv);
             const int8_t *x = r->xq + b * QB;
             __m512i sl = _mm512_setzero_si512(), sh = _mm512_setzero_si512();
-            for (int i = 0; i < 4; i++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(rec + 64 * i));
-                sl = _mm512_dpbusd_epi32(sl, _mm512_and_si512(v, m4), _mm512_set1_epi32(load32(x + 4 * i)));
-                sh = _mm512_dpbusd_epi32(sh, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4),
-                                         _mm512_set1_epi32(load32(x + 16 + 4 * i)));
-            }
-            const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(rec + LEVELS + 64)));
+            if (j->bits == 4)
+                for (int i = 0; i < 4; i++) {
+                    const __m512i v = _mm512_loadu_si512((const void *)(rec + 64 * i));
+                    sl = _mm512_dpbusd_epi32(sl, _mm512_and_si512(v, m4), _mm512_set1_epi32(load32(x + 4 * i)));
+                    sh = _mm512_dpbusd_epi32(sh, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4),
+                                             _mm512_set1_epi32(load32(x + 16 + 4 * i)));
+                }
+            else
+                for (int i = 0; i < 4; i++) {
+                    sl = _mm512_dpbusd_epi32(sl, _mm512_loadu_si512((const void *)(rec + 64 * i)),
+                                             _mm512_set1_epi32(load32(x + 4 * i)));
+                    sh = _mm512_dpbusd_epi32(sh, _mm512_loadu_si512((const void *)(rec + 256 + 64 * i)),
+                                             _mm512_set1_epi32(load32(x + 16 + 4 * i)));
+                }
+            const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(dz + 64)));
             const __m512i is = _mm512_sub_epi32(_mm512_add_epi32(sl, sh), _mm512_mullo_epi32(z, _mm512_set1_epi32(r->sq[b])));
-            const __m512 p = _mm512_mul_ps(_mm512_loadu_ps((const float *)(rec + LEVELS)), _mm512_set1_ps(r->dx[b]));
+            const __m512 p = _mm512_mul_ps(_mm512_loadu_ps((const float *)dz), _mm512_set1_ps(r->dx[b]));
             acc = _mm512_fmadd_ps(p, _mm512_cvtepi32_ps(is), acc);
-            if (j->mins) acc = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)(rec + REC_PLAIN)), _mm512_set1_ps(r->sx[b]), acc);
+            if (j->mins) acc = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)(dz + 80)), _mm512_set1_ps(r->sx[b]), acc);
         }
         float out[TILE];
         _mm512_storeu_ps(out, acc);
@@ -142,35 +156,48 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void tile_vnni
     }
 }
 
-/* AVX2 / AVX-VNNI: 8 columns per register, two halves. `MAC(acc, u8, s8)` adds, per int32 lane, the
+/* AVX2 / AVX-VNNI: 8 columns per register, two halves. MAC(acc, u8, s8) adds per int32 lane the
  * lane's four byte products: vpdpbusd (AVX-VNNI), or vpmaddubsw + vpmaddwd (AVX2: a pair of
- * products is at most 2 * 15 * 127 in absolute value, so the 16-bit sums never saturate). */
+ * products is at most 2 * 15 * 127 for 4-bit levels, so the 16-bit sums never saturate). 8-bit
+ * levels (up to 255) could saturate vpmaddubsw, so they are taken signed, q - 128, through the
+ * sign trick (|q - 128| times x with q - 128's sign: pairs at most 2 * 128 * 127), and z - 128
+ * is subtracted instead of z; both sums are the exact integer. */
 #define TILE256(NAME, TARGET, MAC)                                                                               \
     __attribute__((target(TARGET))) static void NAME(const Job *j, int64_t tile) {                              \
-        const __m256i m4 = _mm256_set1_epi8(15);                                                                 \
+        const __m256i m4 = _mm256_set1_epi8(15), bias = _mm256_set1_epi8((char)0x80);                           \
+        const int zoff = j->bits == 8 ? 128 : 0;                                                                 \
         for (int64_t t = 0; t < j->T; t++) {                                                                     \
             const Row *r = &j->rows[t];                                                                          \
             __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                                         \
             for (int64_t b = 0; b < j->nb; b++) {                                                                \
-                const uint8_t *rec = record(j, tile, b);                                                         \
-                if (b + 1 < j->nb) __builtin_prefetch(rec + j->rec + LEVELS);                                    \
+                const uint8_t *rec = record(j, tile, b), *dz = rec + j->lv;                                      \
+                if (b + 1 < j->nb) __builtin_prefetch(rec + j->rec + j->lv);                                     \
                 const int8_t *x = r->xq + b * QB;                                                                \
                 const __m256 dx = _mm256_set1_ps(r->dx[b]), sx = _mm256_set1_ps(r->sx[b]);                       \
                 const __m256i sq = _mm256_set1_epi32(r->sq[b]);                                                  \
                 for (int h = 0; h < 2; h++) {                                                                    \
                     __m256i sl = _mm256_setzero_si256(), sh = _mm256_setzero_si256();                            \
-                    for (int i = 0; i < 4; i++) {                                                                \
-                        const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 64 * i + 32 * h));          \
-                        sl = MAC(sl, _mm256_and_si256(v, m4), _mm256_set1_epi32(load32(x + 4 * i)));             \
-                        sh = MAC(sh, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4),                              \
-                                 _mm256_set1_epi32(load32(x + 16 + 4 * i)));                                     \
-                    }                                                                                            \
-                    const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(rec + LEVELS + 64 + 8 * h))); \
+                    if (j->bits == 4)                                                                            \
+                        for (int i = 0; i < 4; i++) {                                                            \
+                            const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 64 * i + 32 * h));      \
+                            sl = MAC(sl, _mm256_and_si256(v, m4), _mm256_set1_epi32(load32(x + 4 * i)));         \
+                            sh = MAC(sh, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4),                          \
+                                     _mm256_set1_epi32(load32(x + 16 + 4 * i)));                                 \
+                        }                                                                                        \
+                    else                                                                                         \
+                        for (int i = 0; i < 8; i++) {                                                            \
+                            const __m256i v = _mm256_xor_si256(                                                  \
+                                _mm256_loadu_si256((const __m256i *)(rec + 64 * i + 32 * h)), bias);             \
+                            const __m256i xv = _mm256_set1_epi32(load32(x + 4 * i));                             \
+                            sl = MAC(sl, _mm256_abs_epi8(v), _mm256_sign_epi8(xv, v));                           \
+                        }                                                                                        \
+                    const __m256i z = _mm256_sub_epi32(                                                          \
+                        _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(dz + 64 + 8 * h))),               \
+                        _mm256_set1_epi32(zoff));                                                                \
                     const __m256i is = _mm256_sub_epi32(_mm256_add_epi32(sl, sh), _mm256_mullo_epi32(z, sq));     \
-                    const __m256 p = _mm256_mul_ps(_mm256_loadu_ps((const float *)(rec + LEVELS) + 8 * h), dx);   \
+                    const __m256 p = _mm256_mul_ps(_mm256_loadu_ps((const float *)dz + 8 * h), dx);              \
                     acc[h] = _mm256_fmadd_ps(p, _mm256_cvtepi32_ps(is), acc[h]);                                 \
-                    if (j->mins)                                                                                 \
-                        acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)(rec + REC_PLAIN) + 8 * h), sx, acc[h]); \
+                    if (j->mins) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)(dz + 80) + 8 * h), sx, acc[h]); \
                 }                                                                                                \
             }                                                                                                    \
             float out[TILE];                                                                                     \
@@ -187,37 +214,47 @@ TILE256(tile_avx2, "avx2,fma", MAC_AVX2)
 
 #ifdef EDGE_ARM
 /* NEON with the dot-product extension (Cortex-A76 and later): 4 columns per register; sdot's lane
- * form multiplies each column's 4 levels by the same 4 activations (levels 0..15 are valid signed
- * bytes). */
+ * form multiplies each column's 4 levels by the same 4 activations. sdot is signed: 4-bit levels
+ * (0..15) are valid signed bytes; 8-bit levels are taken as q - 128 and z - 128 subtracted. */
 #define SDOT4(s, v, xl, xh, i)                                                                      \
     do {                                                                                            \
         s = vdotq_laneq_s32(s, vreinterpretq_s8_u8(vandq_u8(v, m4)), xl, i);                        \
         s = vdotq_laneq_s32(s, vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), xh, i);                       \
     } while (0)
+#define SDOT8(s, p, x, i) s = vdotq_laneq_s32(s, vreinterpretq_s8_u8(veorq_u8(vld1q_u8(p), bias)), x, i)
 __attribute__((target("arch=armv8.2-a+dotprod"))) static void tile_sdot(const Job *j, int64_t tile) {
-    const uint8x16_t m4 = vdupq_n_u8(15);
+    const uint8x16_t m4 = vdupq_n_u8(15), bias = vdupq_n_u8(0x80);
+    const int32x4_t zoff = vdupq_n_s32(j->bits == 8 ? 128 : 0);
     for (int64_t t = 0; t < j->T; t++) {
         const Row *r = &j->rows[t];
         float32x4_t acc[4] = {vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0)};
         for (int64_t b = 0; b < j->nb; b++) {
-            const uint8_t *rec = record(j, tile, b);
-            if (b + 1 < j->nb) __builtin_prefetch(rec + j->rec + LEVELS);
+            const uint8_t *rec = record(j, tile, b), *dz = rec + j->lv;
+            if (b + 1 < j->nb) __builtin_prefetch(rec + j->rec + j->lv);
             const int8x16_t xl = vld1q_s8(r->xq + b * QB), xh = vld1q_s8(r->xq + b * QB + 16);
             const float32x4_t dx = vdupq_n_f32(r->dx[b]), sx = vdupq_n_f32(r->sx[b]);
             const int32x4_t sq = vdupq_n_s32(r->sq[b]);
-            const uint16x8_t z16 = vmovl_u8(vld1_u8(rec + LEVELS + 64)), z16h = vmovl_u8(vld1_u8(rec + LEVELS + 72));
+            const uint16x8_t z16 = vmovl_u8(vld1_u8(dz + 64)), z16h = vmovl_u8(vld1_u8(dz + 72));
             const uint32x4_t zs[4] = {vmovl_u16(vget_low_u16(z16)), vmovl_u16(vget_high_u16(z16)),
                                       vmovl_u16(vget_low_u16(z16h)), vmovl_u16(vget_high_u16(z16h))};
             for (int g = 0; g < 4; g++) {
                 int32x4_t s = vdupq_n_s32(0);
-                SDOT4(s, vld1q_u8(rec + 16 * g), xl, xh, 0);
-                SDOT4(s, vld1q_u8(rec + 64 + 16 * g), xl, xh, 1);
-                SDOT4(s, vld1q_u8(rec + 128 + 16 * g), xl, xh, 2);
-                SDOT4(s, vld1q_u8(rec + 192 + 16 * g), xl, xh, 3);
-                const int32x4_t is = vsubq_s32(s, vmulq_s32(vreinterpretq_s32_u32(zs[g]), sq));
-                const float32x4_t p = vmulq_f32(vld1q_f32((const float *)(rec + LEVELS) + 4 * g), dx);
-                acc[g] = vfmaq_f32(acc[g], p, vcvtq_f32_s32(is));
-                if (j->mins) acc[g] = vfmaq_f32(acc[g], vld1q_f32((const float *)(rec + REC_PLAIN) + 4 * g), sx);
+                const uint8_t *p = rec + 16 * g;
+                if (j->bits == 4) {
+                    SDOT4(s, vld1q_u8(p), xl, xh, 0);
+                    SDOT4(s, vld1q_u8(p + 64), xl, xh, 1);
+                    SDOT4(s, vld1q_u8(p + 128), xl, xh, 2);
+                    SDOT4(s, vld1q_u8(p + 192), xl, xh, 3);
+                } else {
+                    SDOT8(s, p, xl, 0), SDOT8(s, p + 64, xl, 1), SDOT8(s, p + 128, xl, 2), SDOT8(s, p + 192, xl, 3);
+                    SDOT8(s, p + 256, xh, 0), SDOT8(s, p + 320, xh, 1), SDOT8(s, p + 384, xh, 2);
+                    SDOT8(s, p + 448, xh, 3);
+                }
+                const int32x4_t z = vsubq_s32(vreinterpretq_s32_u32(zs[g]), zoff);
+                const int32x4_t is = vsubq_s32(s, vmulq_s32(z, sq));
+                const float32x4_t pd = vmulq_f32(vld1q_f32((const float *)dz + 4 * g), dx);
+                acc[g] = vfmaq_f32(acc[g], pd, vcvtq_f32_s32(is));
+                if (j->mins) acc[g] = vfmaq_f32(acc[g], vld1q_f32((const float *)(dz + 80) + 4 * g), sx);
             }
         }
         float out[TILE];
@@ -341,11 +378,11 @@ static Row *quantize_rows(const float *x, int64_t T, int64_t K, uint8_t *work) {
     return rows;
 }
 
-static int job_init(Job *j, const float *x, const uint8_t *blocks, int64_t T, int64_t K, int64_t N, int mins,
-                    float *y, uint8_t *work) {
-    if (T < 1 || K < QB || K % QB || N < 1) return -1;
-    j->blocks = blocks, j->T = T, j->N = N, j->nb = K / QB, j->mins = mins, j->y = y;
-    j->rec = mins ? REC_MINS : REC_PLAIN;
+static int job_init(Job *j, const float *x, const uint8_t *blocks, int64_t T, int64_t K, int64_t N, int bits,
+                    int mins, float *y, uint8_t *work) {
+    if (T < 1 || K < QB || K % QB || N < 1 || (bits != 4 && bits != 8)) return -1;
+    j->blocks = blocks, j->T = T, j->N = N, j->nb = K / QB, j->bits = bits, j->mins = mins, j->y = y;
+    j->lv = 16 * 4 * bits, j->rec = rec_bytes(bits, mins);
     j->rows = quantize_rows(x, T, K, work);
     return 0;
 }
@@ -359,22 +396,22 @@ static int64_t n_tiles(int64_t N) { return (N + TILE - 1) / TILE; }
 
 /* y (T, N) = x (T, K) @ W, W as records (see the top); on the calling thread. work:
  * edge_qmatmul_work_size(T, K) bytes. Returns 0, or -1 on bad sizes. */
-int edge_qmatmul(const float *x, const uint8_t *blocks, int64_t T, int64_t K, int64_t N, int mins, float *y,
-                 uint8_t *work) {
+int edge_qmatmul(const float *x, const uint8_t *blocks, int64_t T, int64_t K, int64_t N, int bits, int mins,
+                 float *y, uint8_t *work) {
     Job j;
-    if (job_init(&j, x, blocks, T, K, N, mins, y, work) != 0) return -1;
+    if (job_init(&j, x, blocks, T, K, N, bits, mins, y, work) != 0) return -1;
     for (int64_t t = 0; t < n_tiles(N); t++) job_item(&j, (size_t)t);
     return 0;
 }
 
-/* ---- the onnxruntime operator ai.edge_llm.MatMulQ4 ----------------------------------------------
+/* ---- the onnxruntime operator ai.edge_llm.MatMulQ ----------------------------------------------
  * inputs   x (T, K) float, blocks (tiles, K / 32, record bytes) uint8
- * output   y (T, N) float                   attributes  N, K, mins (0 or 1)  (int64) */
+ * output   y (T, N) float                   attributes  N, K, bits (4 or 8), mins (0 or 1)  (int64) */
 static const OrtApi *ort;
 
 typedef struct {
-    int64_t N, K, mins;
-} MatMulQ4;
+    int64_t N, K, bits, mins;
+} MatMulQ;
 
 #define CHECK(expr)                  \
     do {                             \
@@ -391,7 +428,7 @@ static OrtStatusPtr input(OrtKernelContext *ctx, size_t index, const void **data
     CHECK(ort->KernelContext_GetInput(ctx, index, &value));
     CHECK(ort->GetTensorTypeAndShape(value, &info));
     OrtStatusPtr st = ort->GetDimensionsCount(info, &n);
-    if (st == NULL && n != rank) st = fail("MatMulQ4: x must be 2-D and blocks 3-D");
+    if (st == NULL && n != rank) st = fail("MatMulQ: x must be 2-D and blocks 3-D");
     if (st == NULL) st = ort->GetDimensions(info, dims, rank);
     ort->ReleaseTensorTypeAndShapeInfo(info);
     CHECK(st);
@@ -400,13 +437,16 @@ static OrtStatusPtr input(OrtKernelContext *ctx, size_t index, const void **data
 
 static OrtStatusPtr op_create(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info, void **out) {
     (void)op;
-    MatMulQ4 *a = calloc(1, sizeof *a);
-    if (a == NULL) return api->CreateStatus(ORT_FAIL, "MatMulQ4: out of memory");
+    MatMulQ *a = calloc(1, sizeof *a);
+    if (a == NULL) return api->CreateStatus(ORT_FAIL, "MatMulQ: out of memory");
     OrtStatusPtr st = api->KernelInfoGetAttribute_int64(info, "N", &a->N);
     if (st == NULL) st = api->KernelInfoGetAttribute_int64(info, "K", &a->K);
+    if (st == NULL) st = api->KernelInfoGetAttribute_int64(info, "bits", &a->bits);
     if (st == NULL) st = api->KernelInfoGetAttribute_int64(info, "mins", &a->mins);
-    if (st == NULL && (a->N < 1 || a->K < QB || a->K % QB || (a->mins != 0 && a->mins != 1)))
-        st = api->CreateStatus(ORT_INVALID_ARGUMENT, "MatMulQ4: N >= 1, K a positive multiple of 32, mins 0 or 1");
+    if (st == NULL && (a->N < 1 || a->K < QB || a->K % QB || (a->bits != 4 && a->bits != 8) ||
+                       (a->mins != 0 && a->mins != 1)))
+        st = api->CreateStatus(ORT_INVALID_ARGUMENT,
+                               "MatMulQ: N >= 1, K a positive multiple of 32, bits 4 or 8, mins 0 or 1");
     if (st != NULL) {
         free(a);
         return st;
@@ -416,32 +456,32 @@ static OrtStatusPtr op_create(const OrtCustomOp *op, const OrtApi *api, const Or
 }
 
 static OrtStatusPtr op_compute(void *kernel, OrtKernelContext *ctx) {
-    const MatMulQ4 *a = (const MatMulQ4 *)kernel;
+    const MatMulQ *a = (const MatMulQ *)kernel;
     const float *x;
     const uint8_t *blocks;
     int64_t xd[2], bd[3];
     CHECK(input(ctx, 0, (const void **)&x, xd, 2));
     CHECK(input(ctx, 1, (const void **)&blocks, bd, 3));
     const int64_t T = xd[0];
-    if (T < 1 || xd[1] != a->K) return fail("MatMulQ4: x must be (T >= 1, K)");
-    if (bd[0] != n_tiles(a->N) || bd[1] != a->K / QB || bd[2] != (a->mins ? REC_MINS : REC_PLAIN))
-        return fail("MatMulQ4: blocks must be (ceil(N / 16), K / 32, 336 or 400 with mins)");
+    if (T < 1 || xd[1] != a->K) return fail("MatMulQ: x must be (T >= 1, K)");
+    if (bd[0] != n_tiles(a->N) || bd[1] != a->K / QB || bd[2] != rec_bytes((int)a->bits, (int)a->mins))
+        return fail("MatMulQ: blocks must be (ceil(N / 16), K / 32, 64 bits + 80, + 64 with mins)");
     OrtValue *out_value;
     float *y;
     const int64_t od[2] = {T, a->N};
     CHECK(ort->KernelContext_GetOutput(ctx, 0, od, 2, &out_value));
     CHECK(ort->GetTensorMutableData(out_value, (void **)&y));
     uint8_t *work = malloc((size_t)edge_qmatmul_work_size(T, a->K));
-    if (work == NULL) return ort->CreateStatus(ORT_FAIL, "MatMulQ4: out of memory");
+    if (work == NULL) return ort->CreateStatus(ORT_FAIL, "MatMulQ: out of memory");
     Job j;
-    job_init(&j, x, blocks, T, a->K, a->N, (int)a->mins, y, work);
+    job_init(&j, x, blocks, T, a->K, a->N, (int)a->bits, (int)a->mins, y, work);
     OrtStatusPtr st = ort->KernelContext_ParallelFor(ctx, job_item, (size_t)n_tiles(a->N), 0, &j);
     free(work);
     return st;
 }
 
 static void op_destroy(void *kernel) { free(kernel); }
-static const char *op_name(const OrtCustomOp *op) { (void)op; return "MatMulQ4"; }
+static const char *op_name(const OrtCustomOp *op) { (void)op; return "MatMulQ"; }
 static const char *op_provider(const OrtCustomOp *op) { (void)op; return NULL; }
 static ONNXTensorElementDataType op_in_type(const OrtCustomOp *op, size_t i) {
     (void)op;
@@ -462,7 +502,7 @@ static int op_one(const OrtCustomOp *op) { (void)op; return 1; }
 static int op_since(const OrtCustomOp *op) { (void)op; return 1; }
 static int op_until(const OrtCustomOp *op) { (void)op; return 2147483647; }
 
-static OrtCustomOp matmul_q4_op = {
+static OrtCustomOp matmul_q_op = {
     .version = ORT_API_VERSION,
     .GetName = op_name,
     .GetExecutionProviderType = op_provider,
@@ -488,5 +528,5 @@ static OrtCustomOp matmul_q4_op = {
 OrtCustomOp *edge_qmatmul_op(const OrtApi *api) {
     ort = api;
     (void)path();
-    return &matmul_q4_op;
+    return &matmul_q_op;
 }

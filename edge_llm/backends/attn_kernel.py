@@ -1,5 +1,5 @@
 """cpu-q's operator library: `ai.edge_llm.AttnRow` (backends/_attn.c, attention over the cache's
-rows) and `ai.edge_llm.MatMulQ4` (backends/_qmatmul.c, the 4-bit linears): where it is, what it runs.
+rows) and `ai.edge_llm.MatMulQ` (backends/_qmatmul.c, the 4-bit linears): where it is, what it runs.
 
 `pip install` builds both files (setup.py) into one shared library next to this file: an
 onnxruntime custom operator library, registered into the decode graph's session options
@@ -21,7 +21,7 @@ from typing import Any
 
 OPS_DOMAIN = "ai.edge_llm"
 ATTN_DOMAIN, ATTN_OP = OPS_DOMAIN, "AttnRow"
-QMATMUL_OP = "MatMulQ4"  # _qmatmul.c, the decode graph's 4-bit linears
+QMATMUL_OP = "MatMulQ"  # _qmatmul.c, the decode graph's 4- and 8-bit linears
 
 
 def library_path() -> Path | None:
@@ -48,7 +48,7 @@ def library() -> ctypes.CDLL | None:
     lib.edge_attn_rows_work_size.restype = I64
     lib.edge_attn_work_size.argtypes = [I64, I, I]
     lib.edge_attn_work_size.restype = I64
-    lib.edge_qmatmul.argtypes = [P, P, I64, I64, I64, I, P, P]
+    lib.edge_qmatmul.argtypes = [P, P, I64, I64, I64, I, I, P, P]
     lib.edge_qmatmul.restype = I
     lib.edge_qmatmul_work_size.argtypes = [I64, I64]
     lib.edge_qmatmul_work_size.restype = I64
@@ -67,7 +67,7 @@ def isa() -> str:
 
 
 def qmatmul_isa() -> str:
-    """MatMulQ4's path on this CPU: avx512vnni, avxvnni, avx2, sdot or c."""
+    """MatMulQ's path on this CPU: avx512vnni, avxvnni, avx2, sdot or c."""
     lib = library()
     return "none" if lib is None else lib.edge_qmatmul_isa().decode()
 

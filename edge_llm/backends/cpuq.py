@@ -55,7 +55,7 @@ MODES = {"q4": QuantMode("q4", 4, BLOCK, 4)}
 TARGET = "onnxruntime-cpu"
 # what a quantized graph directory holds; older directories are rebuilt on first use
 # (2: the decode graph's attention is the AttnRow operator, backends/_attn.c; 3: the decode graph
-# takes T rows, a verify forward of speculative decoding; 4: its 4-bit linears are the MatMulQ4
+# takes T rows, a verify forward of speculative decoding; 4: its 4-bit linears are the MatMulQ
 # operator, backends/_qmatmul.c)
 QUANT_FORMAT = 4
 # onnxruntime's pool threads spin between runs by default; here numpy (attention) runs between
@@ -210,7 +210,7 @@ def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], N
     m = export_graph_set(model_dir, out, chunks=None, linear=linear, norm=rms_norm_op, fused=True, unfused=deepstack,
                          progress=(lambda s: progress(f"quantizing {s.name}")) if progress else None,
                          target=TARGET, dtype=qm.label)
-    # the same weights again, in one graph, its 4-bit linears as MatMulQ4 (reported once, above)
+    # the same weights again, in one graph, its 4-bit linears as MatMulQ (reported once, above)
     row_linear = QuantLinear(args, blocks, qm.bits, qm.block, qm.accuracy_level, row_op=True)
     e = export_decode(model_dir, out / "onnx", row_linear,
                       progress=(lambda s: progress(f"quantizing the decode graph: {s}")) if progress else None)

@@ -11,8 +11,8 @@ are quantized to the mode's bit width ("re-quantized"). `report` lists the decis
 Graph form of one weight: `MatMulNBits(x, B, scales[, zero_points])`, plus
 `ReduceSum(Reshape(x, (T, K/block, block))) @ mins` when the blocks carry a float minimum (Q4_1).
 The decode graph's linears (`QuantLinear(row_op=True)`) are instead one node of our own,
-`ai.edge_llm.MatMulQ4` (backends/_qmatmul.c), when the weight is 4-bit in 32-blocks: the same
-blocks, regrouped into its records (`q4_records`), the minimum included. It is faster for the
+`ai.edge_llm.MatMulQ` (backends/_qmatmul.c), when the weight is 4- or 8-bit in 32-blocks: the same
+blocks, regrouped into its records (`qmatmul_records`), the minimum included. It is faster for the
 few rows of a decode step and gives the same bits on every CPU; prefill keeps `MatMulNBits`
 (docs/quantization.md, "The weight operator").
 """
@@ -54,7 +54,7 @@ class QuantLinear:
     def __init__(self, args: ModelArgs, source: BlockSource | None, bits: int, block: int, accuracy_level: int,
                  row_op: bool = False):
         self.args, self.bits, self.block, self.accuracy_level = args, bits, block, accuracy_level
-        self.row_op = row_op  # MatMulQ4 where it holds the weight (the decode graph)
+        self.row_op = row_op  # MatMulQ where it holds the weight (the decode graph)
         self.report: list[dict[str, Any]] = []
         self.source = source
 
@@ -63,7 +63,7 @@ class QuantLinear:
                  key: WeightKey) -> str:
         qw = center(self.weight(w, key))
         o = out if bias is None else None
-        y = write_q4(g, x, qw, o) if self.row_op and q4_holds(qw) else write_nbits(g, x, qw, self.accuracy_level, o)
+        y = write_qmatmul(g, x, qw, o) if self.row_op and qmatmul_holds(qw) else write_nbits(g, x, qw, self.accuracy_level, o)
         return y if bias is None else g.op("Add", [y, g.const("b", bias)], out=out)
 
     # ---- choosing the blocks ----------------------------------------------------------------
@@ -127,42 +127,46 @@ def write_nbits(g: GraphBuilder, x: str, qw: QuantWeight, accuracy_level: int, o
     return g.op("Add", [y, g.op("MatMul", [sums, g.const("mins", qw.mins)])], out=out)
 
 
-# ---- MatMulQ4's records (the layout is described at the top of backends/_qmatmul.c) ----------------
-Q4_TILE, Q4_LEVELS = 16, 256  # columns per record; bytes of their levels
+# ---- MatMulQ's records (the layout is described at the top of backends/_qmatmul.c) -----------------
+QMATMUL_TILE = 16  # columns per record
 
 
-def q4_holds(qw: QuantWeight) -> bool:
-    return qw.bits == 4 and qw.block == 32 and qw.K % 32 == 0
+def qmatmul_holds(qw: QuantWeight) -> bool:
+    return qw.bits in (4, 8) and qw.block == 32 and qw.K % 32 == 0
 
 
-def q4_records(qw: QuantWeight) -> np.ndarray:
-    """(ceil(N / 16), K / 32, 336 or 400) uint8: per 16 columns and block, the columns' levels
-    (byte 64 i + 4 c + u = column c's q[4 i + u] | q[16 + 4 i + u] << 4), d (float32), z (uint8)
-    and, if any, m (float32); columns
-    past N are zero. Little-endian floats, as on x86-64 and aarch64."""
-    if not q4_holds(qw):
-        raise ValueError("MatMulQ4 holds 4-bit weights in 32-blocks along K")
-    N, nb, T = qw.N, qw.n_blocks, Q4_TILE
+def qmatmul_records(qw: QuantWeight) -> np.ndarray:
+    """(ceil(N / 16), K / 32, 64 bits + 80 [+ 64 with mins]) uint8: per 16 columns and block, the
+    columns' levels (4-bit: byte 64 i + 4 c + u = column c's q[4 i + u] | q[16 + 4 i + u] << 4;
+    8-bit: q[4 i + u]), d (float32), z (uint8) and, if any, m (float32); columns past N are zero.
+    Little-endian floats, as on x86-64 and aarch64."""
+    if not qmatmul_holds(qw):
+        raise ValueError("MatMulQ holds 4- or 8-bit weights in 32-blocks along K")
+    N, nb, T = qw.N, qw.n_blocks, QMATMUL_TILE
     tiles, pad = -(-N // T), -N % T
 
-    def per_tile(a: np.ndarray) -> np.ndarray:  # (N, nb, w) -> (tiles, nb, 16 * w) bytes
-        a = np.pad(a, ((0, pad), (0, 0), (0, 0)))
-        return np.ascontiguousarray(a.reshape(tiles, T, nb, -1).transpose(0, 2, 1, 3)).view(np.uint8).reshape(
-            tiles, nb, -1)
+    def per_tile(a: np.ndarray) -> np.ndarray:  # (N, nb, ...) -> (tiles, nb, 16 columns, ...) as bytes
+        a = np.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1))
+        a = a.reshape(tiles, T, nb, -1).transpose(0, 2, 1, 3)
+        return np.ascontiguousarray(a).view(np.uint8).reshape(tiles, nb, -1)
 
-    lv = (qw.q[..., :16] | (qw.q[..., 16:] << 4)).astype(np.uint8).reshape(N, nb, 4, 4)  # (n, b, i, u)
-    lv = np.pad(lv, ((0, pad), (0, 0), (0, 0), (0, 0))).reshape(tiles, T, nb, 4, 4).transpose(0, 2, 3, 1, 4)
-    parts = [np.ascontiguousarray(lv).reshape(tiles, nb, Q4_LEVELS),  # byte 64 i + 4 c + u
+    if qw.bits == 4:
+        lv = (qw.q[..., :16] | (qw.q[..., 16:] << 4)).astype(np.uint8).reshape(N, nb, 4, 4)  # (n, b, i, u)
+    else:
+        lv = qw.q.astype(np.uint8).reshape(N, nb, 8, 4)
+    i = lv.shape[2]
+    lv = np.pad(lv, ((0, pad), (0, 0), (0, 0), (0, 0))).reshape(tiles, T, nb, i, 4).transpose(0, 2, 3, 1, 4)
+    parts = [np.ascontiguousarray(lv).reshape(tiles, nb, 64 * qw.bits),  # byte 64 i + 4 c + u
              per_tile(qw.scales.astype("<f4")[..., None]), per_tile(qw.zp[..., None])]
     if qw.mins is not None:
         parts.append(per_tile(np.ascontiguousarray(qw.mins.T).astype("<f4")[..., None]))
     return np.concatenate(parts, axis=-1)
 
 
-def write_q4(g: GraphBuilder, x: str, qw: QuantWeight, out: str | None) -> str:
-    """x (T, K) @ W as one MatMulQ4 node."""
-    return g.op(QMATMUL_OP, [x, g.const("q4", q4_records(qw))], out=out, domain=OPS_DOMAIN, N=qw.N, K=qw.K,
-                mins=int(qw.mins is not None))
+def write_qmatmul(g: GraphBuilder, x: str, qw: QuantWeight, out: str | None) -> str:
+    """x (T, K) @ W as one MatMulQ node."""
+    return g.op(QMATMUL_OP, [x, g.const("qblocks", qmatmul_records(qw))], out=out, domain=OPS_DOMAIN, N=qw.N,
+                K=qw.K, bits=qw.bits, mins=int(qw.mins is not None))
 
 
 def summarize(report: list[dict[str, Any]]) -> dict[str, Any]:
