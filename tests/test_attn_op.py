@@ -140,7 +140,8 @@ def test_x86_clones_each_built_alone(tmp_path, march, flag):
     exe = tmp_path / "attn_check"
     build = subprocess.run(["gcc", "-O3", "-fopenmp-simd", "-Wno-psabi", "-Wall", "-Werror", f"-march={march}",
                             "-DEDGE_ATTN_ONE_ISA", f"-I{repo / 'third_party/onnxruntime/include'}", "-o", str(exe),
-                            str(repo / "tests/c/attn_check.c"), str(repo / "edge_llm/backends/_attn.c"), "-lm"],
+                            str(repo / "tests/c/attn_check.c"), str(repo / "edge_llm/backends/_attn.c"),
+                            str(repo / "edge_llm/backends/_qmatmul.c"), "-lm"],
                            capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
@@ -164,7 +165,8 @@ def test_aarch64_neon_build_under_qemu(tmp_path):
     exe = tmp_path / "attn_check"
     build = subprocess.run([cc, "-O3", "-fopenmp-simd", "-Wno-psabi", "-Wall", "-Werror",
                             f"-I{repo / 'third_party/onnxruntime/include'}", "-o", str(exe),
-                            str(repo / "tests/c/attn_check.c"), str(repo / "edge_llm/backends/_attn.c"), "-lm"],
+                            str(repo / "tests/c/attn_check.c"), str(repo / "edge_llm/backends/_attn.c"),
+                            str(repo / "edge_llm/backends/_qmatmul.c"), "-lm"],
                            capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr
     run = subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe)], capture_output=True, text=True,
