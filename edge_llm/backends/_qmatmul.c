@@ -44,7 +44,6 @@
 #endif
 
 #define QB 32             /* weights per block */
-#define RG 8              /* rows that share one unpacking of a block's levels */
 #define TILE 16           /* columns per record */
 /* record bytes: the levels (16 columns x 32 levels x bits / 8), d, z, m if any */
 static int64_t rec_bytes(int bits, int mins) { return 16 * 4 * bits + 64 + 16 + (mins ? 64 : 0); }
@@ -120,49 +119,40 @@ static void tile_c(const Job *j, int64_t tile) {
 
 #ifdef EDGE_X86
 /* AVX-512 VNNI: the 16 columns in one register; vpdpbusd multiplies the unsigned levels by the
- * signed activations (four per lane). A block's levels are unpacked once for a group of RG rows. */
+ * signed activations (four per lane). */
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void tile_vnni512(const Job *j, int64_t tile) {
     const __m512i m4 = _mm512_set1_epi8(15);
-    for (int64_t t0 = 0; t0 < j->T; t0 += RG) {
-        const int nt = j->T - t0 < RG ? (int)(j->T - t0) : RG;
-        const Row *rows = j->rows + t0;
-        __m512 acc[RG];
-        for (int t = 0; t < nt; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < j->T; t++) {
+        const Row *r = &j->rows[t];
+        __m512 acc = _mm512_setzero_ps();
         for (int64_t b = 0; b < j->nb; b++) {
             const uint8_t *rec = record(j, tile, b), *dz = rec + j->lv;
             if (b + 1 < j->nb) __builtin_prefetch(rec + j->rec + j->lv);
-            __m512i w[8]; /* w[i] multiplies activations 4 i .. 4 i + 3 */
-            for (int i = 0; i < 4; i++) {
-                const __m512i v = _mm512_loadu_si512((const void *)(rec + 64 * i));
-                if (j->bits == 4) {
-                    w[i] = _mm512_and_si512(v, m4);
-                    w[4 + i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-                } else {
-                    w[i] = v;
-                    w[4 + i] = _mm512_loadu_si512((const void *)(rec + 256 + 64 * i));
-                }
-            }
-            const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(dz + 64)));
-            const __m512 d = _mm512_loadu_ps((const float *)dz);
-            const __m512 m = j->mins ? _mm512_loadu_ps((const float *)(dz + 80)) : _mm512_setzero_ps();
-            for (int t = 0; t < nt; t++) {
-                const int8_t *x = rows[t].xq + b * QB;
-                __m512i sl = _mm512_setzero_si512(), sh = _mm512_setzero_si512();
+            const int8_t *x = r->xq + b * QB;
+            __m512i sl = _mm512_setzero_si512(), sh = _mm512_setzero_si512();
+            if (j->bits == 4)
                 for (int i = 0; i < 4; i++) {
-                    sl = _mm512_dpbusd_epi32(sl, w[i], _mm512_set1_epi32(load32(x + 4 * i)));
-                    sh = _mm512_dpbusd_epi32(sh, w[4 + i], _mm512_set1_epi32(load32(x + 16 + 4 * i)));
+                    const __m512i v = _mm512_loadu_si512((const void *)(rec + 64 * i));
+                    sl = _mm512_dpbusd_epi32(sl, _mm512_and_si512(v, m4), _mm512_set1_epi32(load32(x + 4 * i)));
+                    sh = _mm512_dpbusd_epi32(sh, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4),
+                                             _mm512_set1_epi32(load32(x + 16 + 4 * i)));
                 }
-                const __m512i is =
-                    _mm512_sub_epi32(_mm512_add_epi32(sl, sh), _mm512_mullo_epi32(z, _mm512_set1_epi32(rows[t].sq[b])));
-                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(rows[t].dx[b])), _mm512_cvtepi32_ps(is), acc[t]);
-                if (j->mins) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(rows[t].sx[b]), acc[t]);
-            }
+            else
+                for (int i = 0; i < 4; i++) {
+                    sl = _mm512_dpbusd_epi32(sl, _mm512_loadu_si512((const void *)(rec + 64 * i)),
+                                             _mm512_set1_epi32(load32(x + 4 * i)));
+                    sh = _mm512_dpbusd_epi32(sh, _mm512_loadu_si512((const void *)(rec + 256 + 64 * i)),
+                                             _mm512_set1_epi32(load32(x + 16 + 4 * i)));
+                }
+            const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(dz + 64)));
+            const __m512i is = _mm512_sub_epi32(_mm512_add_epi32(sl, sh), _mm512_mullo_epi32(z, _mm512_set1_epi32(r->sq[b])));
+            const __m512 p = _mm512_mul_ps(_mm512_loadu_ps((const float *)dz), _mm512_set1_ps(r->dx[b]));
+            acc = _mm512_fmadd_ps(p, _mm512_cvtepi32_ps(is), acc);
+            if (j->mins) acc = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)(dz + 80)), _mm512_set1_ps(r->sx[b]), acc);
         }
-        for (int t = 0; t < nt; t++) {
-            float out[TILE];
-            _mm512_storeu_ps(out, acc[t]);
-            store_cols(j, t0 + t, tile, out);
-        }
+        float out[TILE];
+        _mm512_storeu_ps(out, acc);
+        store_cols(j, t, tile, out);
     }
 }
 
@@ -176,62 +166,44 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void tile_vnni
     __attribute__((target(TARGET))) static void NAME(const Job *j, int64_t tile) {                              \
         const __m256i m4 = _mm256_set1_epi8(15), bias = _mm256_set1_epi8((char)0x80);                           \
         const int zoff = j->bits == 8 ? 128 : 0;                                                                 \
-        for (int64_t t0 = 0; t0 < j->T; t0 += RG) {                                                              \
-            const int nt = j->T - t0 < RG ? (int)(j->T - t0) : RG;                                               \
-            const Row *rows = j->rows + t0;                                                                      \
-            __m256 acc[RG][2];                                                                                   \
-            for (int t = 0; t < nt; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();                            \
+        for (int64_t t = 0; t < j->T; t++) {                                                                     \
+            const Row *r = &j->rows[t];                                                                          \
+            __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                                         \
             for (int64_t b = 0; b < j->nb; b++) {                                                                \
                 const uint8_t *rec = record(j, tile, b), *dz = rec + j->lv;                                      \
                 if (b + 1 < j->nb) __builtin_prefetch(rec + j->rec + j->lv);                                     \
+                const int8_t *x = r->xq + b * QB;                                                                \
+                const __m256 dx = _mm256_set1_ps(r->dx[b]), sx = _mm256_set1_ps(r->sx[b]);                       \
+                const __m256i sq = _mm256_set1_epi32(r->sq[b]);                                                  \
                 for (int h = 0; h < 2; h++) {                                                                    \
-                    __m256i w[8], s[8]; /* w[i] multiplies activations 4 i .. 4 i + 3 (8-bit: |q - 128|, s: q - 128) */ \
-                    for (int i = 0; i < 4; i++) {                                                                \
-                        const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 64 * i + 32 * h));          \
-                        if (j->bits == 4) {                                                                      \
-                            w[i] = _mm256_and_si256(v, m4);                                                      \
-                            w[4 + i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);                            \
-                        } else {                                                                                 \
-                            s[i] = _mm256_xor_si256(v, bias);                                                    \
-                            s[4 + i] = _mm256_xor_si256(                                                         \
-                                _mm256_loadu_si256((const __m256i *)(rec + 256 + 64 * i + 32 * h)), bias);       \
-                            w[i] = _mm256_abs_epi8(s[i]);                                                        \
-                            w[4 + i] = _mm256_abs_epi8(s[4 + i]);                                                \
+                    __m256i sl = _mm256_setzero_si256(), sh = _mm256_setzero_si256();                            \
+                    if (j->bits == 4)                                                                            \
+                        for (int i = 0; i < 4; i++) {                                                            \
+                            const __m256i v = _mm256_loadu_si256((const __m256i *)(rec + 64 * i + 32 * h));      \
+                            sl = MAC(sl, _mm256_and_si256(v, m4), _mm256_set1_epi32(load32(x + 4 * i)));         \
+                            sh = MAC(sh, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4),                          \
+                                     _mm256_set1_epi32(load32(x + 16 + 4 * i)));                                 \
                         }                                                                                        \
-                    }                                                                                            \
+                    else                                                                                         \
+                        for (int i = 0; i < 8; i++) {                                                            \
+                            const __m256i v = _mm256_xor_si256(                                                  \
+                                _mm256_loadu_si256((const __m256i *)(rec + 64 * i + 32 * h)), bias);             \
+                            const __m256i xv = _mm256_set1_epi32(load32(x + 4 * i));                             \
+                            sl = MAC(sl, _mm256_abs_epi8(v), _mm256_sign_epi8(xv, v));                           \
+                        }                                                                                        \
                     const __m256i z = _mm256_sub_epi32(                                                          \
                         _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(dz + 64 + 8 * h))),               \
                         _mm256_set1_epi32(zoff));                                                                \
-                    const __m256 d = _mm256_loadu_ps((const float *)dz + 8 * h);                                 \
-                    const __m256 m = j->mins ? _mm256_loadu_ps((const float *)(dz + 80) + 8 * h) : _mm256_setzero_ps(); \
-                    for (int t = 0; t < nt; t++) {                                                               \
-                        const int8_t *x = rows[t].xq + b * QB;                                                   \
-                        __m256i sl = _mm256_setzero_si256(), sh = _mm256_setzero_si256();                        \
-                        for (int i = 0; i < 4; i++) {                                                            \
-                            const __m256i xl = _mm256_set1_epi32(load32(x + 4 * i));                             \
-                            const __m256i xh = _mm256_set1_epi32(load32(x + 16 + 4 * i));                        \
-                            if (j->bits == 4) {                                                                  \
-                                sl = MAC(sl, w[i], xl);                                                          \
-                                sh = MAC(sh, w[4 + i], xh);                                                      \
-                            } else {                                                                             \
-                                sl = MAC(sl, w[i], _mm256_sign_epi8(xl, s[i]));                                  \
-                                sh = MAC(sh, w[4 + i], _mm256_sign_epi8(xh, s[4 + i]));                          \
-                            }                                                                                    \
-                        }                                                                                        \
-                        const __m256i is = _mm256_sub_epi32(_mm256_add_epi32(sl, sh),                            \
-                                                            _mm256_mullo_epi32(z, _mm256_set1_epi32(rows[t].sq[b]))); \
-                        acc[t][h] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(rows[t].dx[b])),             \
-                                                    _mm256_cvtepi32_ps(is), acc[t][h]);                          \
-                        if (j->mins) acc[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(rows[t].sx[b]), acc[t][h]);   \
-                    }                                                                                            \
+                    const __m256i is = _mm256_sub_epi32(_mm256_add_epi32(sl, sh), _mm256_mullo_epi32(z, sq));     \
+                    const __m256 p = _mm256_mul_ps(_mm256_loadu_ps((const float *)dz + 8 * h), dx);              \
+                    acc[h] = _mm256_fmadd_ps(p, _mm256_cvtepi32_ps(is), acc[h]);                                 \
+                    if (j->mins) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)(dz + 80) + 8 * h), sx, acc[h]); \
                 }                                                                                                \
             }                                                                                                    \
-            for (int t = 0; t < nt; t++) {                                                                       \
-                float out[TILE];                                                                                 \
-                _mm256_storeu_ps(out, acc[t][0]);                                                                \
-                _mm256_storeu_ps(out + 8, acc[t][1]);                                                            \
-                store_cols(j, t0 + t, tile, out);                                                                \
-            }                                                                                                    \
+            float out[TILE];                                                                                     \
+            _mm256_storeu_ps(out, acc[0]);                                                                       \
+            _mm256_storeu_ps(out + 8, acc[1]);                                                                   \
+            store_cols(j, t, tile, out);                                                                         \
         }                                                                                                        \
     }
 #define MAC_VNNI(acc, a, b) _mm256_dpbusd_avx_epi32(acc, a, b)
@@ -244,54 +216,50 @@ TILE256(tile_avx2, "avx2,fma", MAC_AVX2)
 /* NEON with the dot-product extension (Cortex-A76 and later): 4 columns per register; sdot's lane
  * form multiplies each column's 4 levels by the same 4 activations. sdot is signed: 4-bit levels
  * (0..15) are valid signed bytes; 8-bit levels are taken as q - 128 and z - 128 subtracted. */
+#define SDOT4(s, v, xl, xh, i)                                                                      \
+    do {                                                                                            \
+        s = vdotq_laneq_s32(s, vreinterpretq_s8_u8(vandq_u8(v, m4)), xl, i);                        \
+        s = vdotq_laneq_s32(s, vreinterpretq_s8_u8(vshrq_n_u8(v, 4)), xh, i);                       \
+    } while (0)
+#define SDOT8(s, p, x, i) s = vdotq_laneq_s32(s, vreinterpretq_s8_u8(veorq_u8(vld1q_u8(p), bias)), x, i)
 __attribute__((target("arch=armv8.2-a+dotprod"))) static void tile_sdot(const Job *j, int64_t tile) {
     const uint8x16_t m4 = vdupq_n_u8(15), bias = vdupq_n_u8(0x80);
     const int32x4_t zoff = vdupq_n_s32(j->bits == 8 ? 128 : 0);
-    for (int64_t t0 = 0; t0 < j->T; t0 += RG) {
-        const int nt = j->T - t0 < RG ? (int)(j->T - t0) : RG;
-        const Row *rows = j->rows + t0;
-        float32x4_t acc[RG][4];
-        for (int t = 0; t < nt; t++)
-            for (int g = 0; g < 4; g++) acc[t][g] = vdupq_n_f32(0);
+    for (int64_t t = 0; t < j->T; t++) {
+        const Row *r = &j->rows[t];
+        float32x4_t acc[4] = {vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0)};
         for (int64_t b = 0; b < j->nb; b++) {
             const uint8_t *rec = record(j, tile, b), *dz = rec + j->lv;
             if (b + 1 < j->nb) __builtin_prefetch(rec + j->rec + j->lv);
+            const int8x16_t xl = vld1q_s8(r->xq + b * QB), xh = vld1q_s8(r->xq + b * QB + 16);
+            const float32x4_t dx = vdupq_n_f32(r->dx[b]), sx = vdupq_n_f32(r->sx[b]);
+            const int32x4_t sq = vdupq_n_s32(r->sq[b]);
             const uint16x8_t z16 = vmovl_u8(vld1_u8(dz + 64)), z16h = vmovl_u8(vld1_u8(dz + 72));
             const uint32x4_t zs[4] = {vmovl_u16(vget_low_u16(z16)), vmovl_u16(vget_high_u16(z16)),
                                       vmovl_u16(vget_low_u16(z16h)), vmovl_u16(vget_high_u16(z16h))};
             for (int g = 0; g < 4; g++) {
-                int8x16_t w[8]; /* w[i] multiplies activations 4 i .. 4 i + 3 */
-                for (int i = 0; i < 4; i++) {
-                    const uint8x16_t v = vld1q_u8(rec + 64 * i + 16 * g);
-                    if (j->bits == 4) {
-                        w[i] = vreinterpretq_s8_u8(vandq_u8(v, m4));
-                        w[4 + i] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
-                    } else {
-                        w[i] = vreinterpretq_s8_u8(veorq_u8(v, bias));
-                        w[4 + i] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(rec + 256 + 64 * i + 16 * g), bias));
-                    }
+                int32x4_t s = vdupq_n_s32(0);
+                const uint8_t *p = rec + 16 * g;
+                if (j->bits == 4) {
+                    SDOT4(s, vld1q_u8(p), xl, xh, 0);
+                    SDOT4(s, vld1q_u8(p + 64), xl, xh, 1);
+                    SDOT4(s, vld1q_u8(p + 128), xl, xh, 2);
+                    SDOT4(s, vld1q_u8(p + 192), xl, xh, 3);
+                } else {
+                    SDOT8(s, p, xl, 0), SDOT8(s, p + 64, xl, 1), SDOT8(s, p + 128, xl, 2), SDOT8(s, p + 192, xl, 3);
+                    SDOT8(s, p + 256, xh, 0), SDOT8(s, p + 320, xh, 1), SDOT8(s, p + 384, xh, 2);
+                    SDOT8(s, p + 448, xh, 3);
                 }
                 const int32x4_t z = vsubq_s32(vreinterpretq_s32_u32(zs[g]), zoff);
-                const float32x4_t d = vld1q_f32((const float *)dz + 4 * g);
-                const float32x4_t m = j->mins ? vld1q_f32((const float *)(dz + 80) + 4 * g) : vdupq_n_f32(0);
-                for (int t = 0; t < nt; t++) {
-                    const int8x16_t xl = vld1q_s8(rows[t].xq + b * QB), xh = vld1q_s8(rows[t].xq + b * QB + 16);
-                    int32x4_t s = vdupq_n_s32(0);
-                    s = vdotq_laneq_s32(s, w[0], xl, 0), s = vdotq_laneq_s32(s, w[1], xl, 1);
-                    s = vdotq_laneq_s32(s, w[2], xl, 2), s = vdotq_laneq_s32(s, w[3], xl, 3);
-                    s = vdotq_laneq_s32(s, w[4], xh, 0), s = vdotq_laneq_s32(s, w[5], xh, 1);
-                    s = vdotq_laneq_s32(s, w[6], xh, 2), s = vdotq_laneq_s32(s, w[7], xh, 3);
-                    const int32x4_t is = vsubq_s32(s, vmulq_s32(z, vdupq_n_s32(rows[t].sq[b])));
-                    acc[t][g] = vfmaq_f32(acc[t][g], vmulq_f32(d, vdupq_n_f32(rows[t].dx[b])), vcvtq_f32_s32(is));
-                    if (j->mins) acc[t][g] = vfmaq_f32(acc[t][g], m, vdupq_n_f32(rows[t].sx[b]));
-                }
+                const int32x4_t is = vsubq_s32(s, vmulq_s32(z, sq));
+                const float32x4_t pd = vmulq_f32(vld1q_f32((const float *)dz + 4 * g), dx);
+                acc[g] = vfmaq_f32(acc[g], pd, vcvtq_f32_s32(is));
+                if (j->mins) acc[g] = vfmaq_f32(acc[g], vld1q_f32((const float *)(dz + 80) + 4 * g), sx);
             }
         }
-        for (int t = 0; t < nt; t++) {
-            float out[TILE];
-            for (int g = 0; g < 4; g++) vst1q_f32(out + 4 * g, acc[t][g]);
-            store_cols(j, t0 + t, tile, out);
-        }
+        float out[TILE];
+        for (int g = 0; g < 4; g++) vst1q_f32(out + 4 * g, acc[g]);
+        store_cols(j, t, tile, out);
     }
 }
 #endif
