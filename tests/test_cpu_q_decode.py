@@ -25,6 +25,10 @@ from edge_llm.models.qwen3 import Model
 LOGIT_REL, ROW_REL = 0.01, 0.01
 
 
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, np.float32).view(np.uint32)
+
+
 @pytest.fixture(scope="module")
 def model(tiny_synth_dir, home):
     return Model.load(tiny_synth_dir, cpuq.open_cpu_q(tiny_synth_dir, "q4", threads=2, blocks=None))
@@ -102,12 +106,15 @@ def test_one_row_step_agrees_with_per_layer_path(model, record_property, monkeyp
     assert counted.calls == before + 16
 
 
-def test_a_verify_forward_is_the_one_row_steps_in_one_call(model, record_property, monkeypatch):
+def test_a_verify_forward_is_the_one_row_steps_in_one_call(model, monkeypatch):
     """A speculative verify forward (`decode=True`, T rows) runs the decode graph once and gives
-    each row what a one-row step after the rows before it gives: bitwise where onnxruntime's
-    MatMulNBits rounds one row as it rounds several (AVX-512 VNNI here), else within the int8
-    rounding of a different kernel (docs/quantization.md, "Bits and batches"). A prompt's rows
-    never take it (they keep a cold prefill's batches), nor more rows than it takes."""
+    each row bitwise what a one-row step after the rows before it gives, on every CPU: MatMulQ
+    computes each row alone, AttnRow row t as a one-row call (docs/quantization.md, "Bits and
+    batches"). The same holds, with the same bits, when MatMulQ runs its AVX2 path (and its C
+    path), whichever path this CPU would pick. A prompt's rows never take the decode graph (they
+    keep a cold prefill's batches), nor more rows than it takes."""
+    from edge_llm.backends import attn_kernel
+
     counted = _Counted(model.backend.row_step)
     monkeypatch.setattr(model.backend, "row_step", counted)
     cache = model.new_cache(max_seq=128)
@@ -122,14 +129,24 @@ def test_a_verify_forward_is_the_one_row_steps_in_one_call(model, record_propert
     verify_rows = cache.data[:, :, S:S + len(toks)]
     logit_rel = max(float(np.abs(r - p).max() / np.abs(p).max()) for r, p in zip(rows, steps))
     row_rel = float(np.abs(verify_rows - step_rows).max() / np.abs(step_rows).max())
-    record_property("verify_bitwise", bool(np.array_equal(rows, np.stack(steps))))
     print(f"verify vs one-row steps: logits {logit_rel:.2e}, K/V rows {row_rel:.2e} of max")
-    assert logit_rel <= LOGIT_REL and row_rel <= ROW_REL
-    assert [int(np.argmax(r)) for r in rows] == [int(np.argmax(p)) for p in steps]
+    assert np.array_equal(_bits(rows), _bits(np.stack(steps)))
+    assert np.array_equal(_bits(verify_rows), _bits(step_rows))
+    lib, native = attn_kernel.library(), attn_kernel.qmatmul_isa()
+    try:
+        for isa in ("avx2", "c"):
+            if lib.edge_qmatmul_force(isa.encode()) != 0:
+                continue
+            cache.truncate(S)
+            assert np.array_equal(_bits(model.forward(toks, cache, all_logits=True, decode=True)), _bits(rows)), isa
+            assert np.array_equal(_bits(cache.data[:, :, S:S + len(toks)]), _bits(step_rows)), isa
+    finally:
+        lib.edge_qmatmul_force(native.encode())
     cache.truncate(S)
+    calls = counted.calls
     model.forward(toks, cache, all_logits=True)  # a prompt's rows: the per-layer graphs
     model.forward(list(range(7, 7 + counted.max_rows + 1)), cache, decode=True)  # too many rows for a call
-    assert counted.calls == calls + 1
+    assert counted.calls == calls
 
 
 def test_cached_rows_are_read_in_place_and_never_written(model):
@@ -212,7 +229,7 @@ def test_decode_graph_setting_off_has_its_own_numerics(model, tiny_synth_dir, ho
     assert on.numerics == model.numerics and off.numerics != on.numerics
 
 
-def test_attention_is_the_attnrow_operator_and_old_directories_are_rebuilt(model, tiny_synth_dir, home, tmp_path,
+def test_attention_and_linears_are_our_operators_and_old_directories_are_rebuilt(model, tiny_synth_dir, home, tmp_path,
                                                                            monkeypatch):
     """The decode graph's attention is one `ai.edge_llm.AttnRow` node per layer (backends/_attn.c)
     and the numerics names its code path; a graph directory of the previous format (attention
@@ -228,6 +245,10 @@ def test_attention_is_the_attnrow_operator_and_old_directories_are_rebuilt(model
     ops = [n.op_type for n in graph.graph.node]
     assert ops.count(attn_kernel.ATTN_OP) == model.args.num_hidden_layers
     assert "Softmax" not in ops and "Tile" not in ops
+    # every linear (q/k/v, o, gate/up, down per layer, the head) is MatMulQ; no MatMulNBits and
+    # no block-sum term of a float minimum
+    assert ops.count(attn_kernel.QMATMUL_OP) == 4 * model.args.num_hidden_layers + 1
+    assert "MatMulNBits" not in ops and "ReduceSum" not in ops
     assert model.numerics.endswith(f":attn-{attn_kernel.isa()}")
 
     old = tmp_path / "home"

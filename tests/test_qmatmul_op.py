@@ -201,3 +201,27 @@ def test_aarch64_build_under_qemu_gives_the_same_bits(layer0, tmp_path):
         got = np.fromfile(tmp_path / "out.bin", np.float32).reshape(2, len(x), qw.N)
         ref = qmatmul(x, qw, rec)
         assert np.array_equal(bits(got[0]), bits(ref)) and np.array_equal(bits(got[1]), bits(ref)), which
+
+
+def test_the_path_can_be_named_for_a_benchmark():
+    """EDGE_QMATMUL_ISA picks a path the CPU has (benchmarks of AVX2 on an AVX-512 machine); a path
+    it lacks, or an unknown name, leaves the CPU's own choice."""
+    import sys
+
+    have = [p for p in PATHS if p != "sdot"]
+    code = "from edge_llm.backends import attn_kernel; print(attn_kernel.qmatmul_isa())"
+
+    def isa(env: str) -> str:
+        import os
+
+        r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "EDGE_QMATMUL_ISA": env},
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip()
+
+    native = isa("")
+    assert native in have
+    assert isa("c") == "c" and isa("no-such-path") == native
+    if native != "c" and LIB.edge_qmatmul_force(b"avx2") == 0:
+        assert isa("avx2") == "avx2"
+    LIB.edge_qmatmul_force(native.encode())
