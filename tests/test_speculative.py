@@ -91,6 +91,17 @@ def test_greedy_drafting_is_plain_greedy_in_fewer_forwards(default_model, backen
     assert t.decode_forwards < off.timings.decode_forwards
     assert_same_or_near_tie(eng, ids, off.completion_ids, on.completion_ids, SamplingParams())
     assert "40 crates of copper wire" in text_on
+    if backend == "cpu-q":  # a verify row is bitwise a plain step's on every CPU: the same text, exactly
+        from edge_llm.backends import attn_kernel
+
+        assert on.completion_ids == off.completion_ids
+        lib, native = attn_kernel.library(), attn_kernel.qmatmul_isa()
+        try:  # and MatMulQ's AVX2 path (when this CPU has it) gives the very same answer
+            if lib.edge_qmatmul_force(b"avx2") == 0:
+                eng.cache.reset()
+                assert run(eng, ids, max_tokens=40)[1].completion_ids == on.completion_ids
+        finally:
+            lib.edge_qmatmul_force(native.encode())
 
 
 def test_seeded_sampling_with_drafting_samples_plain_tokens(default_model):
