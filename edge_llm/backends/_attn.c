@@ -26,7 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "onnxruntime_c_api.h"
+#include "_ortop.h"
 
 #define CHUNK 256  /* rows per chunk: changing it changes the bits (it is in the numerics) */
 #define PREFETCH 8 /* rows ahead */
@@ -371,12 +371,6 @@ typedef struct {
     int64_t H, n_kv;
 } AttnRow;
 
-#define CHECK(expr)                    \
-    do {                               \
-        OrtStatusPtr st_ = (expr);     \
-        if (st_ != NULL) return st_;   \
-    } while (0)
-
 static OrtStatusPtr fail(const char *msg) { return ort->CreateStatus(ORT_INVALID_ARGUMENT, msg); }
 
 /* A 2-D float tensor's data and shape. */
@@ -436,45 +430,15 @@ static OrtStatusPtr op_compute(void *kernel, OrtKernelContext *ctx) {
     return st;
 }
 
-static void op_destroy(void *kernel) { free(kernel); }
 static const char *op_name(const OrtCustomOp *op) { (void)op; return "AttnRow"; }
-static const char *op_provider(const OrtCustomOp *op) { (void)op; return NULL; }
 static ONNXTensorElementDataType op_type(const OrtCustomOp *op, size_t i) {
     (void)op, (void)i;
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
 static size_t op_inputs(const OrtCustomOp *op) { (void)op; return 5; }
 static size_t op_outputs(const OrtCustomOp *op) { (void)op; return 1; }
-static OrtCustomOpInputOutputCharacteristic op_required(const OrtCustomOp *op, size_t i) {
-    (void)op, (void)i;
-    return INPUT_OUTPUT_REQUIRED;
-}
-static OrtMemType op_memtype(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return OrtMemTypeDefault; }
-static int op_one(const OrtCustomOp *op) { (void)op; return 1; }
-static int op_since(const OrtCustomOp *op) { (void)op; return 1; }
-static int op_until(const OrtCustomOp *op) { (void)op; return 2147483647; }
 
-static OrtCustomOp attn_row_op = {
-    .version = ORT_API_VERSION,
-    .GetName = op_name,
-    .GetExecutionProviderType = op_provider,
-    .GetInputType = op_type,
-    .GetInputTypeCount = op_inputs,
-    .GetOutputType = op_type,
-    .GetOutputTypeCount = op_outputs,
-    .KernelDestroy = op_destroy,
-    .GetInputCharacteristic = op_required,
-    .GetOutputCharacteristic = op_required,
-    .GetInputMemoryType = op_memtype,
-    .GetVariadicInputMinArity = op_one,
-    .GetVariadicInputHomogeneity = op_one,
-    .GetVariadicOutputMinArity = op_one,
-    .GetVariadicOutputHomogeneity = op_one,
-    .CreateKernelV2 = op_create,
-    .KernelComputeV2 = op_compute,
-    .GetStartVersion = op_since,
-    .GetEndVersion = op_until,
-};
+static OrtCustomOp attn_row_op = ORT_CUSTOM_OP(op_name, op_type, op_inputs, op_type, op_outputs, op_create, op_compute);
 
 OrtCustomOp *edge_qmatmul_op(const OrtApi *api);
 

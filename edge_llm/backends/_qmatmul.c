@@ -32,7 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "onnxruntime_c_api.h"
+#include "_ortop.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -413,12 +413,6 @@ typedef struct {
     int64_t N, K, bits, mins;
 } MatMulQ;
 
-#define CHECK(expr)                  \
-    do {                             \
-        OrtStatusPtr st_ = (expr);   \
-        if (st_ != NULL) return st_; \
-    } while (0)
-
 static OrtStatusPtr fail(const char *msg) { return ort->CreateStatus(ORT_INVALID_ARGUMENT, msg); }
 
 static OrtStatusPtr input(OrtKernelContext *ctx, size_t index, const void **data, int64_t *dims, size_t rank) {
@@ -480,9 +474,7 @@ static OrtStatusPtr op_compute(void *kernel, OrtKernelContext *ctx) {
     return st;
 }
 
-static void op_destroy(void *kernel) { free(kernel); }
 static const char *op_name(const OrtCustomOp *op) { (void)op; return "MatMulQ"; }
-static const char *op_provider(const OrtCustomOp *op) { (void)op; return NULL; }
 static ONNXTensorElementDataType op_in_type(const OrtCustomOp *op, size_t i) {
     (void)op;
     return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
@@ -493,36 +485,8 @@ static ONNXTensorElementDataType op_out_type(const OrtCustomOp *op, size_t i) {
 }
 static size_t op_inputs(const OrtCustomOp *op) { (void)op; return 2; }
 static size_t op_outputs(const OrtCustomOp *op) { (void)op; return 1; }
-static OrtCustomOpInputOutputCharacteristic op_required(const OrtCustomOp *op, size_t i) {
-    (void)op, (void)i;
-    return INPUT_OUTPUT_REQUIRED;
-}
-static OrtMemType op_memtype(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return OrtMemTypeDefault; }
-static int op_one(const OrtCustomOp *op) { (void)op; return 1; }
-static int op_since(const OrtCustomOp *op) { (void)op; return 1; }
-static int op_until(const OrtCustomOp *op) { (void)op; return 2147483647; }
 
-static OrtCustomOp matmul_q_op = {
-    .version = ORT_API_VERSION,
-    .GetName = op_name,
-    .GetExecutionProviderType = op_provider,
-    .GetInputType = op_in_type,
-    .GetInputTypeCount = op_inputs,
-    .GetOutputType = op_out_type,
-    .GetOutputTypeCount = op_outputs,
-    .KernelDestroy = op_destroy,
-    .GetInputCharacteristic = op_required,
-    .GetOutputCharacteristic = op_required,
-    .GetInputMemoryType = op_memtype,
-    .GetVariadicInputMinArity = op_one,
-    .GetVariadicInputHomogeneity = op_one,
-    .GetVariadicOutputMinArity = op_one,
-    .GetVariadicOutputHomogeneity = op_one,
-    .CreateKernelV2 = op_create,
-    .KernelComputeV2 = op_compute,
-    .GetStartVersion = op_since,
-    .GetEndVersion = op_until,
-};
+static OrtCustomOp matmul_q_op = ORT_CUSTOM_OP(op_name, op_in_type, op_inputs, op_out_type, op_outputs, op_create, op_compute);
 
 /* The operator, for RegisterCustomOps (_attn.c, the library's one entry point). */
 OrtCustomOp *edge_qmatmul_op(const OrtApi *api) {
