@@ -118,42 +118,63 @@ static void tile_c(const Job *j, int64_t tile) {
 }
 
 #ifdef EDGE_X86
+/* One row's dots with a block's unpacked levels w, into acc (16 columns). */
+#define VNNI512_ROW(acc, r, b, w, z, d, m)                                                                     \
+    do {                                                                                                       \
+        const int8_t *x_ = (r)->xq + (b) * QB;                                                                 \
+        __m512i sl_ = _mm512_setzero_si512(), sh_ = _mm512_setzero_si512();                                    \
+        for (int i_ = 0; i_ < 4; i_++) {                                                                       \
+            sl_ = _mm512_dpbusd_epi32(sl_, w[i_], _mm512_set1_epi32(load32(x_ + 4 * i_)));                     \
+            sh_ = _mm512_dpbusd_epi32(sh_, w[4 + i_], _mm512_set1_epi32(load32(x_ + 16 + 4 * i_)));            \
+        }                                                                                                      \
+        const __m512i is_ = _mm512_sub_epi32(_mm512_add_epi32(sl_, sh_),                                       \
+                                             _mm512_mullo_epi32(z, _mm512_set1_epi32((r)->sq[b])));            \
+        acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps((r)->dx[b])), _mm512_cvtepi32_ps(is_), acc);     \
+        if (j->mins) acc = _mm512_fmadd_ps(m, _mm512_set1_ps((r)->sx[b]), acc);                               \
+    } while (0)
+
+/* Rows t and, if `two`, t + 1: a block's levels are unpacked once for both (a verify forward's
+ * rows); each row gets the same operations either way. */
+__attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static inline __attribute__((always_inline)) void
+rows_vnni512(const Job *j, int64_t tile, int64_t t, const int two) {
+    const __m512i m4 = _mm512_set1_epi8(15);
+    const Row *r0 = &j->rows[t], *r1 = two ? r0 + 1 : r0;
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    for (int64_t b = 0; b < j->nb; b++) {
+        const uint8_t *rec = record(j, tile, b), *dz = rec + j->lv;
+        if (b + 1 < j->nb) __builtin_prefetch(rec + j->rec + j->lv);
+        __m512i w[8]; /* w[i] multiplies activations 4 i .. 4 i + 3 */
+        for (int i = 0; i < 4; i++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(rec + 64 * i));
+            if (j->bits == 4) {
+                w[i] = _mm512_and_si512(v, m4);
+                w[4 + i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            } else {
+                w[i] = v;
+                w[4 + i] = _mm512_loadu_si512((const void *)(rec + 256 + 64 * i));
+            }
+        }
+        const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(dz + 64)));
+        const __m512 d = _mm512_loadu_ps((const float *)dz);
+        const __m512 m = j->mins ? _mm512_loadu_ps((const float *)(dz + 80)) : _mm512_setzero_ps();
+        VNNI512_ROW(acc0, r0, b, w, z, d, m);
+        if (two) VNNI512_ROW(acc1, r1, b, w, z, d, m);
+    }
+    float out[TILE];
+    _mm512_storeu_ps(out, acc0);
+    store_cols(j, t, tile, out);
+    if (two) {
+        _mm512_storeu_ps(out, acc1);
+        store_cols(j, t + 1, tile, out);
+    }
+}
+
 /* AVX-512 VNNI: the 16 columns in one register; vpdpbusd multiplies the unsigned levels by the
  * signed activations (four per lane). */
 __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void tile_vnni512(const Job *j, int64_t tile) {
-    const __m512i m4 = _mm512_set1_epi8(15);
-    for (int64_t t = 0; t < j->T; t++) {
-        const Row *r = &j->rows[t];
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t b = 0; b < j->nb; b++) {
-            const uint8_t *rec = record(j, tile, b), *dz = rec + j->lv;
-            if (b + 1 < j->nb) __builtin_prefetch(rec + j->rec + j->lv);
-            const int8_t *x = r->xq + b * QB;
-            __m512i sl = _mm512_setzero_si512(), sh = _mm512_setzero_si512();
-            if (j->bits == 4)
-                for (int i = 0; i < 4; i++) {
-                    const __m512i v = _mm512_loadu_si512((const void *)(rec + 64 * i));
-                    sl = _mm512_dpbusd_epi32(sl, _mm512_and_si512(v, m4), _mm512_set1_epi32(load32(x + 4 * i)));
-                    sh = _mm512_dpbusd_epi32(sh, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4),
-                                             _mm512_set1_epi32(load32(x + 16 + 4 * i)));
-                }
-            else
-                for (int i = 0; i < 4; i++) {
-                    sl = _mm512_dpbusd_epi32(sl, _mm512_loadu_si512((const void *)(rec + 64 * i)),
-                                             _mm512_set1_epi32(load32(x + 4 * i)));
-                    sh = _mm512_dpbusd_epi32(sh, _mm512_loadu_si512((const void *)(rec + 256 + 64 * i)),
-                                             _mm512_set1_epi32(load32(x + 16 + 4 * i)));
-                }
-            const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(dz + 64)));
-            const __m512i is = _mm512_sub_epi32(_mm512_add_epi32(sl, sh), _mm512_mullo_epi32(z, _mm512_set1_epi32(r->sq[b])));
-            const __m512 p = _mm512_mul_ps(_mm512_loadu_ps((const float *)dz), _mm512_set1_ps(r->dx[b]));
-            acc = _mm512_fmadd_ps(p, _mm512_cvtepi32_ps(is), acc);
-            if (j->mins) acc = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)(dz + 80)), _mm512_set1_ps(r->sx[b]), acc);
-        }
-        float out[TILE];
-        _mm512_storeu_ps(out, acc);
-        store_cols(j, t, tile, out);
-    }
+    int64_t t = 0;
+    for (; t + 1 < j->T; t += 2) rows_vnni512(j, tile, t, 1);
+    if (t < j->T) rows_vnni512(j, tile, t, 0);
 }
 
 /* AVX2 / AVX-VNNI: 8 columns per register, two halves. MAC(acc, u8, s8) adds per int32 lane the
