@@ -60,7 +60,8 @@ typedef struct {
  * Lane c of every vector is column c: the levels of a record are laid out so that one int32 lane
  * sums four products of its own column (vpdpbusd, vpmaddubsw + vpmaddwd and sdot all sum four
  * byte products per lane), so no horizontal sums are needed. Per column and block:
- *     i = sum_k (q_k - z) xq_k   (exact integers),
+ *     i = sum_k q_k xq_k - z sum_k xq_k   (exact: integers below 2^24, so also exact as the x86
+ *                                        paths compute it, fnmadd of their float conversions),
  *     acc = fma(d * dx, (float)i, acc),   acc = fma(m, sum x, acc). */
 typedef struct {
     const uint8_t *blocks;
@@ -127,9 +128,9 @@ static void tile_c(const Job *j, int64_t tile) {
             sl_ = _mm512_dpbusd_epi32(sl_, w[i_], _mm512_set1_epi32(load32(x_ + 4 * i_)));                     \
             sh_ = _mm512_dpbusd_epi32(sh_, w[4 + i_], _mm512_set1_epi32(load32(x_ + 16 + 4 * i_)));            \
         }                                                                                                      \
-        const __m512i is_ = _mm512_sub_epi32(_mm512_add_epi32(sl_, sh_),                                       \
-                                             _mm512_mullo_epi32(z, _mm512_set1_epi32((r)->sq[b])));            \
-        acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps((r)->dx[b])), _mm512_cvtepi32_ps(is_), acc);     \
+        const __m512 is_ = _mm512_fnmadd_ps(z, _mm512_set1_ps((float)(r)->sq[b]),                             \
+                                            _mm512_cvtepi32_ps(_mm512_add_epi32(sl_, sh_)));                    \
+        acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps((r)->dx[b])), is_, acc);                         \
         if (j->mins) acc = _mm512_fmadd_ps(m, _mm512_set1_ps((r)->sx[b]), acc);                               \
     } while (0)
 
@@ -154,7 +155,7 @@ rows_vnni512(const Job *j, int64_t tile, int64_t t, const int two) {
                 w[4 + i] = _mm512_loadu_si512((const void *)(rec + 256 + 64 * i));
             }
         }
-        const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(dz + 64)));
+        const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(dz + 64))));
         const __m512 d = _mm512_loadu_ps((const float *)dz);
         const __m512 m = j->mins ? _mm512_loadu_ps((const float *)(dz + 80)) : _mm512_setzero_ps();
         VNNI512_ROW(acc0, r0, b, w, z, d, m);
@@ -195,7 +196,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void tile_vnni
                 if (b + 1 < j->nb) __builtin_prefetch(rec + j->rec + j->lv);                                     \
                 const int8_t *x = r->xq + b * QB;                                                                \
                 const __m256 dx = _mm256_set1_ps(r->dx[b]), sx = _mm256_set1_ps(r->sx[b]);                       \
-                const __m256i sq = _mm256_set1_epi32(r->sq[b]);                                                  \
+                const __m256 sq = _mm256_set1_ps((float)r->sq[b]);                                               \
                 for (int h = 0; h < 2; h++) {                                                                    \
                     __m256i sl = _mm256_setzero_si256(), sh = _mm256_setzero_si256();                            \
                     if (j->bits == 4)                                                                            \
@@ -212,12 +213,12 @@ __attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static void tile_vnni
                             const __m256i xv = _mm256_set1_epi32(load32(x + 4 * i));                             \
                             sl = MAC(sl, _mm256_abs_epi8(v), _mm256_sign_epi8(xv, v));                           \
                         }                                                                                        \
-                    const __m256i z = _mm256_sub_epi32(                                                          \
+                    const __m256 z = _mm256_cvtepi32_ps(_mm256_sub_epi32(                                        \
                         _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(dz + 64 + 8 * h))),               \
-                        _mm256_set1_epi32(zoff));                                                                \
-                    const __m256i is = _mm256_sub_epi32(_mm256_add_epi32(sl, sh), _mm256_mullo_epi32(z, sq));     \
+                        _mm256_set1_epi32(zoff)));                                                               \
+                    const __m256 is = _mm256_fnmadd_ps(z, sq, _mm256_cvtepi32_ps(_mm256_add_epi32(sl, sh)));     \
                     const __m256 p = _mm256_mul_ps(_mm256_loadu_ps((const float *)dz + 8 * h), dx);              \
-                    acc[h] = _mm256_fmadd_ps(p, _mm256_cvtepi32_ps(is), acc[h]);                                 \
+                    acc[h] = _mm256_fmadd_ps(p, is, acc[h]);                                                     \
                     if (j->mins) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)(dz + 80) + 8 * h), sx, acc[h]); \
                 }                                                                                                \
             }                                                                                                    \
