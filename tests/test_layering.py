@@ -29,8 +29,8 @@ LAYERS = {
 # (`__init__` is the package's own __init__.py; a subpackage is one entry of its parent)
 ORDER = {
     "backends": ["wire", "toolkit_worker", "graphs", "manifest", "cpu", "cpu_side", "cpu_vision", "vision", "__init__",
-                 "runners", "rknnlite", "graph", "rknn", "onnx_export", "quant", "quant_export", "vision_export",
-                 "attn_kernel", "decode_export", "decode_step", "cpuq", "vision_graph"],
+                 "runners", "rknnlite", "graph", "rknn", "onnx_export", "attn_kernel", "quant", "quant_export",
+                 "vision_export", "decode_export", "decode_step", "cpuq", "vision_graph"],
     "snapshot": ["writer", "layout", "encode", "decode", "format", "inspect", "entries", "chains", "catalog",
                  "chain_read", "saver", "identity", "store", "maintenance", "__init__"],
     "kvcache": ["records", "cache", "__init__"],
