@@ -179,7 +179,7 @@ def estimate_memory(s: Settings, backend: str, sizes: ModelSizes, model_dir: str
     if backend == "cpu-q":
         q = _quantized_bytes(Path(model_dir) if model_dir else None, s.quant)
         q4 = q if q is not None else int((sizes.matmul_f32 + (sizes.embed_f32 if sizes.tied else 0)) * Q4_PER_F32)
-        # onnxruntime prepacks per session: the decode graph's session holds a second copy
+        # the decode graph's session holds a second copy (MatMulQ's records, ~the same bytes)
         parts.append(("q4 weights x2 (decode_graph)" if s.decode_graph else "q4 weights", q4 * (2 if s.decode_graph else 1)))
         parts.append(("embedding (mapped)", sizes.embed_f32 // 2))  # gathered from the file (BF16)
     elif backend == "rknn":  # fp16 graphs in the NPU's DMA memory; embedding + norms on the CPU
