@@ -375,17 +375,7 @@ static OrtStatusPtr fail(const char *msg) { return ort->CreateStatus(ORT_INVALID
 
 /* A 2-D float tensor's data and shape. */
 static OrtStatusPtr tensor2d(OrtKernelContext *ctx, size_t index, const float **data, int64_t dims[2]) {
-    const OrtValue *value;
-    OrtTensorTypeAndShapeInfo *info;
-    size_t n;
-    CHECK(ort->KernelContext_GetInput(ctx, index, &value));
-    CHECK(ort->GetTensorTypeAndShape(value, &info));
-    OrtStatusPtr st = ort->GetDimensionsCount(info, &n);
-    if (st == NULL && n != 2) st = fail("AttnRow: every input must be 2-D");
-    if (st == NULL) st = ort->GetDimensions(info, dims, 2);
-    ort->ReleaseTensorTypeAndShapeInfo(info);
-    CHECK(st);
-    return ort->GetTensorMutableData((OrtValue *)value, (void **)data);
+    return op_input(ort, ctx, index, (const void **)data, dims, 2, "AttnRow: every input must be 2-D");
 }
 
 static OrtStatusPtr op_create(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info, void **out) {

@@ -14,6 +14,22 @@
         if (st_ != NULL) return st_; \
     } while (0)
 
+/* Input `index` of a kernel call: its data and its `rank` dimensions; rank_error if it has another rank. */
+static inline OrtStatusPtr op_input(const OrtApi *ort, OrtKernelContext *ctx, size_t index, const void **data,
+                                    int64_t *dims, size_t rank, const char *rank_error) {
+    const OrtValue *value;
+    OrtTensorTypeAndShapeInfo *info;
+    size_t n;
+    CHECK(ort->KernelContext_GetInput(ctx, index, &value));
+    CHECK(ort->GetTensorTypeAndShape(value, &info));
+    OrtStatusPtr st = ort->GetDimensionsCount(info, &n);
+    if (st == NULL && n != rank) st = ort->CreateStatus(ORT_INVALID_ARGUMENT, rank_error);
+    if (st == NULL) st = ort->GetDimensions(info, dims, rank);
+    ort->ReleaseTensorTypeAndShapeInfo(info);
+    CHECK(st);
+    return ort->GetTensorMutableData((OrtValue *)value, (void **)data);
+}
+
 static inline void op_destroy(void *kernel) { free(kernel); }
 static inline const char *op_provider(const OrtCustomOp *op) { (void)op; return NULL; }
 static inline OrtCustomOpInputOutputCharacteristic op_required(const OrtCustomOp *op, size_t i) {

@@ -438,17 +438,7 @@ typedef struct {
 static OrtStatusPtr fail(const char *msg) { return ort->CreateStatus(ORT_INVALID_ARGUMENT, msg); }
 
 static OrtStatusPtr input(OrtKernelContext *ctx, size_t index, const void **data, int64_t *dims, size_t rank) {
-    const OrtValue *value;
-    OrtTensorTypeAndShapeInfo *info;
-    size_t n;
-    CHECK(ort->KernelContext_GetInput(ctx, index, &value));
-    CHECK(ort->GetTensorTypeAndShape(value, &info));
-    OrtStatusPtr st = ort->GetDimensionsCount(info, &n);
-    if (st == NULL && n != rank) st = fail("MatMulQ: x must be 2-D and blocks 3-D");
-    if (st == NULL) st = ort->GetDimensions(info, dims, rank);
-    ort->ReleaseTensorTypeAndShapeInfo(info);
-    CHECK(st);
-    return ort->GetTensorMutableData((OrtValue *)value, (void **)data);
+    return op_input(ort, ctx, index, data, dims, rank, "MatMulQ: x must be 2-D and blocks 3-D");
 }
 
 static OrtStatusPtr op_create(const OrtCustomOp *op, const OrtApi *api, const OrtKernelInfo *info, void **out) {
