@@ -119,20 +119,19 @@ static void tile_c(const Job *j, int64_t tile) {
 }
 
 #ifdef EDGE_X86
-/* One row's dots with a block's unpacked levels w, into acc (16 columns). */
-#define VNNI512_ROW(acc, r, b, w, z, d, m)                                                                     \
-    do {                                                                                                       \
-        const int8_t *x_ = (r)->xq + (b) * QB;                                                                 \
-        __m512i sl_ = _mm512_setzero_si512(), sh_ = _mm512_setzero_si512();                                    \
-        for (int i_ = 0; i_ < 4; i_++) {                                                                       \
-            sl_ = _mm512_dpbusd_epi32(sl_, w[i_], _mm512_set1_epi32(load32(x_ + 4 * i_)));                     \
-            sh_ = _mm512_dpbusd_epi32(sh_, w[4 + i_], _mm512_set1_epi32(load32(x_ + 16 + 4 * i_)));            \
-        }                                                                                                      \
-        const __m512 is_ = _mm512_fnmadd_ps(z, _mm512_set1_ps((float)(r)->sq[b]),                             \
-                                            _mm512_cvtepi32_ps(_mm512_add_epi32(sl_, sh_)));                    \
-        acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps((r)->dx[b])), is_, acc);                         \
-        if (j->mins) acc = _mm512_fmadd_ps(m, _mm512_set1_ps((r)->sx[b]), acc);                               \
-    } while (0)
+/* One row's dots with a block's unpacked levels w, added to acc (16 columns). */
+__attribute__((target("avx512f,avx512bw,avx512vnni,fma"))) static inline __attribute__((always_inline)) __m512
+row_vnni512(const Job *j, const Row *r, int64_t b, const __m512i w[8], __m512 z, __m512 d, __m512 m, __m512 acc) {
+    const int8_t *x = r->xq + b * QB;
+    __m512i sl = _mm512_setzero_si512(), sh = _mm512_setzero_si512();
+    for (int i = 0; i < 4; i++) {
+        sl = _mm512_dpbusd_epi32(sl, w[i], _mm512_set1_epi32(load32(x + 4 * i)));
+        sh = _mm512_dpbusd_epi32(sh, w[4 + i], _mm512_set1_epi32(load32(x + 16 + 4 * i)));
+    }
+    const __m512 is = _mm512_fnmadd_ps(z, _mm512_set1_ps((float)r->sq[b]), _mm512_cvtepi32_ps(_mm512_add_epi32(sl, sh)));
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(r->dx[b])), is, acc);
+    return j->mins ? _mm512_fmadd_ps(m, _mm512_set1_ps(r->sx[b]), acc) : acc;
+}
 
 /* Rows t and, if `two`, t + 1: a block's levels are unpacked once for both (a verify forward's
  * rows); each row gets the same operations either way. */
@@ -158,8 +157,8 @@ rows_vnni512(const Job *j, int64_t tile, int64_t t, const int two) {
         const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(dz + 64))));
         const __m512 d = _mm512_loadu_ps((const float *)dz);
         const __m512 m = j->mins ? _mm512_loadu_ps((const float *)(dz + 80)) : _mm512_setzero_ps();
-        VNNI512_ROW(acc0, r0, b, w, z, d, m);
-        if (two) VNNI512_ROW(acc1, r1, b, w, z, d, m);
+        acc0 = row_vnni512(j, r0, b, w, z, d, m, acc0);
+        if (two) acc1 = row_vnni512(j, r1, b, w, z, d, m, acc1);
     }
     float out[TILE];
     _mm512_storeu_ps(out, acc0);
