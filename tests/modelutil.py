@@ -1,4 +1,4 @@
-"""Shared model drivers for the backend comparison tests."""
+"""Shared model drivers and checks for the backend comparison tests."""
 
 from __future__ import annotations
 
@@ -15,3 +15,8 @@ def greedy_run(model, prompt, steps: int, max_seq: int, chunk: int | None = None
         out.append(int(np.argmax(logits)))
         logits = model.forward([out[-1]], cache)
     return out, np.stack(rows)
+
+
+def f32_bits(a: np.ndarray) -> np.ndarray:
+    """The float32 bit patterns of `a`, for bitwise comparisons (-0.0 != 0.0, NaN == same NaN)."""
+    return np.ascontiguousarray(a, np.float32).view(np.uint32)

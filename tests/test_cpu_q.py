@@ -19,14 +19,11 @@ from edge_llm.backends.graphs import DECODE, GraphSpec
 from edge_llm.backends.onnx_export import GraphBuilder, sample_inputs
 from edge_llm.backends.quant_export import write_nbits
 from edge_llm.checkpoints.gguf_blocks import gguf_blocks, gguf_source
+from modelutil import f32_bits
 
 # measured on the default model (SmolLM2-135M Q4_1, int8 activations), N(0,1) graph inputs:
 # worst max|diff|/max|ref| 0.021, worst cosine 0.99986 over all 32 graphs
 LAYER_REL, LAYER_COS = 0.04, 0.9995
-
-
-def _bits(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a, np.float32).view(np.uint32)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +60,7 @@ def test_gguf_blocks_are_held_exactly(type_name):
     want = gguf.quants.dequantize(raw, t).reshape(48, 96).T
     qw = Q.from_gguf(type_name, raw, 96, 48)
     assert qw is not None and qw.exact and qw.bits == (8 if type_name == "Q8_0" else 4)
-    assert np.array_equal(_bits(Q.dequantize(qw)), _bits(want))
+    assert np.array_equal(f32_bits(Q.dequantize(qw)), f32_bits(want))
     # the centred form the graph gets holds the same real numbers (checked in float64)
     c = Q.center(qw)
     lv = c.q.astype(np.float64) - c.zp[..., None]
@@ -82,7 +79,7 @@ def test_default_gguf_tensors_are_exact(default_dir):
         K, N = (int(d) for d in t.shape)
         qw = Q.from_gguf(t.tensor_type.name, t.data, K, N)
         want = gguf.quants.dequantize(t.data, t.tensor_type).reshape(N, K).T
-        assert np.array_equal(_bits(Q.dequantize(qw)), _bits(want)), name
+        assert np.array_equal(f32_bits(Q.dequantize(qw)), f32_bits(want)), name
 
 
 def _run_linear(tmp_path, qw: Q.QuantWeight, x: np.ndarray, accuracy_level: int) -> np.ndarray:
@@ -239,13 +236,13 @@ def test_bits_do_not_depend_on_threads_or_neighbours(cpu_q, default_dir, quant, 
         for rows in (1, 9, 128, 129, 257):
             xs = sample_inputs(spec, rows, seed=rows)
             a, b = one._call(spec, xs), two._call(spec, xs)
-            assert all(np.array_equal(_bits(p), _bits(r)) for p, r in zip(a, b)), (spec.name, rows)
+            assert all(np.array_equal(f32_bits(p), f32_bits(r)) for p, r in zip(a, b)), (spec.name, rows)
         xs = sample_inputs(spec, 9, seed=3)
         other = [x.copy() for x in xs]
         for x in other:  # the neighbours change, row 4 does not
             x[np.arange(9) != 4] *= -1.5
         a, b = two._call(spec, xs), two._call(spec, other)
-        assert all(np.array_equal(_bits(p[4]), _bits(r[4])) for p, r in zip(a, b)), spec.name
+        assert all(np.array_equal(f32_bits(p[4]), f32_bits(r[4])) for p, r in zip(a, b)), spec.name
     assert cpu_q.max_rows == cpuq.MLAS_STRIDE_M
     assert not cpu_q.numerics.endswith(f"-t{cpu_q.runner.threads}")
 

@@ -16,6 +16,7 @@ import pytest
 from edge_llm.backends import attn_kernel
 from edge_llm.backends import quant as Q
 from edge_llm.backends.quant_export import qmatmul_records, write_nbits, write_qmatmul
+from modelutil import f32_bits
 
 REPO = Path(__file__).resolve().parents[1]
 LIB = attn_kernel.library()
@@ -42,10 +43,6 @@ def qmatmul(x: np.ndarray, qw: Q.QuantWeight, rec: np.ndarray | None = None) -> 
     assert LIB.edge_qmatmul(x.ctypes.data, rec.ctypes.data, x.shape[0], qw.K, qw.N, qw.bits, int(qw.mins is not None),
                             y.ctypes.data, work.ctypes.data) == 0
     return y
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a, np.float32).view(np.uint32)
 
 
 @pytest.mark.parametrize("bits,mins", [(4, False), (4, True), (8, False), (8, True)])
@@ -113,11 +110,11 @@ def test_paths_agree_and_rows_are_independent(layer0, paths, which):
     LIB.edge_qmatmul_force(paths[0].encode())
     ref = qmatmul(x, qw, rec)
     alone = np.concatenate([qmatmul(x[t:t + 1], qw, rec) for t in range(len(x))])
-    assert np.array_equal(bits(ref), bits(alone))
-    assert np.array_equal(bits(ref[:5]), bits(qmatmul(x[:5], qw, rec)))
+    assert np.array_equal(f32_bits(ref), f32_bits(alone))
+    assert np.array_equal(f32_bits(ref[:5]), f32_bits(qmatmul(x[:5], qw, rec)))
     for p in paths[1:]:
         LIB.edge_qmatmul_force(p.encode())
-        assert np.array_equal(bits(qmatmul(x, qw, rec)), bits(ref)), p
+        assert np.array_equal(f32_bits(qmatmul(x, qw, rec)), f32_bits(ref)), p
 
 
 def _session(tmp_path: Path, qw: Q.QuantWeight, threads: int, nbits: bool = True):
@@ -150,7 +147,7 @@ def test_in_onnxruntime_threads_and_accuracy(layer0, tmp_path, which, record_pro
     ref = qmatmul(x, qw)
     for threads in (1, 2):
         y_q4, y_nb = _session(tmp_path, qw, threads).run(None, {"x": x})
-        assert np.array_equal(bits(y_q4), bits(ref)), threads
+        assert np.array_equal(f32_bits(y_q4), f32_bits(ref)), threads
     scale = np.abs(want).max()
     err_q4, err_nb = np.abs(y_q4 - want).max() / scale, np.abs(y_nb - want).max() / scale
     record_property("rel_err", {"MatMulQ": float(err_q4), "MatMulNBits": float(err_nb)})
@@ -199,7 +196,7 @@ def _check_under_qemu(layer0, tmp_path, cc: str, qemu: list[str]) -> list[list[s
         got = np.fromfile(tmp_path / "out.bin", np.float32).reshape(len(paths), len(x), qw.N)
         ref = qmatmul(x, qw, rec)
         for p, g in zip(paths, got):
-            assert np.array_equal(bits(g), bits(ref)), (which, p)
+            assert np.array_equal(f32_bits(g), f32_bits(ref)), (which, p)
         ran.append(paths)
     return ran
 
