@@ -289,3 +289,23 @@ def test_npu_backend_checks_rknn_dir_and_open_files(tmp_path: Path, monkeypatch)
     shutil.copy(REPO / "systemd/edge-llm.service", unit)
     c = by_name(run_checks(Settings(model="", disk_kv=None, backend="rknn"), sysroot=str(root)))
     assert c["open-files"].status == PASS and "LimitNOFILE=65536" in c["open-files"].detail
+
+
+def test_table_shows_bracketed_text_as_written(tmp_path: Path) -> None:
+    """The table prints each check's texts as they are: `'edge-llm[quant]'` in a fix or a detail and
+    a path with brackets are not rich markup (the table once printed `pip install 'edge-llm'`).
+    This machine without onnxruntime (blocked in the child) makes `auto` pick cpu, whose detail
+    and fix name the extras."""
+    bad = tmp_path / "m[quant]"
+    bad.mkdir()
+    (bad / "config.json").write_text("{ not json")
+    code = ("import runpy, sys; sys.modules['onnxruntime'] = None; "
+            f"sys.argv = ['edge-llm', 'doctor', '--model', {str(bad)!r}, '--backend', 'auto', "
+            f"'--disk-kv', {str(tmp_path / 'kv')!r}]; runpy.run_module('edge_llm', run_name='__main__')")
+    env = {**os.environ, "COLUMNS": "400", "EDGE_LLM_HOME": str(tmp_path), "EDGE_LLM_RKNN_DIR": str(tmp_path / "r")}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 1, res.stderr  # the model check fails
+    table = res.stdout
+    assert re.search(r"warn\s+│ backend\s+│ backend auto -> cpu .*pip install 'edge-llm\[quant\]'", table), table
+    assert "pip install 'edge-llm[board,quant]' in the service venv" in table, table
+    assert f"{bad}/config.json: invalid JSON" in table, table

@@ -39,13 +39,15 @@ def doctor(settings: Settings, as_json: bool, sysroot: str) -> None:
         click.echo(json.dumps(doc, indent=2))
     else:
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
 
         table = Table(title="edge-llm doctor", show_lines=False)
         for col in ("status", "check", "detail", "fix"):
             table.add_column(col, overflow="fold")
         for c in checks:
-            table.add_row(f"[{_STYLE[c.status]}]{c.status}[/]", c.name, c.detail, c.fix)
+            # the texts are plain: a path or `pip install 'edge-llm[quant]'` is not markup
+            table.add_row(f"[{_STYLE[c.status]}]{c.status}[/]", escape(c.name), escape(c.detail), escape(c.fix))
         console = Console()
         console.print(table)
         counts = {k: sum(c.status == k for c in checks) for k in _STYLE}
