@@ -51,8 +51,8 @@ class Service:
         else:
             self.log_file = Path(a.log_file) if a.log_file else res / "server.log"
             self.kv_dir = Path(a.kv_dir) if a.kv_dir else res / "kv"
-            self.local = S.LocalServer(a.model, self.kv_dir, self.log_file, stderr_file=res / "server.stderr",
-                                       extra_args=a.serve_arg)
+            self.local = S.LocalServer(a.model, self.kv_dir, self.log_file, port=a.port,
+                                       stderr_file=res / "server.stderr", extra_args=a.serve_arg)
             if a.start_cmd:  # a custom launch command; we still own (and kill) the process
                 self.local.args = shlex.split(a.start_cmd)
                 self.local.base_url = a.base_url or self.local.base_url
@@ -65,8 +65,9 @@ class Service:
 
     def wait(self) -> float:
         proc = self.local.proc if self.local else None
-        try:
-            return S.wait_ready(self.base_url, self.a.ready_timeout, proc, self.api_key)
+        try:  # a local server that exits (e.g. its port is taken) fails at once, with its stderr's end
+            return S.wait_ready(self.base_url, self.a.ready_timeout, proc, self.api_key,
+                                self.local.stderr_file if self.local else None)
         except (TimeoutError, RuntimeError) as e:
             raise NotReady(str(e)) from None
 
@@ -200,6 +201,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--start-cmd", help="local mode: command that starts the server (default: edge-llm serve)")
     p.add_argument("--model", default="default", help="local mode: model dir or 'default'")
     p.add_argument("--serve-arg", action="append", default=[], help="local mode: extra serve argument")
+    p.add_argument("--port", type=int, default=None,
+                   help="local mode: the port its server listens on, on 127.0.0.1 (default: a free one, printed)")
     p.add_argument("--api-key-file")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--context-tokens", type=int, default=2048, help="approximate history length")
@@ -213,6 +216,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     a.letter0 = secrets.randbelow(len(LETTERS))
     if a.base_url and not a.start_cmd and not (a.log_file and a.kv_dir and a.restart_cmd):
         p.error("--base-url without --start-cmd needs --log-file, --kv-dir and --restart-cmd")
+    if a.port is not None and a.base_url:
+        p.error("--port is for the local mode's own server; with --base-url that URL names the port")
     if a.start_cmd and not (a.base_url and a.log_file and a.kv_dir):
         p.error("--start-cmd needs --base-url, --log-file and --kv-dir (where that server listens and writes)")
     return a
@@ -228,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     repeats, fatal = [], []
     t0 = time.monotonic()
     try:
-        print(f"recovery check -> {res}", flush=True)
+        print(f"recovery check -> {res}" + (f" (server on {svc.base_url})" if svc.local else ""), flush=True)
         svc.start()
         for r in range(1, a.repeats + 1):
             print(f"repeat {r}/{a.repeats} ...", flush=True)

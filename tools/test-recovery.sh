@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Restart-recovery evidence protocol (docs/evidence.md). Exit 0 only if every check passes.
 #
-#   tools/test-recovery.sh                                   # local: starts/kills edge-llm serve itself
+#   tools/test-recovery.sh                                   # local: starts/kills edge-llm serve itself,
+#                                                            # on 127.0.0.1 at a free port it prints
+#   tools/test-recovery.sh --port 8090                       # local, at this port (must be free)
 #   tools/test-recovery.sh --context-tokens 512 --repeats 3  # shorter history
 #   tools/test-recovery.sh --base-url http://127.0.0.1:8080 \
 #       --log-file /var/log/edge-llm/edge-llm.log --kv-dir /var/lib/edge-llm/kv \

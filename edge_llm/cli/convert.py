@@ -26,7 +26,7 @@ def convert() -> None:
 
 
 @convert.command("rknn")
-@click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("model_dir")
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--chunks", default="1,32,128", show_default=True,
               help="Static row counts of the layer graphs (prefill chunk sizes; must include 1).")
@@ -67,7 +67,8 @@ def convert() -> None:
 def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, no_accuracy, calib_text,
              calib_tokens, fp16_headroom, dtype, quant_algorithm, quant_method, w8a8_min_cosine, w8a8_rotation,
              w8a8_fp16, vision_grids, verbose) -> None:
-    """Export ONNX graphs from MODEL_DIR's F32 weights, check every tensor's range on real
+    """Export ONNX graphs from MODEL_DIR's F32 weights (an HF model directory, or 'default' for the
+    embedded default model, as `--model default` elsewhere), check every tensor's range on real
     activations, build fp16 .rknn files for rk3588 with rknn-toolkit2 (in the converter venv),
     check each in the simulator; write OUT_DIR/manifest.json and OUT_DIR/report.md. A full
     Qwen3-VL-2B takes tens of minutes."""
@@ -89,6 +90,7 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
             "pip install 'edge-llm[convert]' (in a checkout: .venv/bin/pip install -e '.[convert]'; "
             "`make test` installs it)")
 
+    from edge_llm.cli.progress import resolve_model_with_bar
     from edge_llm.config import ModelArgs
     from edge_llm.convert.report import FP16_REL_LIMIT, predicted_ms, range_summary, worst
     from edge_llm.convert.rknn import convert_rknn, head_parts
@@ -99,6 +101,7 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
                         format="%(message)s")
     console = Console(stderr=True)
     try:
+        model_dir = str(resolve_model_with_bar(model_dir))  # 'default': imported on first use, as `generate`
         args = ModelArgs.from_dir(model_dir)
         grids = None if vision_grids.strip().lower() == "none" else parse_grids(vision_grids)
     except EdgeLLMError as e:

@@ -1,0 +1,58 @@
+"""A new user's first minutes with the CLI, as real processes: what `kv ls` says on a fresh home,
+`convert rknn default`, the `generate` stats lines on an 80-column terminal, and the recovery
+script's port in local mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def edge_llm(*args: str, home: Path, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edge_llm", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "EDGE_LLM_HOME": str(home), **env})
+
+
+def test_convert_rknn_takes_default_as_model_dir(edge_home, tmp_path):
+    """`convert rknn default OUT` resolves the embedded default model as `--model default` does
+    (it once said "Directory 'default' does not exist"). An unknown --w8a8-fp16 kind stops it right
+    after it read the model: 61 graphs = 2 x 30 layers + 1 head part, the default model's."""
+    r = edge_llm("convert", "rknn", "default", str(tmp_path / "out"), "--w8a8-fp16", "no-such-kind", home=edge_home)
+    assert r.returncode == 1, r.stderr
+    assert "does not exist" not in r.stderr and "graph kinds are" in r.stderr, r.stderr
+    assert re.search(r"\b0/61\b", r.stderr), r.stderr
+    missing = edge_llm("convert", "rknn", str(tmp_path / "nope"), str(tmp_path / "out"), home=edge_home)
+    assert missing.returncode == 1 and "not a model directory (pass an HF model directory or 'default')" in \
+        missing.stderr, missing.stderr
+
+
+def test_recovery_script_local_port_is_settable(edge_home, tmp_path):
+    """tools/test-recovery.sh --port N: its own server listens on N. Here N is taken (a socket of
+    this test listens on it), so the server cannot bind it and exits: the run fails at once, names
+    the port on its first line and shows why from the server's stderr."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = tmp_path / "results"
+        r = subprocess.run([str(ROOT / "tools" / "test-recovery.sh"), "--port", str(port), "--repeats", "1",
+                            "--ready-timeout", "120", "--out", str(out)],
+                           env={**os.environ, "EDGE_LLM_HOME": str(edge_home), "PYTHON": sys.executable},
+                           capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"(server on http://127.0.0.1:{port})" in r.stdout.splitlines()[0], r.stdout
+    (res,) = out.iterdir()
+    failures = (res / "failures.txt").read_text()
+    assert "exited" in failures and "address already in use" in failures.lower(), failures
+    assert json.loads((res / "summary.json").read_text())["pass"] is False
+    board = subprocess.run([str(ROOT / "tools" / "test-recovery.sh"), "--port", "9000", "--base-url",
+                            "http://127.0.0.1:8080", "--log-file", "x", "--kv-dir", "y", "--restart-cmd", "true"],
+                           env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=60)
+    assert board.returncode == 2 and "--port is for the local mode" in board.stderr, board.stderr
