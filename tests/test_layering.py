@@ -12,7 +12,7 @@ PKG = Path(__file__).resolve().parents[1] / "edge_llm"
 # unit (a package or a top-level module, dotted relative to edge_llm) -> layer; a unit imports
 # only units of a lower layer. `__init__` is edge_llm/__init__.py (the version).
 LAYERS = {
-    "errors": 0, "progress": 0, "quality_text": 0, "files": 0, "__init__": 0,
+    "errors": 0, "progress": 0, "quality_text": 0, "files": 0, "safetext": 0, "__init__": 0,
     "config": 1, "settings": 1, "token_bound": 1,
     "weights": 2, "tokenizer": 2, "kvcache": 2, "costgate": 2,
     "backends": 3, "snapshot": 3,

@@ -23,7 +23,7 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500)
 # store.stats() keys exported as counters (monotonic) vs gauges (current state)
 _COUNTER_WORDS = ("saves", "saved", "loads", "loaded", "restores", "rejections", "rejected",
                   "evictions", "evicted", "skipped", "failures", "errors", "written", "read", "hits",
-                  "misses", "quarantined")
+                  "misses", "quarantined", "vanished")
 # edge_llm_prefetches_total{outcome}: what became of the start-up prefetch (edge_llm/server/prefetch.py)
 PREFETCH_OUTCOMES = ("started", "loaded", "joined", "preempted", "failed", "used")
 _CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -4,8 +4,9 @@
 compaction: `saver.py`) share: the index of entries under one lock, the counters `/metrics`
 shows, the `degraded` flags, the bytes-written totals across restarts (`io-stats.json`), and the
 only code that takes a file away: LRU eviction of whole chains, making room before a write,
-removing files a longer one covers, quarantining a bad file together with every delta on it.
-The chain policies it applies are `chains.py`; docs/store.md states them.
+removing files a longer one covers, quarantining a bad file together with every delta on it;
+and the check of the index against the disk (`present`: files removed under the running store
+leave the index, docs/store.md "Files that vanish"). The chain policies it applies are `chains.py`; docs/store.md states them.
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from edge_llm.files import fsync_dir
+from edge_llm.safetext import printable
 from edge_llm.snapshot import chains
 from edge_llm.snapshot.entries import Entry
 from edge_llm.snapshot.writer import Modes, write_atomic
@@ -29,15 +33,19 @@ QUARANTINE = "quarantine"
 IO_STATS = "io-stats.json"
 MAX_QUARANTINED = 4  # quarantined files can be GBs: keep only the newest few for post-mortems
 COUNTERS = ("saves", "saves_delta", "save_failures", "saves_skipped", "saves_superseded", "loads",
-            "load_failures", "rejections", "evictions", "compactions", "bytes_written", "new_kv_bytes",
-            "compaction_bytes_written", "bytes_read")
+            "load_failures", "rejections", "evictions", "vanished", "compactions", "bytes_written",
+            "new_kv_bytes", "compaction_bytes_written", "bytes_read")
 
 
 class Catalog:
     """Entries of one namespace `ns` (`index`, guarded by `lock`), counters and file removal."""
 
-    def __init__(self, ns: Path, modes: Modes, max_files: int, max_bytes: int | None):
+    def __init__(self, ns: Path, modes: Modes, max_files: int, max_bytes: int | None,
+                 recreate: Callable[[], bool] | None = None):
         self.ns, self.modes = ns, modes
+        # the store's: makes the namespace directory and its identity.json again if they are gone
+        # (True if it had to)
+        self._recreate = recreate
         self.max_files, self.max_bytes = max_files, max_bytes
         self.lock = threading.RLock()
         self.index: dict[str, Entry] = {}
@@ -59,6 +67,67 @@ class Catalog:
         """Indexed snapshots, most recently used first."""
         with self.lock:
             return sorted(self.index.values(), key=lambda e: e.last_use, reverse=True)
+
+    # ---- the index against the disk ------------------------------------------------------------
+    def present(self) -> list[tuple[Entry, int]]:
+        """The indexed files that are still there, with their size on disk now: one `os.stat` per
+        entry. An entry whose file is gone (deleted by `kv rm`/`kv gc` or by hand, its namespace
+        directory removed) or is no longer a regular file leaves the index; a delta resting on it
+        is quarantined (`drop_vanished`). Called before a save trusts the index, by lookup, and
+        by `stats` (docs/store.md, "Files that vanish")."""
+        with self.lock:
+            entries = list(self.index.values())
+        there: list[tuple[Entry, int]] = []
+        gone: list[tuple[Entry, str]] = []
+        for e in entries:
+            try:
+                st = os.stat(e.path)
+            except (FileNotFoundError, NotADirectoryError):
+                gone.append((e, "file vanished"))
+                continue
+            except OSError as err:  # e.g. EACCES: not proof of absence; a restore finds out
+                log.debug("[KV-DISK] could not stat %s: %s", printable(e.name), err)
+                there.append((e, e.size))
+                continue
+            if stat.S_ISREG(st.st_mode):
+                there.append((e, st.st_size))
+            else:
+                gone.append((e, "no longer a regular file"))
+        for e, why in gone:
+            self.drop_vanished(e, why)
+        if not gone:
+            return there
+        with self.lock:
+            return [(e, size) for e, size in there if self.index.get(e.name) is e]
+
+    def drop_vanished(self, e: Entry, why: str) -> bool:
+        """`e`'s file is gone: forget it (nothing to move) and quarantine every delta resting on it
+        whose file is still there. False if `e` had already left the index (our own eviction, or a
+        save or compaction replaced it)."""
+        with self.lock:
+            if self.index.get(e.name) is not e:
+                return False
+            del self.index[e.name]
+            self.counters["vanished"] += 1
+            deps = chains.descendants({**self.index, e.name: e}, e.name)
+        log.warning("[KV-DISK] %s vanished from %s (%s): dropped from the index",
+                    printable(e.name), self.ns.name, why)
+        for d in deps:  # nearest first; dropping one takes its own deltas with it
+            with self.lock:
+                if self.index.get(d.name) is not d:
+                    continue
+            if d.path.exists():
+                self.drop_quarantined(d, f"base-missing: base {e.name} vanished")
+            else:
+                self.drop_vanished(d, why)
+        return True
+
+    def ensure_dir(self) -> None:
+        """Before a write: if the namespace directory (or its identity.json) was removed under the
+        running store, make it again and say so; raises the OSError if that fails."""
+        if self._recreate is not None and self._recreate():
+            log.warning("[KV-DISK] namespace directory %s was removed under the running store: recreated",
+                        self.ns.name)
 
     def touch(self, e: Entry) -> None:
         """Count a use: LRU time = now, mirrored into the file mtime so it survives restarts."""

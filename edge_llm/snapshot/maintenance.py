@@ -4,8 +4,9 @@ Functions over a kv dir or one namespace directory, without a store or a model: 
 remove (unless told not to) and return what they removed, in removal order; the CLI only parses
 arguments and prints. The rules are the server's own (docs/store.md): a delta never outlives
 its base (removing a file removes the deltas resting on it, deltas first), and the caps evict
-whole chains, least recently used first (`chains.unit_victims`). Not for a namespace that a
-running service is writing to.
+whole chains, least recently used first (`chains.unit_victims`). A running service may hold the
+namespace: it stats its index before trusting it, so a file removed here is written again by the
+conversation's next save and not counted meanwhile (docs/store.md, "Files that vanish").
 """
 
 from __future__ import annotations

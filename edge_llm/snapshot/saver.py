@@ -91,8 +91,10 @@ class Saver:
     # ---- the writer thread ------------------------------------------------------------------------
     def _save(self, job: SaveJob) -> None:
         """Dedupe, write a delta on the longest stored prefix (or a full file when there is none or
-        its chain is at max_chain), publish, drop what it covers, evict."""
+        its chain is at max_chain), publish, drop what it covers, evict. Only entries whose file is
+        still there count as stored (`Catalog.present`: a file removed under us is written again)."""
         cat, tokens, n = self.catalog, job.tokens, job.n
+        cat.present()
         with cat.lock:
             covering = [e for e in cat.index.values() if is_prefix(tokens, e.tokens)]
             base = None if covering else chains.best_base(cat.index, tokens, 1)
@@ -118,6 +120,11 @@ class Saver:
             log.info("[KV-DISK] skipped %d-token KV -> %s (%d bytes exceed max_bytes %d)",
                      n, name, size, cat.max_bytes)
             cat.count(saves_skipped=1)
+            return
+        try:
+            cat.ensure_dir()  # its namespace directory removed under us: made again, then written
+        except OSError as e:
+            self._save_failed(name, n, e)
             return
         cat.make_room(size, keep=None if base is None else base.name)
         t0 = time.monotonic()
@@ -187,6 +194,7 @@ class Saver:
     # ---- compaction -------------------------------------------------------------------------------
     def _compact_idle(self, should_stop: Callable[[], bool]) -> None:
         """Writer thread, idle for compact_idle seconds: rewrite each chain as one full file."""
+        self.catalog.present()  # a chain whose file was removed under us is not compacted
         while not should_stop():
             with self.catalog.lock:
                 todo = chains.compaction_candidates(self.catalog.index, 2)

@@ -31,7 +31,7 @@ from edge_llm.settings import DEFAULTS
 from edge_llm.snapshot import chains
 from edge_llm.snapshot import format as fmt
 from edge_llm.snapshot.catalog import Catalog
-from edge_llm.snapshot.identity import Identity, ensure_namespace
+from edge_llm.snapshot.identity import IDENTITY_FILE, Identity, ensure_namespace
 from edge_llm.snapshot.chain_read import READ_MAX_TOKENS, ChainRead, ChainReadError
 from edge_llm.snapshot.entries import Entry, Hit, lcp
 from edge_llm.snapshot.saver import Saver
@@ -56,10 +56,19 @@ class SnapshotStore:
         self.model_id = identity.model_id
         self.min_lcp = min_lcp
         self.modes = Modes(group_read)
+        self.kv_dir = Path(kv_dir)
         self.ns = ensure_namespace(kv_dir, identity, self.modes)
         check_writable(self.ns)  # an existing namespace on a read-only mount: found now, not at a save
-        self.catalog = Catalog(self.ns, self.modes, max_files, max_bytes)
+        self.catalog = Catalog(self.ns, self.modes, max_files, max_bytes, recreate=self._recreate_namespace)
         self.saver = Saver(self.catalog, geometry, self.model_id, min_lcp, max_tokens, kv_bs, max_chain, compact_idle)
+
+    def _recreate_namespace(self) -> bool:
+        """The namespace directory or its identity.json removed under us: make them again (the
+        writer thread, before a save). True if it had to."""
+        if (self.ns / IDENTITY_FILE).is_file():
+            return False
+        ensure_namespace(self.kv_dir, self.identity, self.modes)
+        return True
 
     @property
     def write_bps(self) -> float | None:
@@ -127,6 +136,7 @@ class SnapshotStore:
         req = req.astype(np.uint32)
         limit = req.shape[0] - 1  # at least one token is prefilled: it yields the logits
         best: Hit | None = None
+        self.catalog.present()  # a file removed under us is no hit (docs/store.md, "Files that vanish")
         with self.catalog.lock:
             for e in self.catalog.index.values():
                 m = min(lcp(req, e.tokens), limit)
@@ -181,10 +191,7 @@ class SnapshotStore:
         cat = self.catalog
         cat.count(load_failures=1)
         if isinstance(cause, FileNotFoundError):
-            log.warning("[KV-DISK] rejected %s: file vanished (%s)", bad.name, cause)
-            with cat.lock:
-                cat.index.pop(bad.name, None)
-            cat.drop_descendants(bad, f"base-missing: base {bad.name} vanished")
+            cat.drop_vanished(bad, "file vanished during a restore")
             return SnapshotError(f"{bad.name}: file vanished")
         cat.drop_quarantined(bad, _reason(cause))
         if isinstance(cause, SnapshotError):
@@ -228,12 +235,14 @@ class SnapshotStore:
             return list(self.catalog.degraded.values())
 
     def stats(self) -> dict[str, Any]:
-        """Counters and state for /health and /metrics."""
+        """Counters and state for /health and /metrics. Files and bytes are those of the indexed
+        files still on disk, sizes as stat reads them now (`Catalog.present`: one stat per entry)."""
         cat = self.catalog
+        there = cat.present()
         with cat.lock:
             c = cat.counters
-            return {**c, "files": len(cat.index), "chains": len(chains.units(cat.index)),
-                    "bytes_on_disk": sum(e.size for e in cat.index.values()),
+            return {**c, "files": len(there), "chains": len(chains.units(cat.index)),
+                    "bytes_on_disk": sum(size for _, size in there),
                     "write_ratio": c["bytes_written"] / c["new_kv_bytes"] if c["new_kv_bytes"] else 0.0,
                     "degraded": list(cat.degraded.values()), "namespace": self.ns.name,
                     "save_pending": self.saver.writer.busy}
