@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from edge_llm.files import write_atomic
+from edge_llm.safetext import printable
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class CostGate:
         except FileNotFoundError:
             return
         except (OSError, ValueError, AttributeError) as e:
-            log.warning("cost gate: ignoring %s (%s)", path, e)
+            log.warning("cost gate: ignoring %s (%s)", printable(path), e)
             return
         ok = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e15  # noqa: E731
         self.read_bps = float(rb) if ok(rb) else None
@@ -102,7 +103,7 @@ class CostGate:
         try:
             write_atomic(self.state_file, doc, mode=self.file_mode)
         except OSError as e:
-            log.warning("cost gate: could not write %s: %s", self.state_file, e)
+            log.warning("cost gate: could not write %s: %s", printable(self.state_file), e)
 
     # ---- estimates ----------------------------------------------------------------------------
     def observe_read(self, nbytes: int, seconds: float) -> None:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from edge_llm import __version__
+from edge_llm.safetext import one_line
 
 log = logging.getLogger("edge_llm.lifecycle")
 
@@ -69,6 +70,17 @@ class ReopenableFileHandler(logging.StreamHandler):
         super().close()
 
 
+class OneLineFormatter(logging.Formatter):
+    """Each record's message as one line with nothing a terminal interprets: whatever a call site
+    passed in (a file name, a path, a library's own text), control characters are escaped
+    (`safetext.one_line`; call sites escape the untrusted strings they know of with
+    `safetext.printable`, docs/logs.md "Untrusted text"). A traceback keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = one_line(record.message)
+        return super().formatMessage(record)
+
+
 class LogSetup:
     """What `setup_logging` installed: the file handler (if any) for SIGHUP and the exit line."""
 
@@ -92,11 +104,11 @@ def setup_logging(log_file: str | Path | None, level: int = logging.INFO) -> Log
         root.removeHandler(h)
         if getattr(h, "_edge_llm", False):  # close only what we opened
             h.close()
-    fmt = logging.Formatter(LINE_FORMAT, DATE_FORMAT)
+    fmt = OneLineFormatter(LINE_FORMAT, DATE_FORMAT)
     fmt.converter = time.gmtime  # UTC: log files compared across boots and time zones
     err = logging.StreamHandler(sys.stderr)
     # journald adds its own timestamp; keep stderr lines short
-    err.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    err.setFormatter(OneLineFormatter("%(levelname)s %(name)s: %(message)s"))
     err._edge_llm = True
     root.addHandler(err)
     fh = None

@@ -16,6 +16,7 @@ from edge_llm.drafting import DraftConfig
 from edge_llm.engine import Engine
 from edge_llm.footprint import BackendChoice, ModelSizes, admit, choose_backend, estimate_memory
 from edge_llm.kvcache import KVCache
+from edge_llm.safetext import printable
 from edge_llm.settings import Settings, resolve
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,8 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
             store.scan()
         except OSError as e:  # a disk problem is not a reason to stop serving (nor a crash loop)
             disk_kv_error = f"disk KV unavailable: {s.disk_kv}: {e.strerror or e}"
-            log.error("[KV-DISK] %s; serving without snapshots until a restart finds it usable", disk_kv_error)
+            log.error("[KV-DISK] %s; serving without snapshots until a restart finds it usable",
+                      printable(disk_kv_error))
             store = None
     gate = None
     if store is not None:  # estimates persist per namespace: same disk, same backend numerics
@@ -129,6 +131,6 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
                     model_dir=model_dir, vision=vision, restore_mode=s.disk_kv_restore, gate=gate,
                     disk_kv_error=disk_kv_error, backend_reason=choice.describe(),
                     draft=DraftConfig(s.draft, s.draft_max, s.draft_ngram))
-    log.info("runtime ready: model %s (%s), KV cache %d MiB (max_seq %d)", model_dir.name,
+    log.info("runtime ready: model %s (%s), KV cache %d MiB (max_seq %d)", printable(model_dir.name),
              model.backend.numerics, cache.nbytes >> 20, s.max_seq)
     return engine

@@ -6,7 +6,9 @@ a terminal running `journalctl` or `tail -f` would obey), or bytes that are not 
 Python decodes to lone surrogates a UTF-8 log file cannot store). `printable` writes every
 character that is not printable as a backslash escape, the way Python's `repr` does, and a
 backslash as two, so an escaped string can always be told from one that only looks like it.
-Printable non-ASCII text (accents, CJK) stays as it is.
+Printable non-ASCII text (accents, CJK) stays as it is. `one_line` is the log formatter's safety
+net for every message (edge_llm/logsetup.py): the same escapes, backslashes kept, so text that
+`printable` escaped passes through unchanged.
 """
 
 from __future__ import annotations
@@ -34,3 +36,11 @@ def printable(text: str | os.PathLike[str]) -> str:
     if s.isprintable() and "\\" not in s:
         return s
     return "".join(ch if ch.isprintable() and ch != "\\" else _escape(ch) for ch in s)
+
+
+def one_line(text: str) -> str:
+    """`text` with each non-printable character escaped as `printable` does, backslashes kept:
+    a whole log message made one line (idempotent: its output holds only printable characters)."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else _escape(ch) for ch in text)

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from edge_llm.config import ModelArgs, VisionArgs
 from edge_llm.errors import WeightsError
 from edge_llm.files import write_atomic
+from edge_llm.safetext import printable
 from edge_llm.settings import digest_cache_path
 
 log = logging.getLogger(__name__)
@@ -328,7 +329,8 @@ def load_weights(model_dir: str | Path, args: ModelArgs) -> Weights:
     found = index_tensors(model_dir)
     want = expected_tensors(args)
     _check(found, want)
-    log.debug("checkpoint %s: %d tensors checked (%d ignored)", model_dir, len(want), len(found) - len(want))
+    log.debug("checkpoint %s: %d tensors checked (%d ignored)", printable(model_dir), len(want),
+              len(found) - len(want))
     return Weights(args, {n: found[n] for n in want})
 
 
@@ -382,7 +384,7 @@ def weight_digest(model_dir: str | Path, progress: Callable[[str], None] | None 
         entry = cache.get(key)
         if not (isinstance(entry, dict) and entry.get("size") == st.st_size
                 and entry.get("mtime_ns") == st.st_mtime_ns and isinstance(entry.get("sha256"), str)):
-            log.info("hashing %s (%d bytes)", path.name, st.st_size)
+            log.info("hashing %s (%d bytes)", printable(path.name), st.st_size)
             report = None if progress is None else (
                 lambda done, p=path, size=st.st_size: progress(f"hashing {p.name} {done >> 20}/{size >> 20} MiB"))
             entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(path, report)}
@@ -396,5 +398,5 @@ def weight_digest(model_dir: str | Path, progress: Callable[[str], None] | None 
             # update costs one more hash)
             write_atomic(cache_path, json.dumps(cache, indent=1, sort_keys=True), durable=False)
         except OSError as e:
-            log.warning("could not write digest cache %s: %s", cache_path, e)
+            log.warning("could not write digest cache %s: %s", printable(cache_path), e)
     return total.hexdigest()

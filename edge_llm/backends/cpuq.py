@@ -30,6 +30,7 @@ from edge_llm.backends.manifest import MANIFEST, Manifest
 from edge_llm.backends.quant import BlockSource
 from edge_llm.errors import ConfigError
 from edge_llm.files import publish_dir
+from edge_llm.safetext import printable
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ def _usable(root: Path, model_dir: Path, qm: QuantMode) -> Manifest | None:
             raise ConfigError(f"quant format {m.build.get('format', 1)}, this edge-llm makes {QUANT_FORMAT}")
         return m
     except ConfigError as e:
-        log.warning("%s is stale (%s): rebuilding", root, e)
+        log.warning("%s is stale (%s): rebuilding", printable(root), e)
         return None
 
 
@@ -206,8 +207,8 @@ def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], N
     vision = vision_args_from_dir(model_dir)
     deepstack = len(vision.deepstack_visual_indexes) if vision is not None else 0
     linear = QuantLinear(args, blocks, qm.bits, qm.block, qm.accuracy_level)
-    log.info("quantizing %s (%s%s) into %s", model_dir.name, qm.label,
-             f", GGUF blocks from {blocks.path.name}" if blocks else "", out)
+    log.info("quantizing %s (%s%s) into %s", printable(model_dir.name), qm.label,
+             f", GGUF blocks from {printable(blocks.path.name)}" if blocks else "", printable(out))
     # F32 arithmetic: the plain RMSNorm (the fp16-safe one only adds nodes here)
     m = export_graph_set(model_dir, out, chunks=None, linear=linear, norm=rms_norm_op, fused=True, unfused=deepstack,
                          progress=(lambda s: progress(f"quantizing {s.name}")) if progress else None,
@@ -225,7 +226,7 @@ def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], N
     m.build = {"format": QUANT_FORMAT, "quant": qm.name, "summary": s, "weights": report}  # not hashed
     m.write(out)
     log.info("quantized %s: %d weights exact from GGUF blocks, %d re-quantized (%.1f MB)",
-             model_dir.name, s["exact"], s["requantized"], s["bytes"] / 1e6)
+             printable(model_dir.name), s["exact"], s["requantized"], s["bytes"] / 1e6)
     return m
 
 

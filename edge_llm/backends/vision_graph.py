@@ -25,6 +25,7 @@ from edge_llm.backends.graphs import GraphSpec
 from edge_llm.backends.runners import GraphRunner, OrtRunner
 from edge_llm.errors import ConfigError
 from edge_llm.files import publish_dir, write_atomic
+from edge_llm.safetext import printable
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ def _usable(root: Path, tm: TowerMode) -> dict | None:
         return None
     if meta.get("format") != TOWER_FORMAT or meta.get("mode") != tm.name or \
             not all((root / f).is_file() for f in meta.get("onnx", {}).values()):
-        log.warning("%s is stale: rebuilding", root)
+        log.warning("%s is stale: rebuilding", printable(root))
         return None
     return meta
 
@@ -125,7 +126,7 @@ def build_ort_tower(model_dir: str | Path, out: Path, tm: TowerMode) -> dict:
     except ImportError as e:
         raise ConfigError(f"the onnxruntime vision tower needs onnx ({e}): pip install 'edge-llm[quant]'") from None
     linear = f32_linear if tm.bits == 32 else NBitsLinear(tm.bits, tm.block, tm.accuracy_level)
-    log.info("exporting the vision tower of %s (%s) into %s", Path(model_dir).name, tm.name, out)
+    log.info("exporting the vision tower of %s (%s) into %s", printable(Path(model_dir).name), tm.name, printable(out))
     done = export_tower(model_dir, out, linear=linear, blocks=ORT_SEGMENT_BLOCKS)
     digest = hashlib.sha256("".join(e.input_key for e in done).encode()).hexdigest()
     meta = {"format": TOWER_FORMAT, "mode": tm.name, "onnx": {e.spec.name: e.onnx.name for e in done},
@@ -174,7 +175,7 @@ def open_rknn_tower(rknn_dir: str | Path, runner: str = "auto", model_dir: str |
 
     root = Path(rknn_dir) / VISION_DIR
     if not (root / MANIFEST).is_file():
-        log.info("%s holds no vision tower graph: images take the numpy tower", rknn_dir)
+        log.info("%s holds no vision tower graph: images take the numpy tower", printable(rknn_dir))
         return None
     m = Manifest.read(root)
     if model_dir is not None:

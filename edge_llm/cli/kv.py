@@ -13,9 +13,11 @@ from pathlib import Path
 import click
 import numpy as np
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from edge_llm.errors import SnapshotError
+from edge_llm.safetext import printable
 from edge_llm.settings import DEFAULTS, parse_size
 from edge_llm.snapshot import format as fmt
 from edge_llm.snapshot import maintenance
@@ -63,6 +65,12 @@ def human(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return str(n)
+
+
+def _shown(value: object) -> str:
+    """A value read from a file (identity.json, a name on disk) as text for the console: escaped
+    (edge_llm/safetext.py) and never taken as markup."""
+    return escape(printable(str(value)))
 
 
 def private_warnings(paths: list[Path]) -> list[str]:
@@ -131,10 +139,11 @@ def ls(kv_dir: Path | None) -> None:
     for ns in spaces:
         ident = read_identity(ns) or {}
         cfg = ident.get("config", {})
-        out.print(f"[bold]namespace {ns.name}[/bold]  model_type={cfg.get('model_type', '?')} "
-                  f"layers={cfg.get('num_hidden_layers', '?')} kv_heads={cfg.get('num_key_value_heads', '?')} "
-                  f"head_dim={cfg.get('head_dim', '?')} backend={ident.get('backend_numerics', '?')} "
-                  f"weights={str(ident.get('weights_sha256', '?'))[:12]} {ident.get('model_dir', '')}")
+        out.print(f"[bold]namespace {ns.name}[/bold]  model_type={_shown(cfg.get('model_type', '?'))} "
+                  f"layers={_shown(cfg.get('num_hidden_layers', '?'))} "
+                  f"kv_heads={_shown(cfg.get('num_key_value_heads', '?'))} "
+                  f"head_dim={_shown(cfg.get('head_dim', '?'))} backend={_shown(ident.get('backend_numerics', '?'))} "
+                  f"weights={_shown(str(ident.get('weights_sha256', '?'))[:12])} {_shown(ident.get('model_dir', ''))}")
         for w in private_warnings([kv_dir, ns]):
             out.print(w)
         table = Table(show_edge=False)
@@ -328,7 +337,7 @@ def rm(kv_dir: Path | None, namespace: str | None, all_: bool, names: tuple[str,
         for r in maintenance.remove(ns, None if all_ else set(names)):
             wanted.discard(r.path.name)
             why = " (a delta resting on a removed snapshot)" if r.dependent else ""
-            out.print(f"removed {ns.name}/{r.path.relative_to(ns)}{why}")
+            out.print(f"removed {ns.name}/{escape(printable(r.path.relative_to(ns)))}{why}")  # --all: any name
             removed += 1
     if wanted:
         raise click.ClickException(f"not found: {', '.join(sorted(wanted))}")

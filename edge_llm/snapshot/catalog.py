@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from edge_llm.files import fsync_dir
-from edge_llm.safetext import printable
+from edge_llm.safetext import one_line, printable
 from edge_llm.snapshot import chains
 from edge_llm.snapshot.entries import Entry
 from edge_llm.snapshot.writer import Modes, write_atomic
@@ -137,7 +137,7 @@ class Catalog:
         try:
             os.utime(e.path, (now, now))
         except OSError as err:
-            log.warning("[KV-DISK] could not touch %s: %s", e.name, err)
+            log.warning("[KV-DISK] could not touch %s: %s", printable(e.name), err)
 
     # ---- eviction ---------------------------------------------------------------------------------
     def evict(self, keep: str | None = None) -> list[str]:
@@ -202,7 +202,7 @@ class Catalog:
             self.index.pop(e.name, None)
             self.counters["evictions"] += 1
         self.unlink(e.path, reason)
-        log.info("[KV-DISK] evicted %s (%s)", e.name, reason)
+        log.info("[KV-DISK] evicted %s (%s)", printable(e.name), reason)
 
     def sync(self) -> None:
         """One directory fsync for the removals before it."""
@@ -230,15 +230,16 @@ class Catalog:
     def quarantine(self, path: Path, reason: str) -> None:
         """Move a bad file to quarantine/ (with a .reason note), keep the newest few, log, count."""
         self.count(rejections=1)
-        log.warning("[KV-DISK] rejected %s: %s", path.name, reason)
+        # the name is the file system's (the scan quarantines files it could not read): escaped
+        log.warning("[KV-DISK] rejected %s: %s", printable(path.name), one_line(reason))
         quarantine_file(self.ns, path, reason, modes=self.modes)
 
     def unlink(self, path: Path, why: str) -> None:
         try:
             path.unlink(missing_ok=True)
-            log.debug("[KV-DISK] removed %s (%s)", path.name, why)
+            log.debug("[KV-DISK] removed %s (%s)", printable(path.name), why)
         except OSError as e:
-            log.warning("[KV-DISK] could not remove %s (%s): %s", path.name, why, e)
+            log.warning("[KV-DISK] could not remove %s (%s): %s", printable(path.name), why, e)
 
 
 @dataclass
@@ -287,9 +288,9 @@ def quarantine_file(ns: Path, path: Path, reason: str, keep: int = MAX_QUARANTIN
             (qdir / f"{old}.reason").unlink(missing_ok=True)
         return dest
     except OSError as e:
-        log.warning("[KV-DISK] could not quarantine %s (%s); deleting it", path.name, e)
+        log.warning("[KV-DISK] could not quarantine %s (%s); deleting it", printable(path.name), e)
         try:
             path.unlink(missing_ok=True)
         except OSError as e2:
-            log.warning("[KV-DISK] could not delete %s: %s", path.name, e2)
+            log.warning("[KV-DISK] could not delete %s: %s", printable(path.name), e2)
         return None

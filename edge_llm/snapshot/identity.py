@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_llm.config import ModelArgs
+from edge_llm.safetext import printable
 from edge_llm.settings import DEFAULTS
 from edge_llm.snapshot.writer import Modes, write_atomic
 from edge_llm.weights import sha256_file, weight_digest
@@ -121,7 +122,7 @@ class Identity:
         )
 
 
-NAMESPACE_RE = re.compile(r"^[0-9a-f]{16}$")  # a namespace directory's name (Identity.namespace)
+NAMESPACE_RE = re.compile(r"^[0-9a-f]{16}\Z")  # a namespace directory's name (Identity.namespace)
 
 
 def namespace_dir(kv_dir: str | Path, identity: Identity) -> Path:
@@ -145,7 +146,7 @@ def ensure_namespace(kv_dir: str | Path, identity: Identity, modes: Modes | None
     if current != text:
         write_atomic(ident_path, text.encode(), modes)
         log.info("[KV-DISK] namespace %s (%s, %s)", ns.name, identity.backend_numerics,
-                 identity.model_dir or "model")
+                 printable(identity.model_dir or "model"))
     return ns
 
 
@@ -158,7 +159,7 @@ def _own_dir(d: Path, modes: Modes) -> None:
     st = d.stat()
     if st.st_uid == os.getuid() and (st.st_mode & 0o777) & ~modes.dir:
         os.chmod(d, st.st_mode & modes.dir)
-        log.info("[KV-DISK] %s was readable by others: mode now %o", d, st.st_mode & modes.dir & 0o777)
+        log.info("[KV-DISK] %s was readable by others: mode now %o", printable(d), st.st_mode & modes.dir & 0o777)
 
 
 def read_identity(ns_dir: str | Path) -> dict[str, Any] | None:

@@ -86,7 +86,7 @@ def snapshot_size(n_layers: int, n_tokens: int, kv_dim: int, kv_bs: int, ext_siz
 # (a glob for directory scans, a regex for names given by a user or found in a log line)
 SNAPSHOT_GLOB = "kv_*.kv"
 SNAPSHOT_NAME = r"kv_[0-9a-f]{16}\.kv"  # unanchored, to embed in other patterns
-SNAPSHOT_RE = re.compile(rf"^{SNAPSHOT_NAME}$")
+SNAPSHOT_RE = re.compile(rf"^{SNAPSHOT_NAME}\Z")  # \Z: `$` would let a final newline through
 
 
 def snapshot_name(tokens_fnv: int) -> str:

@@ -27,6 +27,7 @@ from edge_llm.errors import SnapshotError
 from edge_llm.files import TMP_SUFFIX, check_writable, orphaned_temp
 from edge_llm.kvcache import KVCache, Restored
 from edge_llm.progress import NO_WORK, Work
+from edge_llm.safetext import printable
 from edge_llm.settings import DEFAULTS
 from edge_llm.snapshot import chains
 from edge_llm.snapshot import format as fmt
@@ -91,7 +92,7 @@ class SnapshotStore:
         entries, rejected = {}, 0
         for path in sorted(self.ns.glob(fmt.SNAPSHOT_GLOB)):
             if not path.is_file():  # a FIFO or device would block or mislead the reader: never opened
-                log.warning("[KV-DISK] skipped %s: not a regular file", path.name)
+                log.warning("[KV-DISK] skipped %s: not a regular file", printable(path.name))
                 continue
             try:
                 entry = self._read_entry(path)

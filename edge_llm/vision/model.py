@@ -20,6 +20,7 @@ from edge_llm.config import ModelArgs, VisionArgs, vision_args_from_dir
 from edge_llm.errors import ConfigError
 from edge_llm.models.qwen3 import VisualRows
 from edge_llm.progress import NO_WORK, Work
+from edge_llm.safetext import printable
 from edge_llm.vision.encoder import ImageFeatures, VisionEncoder
 from edge_llm.vision.positions import PromptPlan, expand_placeholders, plan_prompt
 from edge_llm.vision.preprocess import (
@@ -80,7 +81,7 @@ class VisionModel:
                               f"hidden_size {text.hidden_size}")
         weights = load_vision_weights(model_dir, text, args)
         if weights is None:
-            log.info("%s declares a vision tower but has no vision weights: text only", model_dir)
+            log.info("%s declares a vision tower but has no vision weights: text only", printable(model_dir))
             return None
         be = get_vision_backend(backend) if isinstance(backend, str) else backend
         encoder = VisionEncoder.from_weights(args, weights, be, graph)
