@@ -1,7 +1,8 @@
 """`edge-llm kv`: list, dissect, verify, remove and garbage-collect disk KV snapshots.
 
-Works offline on a kv dir (`<kv-dir>/<model_id hex>/kv_<hash>.kv`); no model is loaded. Don't run
-`rm`/`gc` against a namespace while a service is writing to it.
+Works offline on a kv dir (`<kv-dir>/<model_id hex>/kv_<hash>.kv`); no model is loaded. `rm`/`gc`
+may run while a service uses the kv dir: the service notices the removed files, counts them no
+more and writes a removed conversation again at its next save (docs/store.md, "Files that vanish").
 """
 
 from __future__ import annotations
