@@ -139,6 +139,14 @@ class _ListeningLine(logging.Filter):
         return True
 
 
+def setup_cli_logging(level: int = logging.WARNING, fmt: str = "%(message)s") -> None:
+    """A command's logging (generate, model, convert): stderr only, one line per message
+    (`OneLineFormatter`), as `logging.basicConfig` would otherwise set it up."""
+    err = logging.StreamHandler(sys.stderr)
+    err.setFormatter(OneLineFormatter(fmt))
+    logging.basicConfig(level=level, handlers=[err])
+
+
 def boot_id() -> str:
     """The kernel's boot id: tells log readers whether two runs were in the same boot."""
     try:

@@ -158,3 +158,15 @@ def test_kv_cli_prints_file_controlled_text_escaped(tmp_path):
         assert b"\x1b" not in out
     assert b"/models/\\x1b[31mred[bold]\\nforged" in ls.stdout
     assert f"removed {ns.name}/quarantine/20260101T000000-1-kv_\\x1b[31mred.kv".encode() in rm.stdout
+
+
+def test_cli_logging_makes_every_message_one_line():
+    """generate / model / convert log to stderr through the same one-line formatter."""
+    import subprocess
+    import sys
+
+    code = ("import logging\nfrom edge_llm.logsetup import setup_cli_logging\nsetup_cli_logging()\n"
+            "logging.getLogger('edge_llm.x').warning('opened %s', '/m/\\x1b[31mred\\nforged')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == b"opened /m/\\x1b[31mred\\nforged\n"

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import sys
 from pathlib import Path
 
 import click
 
 from edge_llm.cli.bench.common import int_list
 from edge_llm.convert.calibration_text import CALIB_TOKENS
+from edge_llm.logsetup import setup_cli_logging
 
 
 def _importable(name: str) -> bool:
@@ -97,8 +97,7 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
     from edge_llm.convert.vision import parse_grids
     from edge_llm.errors import EdgeLLMError
 
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
-                        format="%(message)s")
+    setup_cli_logging(logging.INFO if verbose else logging.WARNING)
     console = Console(stderr=True)
     try:
         model_dir = str(resolve_model_with_bar(model_dir))  # 'default': imported on first use, as `generate`

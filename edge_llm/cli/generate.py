@@ -36,12 +36,12 @@ def generate(settings: Settings, prompt, chat, system, max_tokens, temperature, 
 
     from edge_llm.engine import GenerationRequest
     from edge_llm.errors import EdgeLLMError, ImageError
+    from edge_llm.logsetup import setup_cli_logging
     from edge_llm.runtime import load_runtime
     from edge_llm.tokenizer import plain
 
     err = Console(stderr=True)
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
-                        format="%(message)s")
+    setup_cli_logging(logging.INFO if verbose else logging.WARNING)
     if prompt is None:
         prompt = sys.stdin.read()
     try:

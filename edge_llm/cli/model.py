@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
 import click
 
 from edge_llm.cli.progress import progress_bar, resolve_model_with_bar
+from edge_llm.logsetup import setup_cli_logging
 from edge_llm.settings import DEFAULTS
 
 
@@ -19,7 +19,7 @@ def _fail(e: Exception) -> None:
 @click.group("model")
 def model() -> None:
     """Import, synthesise and inspect model directories."""
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
+    setup_cli_logging(logging.WARNING)
 
 
 @model.command("import-gguf")
