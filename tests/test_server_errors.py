@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+import socket
+import time
 
 import httpx
 import pytest
@@ -78,6 +81,21 @@ COMP = "/v1/completions"
     # a seed numpy cannot take is refused at the door, not inside the job after a 200
     (COMP, {"prompt": "x", "seed": -1}, "seed"),
     (COMP, {"prompt": "x", "seed": 2 ** 64}, "seed"),
+    # booleans and numbers are strict, as OpenAI's API has them: no string, no 1 for true, no 5.0 for 5
+    (COMP, {"prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}},
+     "stream_options.include_usage"),
+    (COMP, {"prompt": "x", "stream": "true"}, "stream"),
+    (COMP, {"prompt": "x", "stream": 1}, "stream"),
+    (COMP, {"prompt": "x", "echo": 0}, "echo"),
+    (COMP, {"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    (COMP, {"prompt": "x", "max_tokens": 5.0}, "max_tokens"),
+    (COMP, {"prompt": "x", "n": True}, "n"),
+    (COMP, {"prompt": "x", "seed": 1.5}, "seed"),
+    (COMP, {"prompt": "x", "temperature": "0.5"}, "temperature"),
+    (COMP, {"prompt": "x", "top_p": True}, "top_p"),
+    (COMP, {"prompt": [1, True]}, "prompt"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": "3"}, "max_completion_tokens"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi"}], "logprobs": 0}, "logprobs"),
 ])
 def test_invalid_fields_are_400_naming_the_param(srv, path, body, param):
     e = err(post(srv, path, json=body), 400)
@@ -90,11 +108,31 @@ def test_invalid_fields_are_400_naming_the_param(srv, path, body, param):
     (CHAT, b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 1}', "messages.0.content"),
     (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}', "messages.0.content"),
     (COMP, b'{"prompt": "x", "stop": ["\\ud800"], "max_tokens": 1}', "stop"),
+    # anywhere in the body: fields the server ignores, and keys, too
+    (COMP, b'{"prompt": "x", "metadata": {"k": "\\ud800"}, "max_tokens": 1}', "metadata.k"),
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi", "extra": ["\\udfff"]}], "max_tokens": 1}',
+     "messages.0.extra.0"),
 ])
 def test_lone_surrogates_are_400_not_500(srv, path, raw, param):
     """JSON can carry a lone UTF-16 surrogate that is no Unicode text: refused, naming the field."""
     e = err(post(srv, path, content=raw, headers={"Content-Type": "application/json"}), 400)
     assert "lone surrogate" in e["message"] and (e["param"] or "").startswith(param), e
+
+
+@pytest.mark.parametrize("path,raw", [
+    (COMP, b'{"prompt": "x", "\\ud800": 1, "max_tokens": 1}'),
+    (CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "metadata": {"\\udc00k": "v"}, "max_tokens": 1}'),
+])
+def test_a_lone_surrogate_in_a_key_is_400(srv, path, raw):
+    e = err(post(srv, path, content=raw, headers={"Content-Type": "application/json"}), 400)
+    assert "field name is not valid Unicode text: lone surrogate" in e["message"], e
+
+
+def test_numbers_take_what_openai_takes(srv):
+    """Strict, not stricter than OpenAI: a float field takes an integer ("temperature": 1)."""
+    body = {"prompt": "x", "max_tokens": 1, "temperature": 1, "top_p": 1, "logit_bias": {}, "presence_penalty": 0,
+            "stream": False, "stream_options": {"include_usage": False}}
+    assert post(srv, COMP, json=body).status_code == 200
 
 
 def test_temperature_that_underflows_is_greedy(srv):
@@ -239,3 +277,67 @@ def test_with_a_key_only_liveness_is_public(srv, tiny_synth_dir, tmp_path):
                     "--api-key-file", str(tmp_path / "keys"), "--metrics-public", "true").start() as scraped:
         assert httpx.get(scraped.url + "/metrics", timeout=30).status_code == 200
         assert httpx.get(scraped.url + "/health", timeout=30).json() == {"status": "ok"}
+
+
+def raw_request(port: int, head: bytes, body: bytes = b"", timeout: float = 15) -> tuple[int, dict, float]:
+    """Send `head` (and `body`) on a plain socket; read one response (its headers and the
+    Content-Length bytes of its body). Returns (status, JSON body, seconds to it), or (0, {}, seconds)
+    when none came within `timeout`."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        t0 = time.monotonic()
+        s.sendall(head + body)
+        got = b""
+        try:
+            while b"\r\n\r\n" not in got or len(got.partition(b"\r\n\r\n")[2]) < _content_length(got):
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                got += chunk
+        except TimeoutError:
+            return 0, {}, time.monotonic() - t0
+        took = time.monotonic() - t0
+    status = int(got.split(b" ", 2)[1])
+    return status, json.loads(got.partition(b"\r\n\r\n")[2]), took
+
+
+def _content_length(response: bytes) -> int:
+    m = re.search(rb"\r\ncontent-length: *(\d+)", response.partition(b"\r\n\r\n")[0], re.IGNORECASE)
+    return int(m.group(1)) if m else 0
+
+
+def head(path: str, key: str | None, *lines: str) -> bytes:
+    auth = [f"Authorization: Bearer {key}"] if key else []
+    return "\r\n".join([f"POST {path} HTTP/1.1", "Host: x", "Content-Type: application/json", *auth, *lines,
+                        "", ""]).encode()
+
+
+def test_the_key_is_checked_before_the_body_is_read(srv):
+    """Without the key, the body is neither parsed nor waited for: a malformed one is 401, not 400
+    (also chunked), and 100 MB announced but never sent get the 401 from the headers at once."""
+    assert err(post(srv, COMP, key=None, content=b'{"prompt": "x",', headers={"Content-Type": "application/json"}),
+               401)["code"] == "missing_api_key"
+    assert err(post(srv, CHAT, key="edge-secret-kez", content=iter([b'{"messages": ', b"[nonsense"]),
+                    headers={"Content-Type": "application/json"}), 401)["code"] == "invalid_api_key"
+    status, body, took = raw_request(srv.port, head(COMP, None, "Content-Length: 100000000"))
+    assert status == 401 and body["error"]["code"] == "missing_api_key", (status, body, took)
+    # a client still sending a body larger than the limit gets the 401 too, not a reset or a 413
+    assert err(post(srv, COMP, key=None, content=b"x" * (4 << 20)), 401)["code"] == "missing_api_key"
+    assert srv.health().json()["status"] == "ok"
+
+
+def test_content_length_over_the_limit_is_413_from_the_headers(srv):
+    """100 MB announced, nothing sent: the 413 comes back at once, no body awaited."""
+    status, body, took = raw_request(srv.port, head(COMP, KEY, "Content-Length: 100000000"))
+    assert status == 413 and body["error"]["code"] == "body_too_large", (status, body, took)
+
+
+def test_content_length_with_transfer_encoding_is_400(srv):
+    """Both framings in one request (the request-smuggling shape behind a proxy): refused, never served."""
+    payload = json.dumps({"prompt": "x", "max_tokens": 1}).encode()
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload)
+    for lines in (("Content-Length: 5", "Transfer-Encoding: chunked"),
+                  ("Transfer-Encoding: chunked", f"Content-Length: {len(chunked)}")):
+        status, body, _ = raw_request(srv.port, head(COMP, KEY, *lines), chunked)
+        assert status == 400 and body["error"]["code"] == "bad_framing", (status, body)
+        assert "Transfer-Encoding" in body["error"]["message"]
+    assert srv.health().json()["status"] == "ok"

@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
 from edge_llm import __version__
@@ -26,7 +27,7 @@ from edge_llm.sdnotify import Notifier
 from edge_llm.server import schemas as S
 from edge_llm.server.errors import (
     APIError,
-    BodyLimitMiddleware,
+    RequestGate,
     bad_request,
     install_handlers,
     queue_full,
@@ -74,9 +75,6 @@ def create_app(settings: Settings, notifier: Notifier | None = None, loader: Cal
                   **({"docs_url": None, "redoc_url": None, "openapi_url": None} if keyed else {}))
     app.state.edge = state
     install_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
-    # outermost: counts every status, including 413 from the body limit
-    app.add_middleware(StatusCountMiddleware, metrics=state.metrics)
 
     def auth(request: Request) -> None:
         if state.keys is not None:
@@ -210,6 +208,13 @@ def create_app(settings: Settings, notifier: Notifier | None = None, loader: Cal
         return await respond(request, body, GenerationRequest(tokens, max_tokens, params, stop, images=images),
                              chat=True)
 
+    # the key and the body limit are checked from the request's head, before its body is read: the
+    # paths of the routes declared with the key (docs/api.md "What is public")
+    keyed_paths = frozenset(r.path for r in app.routes
+                            if isinstance(r, APIRoute) and any(d.dependency is auth for d in r.dependencies))
+    app.add_middleware(RequestGate, limit=settings.max_body_bytes, keys=state.keys, keyed=keyed_paths)
+    # outermost: counts every status, including the gate's 400, 401 and 413
+    app.add_middleware(StatusCountMiddleware, metrics=state.metrics)
     return app
 
 

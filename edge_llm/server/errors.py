@@ -6,6 +6,7 @@ with the matching status; nothing a client sends reaches the engine unvalidated.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -22,7 +23,10 @@ from edge_llm.errors import ConfigError
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 2
-DRAIN_MAX = 64 * 1024 * 1024  # beyond this, a too-large body is cut off (connection reset)
+# after an answer sent before the body was read (RequestGate): what is still discarded
+DRAIN_MAX = 64 * 1024 * 1024  # bytes; beyond this, the connection closes (a client still sending sees a reset)
+LINGER_S = 5.0  # seconds in all
+LINGER_IDLE_S = 1.0  # seconds without a byte from the client
 
 
 class APIError(Exception):
@@ -58,6 +62,15 @@ def unavailable(message: str, code: str) -> APIError:
     return APIError(503, message, "server_error", code=code, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+class NotUnicodeText(ValueError):
+    """A string of a request body that is not Unicode text (a lone UTF-16 surrogate); `path` holds
+    the keys and list indices from the body to it, the error's `param`."""
+
+    def __init__(self, path: tuple[str, ...], message: str):
+        super().__init__(message)
+        self.path = path
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
     errs = exc.errors()
     if not errs:
@@ -69,6 +82,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None, s
         ctx = e.get("ctx") or {}
         return f"invalid JSON body: {ctx.get('error', e.get('msg'))}", None, "invalid_json"
     loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+    cause = (e.get("ctx") or {}).get("error")
+    if isinstance(cause, NotUnicodeText):  # raised on the whole body: the place is in the error
+        loc += cause.path
     param = ".".join(loc) or None
     msg = e.get("msg", "invalid value")
     more = f" (and {len(errs) - 1} more error(s))" if len(errs) > 1 else ""
@@ -100,26 +116,44 @@ def install_handlers(app: FastAPI) -> None:
                             status_code=500)
 
 
-class BodyLimitMiddleware:
-    """413 for bodies over `limit` bytes: by Content-Length up front, else while streaming in."""
+class RequestGate:
+    """What is answered from a request's head, before any byte of its body is read or parsed
+    (docs/api.md "Errors" and "Request limits"), in this order:
 
-    def __init__(self, app: ASGIApp, limit: int):
-        self.app, self.limit = app, limit
+    - 400 for `Content-Length` together with `Transfer-Encoding` (RFC 9112 6.1 lets a server refuse
+      it; behind a proxy it is the request-smuggling shape), the connection closed at once;
+    - 401 without a valid API key on a path in `keyed` (the routes declared with the key);
+    - 413 for a `Content-Length` over `limit`.
+
+    A body without `Content-Length` (chunked) is counted while it streams in: 413 past the limit.
+    An early answer goes out whole at once; then the server discards what the client still sends
+    (at most LINGER_S seconds, DRAIN_MAX bytes) before it closes the connection, because closing a
+    socket with unread input makes the kernel send RST, and a client still sending its body would
+    see a reset instead of the answer."""
+
+    def __init__(self, app: ASGIApp, limit: int, keys: APIKeys | None = None,
+                 keyed: frozenset[str] = frozenset()):
+        self.app, self.limit, self.keys, self.keyed = app, limit, keys, keyed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = None
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    length = int(value)
-                except ValueError:
-                    pass
-        if length is not None:  # the HTTP parser enforces Content-Length: checking it suffices
-            if length > self.limit:
-                await self._drain(receive)
-                return await self._reject(send)
+        headers = scope.get("headers", ())
+        lengths = [value for name, value in headers if name == b"content-length"]
+        if lengths and any(name == b"transfer-encoding" for name, _ in headers):
+            log.warning("refused a request with both Content-Length and Transfer-Encoding")
+            return await _answer(send, bad_request(
+                "a request must not carry both Content-Length and Transfer-Encoding (RFC 9112)", code="bad_framing"))
+        if self.keys is not None and scope["path"] in self.keyed:
+            authorization = next((v for n, v in headers if n == b"authorization"), None)
+            try:
+                self.keys.check(authorization.decode("latin-1") if authorization is not None else None)
+            except APIError as e:
+                return await _answer(send, e, receive)
+        # the HTTP parser enforces Content-Length (one value, digits only): checking it suffices
+        if lengths and int(lengths[0]) > self.limit:
+            return await _answer(send, self._too_large(), receive)
+        if lengths:
             return await self.app(scope, receive, send)
         # chunked (or no) body: read it here, so a too-large one is refused before the app sees it
         messages: list[Message] = []
@@ -131,9 +165,8 @@ class BodyLimitMiddleware:
                 break
             seen += len(msg.get("body", b""))
             if seen > self.limit:
-                if msg.get("more_body", False):  # else the body is complete: nothing to drain
-                    await self._drain(receive)
-                return await self._reject(send)
+                # the body is complete when more_body is false: nothing left to discard
+                return await _answer(send, self._too_large(), receive if msg.get("more_body", False) else None)
             if not msg.get("more_body", False):
                 break
 
@@ -142,27 +175,45 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _drain(self, receive: Receive) -> None:
-        """Read (and drop) the rest of the body, up to DRAIN_MAX: closing a socket with unread
-        input makes the kernel send RST, and the client would see a reset instead of the 413."""
-        drained = 0
-        while drained < DRAIN_MAX:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                return
-            drained += len(msg.get("body", b""))
-            if not msg.get("more_body", False):
-                return
+    def _too_large(self) -> APIError:
+        return APIError(413, f"request body exceeds the limit of {self.limit} bytes (setting max_body_bytes; "
+                        "an image sent as a data: URL takes 4/3 of its size)", code="body_too_large")
 
-    async def _reject(self, send: Send) -> None:
-        body = json.dumps(error_body(f"request body exceeds the limit of {self.limit} bytes (setting "
-                                     "max_body_bytes; an image sent as a data: URL takes 4/3 of its size)",
-                                     "invalid_request_error", code="body_too_large")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+
+async def _answer(send: Send, err: APIError, unread: Receive | None = None) -> None:
+    """Send `err` whole, then (with `unread`: a body may still come) discard the rest of the
+    request for a while; the connection closes after the answer."""
+    body = json.dumps(err.body()).encode()
+    await send({"type": "http.response.start", "status": err.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close"),
+                            *((k.lower().encode(), v.encode()) for k, v in err.headers.items())]})
+    if unread is None:
         await send({"type": "http.response.body", "body": body})
+        return
+    await send({"type": "http.response.body", "body": body, "more_body": True})  # the client has it all
+    await _linger(unread)
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def _linger(receive: Receive) -> None:
+    """Read and drop what the client still sends: until its body ends, LINGER_IDLE_S seconds pass
+    without a byte, LINGER_S seconds in all, or DRAIN_MAX bytes."""
+    loop = asyncio.get_running_loop()
+    end, drained = loop.time() + LINGER_S, 0
+    while drained < DRAIN_MAX:
+        wait = min(LINGER_IDLE_S, end - loop.time())
+        if wait <= 0:
+            return
+        try:
+            msg = await asyncio.wait_for(receive(), wait)
+        except TimeoutError:
+            return
+        if msg["type"] != "http.request":
+            return
+        drained += len(msg.get("body", b""))
+        if not msg.get("more_body", False):
+            return
 
 
 class APIKeys:

@@ -10,37 +10,39 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+from edge_llm.server.errors import NotUnicodeText
 
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 StopField = Annotated[str | list[str] | None, Field(default=None, description="Up to 4 stop strings.")]
 
 
-def _unicode_text(value: object) -> None:
-    """Raise ValueError for a string JSON let through that is not Unicode text: a lone surrogate
-    (`"\\ud800"`) cannot be encoded, tokenized or echoed back."""
+def _unicode_text(value: object, path: tuple[str, ...] = ()) -> None:
+    """Raise NotUnicodeText for the first string JSON let through that is not Unicode text: a lone
+    surrogate (`"\\ud800"`) cannot be encoded, tokenized or echoed back. Every string counts: the
+    fields', unknown fields' and keys (docs/api.md "Errors")."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise ValueError(f"not valid Unicode text: lone surrogate {value[e.start]!r} at character {e.start}") from None
-    elif isinstance(value, list | tuple):
-        for v in value:
-            _unicode_text(v)
+            raise NotUnicodeText(path, f"not valid Unicode text: lone surrogate {value[e.start]!r} at character {e.start}") from None
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _unicode_text(v, (*path, str(i)))
     elif isinstance(value, dict):
         for k, v in value.items():
-            _unicode_text(k)
-            _unicode_text(v)
+            try:
+                _unicode_text(k)
+            except NotUnicodeText as e:  # the key cannot name itself: its parent is the place
+                raise NotUnicodeText(path, f"a field name is {e}") from None
+            _unicode_text(v, (*path, str(k)))
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    @field_validator("*", mode="after")
-    @classmethod
-    def _text_is_unicode(cls, value: object) -> object:
-        _unicode_text(value)  # nested request models check their own fields
-        return value
+    # strict: a boolean is true or false, a number is a JSON number (an integer field refuses 1.0,
+    # a float field takes 1), never a string, as OpenAI's API refuses "stream": "yes" (docs/api.md)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Request):
@@ -48,6 +50,12 @@ class StreamOptions(_Request):
 
 
 class _Sampling(_Request):
+    @model_validator(mode="before")
+    @classmethod
+    def _text_is_unicode(cls, data: object) -> object:
+        _unicode_text(data)  # a request body's root: all of it, unknown fields too (ignored, not unchecked)
+        return data
+
     model: str | None = Field(default=None, description="Omit, or the id from /v1/models.")
     temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
