@@ -151,8 +151,9 @@ class Settings:
     log_file: str | None = _opt(AUTO, "Append-only log file, or 'off'.", "file-or-off", commands=(SERVE,),
                                 metavar="FILE|off",
                                 shown_default="$LOGS_DIRECTORY/edge-llm.log, else $EDGE_LLM_HOME/logs/edge-llm.log")
-    grace_seconds: float = _opt(30.0, "How long a running request may continue after SIGTERM before it "
-                                "is cancelled (its completed rows are then saved).", float,
+    grace_seconds: float = _opt(30.0, "How long a running request may continue after SIGTERM or SIGINT "
+                                "before it is cancelled (its completed rows are then saved); a second "
+                                "signal cancels it at once.", float,
                                 commands=(SERVE,), minimum=0)
     max_body_bytes: int = _opt(32 * 1024 * 1024, "Largest accepted request body (413 beyond); the default "
                                "holds an image of max_image_bytes as a base64 data: URL.",

@@ -319,3 +319,50 @@ def test_sigterm_past_the_grace_period_answers_cancelled(tiny_synth_dir, tmp_pat
     else:
         assert got["type"].startswith("application/json")
         assert json.loads(got["body"])["choices"][0]["finish_reason"] == "cancelled", got["body"][:500]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_second_ctrl_c_cuts_the_grace_short_and_still_answers(tiny_synth_dir, tmp_path, stream):
+    """Ctrl-C twice during a request: the second one ends the (here 600 s) grace period at once. The
+    request is still answered as after the grace period (finish_reason "cancelled", a JSON body or the
+    stream's last chunk and [DONE]), not with a text/plain 500; the process exits 0 without a traceback."""
+    listener = NotifyListener(tmp_path / "n.sock")
+    got: dict = {}
+    try:
+        srv = server(tmp_path, tiny_synth_dir, listener, "--grace-seconds", "600", name="c", kv_dir=tmp_path / "kv")
+        srv.start()
+
+        def run() -> None:
+            # a decode of up to 20000 tokens: still running when the signals come, also on a fast machine
+            body = {"prompt": long_prompt(64, seed=9), "max_tokens": 20000, "temperature": 0, "stream": stream}
+            try:
+                with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=600) as r:
+                    got["status"], got["type"] = r.status_code, r.headers.get("content-type", "")
+                    got["body"] = r.read().decode()
+            except httpx.HTTPError as e:  # a stream cut off
+                got["error"] = repr(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        wait_for(lambda: listener.status("decode "), timeout=300, what="decoding")
+        srv.send(signal.SIGINT)
+        wait_for(lambda: "shutdown requested (SIGINT)" in srv.log(), timeout=60, what="the first SIGINT handled")
+        t0 = time.monotonic()
+        srv.send(signal.SIGINT)
+        assert srv.proc.wait(120) == 0
+        stopped_s = time.monotonic() - t0
+        t.join(60)
+    finally:
+        listener.close()
+    assert stopped_s < 60, stopped_s  # the grace period was 600 s
+    assert got.get("status") == 200 and "error" not in got, got
+    if stream:
+        events = [ln[6:] for ln in got["body"].splitlines() if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]", got["body"][-500:]
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "cancelled"
+    else:
+        assert got["type"].startswith("application/json"), got
+        assert json.loads(got["body"])["choices"][0]["finish_reason"] == "cancelled", got["body"][:500]
+    log = srv.log()
+    assert "second SIGINT: grace period cut short" in log and "reason=SIGINT code=0" in log, log[-3000:]
+    assert "Traceback" not in log + srv.stderr(), (log + srv.stderr())[-3000:]

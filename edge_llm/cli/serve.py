@@ -1,8 +1,8 @@
 """`edge-llm serve`: the OpenAI-compatible HTTP server with its process lifecycle.
 
 SIGTERM/SIGINT: stop accepting, let the running request finish for up to --grace-seconds (then
-cancel it), flush the pending snapshot save, write the exit line, exit 0. SIGHUP reopens the log
-file. Settings: flag > EDGE_LLM_* env > --config TOML > default (edge_llm/settings.py).
+cancel it; a second SIGTERM/SIGINT cancels it at once), flush the pending snapshot save, write the
+exit line, exit 0. SIGHUP reopens the log file. Settings: flag > EDGE_LLM_* env > --config TOML > default (edge_llm/settings.py).
 """
 
 from __future__ import annotations
@@ -71,9 +71,15 @@ def run_server(settings) -> int:
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:
-            super().handle_exit(sig, frame)
             name = signal.Signals(sig).name
-            # leave signal context: begin_shutdown takes locks and sends a datagram
+            # leave signal context (the state takes locks, sends datagrams): a thread does the work
+            if self.should_exit:
+                # a second signal ends the grace period: the running request is cancelled and still
+                # answered. uvicorn's own second-Ctrl-C force quit would skip the snapshot flush and
+                # cut the answers off (a text/plain 500 and tracebacks), so it is not passed on.
+                threading.Thread(target=state.cut_grace, args=(f"second {name}",), daemon=True).start()
+                return
+            super().handle_exit(sig, frame)
             threading.Thread(target=state.begin_shutdown, args=(name,), daemon=True).start()
 
     # uvicorn cancels the request tasks when its graceful-shutdown timeout ends. At grace_seconds

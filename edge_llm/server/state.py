@@ -224,6 +224,14 @@ class AppState:
             timer.daemon = True
             timer.start()
 
+    def cut_grace(self, reason: str) -> None:
+        """A second signal: the grace period ends now. The running job stops at its next step or
+        layer and is answered with finish_reason "cancelled"; the stop goes on as after the grace
+        period (the pending snapshot is still flushed)."""
+        log.info("%s: grace period cut short", reason)
+        if self.worker is not None:
+            self.worker.cancel_running(f"{reason}: grace period cut short")
+
     def close(self, grace: float | None = None) -> None:
         """Finish/cancel the running job, flush the pending snapshot save, close the store."""
         self.begin_shutdown(self.exit_reason or "shutdown")
