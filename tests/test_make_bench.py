@@ -1,0 +1,62 @@
+"""`make bench` says what it does while it does it (README, "make bench"), and its installs leave
+what `make serve` runs as it was. The Makefile is read by make itself (`make -n`: the commands,
+none run); the llama.cpp setup script runs for real with a stand-in for its venv's python."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="make not installed")
+
+
+def dry_run(*targets: str) -> str:
+    r = subprocess.run(["make", "-n", *targets], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@needs_make
+def test_make_bench_announces_its_steps_and_shows_pip():
+    out = dry_run("bench")
+    steps = [out.index(f"make bench, step {i} of 3") for i in (1, 2, 3)]
+    assert steps == sorted(steps), out
+    assert out.index("setup-bench-llamacpp.sh") > steps[1] and out.index("edge-llm bench all") > steps[2]
+    for line in out.splitlines():  # no silent pip: every install shows its progress
+        if "pip install" in line:
+            assert " -q " not in line, line
+
+
+@needs_make
+def test_make_serve_names_its_backend_whatever_is_installed():
+    """`auto` would pick cpu-q once `make bench` or `make test` installed the quant extra;
+    `make serve` passes --backend, cpu unless BACKEND says otherwise."""
+    serve = [ln for ln in dry_run("serve").splitlines() if "edge-llm serve" in ln]
+    assert serve and all("--backend cpu " in ln for ln in serve), serve
+
+
+def test_llamacpp_setup_prints_progress_while_it_builds(tmp_path):
+    """The compile is silent through pip: the script prints a line every PROGRESS_EVERY seconds
+    while pip runs (here a stand-in python that takes 3 s), then the build time, then stops its
+    ticker (nothing printed after the script ends)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    fake = venv / "bin" / "python"
+    fake.write_text('#!/bin/sh\necho "stand-in python $*"\ncase "$*" in *"pip install"*) sleep 3;; esac\n')
+    fake.chmod(0o755)
+    r = subprocess.run([str(ROOT / "tools" / "setup-bench-llamacpp.sh"), str(venv)], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "PROGRESS_EVERY": "1"})
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "stand-in python -m pip install --no-cache-dir llama-cpp-python==" in out, out
+    assert out.count("still building llama.cpp") >= 2 and "llama.cpp built in" in out, out
+    assert out.index("still building") < out.index("llama.cpp built in")
+    assert (venv / ".llamacpp-stamp").is_file()
+    again = subprocess.run([str(ROOT / "tools" / "setup-bench-llamacpp.sh"), str(venv)], capture_output=True,
+                           text=True, timeout=60)
+    assert "is up to date" in again.stdout and "still building" not in again.stdout
