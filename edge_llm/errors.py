@@ -100,6 +100,12 @@ class SnapshotExtension(SnapshotError):
     reason = "extension"
 
 
+class SnapshotNotRegular(SnapshotError):
+    """A FIFO, device or directory under a snapshot's name: refused unread (files.open_regular)."""
+
+    reason = "not-regular"
+
+
 class SnapshotChainError(SnapshotError):
     """A delta file is sound on its own but its chain is not (checked by the store, not per file)."""
 
@@ -134,6 +140,12 @@ class ImageFormatError(ImageError):
     """A real image in a format this runtime does not accept (only PNG, JPEG, WebP)."""
 
     reason = "unsupported-format"
+
+
+class ImageNotRegular(ImageError):
+    """An image path names a FIFO, device or directory: refused unread (files.open_regular)."""
+
+    reason = "not-a-regular-file"
 
 
 class ImageTooLarge(ImageError):

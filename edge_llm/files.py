@@ -8,7 +8,11 @@ One owner for the atomic-publish steps every writer of the product needs:
 - `publish_dir(target, build, ready)`: a directory built once under a lock (the imported default
   model, cpu-q's quantized graphs) and swapped into place;
 - `fsync_dir`, and the temp names (`temp_name`, `orphaned_temp`) a scan can attribute to a
-  writer that is gone.
+  writer that is gone;
+- `open_regular(path, error)` / `read_regular`: the one way to open a file whose path a client
+  or the file system can influence (image paths, snapshots, checkpoints, tokenizers): anything
+  but a regular file (a FIFO, a device, a directory) is refused with the caller's error class
+  and never read, so it cannot block a thread (docs/store.md, "Faults").
 
 A file is written under `<name>.<pid>-<hex>.tmp` in its own directory (the pid says whose it
 is, the random part makes each attempt unique), flushed, fsynced, renamed over the final name,
@@ -27,6 +31,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,6 +46,47 @@ T = TypeVar("T")
 
 
 # ---- files --------------------------------------------------------------------------------
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: str | os.PathLike[str], error: Callable[[str], Exception], *,
+                 buffering: int = -1) -> BinaryIO:
+    """`path` opened for reading in binary mode, only if it is a regular file.
+
+    Anything else raises `error(message)` (the caller's class: a snapshot's SnapshotError, an
+    image's ImageError...), the message naming the path and what it is. A FIFO or device is
+    refused from a `stat` without being opened; one swapped in between that and the open is
+    opened with O_NONBLOCK (a FIFO without a writer then returns at once instead of blocking the
+    thread for good), found by `fstat` and closed unread. The descriptor is made blocking again
+    before it is returned. OSErrors of the open itself (FileNotFoundError, PermissionError...)
+    propagate. Symlinks are followed (what they point to must be a regular file).
+    """
+    if not stat.S_ISREG(mode := os.stat(path).st_mode):
+        raise error(f"{os.fspath(path)}: not a regular file ({_kind(mode)})")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise error(f"{os.fspath(path)}: not a regular file ({_kind(mode)})")
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        return os.fdopen(fd, "rb", buffering=buffering)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: str | os.PathLike[str], error: Callable[[str], Exception], limit: int | None = None) -> bytes:
+    """The bytes of a regular file (`open_regular`); with `limit`, at most limit + 1 of them (so a
+    caller sees that the file is larger than it accepts without reading all of it)."""
+    with open_regular(path, error) as f:
+        return f.read() if limit is None else f.read(limit + 1)
+
+
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """fsync a directory so that a rename or unlink in it survives a power cut."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

@@ -21,6 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 from edge_llm.errors import TokenizerError
+from edge_llm.files import read_regular
 from edge_llm.token_bound import bytes_per_token
 
 log = logging.getLogger(__name__)
@@ -36,8 +37,8 @@ def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
+        data = json.loads(read_regular(path, TokenizerError).decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TokenizerError(f"{path}: invalid JSON: {e}") from None
     return data if isinstance(data, dict) else {}
 
@@ -179,7 +180,7 @@ class Tokenizer:
         tj = d / "tokenizer.json"
         if not tj.is_file():
             raise TokenizerError(f"{tj}: not found (the model directory needs an HF tokenizer.json)")
-        raw = tj.read_bytes()
+        raw = read_regular(tj, TokenizerError)  # a FIFO swapped in is refused, never read
         try:
             tk = _HFTokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
@@ -192,7 +193,7 @@ class Tokenizer:
         template = None
         jinja_file = d / "chat_template.jinja"
         if jinja_file.is_file():  # transformers 5 saves the template here; it wins over the json key
-            template = jinja_file.read_text(encoding="utf-8")
+            template = read_regular(jinja_file, TokenizerError).decode("utf-8")
         else:
             ct = tcfg.get("chat_template")
             if isinstance(ct, list):  # named templates: [{"name": "default", "template": ...}, ...]

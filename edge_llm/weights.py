@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from edge_llm.config import ModelArgs, VisionArgs
 from edge_llm.errors import WeightsError
-from edge_llm.files import write_atomic
+from edge_llm.files import open_regular, write_atomic
 from edge_llm.safetext import printable
 from edge_llm.settings import digest_cache_path
 
@@ -57,18 +57,20 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
             raise WeightsError(f"{index}: unreadable shard index ({e})") from None
         files = sorted({model_dir / name for name in weight_map.values()})
         for f in files:
-            if not f.is_file():
+            if not f.exists():
                 raise WeightsError(f"{INDEX_FILE} names shard {f.name} which does not exist")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise WeightsError(f"{model_dir}: no *.safetensors files")
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise WeightsError(f"{model_dir}: no *.safetensors files")
+    for f in files:  # a FIFO would block the safetensors library's open: refused here, unread
+        open_regular(f, WeightsError).close()
     return files
 
 
 def _read_header(path: Path) -> tuple[dict, int]:
     """The JSON header and the absolute offset where tensor data starts."""
-    with open(path, "rb") as f:
+    with open_regular(path, WeightsError) as f:
         (n,) = struct.unpack("<Q", f.read(8))
         return json.loads(f.read(n)), 8 + n
 
@@ -184,7 +186,7 @@ def read_tensor(info: TensorInfo) -> np.ndarray:
         return np.zeros(info.shape, dtype=np.float32)
     itemsize = np.dtype(_NP_DTYPES[info.dtype]).itemsize
     out = np.empty(count, dtype=np.float32)
-    with open(info.file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+    with open_regular(info.file, WeightsError) as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         raw = np.frombuffer(mm, dtype=_NP_DTYPES[info.dtype], count=count, offset=info.offset)
         # convert piecewise and drop each piece's file pages at once, so peak RSS is the F32
         # result plus one piece, not result + whole mapped tensor (+ a temporary)
@@ -203,7 +205,7 @@ def read_tensor(info: TensorInfo) -> np.ndarray:
 
 
 def _map(path: Path) -> mmap.mmap:
-    with open(path, "rb") as f:
+    with open_regular(path, WeightsError) as f:
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
 
@@ -353,7 +355,7 @@ def sha256_file(path: str | Path, progress: Callable[[int], None] | None = None)
     buf = bytearray(_DIGEST_CHUNK)
     view = memoryview(buf)
     done, step = 0, 256 << 20
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path, WeightsError, buffering=0) as f:
         while n := f.readinto(buf):
             h.update(view[:n])
             done += n

@@ -478,3 +478,30 @@ def test_a_fifo_named_like_a_snapshot_is_skipped_not_opened(tmp_path, caplog):
     assert [e.name for e in s2.entries()] == [name_of(seq(40))] and fifo.exists()
     assert "skipped kv_0000000000000000.kv: not a regular file" in caplog.text
     s2.close()
+
+
+def test_a_snapshot_replaced_by_a_fifo_after_the_scan_is_a_miss_not_a_hang(tmp_path, caplog):
+    """The restore's open meets a FIFO where the scan indexed a file: refused unread (a plain
+    open would block the engine for good), quarantined like any bad file, the cache untouched."""
+    s = new_store(tmp_path)
+    save(s, make_cache(seq(40)))
+    hit = s.lookup(seq(40))
+    path = hit.entry.path
+    path.unlink()
+    os.mkfifo(path)
+    cache = make_cache(seq(3))
+    got = []
+    t = threading.Thread(target=lambda: got.append(s.open(hit, cache.max_seq)), daemon=True)
+    t.start()
+    t.join(30)
+    if t.is_alive():
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))  # let the blocked reader go
+        pytest.fail("the restore blocked on the FIFO")
+    assert got == [None] and cache.length == 3
+    assert kv_lines(caplog, "rejected")[0].startswith(f"[KV-DISK] rejected {path.name}: not-regular: ")
+    assert not path.exists() and list((s.ns / "quarantine").glob("*-" + path.name))
+    st = s.stats()
+    assert (st["load_failures"], st["rejections"], st["files"]) == (1, 1, 0) and s.lookup(seq(40)) is None
+    save(s, make_cache(seq(40)))  # the name is free again: the next save writes a real file
+    assert s.lookup(seq(40)) is not None
+    s.close()

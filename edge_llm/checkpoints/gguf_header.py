@@ -8,6 +8,9 @@ import mmap
 import struct
 from pathlib import Path
 
+from edge_llm.errors import ModelImportError
+from edge_llm.files import open_regular
+
 _GGUF_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
@@ -17,7 +20,7 @@ def gguf_sizes(path: Path) -> tuple[int, int]:
     A minimal walk of the metadata and tensor table: gguf.GGUFReader builds an object per
     tokenizer entry and takes ~10 s on a 49k-token vocabulary; this reads only what it needs.
     """
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+    with open_regular(path, ModelImportError) as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         return _walk(mm)
 
 

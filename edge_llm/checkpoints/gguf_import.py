@@ -21,7 +21,7 @@ from edge_llm.checkpoints.safetensors_writer import (
     write_json_atomic,
 )
 from edge_llm.errors import ModelImportError
-from edge_llm.files import write_atomic
+from edge_llm.files import open_regular, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -241,8 +241,14 @@ def _write_tokenizer_files(meta: _Meta, bos_id: int | None, out: Path) -> list[i
 def _open(path: Path) -> Any:
     import gguf
 
-    if not path.is_file():
-        raise ModelImportError(f"{path}: no such GGUF file")
+    try:
+        # a FIFO or device is refused unread: the reader's own open would block on a FIFO
+        with open_regular(path, ModelImportError):
+            pass
+    except FileNotFoundError:
+        raise ModelImportError(f"{path}: no such GGUF file") from None
+    except OSError as e:
+        raise ModelImportError(f"{path}: cannot be opened ({e.strerror or e})") from None
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # GGUFReader raises ValueError/struct errors on foreign or truncated files

@@ -125,7 +125,7 @@ def write_json_atomic(path: Path, obj: Any, durable: bool = True) -> None:
 
 def read_safetensors_header(path: str | Path) -> dict[str, Any]:
     """The JSON header of a safetensors file (tensor dtypes, shapes, offsets) without reading data."""
-    with open(path, "rb") as f:
+    with files.open_regular(path, ModelImportError) as f:
         raw = f.read(8)
         if len(raw) != 8:
             raise ModelImportError(f"{path}: too short for a safetensors file")

@@ -35,7 +35,8 @@ def generate(settings: Settings, prompt, chat, system, max_tokens, temperature, 
     from rich.console import Console
 
     from edge_llm.engine import GenerationRequest
-    from edge_llm.errors import EdgeLLMError, ImageError
+    from edge_llm.errors import EdgeLLMError, ImageError, ImageNotRegular
+    from edge_llm.files import read_regular
     from edge_llm.logsetup import setup_cli_logging
     from edge_llm.runtime import load_runtime
     from edge_llm.tokenizer import plain
@@ -54,8 +55,8 @@ def generate(settings: Settings, prompt, chat, system, max_tokens, temperature, 
                 raise click.ClickException(f"{settings.model}: this model has no vision encoder (--image)")
             for path in images:
                 try:
-                    with open(path, "rb") as f:
-                        prepared.append(engine.vision.prepare(f.read()))
+                    # a FIFO or device is refused, never read (a plain open of a FIFO blocks)
+                    prepared.append(engine.vision.prepare(read_regular(path, ImageNotRegular)))
                 except (ImageError, OSError) as e:
                     raise click.ClickException(f"--image {path}: {e}") from None
             shown = engine.vision.placeholder(engine.tokenizer.id_to_token) * len(images)

@@ -17,7 +17,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from edge_llm.errors import SnapshotError
+from edge_llm.errors import SnapshotError, SnapshotNotRegular
+from edge_llm.files import open_regular
 from edge_llm.safetext import printable
 from edge_llm.settings import DEFAULTS, parse_size
 from edge_llm.snapshot import format as fmt
@@ -112,9 +113,11 @@ def resolve_kv_dir(kv_dir: Path | None) -> Path:
 def find_snapshot(name: str, kv_dir: Path | None) -> Path:
     """A path, or a bare file name as `kv ls` prints it, looked up in the kv dir's namespaces."""
     p = Path(name)
-    if p.is_file() or "/" in name:
-        if not p.is_file():
+    if p.exists() or "/" in name:
+        if not p.exists():
             raise click.BadParameter(f"{name}: no such file", param_hint="FILE")
+        if not p.is_file():  # a FIFO or device is never opened (inspect checks again as it opens)
+            raise click.BadParameter(f"{name}: not a regular file", param_hint="FILE")
         return p
     root = resolve_kv_dir(kv_dir)
     hits = [ns / name for ns in namespaces(root) if (ns / name).is_file()]
@@ -158,7 +161,7 @@ def ls(kv_dir: Path | None) -> None:
             total += st.st_size
             held = "-"
             try:
-                with open(path, "rb", buffering=0) as f:
+                with open_regular(path, SnapshotNotRegular, buffering=0) as f:
                     hdr, _ = fmt.read_header(f, None, int(ns.name, 16), None, st.st_size)
                 tokens, status = str(hdr.n_tokens), "ok"
                 held = f"[0, {hdr.n_tokens})" if hdr.base is None else (
@@ -192,7 +195,12 @@ def inspect(file: str, kv_dir: Path | None, tokenizer_dir: str | None, n_show: i
     """Dissect one snapshot FILE, byte by byte (a walkthrough of the VLKV v1 layout). FILE is a
     path or a name as `kv ls` prints it (found in the kv dir's namespaces)."""
     file = find_snapshot(file, kv_dir)
-    d = inspect_file(file, max_blocks=n_blocks)
+    try:
+        d = inspect_file(file, max_blocks=n_blocks)
+    except SnapshotNotRegular as e:  # replaced by a FIFO or device since find_snapshot looked
+        raise click.ClickException(str(e)) from None
+    except OSError as e:
+        raise click.ClickException(f"{file}: {e.strerror or e}") from None
     out.print(f"[bold]{file}[/bold]  {d['file_size']:,} bytes")
     if d["header"]:
         t = Table(title="header (64 bytes, little-endian)", show_edge=False)

@@ -12,7 +12,8 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from edge_llm.engine import Engine
-from edge_llm.errors import ImageError
+from edge_llm.errors import ImageError, ImageNotRegular
+from edge_llm.files import open_regular
 from edge_llm.server.budget import Budget, encode_within
 from edge_llm.server.errors import APIError, bad_request
 from edge_llm.server.schemas import ChatMessage
@@ -70,13 +71,18 @@ def _local_file(path: str, image_dir: str | None, max_bytes: int) -> bytes:
     if target != root and root not in target.parents:
         raise _image_error("image path is outside the server's image directory", "image_path")
     try:
-        with open(target, "rb") as f:
+        # a FIFO or device in the directory is refused unread: a plain open() of a FIFO blocks
+        # the thread for good (docs/api.md, "Images")
+        with open_regular(target, ImageNotRegular) as f:
             size = os.fstat(f.fileno()).st_size
             if size > max_bytes:
                 raise _image_error(f"image file is {size} bytes, more than the limit of {max_bytes}",
                                    "too-large")
             return f.read(max_bytes + 1)
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+    except ImageNotRegular:
+        raise _image_error("image path is not a regular file (a FIFO, device or directory) in the server's "
+                           "image directory", "image_path") from None
+    except (FileNotFoundError, NotADirectoryError):
         raise _image_error("image file not found in the server's image directory", "image_path") from None
     except PermissionError:
         raise _image_error("image file is not readable by the server", "image_path") from None

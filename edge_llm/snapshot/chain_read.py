@@ -15,7 +15,8 @@ import os
 from collections.abc import Sequence
 
 from edge_llm.config import Geometry
-from edge_llm.errors import SnapshotBaseMismatch, SnapshotError
+from edge_llm.errors import SnapshotBaseMismatch, SnapshotError, SnapshotNotRegular
+from edge_llm.files import open_regular
 from edge_llm.kvcache import ImageSpan, Restored
 from edge_llm.snapshot import format as fmt
 from edge_llm.snapshot.entries import Entry
@@ -47,7 +48,11 @@ class ChainRead:
             for e in chain:
                 if prev is not None and e.row0 >= m:
                     break  # rows [0, m) all lie below this delta
-                f = open(e.path, "rb", buffering=0)
+                try:
+                    # a FIFO swapped in after the scan is refused unread (a plain open would block)
+                    f = open_regular(e.path, SnapshotNotRegular, buffering=0)
+                except (SnapshotError, OSError) as err:
+                    raise ChainReadError(e, err) from err
                 self.parts.append((e, f, None))  # type: ignore[arg-type]
                 try:
                     hdr, _ = fmt.read_header(f, geometry, model_id, READ_MAX_TOKENS, known_tokens=e.tokens)

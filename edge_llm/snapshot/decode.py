@@ -23,12 +23,14 @@ from edge_llm.errors import (
     SnapshotHeaderCRC,
     SnapshotKVDim,
     SnapshotModelID,
+    SnapshotNotRegular,
     SnapshotSize,
     SnapshotTokenCount,
     SnapshotTokenHash,
     SnapshotTooShort,
     SnapshotTrailerCRC,
 )
+from edge_llm.files import open_regular
 from edge_llm.settings import DEFAULTS
 from edge_llm.snapshot.layout import (
     EXT_MAX,
@@ -197,7 +199,7 @@ def verify_file(path: str | os.PathLike, geometry: Geometry | None = None, model
                 max_tokens: int | None = None) -> SnapshotHeader:
     """Check every field and every block CRC of one file (not its base), block by block into one
     reusable buffer."""
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path, SnapshotNotRegular, buffering=0) as f:  # a FIFO: refused, never read
         hdr, _ = read_header(f, geometry, model_id, max_tokens)
         buf = bytearray(min(hdr.kv_bs, hdr.n_rows) * hdr.kv_dim * F32)
         for layer in range(hdr.n_layers):

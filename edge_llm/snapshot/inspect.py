@@ -10,9 +10,11 @@ import crc32c
 from edge_llm.errors import (
     SnapshotError,
     SnapshotExtension,
+    SnapshotNotRegular,
     SnapshotTokenHash,
     SnapshotTrailerCRC,
 )
+from edge_llm.files import open_regular
 from edge_llm.snapshot.format import (
     F32,
     FLAG_EXTENSION,
@@ -32,11 +34,12 @@ def describe(path: str | os.PathLike, max_blocks: int | None = 64) -> dict[str, 
     Works on bad files: what could be parsed is returned and `error` names the first failed check
     ({reason, message}). Sections and the block map are listed only once the exact size matched
     (nothing is sized from an unchecked field); `max_blocks` caps the block map (None = all).
+    A path that is not a regular file (a FIFO, a device) raises SnapshotNotRegular, unread.
     """
     out: dict[str, Any] = {"path": os.fspath(path), "valid": False, "error": None, "header": [],
                            "size_formula": None, "sections": [], "tokens": None, "blocks": [],
                            "n_blocks_total": 0}
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path, SnapshotNotRegular, buffering=0) as f:  # a FIFO: SnapshotNotRegular, never read
         size = out["file_size"] = os.fstat(f.fileno()).st_size
         if size >= HEADER.size:
             raw = os.pread(f.fileno(), HEADER.size, 0)

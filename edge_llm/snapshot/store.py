@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from edge_llm.config import Geometry
-from edge_llm.errors import SnapshotError
-from edge_llm.files import TMP_SUFFIX, check_writable, orphaned_temp
+from edge_llm.errors import SnapshotError, SnapshotNotRegular
+from edge_llm.files import TMP_SUFFIX, check_writable, open_regular, orphaned_temp
 from edge_llm.kvcache import KVCache, Restored
 from edge_llm.progress import NO_WORK, Work
 from edge_llm.safetext import printable
@@ -91,11 +91,11 @@ class SnapshotStore:
                 self.catalog.unlink(tmp, "leftover temp file")
         entries, rejected = {}, 0
         for path in sorted(self.ns.glob(fmt.SNAPSHOT_GLOB)):
-            if not path.is_file():  # a FIFO or device would block or mislead the reader: never opened
-                log.warning("[KV-DISK] skipped %s: not a regular file", printable(path.name))
-                continue
             try:
                 entry = self._read_entry(path)
+            except SnapshotNotRegular:  # a FIFO or device would block or mislead the reader: never read
+                log.warning("[KV-DISK] skipped %s: not a regular file", printable(path.name))
+                continue
             except (SnapshotError, OSError) as e:
                 self.catalog.quarantine(path, _reason(e))
                 rejected += 1
@@ -272,7 +272,7 @@ def _reason(err: BaseException) -> str:
 
 def read_entry(path: Path, geometry: Geometry | None, model_id: int | None) -> Entry:
     """An index entry from a snapshot file's header (no payload read); raises SnapshotError."""
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path, SnapshotNotRegular, buffering=0) as f:
         st = os.fstat(f.fileno())
         hdr, tokens = fmt.read_header(f, geometry, model_id, READ_MAX_TOKENS, st.st_size)
     if fmt.snapshot_name(hdr.tokens_fnv) != path.name:
