@@ -56,3 +56,27 @@ def test_recovery_script_local_port_is_settable(edge_home, tmp_path):
                             "http://127.0.0.1:8080", "--log-file", "x", "--kv-dir", "y", "--restart-cmd", "true"],
                            env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=60)
     assert board.returncode == 2 and "--port is for the local mode" in board.stderr, board.stderr
+
+
+def test_kv_ls_on_a_fresh_home_says_no_snapshots_yet(tmp_path):
+    """Before the first `serve` there is no kv dir: `kv ls` says so and exits 0 (it once failed
+    with "…/kv: not a directory"). A path that is a file is still an error."""
+    home = tmp_path / "home"
+    r = edge_llm("kv", "ls", home=home, timeout=120, COLUMNS="200")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"no snapshots yet in {home / 'kv'}" in r.stdout and "not a directory" not in r.stdout + r.stderr
+    (tmp_path / "file").write_text("x")
+    bad = edge_llm("kv", "ls", "--kv-dir", str(tmp_path / "file"), home=home, timeout=120)
+    assert bad.returncode != 0 and "is a file" in bad.stderr, bad.stderr
+
+
+def test_generate_stats_are_short_lines_not_wrapped(edge_home):
+    """On an 80-column terminal the stats come as one line per phase, each phrase whole (the one
+    long line was wrapped mid-phrase)."""
+    r = edge_llm("generate", "--model", "default", "--backend", "cpu", "--no-disk-kv", "--temperature", "0",
+                 "--max-tokens", "3", "-p", "Hi", home=edge_home, COLUMNS="80")
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    prefill = r"prefill \d+ tok in [\d.]+ ms \([\d.]+ tok/s\), cache none \(0 tok\)"
+    for pattern in (prefill, r"decode \d+ tok in [\d.]+ ms \([\d.]+ tok/s\)", r"TTFT [\d.]+ ms; finish (length|stop)"):
+        assert any(re.fullmatch(pattern, ln.strip()) for ln in lines), (pattern, r.stderr)

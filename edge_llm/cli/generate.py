@@ -82,12 +82,15 @@ def generate(settings: Settings, prompt, chat, system, max_tokens, temperature, 
         raise click.ClickException(str(e)) from None
     sys.stdout.write("\n")
     t = last.timings
-    err.print(
-        f"[dim]prefill {t.prefill_tokens} tok in {t.prefill_ms:.1f} ms "
-        f"({t.prefill_tokens / max(t.prefill_ms, 1e-9) * 1e3:.1f} tok/s), cache {t.cache_source} "
-        f"({t.ram_cached_tokens + t.disk_cached_tokens} tok); decode {t.decode_tokens} tok in "
-        f"{t.decode_ms:.1f} ms ({t.decode_tokens / max(t.decode_ms, 1e-9) * 1e3:.1f} tok/s); "
-        + (f"{t.images} image(s), {t.image_tokens} image tok, {t.images_encoded} encoded in "
-           f"{t.vision_ms:.1f} ms; " if t.images else "") +
-        f"TTFT {t.ttft_ms:.1f} ms; finish {last.finish_reason}[/dim]"
-    )
+    # one short line per phase, never wrapped by the console (a wrap once cut "tok/s" in two)
+    stats = [f"prefill {t.prefill_tokens} tok in {t.prefill_ms:.1f} ms "
+             f"({t.prefill_tokens / max(t.prefill_ms, 1e-9) * 1e3:.1f} tok/s), cache {t.cache_source} "
+             f"({t.ram_cached_tokens + t.disk_cached_tokens} tok)",
+             f"decode {t.decode_tokens} tok in {t.decode_ms:.1f} ms "
+             f"({t.decode_tokens / max(t.decode_ms, 1e-9) * 1e3:.1f} tok/s)"]
+    if t.images:
+        stats.append(f"{t.images} image(s), {t.image_tokens} image tok, {t.images_encoded} encoded in "
+                     f"{t.vision_ms:.1f} ms")
+    stats.append(f"TTFT {t.ttft_ms:.1f} ms; finish {last.finish_reason}")
+    for line in stats:
+        err.print(line, style="dim", markup=False, soft_wrap=True)

@@ -136,6 +136,9 @@ def ls(kv_dir: Path | None) -> None:
     has no birth time on Linux."""
     kv_dir = resolve_kv_dir(kv_dir)
     out.print(f"kv dir {kv_dir}")
+    if not kv_dir.exists():  # a fresh home: `serve` creates the directory when it starts
+        out.print(f"no snapshots yet in {kv_dir} (it does not exist yet: `edge-llm serve` creates it)", markup=False)
+        return
     spaces = namespaces(kv_dir)
     if not spaces:
         out.print(f"no namespaces in {kv_dir}")
