@@ -34,7 +34,7 @@ from edge_llm.errors import (
 
 log = logging.getLogger(__name__)
 
-ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP")
+ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "MPO")  # MPO: a JPEG with more pictures behind it (below)
 PREPROCESSOR_FILE = "preprocessor_config.json"
 MAX_ASPECT_RATIO = 200  # the reference resize rule refuses more elongated images
 
@@ -178,6 +178,10 @@ def _open_image(data: bytes, limits: ImageLimits) -> Image.Image:
         raise ImageDecodeError(f"data is not a recognisable image ({type(e).__name__})") from None
     if img.format not in ALLOWED_FORMATS:
         raise ImageFormatError(f"image format {img.format} is not supported (send PNG, JPEG or WebP)")
+    if img.format == "MPO":
+        # a multi-picture JPEG (phone cameras: a depth or preview picture behind the photo); its first
+        # picture is the photo, a plain JPEG stream: that one is sized and decoded (docs/vision.md)
+        img.seek(0)
     w, h = img.size
     if w < 1 or h < 1:
         raise ImageDecodeError(f"image has an empty size {w}x{h}")
