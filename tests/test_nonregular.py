@@ -206,3 +206,101 @@ def test_checkpoint_readers_refuse_a_fifo(tmp_path):
                                                    "ModelImportError"], out
     assert all("not a regular file (a FIFO)" in line for line in lines), out
     assert stat.S_ISFIFO(os.stat(shard).st_mode) and stat.S_ISFIFO(os.stat(gguf).st_mode)
+
+
+# ---- through the real server ---------------------------------------------------------------------------
+def test_64_requests_naming_a_fifo_in_image_dir_get_400s_and_the_server_keeps_answering(tiny_synth_dir, edge_home,
+                                                                                      tmp_path):
+    """Each request would hold a worker-pool thread in open() for good (the pool has ~40): after
+    that every endpoint hung, and SIGTERM waited for them."""
+    import httpx
+    from serverutil import ServerProc
+
+    images = tmp_path / "images"
+    images.mkdir()
+    os.mkfifo(images / "cam.jpg")
+    body = {"max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "cam.jpg"}}, {"type": "text", "text": "What is this?"}]}]}
+    with ServerProc(edge_home, tmp_path / "srv", "--model", str(tiny_synth_dir), "--max-seq", "1024",
+                    "--image-dir", str(images)).start() as srv:
+        answers: list[httpx.Response | BaseException] = []
+        lock = threading.Lock()
+
+        def ask() -> None:
+            try:
+                r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+            except httpx.HTTPError as e:
+                r = e
+            with lock:
+                answers.append(r)
+
+        threads = [threading.Thread(target=ask, daemon=True) for _ in range(64)]
+        for th in threads:
+            th.start()
+        assert srv.health().status_code == 200  # during the burst
+        for th in threads:
+            th.join(90)
+        assert len(answers) == 64, f"{64 - len(answers)} requests still waiting"
+        for r in answers:
+            assert isinstance(r, httpx.Response) and r.status_code == 400, r
+            err = r.json()["error"]
+            assert err["code"] == "image_path" and "not a regular file" in err["message"], err
+        assert srv.health().json()["status"] == "ok"
+        r = httpx.post(srv.url + "/v1/chat/completions", timeout=120,
+                       json={"max_tokens": 2, "messages": [{"role": "user", "content": "Say hi."}]})
+        assert r.status_code == 200, r.text
+        assert stat.S_ISFIFO(os.stat(images / "cam.jpg").st_mode)
+        assert srv.stop(timeout=30) == 0  # nothing left blocked for SIGTERM to wait on
+
+
+STORY = " ".join(f"Note {i}: the lighthouse keeper counted {i * 7} ships passing the northern cape."
+                 for i in range(1, 30)) + "\nQuestion: how many ships did note 3 count?\nAnswer:"
+OTHER = " ".join(f"Item {i}: the baker sold {i * 3} loaves of rye before noon on market day."
+                 for i in range(1, 12)) + "\nQuestion: how many loaves did item 2 sell?\nAnswer:"
+
+
+def test_a_snapshot_replaced_by_a_fifo_after_the_start_is_recomputed_and_the_server_serves_on(edge_home, tmp_path):
+    """The restore's open of a FIFO blocked the engine for good (every later request queued behind
+    it while /health said ok). Now: `[KV-DISK] rejected ...: not-regular`, the request recomputed
+    (the same text as the first time), the FIFO quarantined, later requests served."""
+    import re
+
+    import httpx
+    from serverutil import ServerProc, wait_for
+
+    from edge_llm.snapshot.format import SNAPSHOT_GLOB
+
+    def complete(srv: ServerProc, prompt: str) -> dict:
+        r = httpx.post(srv.url + "/v1/completions", timeout=180,
+                       json={"prompt": prompt, "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def saves(srv: ServerProc) -> int:
+        return len(re.findall(r"\[KV-DISK\] saved", srv.log()))
+
+    kv = tmp_path / "kv"
+    args = ("--model", "default", "--max-seq", "2048", "--disk-kv-compact-idle", "none")
+    with ServerProc(edge_home, tmp_path / "srv", *args, kv_dir=kv).start() as srv:
+        first = complete(srv, STORY)
+        wait_for(lambda: saves(srv) >= 1, what="the first snapshot")
+        (snap,) = kv.glob("*/" + SNAPSHOT_GLOB)
+        complete(srv, OTHER)  # the RAM cache now holds another conversation: STORY's rows are on disk only
+        wait_for(lambda: saves(srv) >= 2, what="the second snapshot")
+        snap.unlink()
+        os.mkfifo(snap)
+        mark = srv.log_size()
+        again = complete(srv, STORY)
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        assert again["timings"]["cache_source"] != "disk"
+        log = srv.log(mark)
+        # refused by the restore's open (quarantined), or already by the lookup's check that the
+        # indexed files are still there (dropped from the index: docs/store.md "Files that vanish")
+        rejected = f"[KV-DISK] rejected {snap.name}: not-regular: " in log
+        dropped = f"[KV-DISK] {snap.name} vanished" in log and "(no longer a regular file)" in log
+        assert rejected or dropped, log
+        assert not rejected or list((snap.parent / "quarantine").glob("*-" + snap.name))
+        follow = complete(srv, STORY + first["choices"][0]["text"] + "\nQuestion: and note 5?\nAnswer:")
+        assert follow["usage"]["prompt_tokens"] > again["usage"]["prompt_tokens"]
+        assert srv.health().json()["status"] == "ok"
+        assert srv.stop(timeout=60) == 0
