@@ -21,7 +21,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from edge_llm.files import fsync_dir
+from edge_llm.errors import SnapshotNotRegular
+from edge_llm.files import fsync_dir, read_regular
 from edge_llm.safetext import one_line, printable
 from edge_llm.snapshot import chains
 from edge_llm.snapshot.entries import Entry
@@ -253,9 +254,9 @@ class IOStats:
     @classmethod
     def load(cls, ns: Path) -> "IOStats":
         try:
-            doc = json.loads((ns / IO_STATS).read_text())
+            doc = json.loads(read_regular(ns / IO_STATS, SnapshotNotRegular))  # a FIFO: refused unread
             return cls(int(doc["bytes_written"]), int(doc["new_kv_bytes"]))
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, SnapshotNotRegular):
             return cls()
 
     def add(self, ns: Path, written: int, new_kv: int, modes: Modes | None = None) -> None:

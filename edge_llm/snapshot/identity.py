@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from edge_llm.config import ModelArgs
+from edge_llm.errors import SnapshotNotRegular
+from edge_llm.files import read_regular
 from edge_llm.safetext import printable
 from edge_llm.settings import DEFAULTS
 from edge_llm.snapshot.writer import Modes, write_atomic
@@ -139,9 +141,9 @@ def ensure_namespace(kv_dir: str | Path, identity: Identity, modes: Modes | None
         _own_dir(d, modes)
     ident_path = ns / IDENTITY_FILE
     text = identity.to_json()
-    try:
-        current = ident_path.read_text()
-    except (FileNotFoundError, UnicodeDecodeError):
+    try:  # a FIFO here is refused unread, then replaced by the real file (docs/store.md, "Faults")
+        current = read_regular(ident_path, SnapshotNotRegular).decode()
+    except (FileNotFoundError, UnicodeDecodeError, SnapshotNotRegular):
         current = None
     if current != text:
         write_atomic(ident_path, text.encode(), modes)
@@ -165,6 +167,6 @@ def _own_dir(d: Path, modes: Modes) -> None:
 def read_identity(ns_dir: str | Path) -> dict[str, Any] | None:
     """Parsed identity.json of a namespace directory, or None if missing/unreadable."""
     try:
-        return json.loads((Path(ns_dir) / IDENTITY_FILE).read_text())
-    except (OSError, ValueError):
+        return json.loads(read_regular(Path(ns_dir) / IDENTITY_FILE, SnapshotNotRegular))
+    except (OSError, ValueError, SnapshotNotRegular):
         return None
