@@ -4,6 +4,15 @@ and one raw, on the CPU backend under both of numpy's x86 OpenBLAS kernel famili
 pick and Haswell, whose logits differ in the last bits: greedy tokens must not), and on cpu-q with
 1 and 2 threads (its kernels give the same bits on any thread count, docs/quantization.md).
 
+cpu-q's ids are pinned per kernel key, not across machines: its int8 activations turn a last-bit
+difference into a changed greedy token at a close call, and what decides those bits outside the
+code is onnxruntime's release, the kernel family its MLAS picks on the CPU, numpy's kernels (its
+SIMD dispatch and its BLAS's kernel family: the prompt rows' attention runs in numpy) and
+AttnRow's path; the helper prints that key (`cpuq.kernel_key` + `attn_kernel.isa()`). A key
+without pinned ids skips the pin with its reason (the key, so it can be added after checking the
+text) and still checks the 1-vs-2-thread equality; it never passes silently. The same runs check
+that `numerics`, the snapshot identity, separates kernels whose ids differ.
+
 Any change to the numerics of the decoder, the backends, the tokenizer or the chat template that
 moves a greedy token shows here as a changed id. To re-pin after an intended change, print the
 helper's output (tests/helpers/golden_ids.py) and check the text still reads right.
@@ -32,13 +41,23 @@ CHAT = [504, 6376, 4461, 314, 253, 966, 282, 260, 2591, 506, 5264, 24484, 8118, 
 #  to the RGB color"
 RAW = [260, 3003, 4683, 282, 260, 35526, 2380, 1743, 42, 2382, 28, 4461, 28, 284, 2654, 30, 1216, 4683, 359, 4959,
        288, 260, 35526, 2380]
-# cpu-q (4-bit weights, int8 activations) leaves the F32 answer after 8 tokens:
-# " the primary colors of the RGB color model, which are:\n\n* Red (R"
-# (measured with AVX2 alone, qemu-x86_64 -cpu Haswell: cpu-q gives RAW, the F32 ids, instead; under
-# qemu-user kernel_isa() reads the host's /proc/cpuinfo, so it cannot tell such a run apart)
-CPU_Q_ISA = "x86_64-avx2-avx512f-avx512_vnni"  # cpuq.kernel_isa() where CPU_Q_RAW was taken
-CPU_Q_RAW = [260, 3003, 4683, 282, 260, 35526, 2380, 1743, 28, 527, 359, 42, 198, 198, 26, 3950, 365, 66, 727, 378,
-             3003, 2380, 338, 314]
+# cpu-q (4-bit weights, int8 activations) leaves the F32 answer after 8 tokens. Its ids per kernel
+# key (tests/helpers/golden_ids.py prints it), measured on an x86-64 AVX-512 VNNI Xeon, onnxruntime
+# 1.32.0, numpy 2.4.6 with its OpenBLAS's SkylakeX and Haswell kernels (OPENBLAS_CORETYPE), and
+# with numpy's AVX512_SPR loops (NPY_DISABLE_CPU_FEATURES=AVX512_SPR, as on an AVX-512 CPU without
+# AVX512-FP16, e.g. AMD Zen 4) and without. With AVX2 alone (qemu-x86_64 -cpu Haswell) cpu-q gave
+# RAW, the F32 ids, instead (before MatMulQ; under qemu-user the MLAS family is read from the
+# host's /proc/cpuinfo, so the key cannot tell such a run apart).
+# SkylakeX: " the primary colors of the RGB color model, which are:\n\n* Red (RGB)"
+_Q_SKX = [260, 3003, 4683, 282, 260, 35526, 2380, 1743, 28, 527, 359, 42, 198, 198, 26, 3950, 365, 66, 727, 216, 34,
+          37, 37, 281]
+# Haswell: " the primary colors of the RGB color model, which are:\n\n* Red (R primary color)"
+_Q_HSW = [260, 3003, 4683, 282, 260, 35526, 2380, 1743, 28, 527, 359, 42, 198, 198, 26, 3950, 365, 66, 727, 378,
+          3003, 2380, 338, 314]
+_ORT = "onnxruntime-1.32.0:x86_64-mlas-avx512vnni-avx512f"
+_NP = "numpy-2.4.6-{}X86_V3.X86_V4.baseline(X86_V2):openblas-0.3.31.188.0-{}:attn-x86_64-avx512f-c256"
+CPU_Q_RAW = {f"{_ORT}:{_NP.format(spr, blas)}": ids for spr in ("AVX512_SPR.", "")
+             for blas, ids in (("SkylakeX", _Q_SKX), ("Haswell", _Q_HSW))}
 
 
 @pytest.fixture(scope="module")
@@ -67,16 +86,45 @@ def test_cpu_greedy_ids_are_pinned(default_dir, family):
     assert got["ids"] == {"chat": CHAT, "raw": RAW}
 
 
-def test_cpu_q_greedy_ids_are_pinned_on_any_thread_count(default_dir, edge_home, monkeypatch):
-    """The same ids on 1 and 2 threads everywhere; the pinned ids where onnxruntime picks the
-    kernels they were taken with (its int8 kernels differ per ISA in the last bits, docs/store.md:
-    an AVX2-only CPU or the board's NEON may leave the pinned path at a close call)."""
+@pytest.fixture(scope="module")
+def cpu_q_runs(default_dir, edge_home):
+    """cpu-q's raw-prompt run on 1 and 2 threads in this environment's kernels, and on 2 threads
+    with numpy's BLAS forced to its Haswell kernels and with numpy's X86_V4 loops disabled (x86)."""
     from edge_llm.backends import cpuq
     from edge_llm.checkpoints.gguf_blocks import gguf_blocks
 
-    monkeypatch.setenv("EDGE_LLM_HOME", str(edge_home))  # the session's quantized graphs, not the user's
+    mp = pytest.MonkeyPatch()
+    mp.setenv("EDGE_LLM_HOME", str(edge_home))  # the session's quantized graphs, not the user's
     cpuq.ensure_quantized(default_dir, cpuq.mode("q4"), blocks=gguf_blocks(default_dir))  # built once, here
-    got = {t: greedy(default_dir, "cpu-q", t, {"raw": PROMPTS["raw"]})["ids"]["raw"] for t in (1, 2)}
-    assert got[1] == got[2]
-    if cpuq.kernel_isa() == CPU_Q_ISA:
-        assert got[1] == CPU_Q_RAW
+    raw = {"raw": PROMPTS["raw"]}
+    runs = {t: greedy(default_dir, "cpu-q", t, raw) for t in (1, 2)}
+    if platform.machine() == "x86_64":
+        runs["haswell-blas"] = greedy(default_dir, "cpu-q", 2, raw, OPENBLAS_CORETYPE="Haswell")
+        runs["no-x86-v4-loops"] = greedy(default_dir, "cpu-q", 2, raw, NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL AVX512_SPR")
+    yield runs
+    mp.undo()
+
+
+def test_cpu_q_greedy_ids_are_the_same_on_1_and_2_threads(cpu_q_runs):
+    assert cpu_q_runs[1]["ids"] == cpu_q_runs[2]["ids"]
+    assert cpu_q_runs[1]["numerics"] == cpu_q_runs[2]["numerics"]  # threads are not part of the identity
+
+
+def test_cpu_q_greedy_ids_are_pinned_for_the_kernel_key(cpu_q_runs):
+    got = cpu_q_runs[2]
+    if got["key"] not in CPU_Q_RAW:
+        pytest.skip(f"no cpu-q ids pinned for kernel key {got['key']!r} (these kernels gave {got['ids']['raw']}: "
+                    "check the text, then add them to CPU_Q_RAW)")
+    assert got["ids"]["raw"] == CPU_Q_RAW[got["key"]]
+
+
+@X86_ONLY
+def test_cpu_q_numerics_separate_kernels_whose_ids_differ(cpu_q_runs):
+    """numpy's BLAS kernel family and its SIMD loops move cpu-q's greedy ids here: the snapshot
+    identity must change with them (a snapshot never restores under other bits, docs/identity.md)."""
+    base = cpu_q_runs[2]
+    differ = [n for n in ("haswell-blas", "no-x86-v4-loops") if cpu_q_runs[n]["ids"] != base["ids"]]
+    for name in differ:
+        assert cpu_q_runs[name]["numerics"] != base["numerics"] and cpu_q_runs[name]["key"] != base["key"], name
+    if not differ:  # e.g. an AVX2-only CPU: neither switch changes a kernel there
+        pytest.skip("neither numpy switch changed cpu-q's ids on this CPU: nothing to separate")

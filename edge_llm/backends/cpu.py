@@ -19,6 +19,23 @@ from edge_llm.weights import Weights
 log = logging.getLogger(__name__)
 
 
+def numpy_kernels() -> str:
+    """The kernels numpy computes float32 with in this process (part of `numerics`,
+    docs/identity.md): its version, the SIMD targets its loops dispatch to on this CPU (exp,
+    reductions, ...; `NPY_DISABLE_CPU_FEATURES` changes them) and the BLAS behind `np.matmul` with
+    the kernel family it picked at load (OpenBLAS: per CPU, or `OPENBLAS_CORETYPE`). Each of them
+    moves the last bits of the rows, e.g. `numpy-2.4.6-AVX512_SPR.X86_V3.X86_V4.baseline(X86_V2)
+    :openblas-0.3.31.188.0-SkylakeX`."""
+    from numpy.lib.introspect import opt_func_info
+    from threadpoolctl import threadpool_info
+
+    targets = sorted({sig["current"] for func in opt_func_info().values() for sig in func.values()})
+    build = str(np.show_config(mode="dicts")["Build Dependencies"]["blas"].get("name", ""))
+    blas = [f"{i['internal_api']}-{i['version']}-{i.get('architecture') or 'generic'}"
+            for i in threadpool_info() if i["user_api"] == "blas" and i["internal_api"] in build]
+    return f"numpy-{np.__version__}-{'.'.join(targets)}:{'+'.join(blas) or build or 'no-blas'}"
+
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """HF RMSNorm in float32 over the last axis: weight * x / sqrt(mean(x^2) + eps)."""
     var = np.mean(np.square(x), axis=-1, keepdims=True)

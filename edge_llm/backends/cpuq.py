@@ -9,10 +9,11 @@ the checkpoint file (mmap), attention/RoPE/the F32 KV rows stay in numpy (models
 
 Quantized graphs are built on first use into `$EDGE_LLM_HOME/quant/<model>-<weights
 digest>-<mode>/` (a temp directory renamed into place under a lock: files.publish_dir) and reused while the
-model's weight digest is unchanged. `numerics` = `cpu-q:<mode>:<manifest identity>:<runner>`:
+model's weight digest is unchanged. `numerics` = `cpu-q:<mode>:<manifest identity>:<label>:<kernel key>`:
 the manifest identity hashes the ONNX bytes (bits, block size, accuracy level, which weights
-are exact), the last part names onnxruntime's version, the kernel and the CPU features that pick
-its code path (not the thread count: the bits do not depend on it). See docs/quantization.md.
+are exact), the last part names onnxruntime's release, the kernel family MLAS picks on this CPU
+and numpy's kernels (`kernel_key`; not the thread count: the bits do not depend on it). See
+docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -120,11 +121,8 @@ DECODE_GRAPH_COST = ForwardCost(1.2, 0.2)
 PER_LAYER_COST = ForwardCost(1.1, 0.15)
 
 
-def kernel_isa() -> str:
-    """The CPU features that choose onnxruntime's int8/4-bit kernels (their bits differ)."""
-    machine = platform.machine()
-    want = {"x86_64": ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8"),
-            "aarch64": ("asimddp", "i8mm", "sve")}.get(machine, ())
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as the kernel reports them (/proc/cpuinfo; empty if unreadable)."""
     flags: set[str] = set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -132,7 +130,38 @@ def kernel_isa() -> str:
                 flags |= set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return "-".join([machine, *[f for f in want if f in flags]])
+    return frozenset(flags)
+
+
+def kernel_isa(flags: frozenset[str] | None = None, machine: str | None = None) -> str:
+    """The kernel family onnxruntime's MLAS picks on this CPU for the ops of cpu-q's graphs (their
+    bits differ), by the rules of MLAS's platform set-up (docs/quantization.md, "Bits and CPUs").
+    x86-64: `MatMulNBits` runs the first of avx512vnni (AVX-512 F/BW/DQ/VL + VNNI), avx512 (the
+    same without VNNI), avx2vnni (AVX-VNNI), avx2 (with FMA); float `MatMul`, `Sigmoid` and the
+    other float kernels run avx512f, fma3, avx or sse2. AMX and AVX-VNNI-INT8 change only integer
+    GEMMs, which these graphs do not have, so they are not part of it. aarch64: dot product,
+    i8mm, SVE, SME (KleidiAI). E.g. `x86_64-mlas-avx512vnni-avx512f`."""
+    machine = machine or platform.machine()
+    f = cpu_flags() if flags is None else flags
+    if machine == "x86_64":
+        avx512 = "avx512f" in f
+        core = avx512 and {"avx512bw", "avx512dq", "avx512vl"} <= f
+        if {"avx", "avx2", "fma"} <= f:
+            qnbit = ("avx512vnni" if core and "avx512_vnni" in f else "avx512" if core
+                     else "avx2vnni" if "avx_vnni" in f else "avx2")
+            return f"x86_64-mlas-{qnbit}-{'avx512f' if avx512 else 'fma3'}"
+        return f"x86_64-mlas-none-{'avx' if 'avx' in f else 'sse2'}"
+    if machine == "aarch64":
+        return "-".join(["aarch64-mlas", *[x for x in ("asimddp", "i8mm", "sve", "sme") if x in f]])
+    return f"{machine}-mlas"
+
+
+def kernel_key(ort_version: str) -> str:
+    """Everything outside the graph files that decides cpu-q's bits: onnxruntime's release, the
+    MLAS kernel family, numpy's kernels (the prompt rows' attention runs in numpy, models/qwen3.py)."""
+    from edge_llm.backends.cpu import numpy_kernels
+
+    return f"onnxruntime-{ort_version}:{kernel_isa()}:{numpy_kernels()}"
 
 
 # ---- the quantized graph directory ------------------------------------------------------------
@@ -258,10 +287,11 @@ def open_cpu_q(model_dir: str | Path, quant: str = "q4", threads: int | None = N
         if decode_graph else None
     r = OrtRunner(files, threads=n, kind=qm.label, config=SESSION_CONFIG, shared_arena=True)
     # no thread count: these kernels give the same bits on 1, 2 or 3 threads (tests/test_cpu_q.py),
-    # so changing `threads` keeps the snapshots; the CPU's kernel ISA does change them. The
+    # so changing `threads` keeps the snapshots; onnxruntime's release, MLAS's kernel family and
+    # numpy's kernels do change them (kernel_key). The
     # manifest identity covers the decode graph (its bytes), so one-row steps are in it too.
     # Calls of at most MLAS_STRIDE_M rows keep the thread count out of the bits for any chunk.
-    numerics = f"cpu-q:{qm.name}:{m.identity()}:onnxruntime-{r.version}-{qm.label}-{kernel_isa()}"
+    numerics = f"cpu-q:{qm.name}:{m.identity()}:{qm.label}:{kernel_key(r.version)}"
     numerics += f":attn-{attn_kernel.isa()}" if decode_graph else ":per-layer-decode"
     return GraphBackend("cpu-q", [s for s in m.specs() if s.kind != DECODE], r, numerics,
                         mapped_embedding=True, row_step=step, max_rows=MLAS_STRIDE_M,

@@ -6,7 +6,9 @@ Each prompt is prefilled into a fresh cache, then N tokens are taken by argmax o
 
 usage: golden_ids.py MODEL_DIR BACKEND THREADS N PROMPTS_JSON
 PROMPTS_JSON: {"name": ["chat" | "raw", text], ...}; "chat" renders text as one user message
-through the model's chat template. Prints one JSON line: {"blas": kernel family, "ids": {name: [...]}}.
+through the model's chat template. Prints one JSON line: {"blas": kernel family, "numerics": the
+backend's `numerics` (its snapshot identity), "key": what outside the code decides the bits (cpu-q:
+onnxruntime's release, MLAS's kernel family, numpy's kernels, AttnRow's path), "ids": {name: [...]}}.
 """
 
 import json
@@ -41,7 +43,18 @@ def main() -> int:
             logits = model.forward([got[-1]], cache)
         out[name] = got
     blas = [i.get("architecture") for i in threadpool_info() if i.get("user_api") == "blas"]
-    print(json.dumps({"blas": blas[0] if blas else None, "ids": out}))
+    if backend == "cpu-q":
+        import onnxruntime
+
+        from edge_llm.backends import attn_kernel
+        from edge_llm.backends.cpuq import kernel_key
+
+        key = f"{kernel_key(onnxruntime.__version__)}:attn-{attn_kernel.isa()}"
+    else:
+        from edge_llm.backends.cpu import numpy_kernels
+
+        key = numpy_kernels()
+    print(json.dumps({"blas": blas[0] if blas else None, "numerics": model.numerics, "key": key, "ids": out}))
     return 0
 
 
