@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_llm.errors import ConfigError
+from edge_llm.files import read_regular
 
 SUPPORTED_MODEL_TYPES = ("qwen3_vl", "qwen3", "qwen2", "llama")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -121,12 +122,14 @@ class ModelArgs:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelArgs":
         path = Path(model_dir) / "config.json"
-        try:
-            cfg = json.loads(path.read_text())
+        try:  # a FIFO or device is refused unread (files.open_regular)
+            cfg = json.loads(read_regular(path, ConfigError))
         except FileNotFoundError:
             raise ConfigError(f"{path}: not found (is this an HF model directory?)") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: invalid JSON: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: {e.strerror or e}") from None
         return cls.from_dict(cfg)
 
     def validate(self) -> None:
@@ -338,7 +341,7 @@ def vision_args_from_dir(model_dir: str | Path) -> VisionArgs | None:
     """VisionArgs of an HF model directory's config.json (None: no vision tower declared)."""
     path = Path(model_dir) / "config.json"
     try:
-        cfg = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        cfg = json.loads(read_regular(path, ConfigError))
+    except (OSError, ValueError) as e:
         raise ConfigError(f"{path}: {e}") from None
     return VisionArgs.from_config(cfg)

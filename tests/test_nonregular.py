@@ -165,7 +165,17 @@ def test_kv_inspect_refuses_a_file_replaced_by_a_fifo_after_the_lookup(tmp_path,
     assert r.exit_code != 0 and "not a regular file (a FIFO)" in r.output, r.output
 
 
-# ---- checkpoints: safetensors, GGUF ------------------------------------------------------------------
+# ---- checkpoints: safetensors, GGUF, config.json ----------------------------------------------------
+def test_a_fifo_config_json_is_a_config_error(tmp_path):
+    from edge_llm.config import ModelArgs, vision_args_from_dir
+    from edge_llm.errors import ConfigError
+
+    os.mkfifo(tmp_path / "config.json")
+    for fn in (lambda: ModelArgs.from_dir(tmp_path), lambda: vision_args_from_dir(tmp_path)):
+        with pytest.raises(ConfigError, match="not a regular file"):
+            within(fn, [tmp_path / "config.json"])
+
+
 CHECKPOINT_READERS = """
 import sys
 from pathlib import Path
