@@ -33,6 +33,27 @@ STARTUP_STEP_TIMEOUT = 120.0
 # at stop, each layer of the pending snapshot save must be written within this many seconds
 # (an 8K-token Qwen3-VL-2B layer is 67 MB: under 2 s at 40 MB/s)
 STOP_STEP_TIMEOUT = 30.0
+# the text of the warm-up forward before the ready line (`warm_up`)
+WARM_UP_TEXT = "Hello, this is the warm-up."
+
+
+def warm_up(engine: Engine) -> int:
+    """Start-up work the first request would otherwise pay, done before the ready line
+    (docs/logs.md, "Process lifecycle"): the tokenizer's length bound (built from its JSON, 50 ms
+    for SmolLM2's, 170 ms for Qwen3's here), and a prompt and one decode step through the real
+    model, so every kernel path has run once (onnxruntime's first run of each graph, the first
+    touch of mapped weights such as the embedding and the head). It runs on a scratch cache of
+    its own: the clients' cache, the snapshots and every bit of an answer stay as they are (the
+    kernels hold no state across calls). Returns the prompt's token count."""
+    tok, model = engine.tokenizer, engine.model
+    tok.min_tokens(WARM_UP_TEXT)
+    ids = tok.encode(WARM_UP_TEXT)[:16]
+    cache = model.new_cache(len(ids) + 1, check_memory=False)
+    if len(ids) > 1:  # the prompt path: rows in a chunk, then the last token alone
+        model.prefill(ids[:-1], cache, chunk=engine.align, logits=False)
+    logits = model.forward(ids[-1:], cache)
+    model.forward([int(logits.argmax())], cache, decode=True)
+    return len(ids)
 
 
 def model_id_for(settings: Settings) -> str:
@@ -102,6 +123,23 @@ class AppState:
                 self.on_fatal(e)
             return
         if self.status == "stopping":  # SIGTERM arrived while loading: nothing to serve
+            engine.close()
+            return
+        t1 = time.monotonic()
+        self._status("warming up")
+        try:
+            n = warm_up(engine)
+        except Exception as e:  # the model cannot compute: as a failed load
+            engine.close()
+            self.status, self.error = "failed", f"warm-up: {type(e).__name__}: {e}"
+            log.error("%s", self.error, exc_info=True)
+            self._status(f"failed: {self.error}")
+            if self.on_fatal is not None:
+                self.on_fatal(e)
+            return
+        log.info("warm-up: a %d-token prompt and a decode step in %.2fs (before the ready line)", n,
+                 time.monotonic() - t1)
+        if self.status == "stopping":
             engine.close()
             return
         self.engine = engine
