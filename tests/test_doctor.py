@@ -103,7 +103,9 @@ def test_hf_model_sizes_and_identity(tmp_path: Path, monkeypatch: pytest.MonkeyP
     from edge_llm.config import ModelArgs
     from edge_llm.snapshot.identity import Identity
 
-    ns = Identity.for_model(model, ModelArgs.from_dir(model)).namespace
+    from edge_llm.backends.cpu import cpu_numerics
+
+    ns = Identity.for_model(model, ModelArgs.from_dir(model), cpu_numerics()).namespace
     (tmp_path / "kv" / ns).mkdir(parents=True)
     (tmp_path / "kv" / ns / "kv_0000000000000001.kv").write_bytes(b"x")
     c = by_name(run_checks(Settings(model=str(model), disk_kv=str(tmp_path / "kv"), max_seq=1 << 20,
@@ -129,11 +131,11 @@ def test_hf_model_sizes_and_identity(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
     ident = Identity.for_model(model, ModelArgs.from_dir(model), "cpu-q:q4:0123456789abcdef:onnxruntime-x-q4-t2")
     ensure_namespace(tmp_path / "kv", ident)
-    ensure_namespace(tmp_path / "kv", Identity.for_model(model, ModelArgs.from_dir(model)))  # the cpu one's identity.json
+    ensure_namespace(tmp_path / "kv", Identity.for_model(model, ModelArgs.from_dir(model), cpu_numerics()))  # the cpu one's
     c = by_name(run_checks(Settings(model=str(model), disk_kv=str(tmp_path / "kv"), backend="cpu-q")))
     assert c["model"].status == PASS, c["model"].detail
     assert f"{ident.namespace} (cpu-q:q4:0123456789abcdef:onnxruntime-x-q4-t2, 0 snapshot(s))" in c["model"].detail
-    assert f"{ns} (cpu-f32, 1 snapshot(s))" in c["model"].detail
+    assert f"{ns} ({cpu_numerics()}, 1 snapshot(s))" in c["model"].detail
     assert f"model_id {ns}" not in c["model"].detail
     # the decode graph's session holds a second prepacked copy of the q4 weights
     from edge_llm.doctor import Doctor, ModelSizes

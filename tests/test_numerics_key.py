@@ -88,3 +88,24 @@ def test_numpy_kernels_change_with_the_blas_family_and_the_simd_loops():
         assert key(OPENBLAS_CORETYPE="Haswell").endswith("-Haswell")
     if "X86_V4" in base:
         assert "X86_V4" not in key(NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL AVX512_SPR")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="OpenBLAS kernel families of numpy's Linux wheels")
+def test_the_cpu_backends_numerics_name_numpys_kernels():
+    """The F32 backend's rows differ in the last bits under OpenBLAS's Haswell and SkylakeX kernels
+    (docs/store.md, "Restore and recompute"): its snapshots must not restore across them."""
+    import os
+
+    code = ("from edge_llm.backends.cpu import CPUBackend; from edge_llm.backends.cpu_vision import "
+            "CPUVisionBackend; print(CPUBackend().numerics); print(CPUVisionBackend().numerics)")
+
+    def numerics(**env) -> list[str]:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env={k: v for k, v in os.environ.items() if not k.startswith(("OPENBLAS_", "NPY_"))} | env)
+        assert r.returncode == 0, r.stderr
+        return r.stdout.split()
+
+    text, vision = numerics()
+    assert text == vision and text.startswith("cpu-f32:numpy-")
+    if "openblas" in text and "-Haswell" not in text:
+        assert numerics(OPENBLAS_CORETYPE="Haswell")[0] != text

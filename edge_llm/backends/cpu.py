@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 
@@ -19,6 +20,7 @@ from edge_llm.weights import Weights
 log = logging.getLogger(__name__)
 
 
+@cache  # numpy picks its loops at import and its BLAS kernels at load: fixed for the process
 def numpy_kernels() -> str:
     """The kernels numpy computes float32 with in this process (part of `numerics`,
     docs/identity.md): its version, the SIMD targets its loops dispatch to on this CPU (exp,
@@ -34,6 +36,11 @@ def numpy_kernels() -> str:
     blas = [f"{i['internal_api']}-{i['version']}-{i.get('architecture') or 'generic'}"
             for i in threadpool_info() if i["user_api"] == "blas" and i["internal_api"] in build]
     return f"numpy-{np.__version__}-{'.'.join(targets)}:{'+'.join(blas) or build or 'no-blas'}"
+
+
+def cpu_numerics() -> str:
+    """The numpy backends' `numerics`: F32 on numpy's kernels, which decide the last bits."""
+    return f"cpu-f32:{numpy_kernels()}"
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -92,7 +99,6 @@ class CPUBackend:
     """Dense decoder work in numpy float32 (see `edge_llm.backends.Backend`)."""
 
     name = "cpu"
-    numerics = "cpu-f32"
     chunk_sizes: tuple[int, ...] = ()
     row_step = None
     # numpy F32, default model, 2 threads, AVX-512 (OpenBLAS SkylakeX), 200-2000 rows of context:
@@ -100,6 +106,7 @@ class CPUBackend:
     forward_cost = ForwardCost(2.3, 0.07)
 
     def __init__(self) -> None:
+        self.numerics = cpu_numerics()  # numpy's kernels decide the bits (docs/identity.md)
         self.args: ModelArgs | None = None
         self.layers: list[DenseLayer] = []
 

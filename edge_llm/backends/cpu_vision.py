@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from edge_llm.backends.cpu import cpu_numerics
 from edge_llm.config import VisionArgs
 from edge_llm.weights import Weights
 
@@ -72,7 +73,10 @@ class CPUVisionBackend:
     """Dense vision-tower work in numpy float32 (see `edge_llm.backends.vision.VisionBackend`)."""
 
     name = "cpu"
-    numerics = "cpu-f32"
+
+    @property
+    def numerics(self) -> str:
+        return cpu_numerics()
 
     def load_vision(self, args: VisionArgs, weights: Weights) -> None:
         p = args.weight_prefix

@@ -175,17 +175,18 @@ def _quant_rows(model_dir, build: str | None) -> list[tuple[str, str]]:
 @model.command("digest")
 @click.argument("model_dir", default="default")
 def digest_cmd(model_dir: str) -> None:
-    """Weight, tokenizer and model_id digests of MODEL_DIR (cpu-f32 backend)."""
+    """Weight, tokenizer and model_id digests of MODEL_DIR (backend cpu, this machine's numpy kernels)."""
+    from edge_llm.backends.cpu import cpu_numerics
     from edge_llm.config import ModelArgs
     from edge_llm.errors import EdgeLLMError
     from edge_llm.snapshot.identity import Identity
 
     try:
         d = resolve_model_with_bar(model_dir)
-        ident = Identity.for_model(d, ModelArgs.from_dir(d))
+        ident = Identity.for_model(d, ModelArgs.from_dir(d), cpu_numerics())
     except EdgeLLMError as e:
         _fail(e)
     click.echo(f"weights    {ident.weights_digest}")
     click.echo(f"tokenizer  {ident.tokenizer_digest}")
-    click.echo(f"model_id   {ident.model_id:016x}  (backend cpu-f32, prefill chunk {ident.prefill_chunk}; "
+    click.echo(f"model_id   {ident.model_id:016x}  (backend {ident.backend_numerics}, prefill chunk {ident.prefill_chunk}; "
                f"namespace {ident.namespace})")

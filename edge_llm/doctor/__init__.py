@@ -148,10 +148,12 @@ class Doctor(BoardChecks, StorageChecks):
         if not (d / "tokenizer.json").is_file():
             return Check("model", FAIL, detail + "; tokenizer.json missing", "copy tokenizer.json into the model dir"), sizes
         try:
+            from edge_llm.backends.cpu import cpu_numerics
             from edge_llm.snapshot.identity import (
                 Identity,  # lazy: hashes the weights once (cached)
             )
-            ident = Identity.for_model(d, args, prefill_chunk=self.o.prefill_chunk)
+
+            ident = Identity.for_model(d, args, cpu_numerics(), prefill_chunk=self.o.prefill_chunk)
         except Exception as e:
             return Check("model", WARN, detail + f"; identity not computed: {e}"), sizes
         backend = self.choice().name
