@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from edge_llm import __version__
-from edge_llm.cli import bench, convert, doctor, generate, kv, model, serve
+from edge_llm.cli import bench, convert, doctor, generate, kv, kv_transfer, model, serve  # noqa: F401 (kv_transfer: kv export/import)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -83,7 +83,7 @@ def private_warnings(paths: list[Path]) -> list[str]:
 
 @click.group("kv")
 def kv() -> None:
-    """Disk KV snapshots: ls, inspect, verify, rm, gc."""
+    """Disk KV snapshots: ls, inspect, verify, rm, gc, export, import."""
     global out  # bind to this invocation's stdout and terminal width (COLUMNS)
     out = Console(highlight=False, soft_wrap=True)
 
