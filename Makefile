@@ -51,6 +51,11 @@ test-deps: $(VENV)/.test-stamp
 		if [ "$$(id -u)" = 0 ]; then (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd) || \
 			echo "could not install Debian's systemd: the unit/install tests will be skipped"; \
 		else echo "systemd tools missing and not root: the unit/install tests will be skipped"; fi
+	@# HAProxy for the fleet test (tests/test_fleet.py, docs/fleet.md)
+	@command -v haproxy >/dev/null || \
+		if [ "$$(id -u)" = 0 ]; then (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy) || \
+			echo "could not install Debian's haproxy: the fleet test will be skipped"; \
+		else echo "haproxy missing and not root: the fleet test will be skipped"; fi
 
 board-deps:
 	@# qemu-user + binfmt, mmdebstrap, systemd-nspawn for the emulated arm64 board, an aarch64 cross gcc

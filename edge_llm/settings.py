@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -143,6 +144,10 @@ class Settings:
     # ---- server ---------------------------------------------------------------------------------
     host: str = _opt("127.0.0.1", "Bind address of the HTTP API.", str, commands=(SERVE,))
     port: int = _opt(8080, "TCP port of the HTTP API.", commands=(SERVE,), minimum=1, maximum=65535)
+    node_name: str = _opt(socket.gethostname(), "This board's name in the X-Edge-LLM-Node header of "
+                          "every response: which board of a fleet answered (docs/fleet.md); 1-64 letters, digits, "
+                          "'.', '_', ':' or '-'.", "name",
+                          commands=(SERVE,), shown_default="the hostname")
     queue_size: int = _opt(16, "Requests waiting behind the running one; beyond: 503.",
                            commands=(SERVE,), minimum=1)
     api_key_file: str | None = _opt(None, "Require 'Authorization: Bearer <key>' with a key from this "
@@ -258,6 +263,7 @@ def resolve(s: Settings, env: Mapping[str, str] | None = None) -> Settings:
 
 # ---- reading values -------------------------------------------------------------------------------
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", re.IGNORECASE)
+_NAME = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
@@ -297,6 +303,11 @@ def convert(key: str, value: Any, source: str) -> Any:
         if text is not None and text.lower() in _OFF | _ON - {AUTO}:
             return text.lower() in _ON
         raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
+    if kind == "name":  # sent in a response header: a plain token, never a control byte
+        if text is None or not _NAME.fullmatch(text):
+            raise ConfigError(f"{source}: {key} must be 1-64 letters, digits, '.', '_', ':' or '-', "
+                              f"got {value!r}")
+        return text
     typ = {int: int, float: float, str: str, "bytes": int}[kind]
     try:
         if kind == "bytes" and text is not None:

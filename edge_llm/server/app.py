@@ -36,6 +36,7 @@ from edge_llm.server.errors import (
 from edge_llm.server.budget import Budget, encode_within
 from edge_llm.server.images import ChatOptions, decode_images, render_chat
 from edge_llm.server.metrics import StatusCountMiddleware
+from edge_llm.server.node import NodeHeaderMiddleware
 from edge_llm.server.state import AppState
 from edge_llm.server.streaming import collect, sse_chat, sse_completion
 from edge_llm.server.worker import Job, QueueFull, ShuttingDown
@@ -215,6 +216,7 @@ def create_app(settings: Settings, notifier: Notifier | None = None, loader: Cal
     app.add_middleware(RequestGate, limit=settings.max_body_bytes, keys=state.keys, keyed=keyed_paths)
     # outermost: counts every status, including the gate's 400, 401 and 413
     app.add_middleware(StatusCountMiddleware, metrics=state.metrics)
+    app.add_middleware(NodeHeaderMiddleware, node_name=settings.node_name)  # docs/fleet.md
     return app
 
 

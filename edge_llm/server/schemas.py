@@ -69,6 +69,9 @@ class _Sampling(_Request):
     frequency_penalty: Finite | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    prompt_cache_key: str | None = Field(
+        default=None, description="A routing hint for a proxy in front of several boards (docs/fleet.md): "
+        "requests with the same key go to the same board. This server does not use it.")
 
 
 class CompletionRequest(_Sampling):

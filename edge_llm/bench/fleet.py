@@ -1,0 +1,204 @@
+"""Several boards behind HAProxy, driven from outside: the shipped config, the proxy process and
+multi-turn chats that remember which board answered (docs/fleet.md).
+
+Used by `edge-llm bench fleet` and by tests/test_fleet.py, both with the config the repo ships
+(`board/haproxy.cfg.example`) and only its documented knobs: the EDGE_FLEET_BIND / EDGE_BOARD<n>
+environment variables HAProxy expands itself, the commented fourth server line uncommented to add
+a board, and `balance roundrobin` in place of the hash for the comparison. Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edge_llm.bench.client import free_port
+
+log = logging.getLogger(__name__)
+
+NODE_HEADER = "X-Edge-LLM-Node"  # edge_llm/server/node.py
+SHIPPED_CONFIG = Path(__file__).resolve().parents[2] / "board" / "haproxy.cfg.example"
+HASH_BALANCE = "balance hash var(txn.key)"
+ROUND_ROBIN = "balance roundrobin"
+_FOURTH = re.compile(r"^(\s*)# (server b4 .*)$", re.M)
+
+
+class FleetError(RuntimeError):
+    pass
+
+
+def fleet_config(text: str, boards: int = 3, balance: str = HASH_BALANCE) -> str:
+    """The shipped config for 3 or 4 boards (the commented b4 line enabled), hash or round-robin."""
+    if boards not in (3, 4):
+        raise FleetError(f"the shipped config has lines for 3 or 4 boards, not {boards}")
+    if HASH_BALANCE not in text or not _FOURTH.search(text):
+        raise FleetError("the config lacks the shipped 'balance hash' line or the commented b4 line")
+    if boards == 4:
+        text = _FOURTH.sub(r"\1\2", text)
+    return text.replace(HASH_BALANCE, balance)
+
+
+class HAProxy:
+    """One `haproxy -f <config>` process in the foreground, on a loopback port of its own."""
+
+    def __init__(self, config_text: str, boards: list[str], workdir: Path, port: int | None = None):
+        self.port = port or free_port()
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config = self.workdir / f"haproxy-{self.port}.cfg"
+        self.config.write_text(config_text)
+        # addresses as the shipped config reads them: EDGE_FLEET_BIND, EDGE_BOARD1..n
+        self.env = {**os.environ, "EDGE_FLEET_BIND": f"127.0.0.1:{self.port}",
+                    **{f"EDGE_BOARD{i}": addr for i, addr in enumerate(boards, 1)}}
+        self.proc: subprocess.Popen | None = None
+        self.stderr_path = self.workdir / f"haproxy-{self.port}.stderr"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 20.0) -> "HAProxy":
+        exe = shutil.which("haproxy")
+        if exe is None:
+            raise FleetError("haproxy is not installed (Debian: apt-get install haproxy)")
+        check = subprocess.run([exe, "-c", "-f", str(self.config)], env=self.env, capture_output=True,
+                               text=True, timeout=timeout)
+        if check.returncode != 0:
+            raise FleetError(f"haproxy -c refused the config: {check.stderr.strip()[-2000:]}")
+        with open(self.stderr_path, "ab") as err:
+            self.proc = subprocess.Popen([exe, "-db", "-f", str(self.config)], env=self.env,
+                                         stdin=subprocess.DEVNULL, stdout=err, stderr=err)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise FleetError(f"haproxy exited with {self.proc.returncode}: {self.stderr()[-2000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2):
+                    return self
+            except urllib.error.HTTPError:
+                return self  # listening (a 503 while the checks have not passed yet)
+            except OSError:
+                time.sleep(0.05)
+        raise FleetError(f"haproxy not listening on {self.url} within {timeout:.0f} s")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGUSR1)  # soft stop: finish what is in flight
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout)
+
+    def stderr(self) -> str:
+        try:
+            return self.stderr_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+
+@dataclass
+class Reply:
+    status: int
+    node: str | None
+    body: dict
+    wall_ms: float
+
+    @property
+    def text(self) -> str:
+        return self.body["choices"][0]["message"]["content"]
+
+    @property
+    def cached(self) -> int:
+        return self.body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    @property
+    def source(self) -> str:
+        return self.body["timings"]["cache_source"]
+
+
+def post(url: str, body: dict, timeout: float = 120.0) -> Reply:
+    """POST JSON; any HTTP status is a Reply (its JSON body, or {"raw": text}). Connection errors raise."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, headers, raw = r.status, r.headers, r.read()
+    except urllib.error.HTTPError as e:
+        status, headers, raw = e.code, e.headers, e.read()
+    wall = (time.perf_counter() - t0) * 1e3
+    try:
+        parsed = json.loads(raw or b"{}")
+    except json.JSONDecodeError:
+        parsed = {"raw": raw.decode("utf-8", errors="replace")}
+    return Reply(status, headers.get(NODE_HEADER), parsed, wall)
+
+
+@dataclass
+class Conversation:
+    """A chat whose user turns are fixed; the assistant turns are what the service answered."""
+    name: str
+    questions: list[str]
+    system: str | None = None
+    messages: list[dict] = field(default_factory=list)
+    nodes: list[str | None] = field(default_factory=list)
+    replies: list[Reply] = field(default_factory=list)
+
+    def body(self, turn: int, max_tokens: int) -> dict:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        if not self.messages:
+            self.messages = head
+        return {"messages": [*self.messages, {"role": "user", "content": self.questions[turn]}],
+                "max_tokens": max_tokens, "temperature": 0}
+
+    def send(self, base_url: str, turn: int, max_tokens: int, timeout: float = 120.0) -> Reply:
+        """Send user turn `turn`; on a 200 the answer joins the history."""
+        body = self.body(turn, max_tokens)
+        r = post(base_url + "/v1/chat/completions", body, timeout)
+        if r.status == 200:
+            self.messages = [*body["messages"], {"role": "assistant", "content": r.text}]
+        self.nodes.append(r.node)
+        self.replies.append(r)
+        return r
+
+
+TOPICS = ("tides", "volcanoes", "bread", "bees", "glaciers", "kites", "owls", "rust", "comets", "moss",
+          "chess", "ferns", "lighthouses", "salt", "clocks", "coral")
+
+
+def conversations(n: int, turns: int, system: str | None = None) -> list[Conversation]:
+    """n distinct chats of `turns` short questions each (the first question differs per chat)."""
+    out = []
+    for i in range(n):
+        topic = TOPICS[i % len(TOPICS)] + ("" if i < len(TOPICS) else f" {i}")
+        qs = [f"Tell me one fact about {topic}.", "Why is that?", "Say it in five words.",
+              "Thanks. One more fact?", "And another?"]
+        out.append(Conversation(f"c{i}", [qs[t % len(qs)] for t in range(turns)], system))
+    return out
+
+
+def probe_routes(base_url: str, n: int, timeout: float = 30.0) -> list[str | None]:
+    """Which board each of `n` chats with a common system prompt is routed to, without running the
+    model: each body asks for n = 2, which every board refuses (400) before tokenizing."""
+    nodes = []
+    for i in range(n):
+        body = {"messages": [{"role": "system", "content": "You are a helpful assistant."},
+                             {"role": "user", "content": f"Question {i}: what is {i} times {i + 7}?"}],
+                "n": 2}
+        r = post(base_url + "/v1/chat/completions", body, timeout)
+        if r.status != 400:
+            raise FleetError(f"routing probe {i}: expected the board's 400, got {r.status} {r.body}")
+        nodes.append(r.node)
+    return nodes

@@ -1,0 +1,173 @@
+"""Several boards as one service (docs/fleet.md): a real HAProxy started with the shipped
+board/haproxy.cfg.example in front of real servers on loopback.
+
+One run, in phases: a single-board reference of every conversation; then the fleet (3 boards):
+every follow-up on its conversation's board with a cache hit; one board SIGKILLed mid-request
+(the request in flight gets HAProxy's JSON 502, its conversations continue on other boards with
+the reference's answers, the others stay); the board restarted (its conversations come back and
+restore their snapshots from disk); a fourth board added (few conversations move, only to it).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import shutil
+import time
+
+import pytest
+
+from edge_llm.bench.fleet import (
+    SHIPPED_CONFIG,
+    Conversation,
+    HAProxy,
+    conversations,
+    fleet_config,
+    post,
+    probe_routes,
+)
+from serverutil import ServerProc, wait_for
+
+pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None,
+                                reason="haproxy is not installed (make test-deps installs it as root)")
+
+N_CONV, MAX_TOKENS, PROBES = 6, 4, 300
+# the same on every board (part of the snapshot identity): a reused prefix is cut to a multiple of
+# it (docs/store.md), so short chats reuse rows only with a chunk well below their length
+CHUNK = "16"
+HEALTH_SETTLE_S = 4.0  # the shipped checks: inter 1s, rise 2 / fall 2 -> a state change within ~2-3 s
+
+
+def _boards(edge_home, tmp_path, n):
+    return [ServerProc(edge_home, tmp_path / f"b{i}", "--node-name", f"b{i}", "--prefill-chunk", CHUNK)
+            for i in range(1, n + 1)]
+
+
+def _start_all(servers):
+    for s in servers:
+        s.start(wait=False)
+    for s in servers:
+        s.wait_ready()
+
+
+def _turn(convs: list[Conversation], url: str, turn: int) -> None:
+    for c in convs:  # interleaved: every conversation's turn t before any turn t+1
+        r = c.send(url, turn, MAX_TOKENS)
+        assert r.status == 200, (c.name, turn, r.status, r.body)
+
+
+def test_fleet_affinity_failover_rejoin_and_growth(edge_home, tmp_path):
+    b1, b2, b3, b4 = boards = _boards(edge_home, tmp_path, 4)
+    proxies: list[HAProxy] = []
+    try:
+        _start_all(boards)
+        for s in boards:  # the header names the board on every response, errors included
+            assert s.health().headers["x-edge-llm-node"] == s.args[1]
+        # the reference: every conversation on one board alone (b4, before it joins the fleet)
+        ref = conversations(N_CONV, 4)
+        for t in range(4):
+            _turn(ref, b4.url, t)
+        answers = {c.name: [r.text for r in c.replies] for c in ref}
+
+        text = SHIPPED_CONFIG.read_text()
+        three = [f"127.0.0.1:{s.port}" for s in (b1, b2, b3)]
+        proxy = HAProxy(fleet_config(text, 3), three, tmp_path / "haproxy").start()
+        proxies.append(proxy)
+        wait_for(lambda: post(proxy.url + "/v1/chat/completions", {"n": 2, "messages": []}).status == 400,
+                 timeout=30, what="a board up behind haproxy")
+        time.sleep(HEALTH_SETTLE_S)  # all three up
+        spread = collections.Counter(probe_routes(proxy.url, PROBES))
+        assert set(spread) == {"b1", "b2", "b3"} and min(spread.values()) >= PROBES / 3 * 0.6, spread
+
+        convs = conversations(N_CONV, 4)
+        _turn(convs, proxy.url, 0)
+        _turn(convs, proxy.url, 1)
+        home = {c.name: c.nodes[0] for c in convs}
+        for c in convs:
+            assert c.nodes == [home[c.name]] * 2, c.nodes
+            assert c.replies[1].cached > 0 and c.replies[1].source in ("ram", "disk"), c.replies[1].body["timings"]
+            assert [r.text for r in c.replies] == answers[c.name][:2]
+        by_board = collections.Counter(home.values())
+        victim_name = by_board.most_common(1)[0][0]
+        victim = {"b1": b1, "b2": b2, "b3": b3}[victim_name]
+        theirs = [c for c in convs if home[c.name] == victim_name]
+
+        # a long request in flight on the victim when it is killed: a JSON error, not a hang
+        inflight = Conversation("inflight", ["Count from 1 to 500, separated by commas."])
+        inflight.messages = list(theirs[0].messages)
+        size0 = victim.log_size()
+        with cf.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(inflight.send, proxy.url, 0, 400, 60.0)
+            wait_for(lambda: "[PREFILL-TIMING]" in victim.log(size0), timeout=60, what="the long request running")
+            victim.kill()
+            r = fut.result(timeout=90)
+        assert r.status in (502, 503), (r.status, r.body)
+        assert r.body["error"]["type"] == "server_error" and r.body["error"]["code"], r.body
+
+        # turn 3 at once: the victim's conversations are retried/redispatched to the next board
+        _turn(convs, proxy.url, 2)
+        for c in convs:
+            assert c.replies[2].text == answers[c.name][2], c.name  # recomputed or reused: same greedy text
+            if c in theirs:
+                assert c.nodes[2] not in (victim_name, None), c.nodes
+            else:
+                assert c.nodes[2] == home[c.name] and c.replies[2].cached > 0, (c.name, c.nodes)
+
+        # the victim comes back: its share moves back and restores its snapshots from disk
+        victim.start()
+        time.sleep(HEALTH_SETTLE_S)
+        _turn(convs, proxy.url, 3)
+        for c in convs:
+            assert c.nodes[3] == home[c.name], (c.name, c.nodes)
+            assert c.replies[3].text == answers[c.name][3], c.name
+            assert c.replies[3].cached > 0, (c.name, c.replies[3].body["timings"])
+            if c in theirs:  # a fresh process: the rows came from its kv dir
+                assert c.replies[3].source == "disk", c.replies[3].body["timings"]
+
+        # a fourth board joins (b4, the reference board): only conversations that move to it move
+        before = probe_routes(proxy.url, PROBES)
+        proxy.stop()
+        four = [*three, f"127.0.0.1:{b4.port}"]
+        proxy = HAProxy(fleet_config(text, 4), four, tmp_path / "haproxy", port=proxy.port).start()
+        proxies.append(proxy)
+        time.sleep(HEALTH_SETTLE_S)
+        after = probe_routes(proxy.url, PROBES)
+        moved = [(a, b) for a, b in zip(before, after) if a != b]
+        assert all(b == "b4" for _, b in moved), collections.Counter(moved)
+        assert 0 < len(moved) <= 1.5 / 4 * PROBES, len(moved)
+        for c in convs:  # the chats: the same rule
+            r = c.send(proxy.url, 0, 1)
+            assert r.status == 200 and r.node in (home[c.name], "b4"), (c.name, r.node)
+    finally:
+        for p in proxies:
+            p.stop()
+        for s in boards:
+            if s.proc is not None and s.proc.poll() is None:
+                s.stop()
+
+
+def test_node_header_and_prompt_cache_key(edge_home, tmp_path):
+    """One board: X-Edge-LLM-Node on every response (200, 400 from the gate, 404); a string
+    prompt_cache_key is accepted, another type is a 400 naming it."""
+    with ServerProc(edge_home, tmp_path / "one", "--node-name", "board-7").start() as s:
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+        ok = post(s.url + "/v1/chat/completions", {**body, "prompt_cache_key": "conv-42"})
+        assert (ok.status, ok.node) == (200, "board-7"), ok.body
+        bad = post(s.url + "/v1/chat/completions", {**body, "prompt_cache_key": 42})
+        assert bad.status == 400 and bad.node == "board-7", bad.body
+        assert "prompt_cache_key" in str(bad.body["error"]), bad.body
+        done = post(s.url + "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "prompt_cache_key": "k"})
+        assert done.status == 200, done.body
+        assert post(s.url + "/nowhere", {}).node == "board-7"
+
+
+def test_node_name_is_a_header_token():
+    """node_name goes into a response header: a name with a space or a control byte is refused."""
+    from edge_llm.errors import ConfigError
+    from edge_llm.settings import load_settings
+
+    assert load_settings({"node_name": "board-3.lab:a"}, env={}).node_name == "board-3.lab:a"
+    for bad in ("board 3", "b3\r\nSet-Cookie: x", "", "x" * 65):
+        with pytest.raises(ConfigError, match="node_name must be"):
+            load_settings({"node_name": bad}, env={})
+    assert load_settings(env={"EDGE_LLM_NODE_NAME": "b9"}).node_name == "b9"
