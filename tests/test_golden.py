@@ -48,10 +48,10 @@ RAW = [260, 3003, 4683, 282, 260, 35526, 2380, 1743, 42, 2382, 28, 4461, 28, 284
 # AVX512-FP16, e.g. AMD Zen 4) and without. With AVX2 alone (qemu-x86_64 -cpu Haswell) cpu-q gave
 # RAW, the F32 ids, instead (before MatMulQ; under qemu-user the MLAS family is read from the
 # host's /proc/cpuinfo, so the key cannot tell such a run apart).
-# SkylakeX: " the primary colors of the RGB color model, which are:\n\n* Red (RGB)"
+# SkylakeX: " the primary colors of the RGB color model, which are:\n\n* Red (R): 255 in"
 _Q_SKX = [260, 3003, 4683, 282, 260, 35526, 2380, 1743, 28, 527, 359, 42, 198, 198, 26, 3950, 365, 66, 727, 216, 34,
           37, 37, 281]
-# Haswell: " the primary colors of the RGB color model, which are:\n\n* Red (R primary color)"
+# Haswell: " the primary colors of the RGB color model, which are:\n\n* Red (R): The primary color that is"
 _Q_HSW = [260, 3003, 4683, 282, 260, 35526, 2380, 1743, 28, 527, 359, 42, 198, 198, 26, 3950, 365, 66, 727, 378,
           3003, 2380, 338, 314]
 _ORT = "onnxruntime-1.32.0:x86_64-mlas-avx512vnni-avx512f"
