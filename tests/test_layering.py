@@ -46,7 +46,7 @@ ORDER = {
               "split", "recovery", "quant", "accuracy", "quant_memory", "npu", "vision", "decode", "llamacpp_peer",
               "__init__"],
     "cli": ["options", "progress", "bench", "convert", "doctor", "generate", "kv", "kv_transfer", "model", "serve", "__init__"],
-    "cli.bench": ["common", "accuracy", "compute", "decode", "npu", "quant", "recovery", "restore", "vision", "__init__"],
+    "cli.bench": ["common", "accuracy", "compute", "decode", "fleet", "npu", "quant", "recovery", "restore", "vision", "__init__"],
 }
 
 

@@ -9,9 +9,11 @@ a board, and `balance roundrobin` in place of the hash for the comparison. Stand
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
+import random
 import re
 import shutil
 import signal
@@ -202,3 +204,60 @@ def probe_routes(base_url: str, n: int, timeout: float = 30.0) -> list[str | Non
             raise FleetError(f"routing probe {i}: expected the board's 400, got {r.status} {r.body}")
         nodes.append(r.node)
     return nodes
+
+
+# ---- bench fleet: consistent hashing vs round-robin, the same conversations ----------------------
+def long_conversations(n: int, turns: int, history_tokens: int) -> list[Conversation]:
+    """Chats whose first message carries a history of about `history_tokens` (a prefix long enough
+    to be worth restoring, as a lab's or an assistant's chats are), then short follow-ups."""
+    from edge_llm.bench.prompts import history
+
+    out = []
+    for c in conversations(n, turns):
+        c.questions[0] = history(history_tokens, nonce=c.name) + "\n" + c.questions[0]
+        out.append(c)
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    if not s:
+        return float("nan")
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def follow_up_stats(convs: list[Conversation]) -> dict:
+    """Follow-ups (turn >= 2): server TTFT and where their prefix came from."""
+    ups = [r for c in convs for r in c.replies[1:] if r.status == 200]
+    ttft = [r.body["timings"]["ttft_ms"] for r in ups]
+    src = collections.Counter(r.source if r.cached > 0 else "none" for r in ups)
+    stay = sum(len(set(c.nodes)) == 1 for c in convs)
+    return {"follow_ups": len(ups), "failed": sum(r.status != 200 for c in convs for r in c.replies),
+            "ttft_median_ms": percentile(ttft, 0.5), "ttft_p90_ms": percentile(ttft, 0.9),
+            "hit_rate": (src["ram"] + src["disk"] + src["disk-prefetch"]) / max(1, len(ups)),
+            "ram_hits": src["ram"], "disk_hits": src["disk"] + src["disk-prefetch"], "misses": src["none"],
+            "conversations_on_one_board": stay, "conversations": len(convs)}
+
+
+def run_policy(config_text: str, boards: list[str], workdir: Path, convs: list[Conversation], max_tokens: int,
+               step=lambda msg: None) -> dict:
+    """One HAProxy with `config_text` in front of `boards`; every conversation's turns, interleaved."""
+    proxy = HAProxy(config_text, boards, workdir).start()
+    try:
+        deadline = time.monotonic() + 30
+        while post(proxy.url + "/v1/chat/completions", {"n": 2, "messages": []}).status != 400:
+            if time.monotonic() > deadline:
+                raise FleetError("no board up behind haproxy within 30 s")
+            time.sleep(0.2)
+        time.sleep(3.0)  # every board's checks passed (inter 1s, rise 2)
+        for t in range(len(convs[0].questions)):
+            step(f"turn {t + 1} of {len(convs[0].questions)}")
+            # every turn in another order (the same for every policy): clients do not arrive in a
+            # fixed cycle, and a fixed cycle of N x boards chats would make round-robin sticky
+            for c in random.Random(t).sample(convs, len(convs)):
+                c.send(proxy.url, t, max_tokens, timeout=900)
+    finally:
+        proxy.stop()
+    return follow_up_stats(convs)

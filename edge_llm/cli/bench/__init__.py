@@ -1,4 +1,4 @@
-"""`edge-llm bench restore|recovery|split|vision|compute|quant|quant-memory|npu|accuracy|all`: measured
+"""`edge-llm bench restore|recovery|split|vision|compute|quant|quant-memory|npu|accuracy|fleet|all`: measured
 against this machine's own limits or a peer measured in the same run.
 
 Results go to a new dated folder `<out>/<UTC>-<kind>/` (JSON + Markdown, + PNG for recovery).
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from edge_llm.cli.bench import accuracy, compute, decode, npu, quant, recovery, restore, vision  # noqa: F401 (register commands)
+from edge_llm.cli.bench import accuracy, compute, decode, fleet, npu, quant, recovery, restore, vision  # noqa: F401 (register commands)
 from edge_llm.cli.bench.common import bench, console, int_list, out_option
 from edge_llm.cli.bench.compute import compute_script, run_compute
 from edge_llm.cli.bench.quant import QUANT_LENGTHS, run_quant, run_quant_memory
