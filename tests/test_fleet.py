@@ -78,6 +78,7 @@ def test_fleet_affinity_failover_rejoin_and_growth(edge_home, tmp_path):
         time.sleep(HEALTH_SETTLE_S)  # all three up
         spread = collections.Counter(probe_routes(proxy.url, PROBES))
         assert set(spread) == {"b1", "b2", "b3"} and min(spread.values()) >= PROBES / 3 * 0.6, spread
+        print(f"spread of {PROBES} keys over 3 boards: {dict(sorted(spread.items()))}")
 
         convs = conversations(N_CONV, 4)
         _turn(convs, proxy.url, 0)
@@ -100,7 +101,10 @@ def test_fleet_affinity_failover_rejoin_and_growth(edge_home, tmp_path):
             fut = pool.submit(inflight.send, proxy.url, 0, 400, 60.0)
             wait_for(lambda: "[PREFILL-TIMING]" in victim.log(size0), timeout=60, what="the long request running")
             victim.kill()
+            t_kill = time.monotonic()
             r = fut.result(timeout=90)
+            print(f"in flight at the kill: {r.status} {r.body.get('error', r.body)} "
+                  f"{(time.monotonic() - t_kill) * 1e3:.0f} ms after the SIGKILL")
         assert r.status in (502, 503), (r.status, r.body)
         assert r.body["error"]["type"] == "server_error" and r.body["error"]["code"], r.body
 
@@ -135,9 +139,16 @@ def test_fleet_affinity_failover_rejoin_and_growth(edge_home, tmp_path):
         moved = [(a, b) for a, b in zip(before, after) if a != b]
         assert all(b == "b4" for _, b in moved), collections.Counter(moved)
         assert 0 < len(moved) <= 1.5 / 4 * PROBES, len(moved)
+        print(f"3 -> 4 boards: {len(moved)} of {PROBES} keys moved, all to b4; conversations per board "
+              f"{dict(sorted(by_board.items()))}, killed {victim_name}")
         for c in convs:  # the chats: the same rule
             r = c.send(proxy.url, 0, 1)
             assert r.status == 200 and r.node in (home[c.name], "b4"), (c.name, r.node)
+        # no board left: HAProxy's own 503, as the API's JSON error
+        for s in boards:
+            s.kill()
+        r = post(proxy.url + "/v1/chat/completions", convs[0].body(0, 1), timeout=30)
+        assert r.status == 503 and r.body["error"]["code"] == "no_board", (r.status, r.body)
     finally:
         for p in proxies:
             p.stop()

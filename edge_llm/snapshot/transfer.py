@@ -98,10 +98,13 @@ def export(ns: Path, names: list[str] | None, out: BinaryIO) -> list[Entry]:
             info.size, info.mode = len(data), 0o600
             tar.addfile(info, _Bytes(data))
         for e in order:
-            with open(e.path, "rb") as f:
-                info = tarfile.TarInfo(e.name)
-                info.size, info.mode, info.mtime = os.fstat(f.fileno()).st_size, 0o600, int(e.last_use)
-                tar.addfile(info, f)
+            try:
+                with open_regular(e.path, SnapshotNotRegular, buffering=0) as f:  # a FIFO swapped in: refused, unread
+                    info = tarfile.TarInfo(e.name)
+                    info.size, info.mode, info.mtime = os.fstat(f.fileno()).st_size, 0o600, int(e.last_use)
+                    tar.addfile(info, f)
+            except (SnapshotError, OSError) as err:  # removed or replaced since its check: the archive is void
+                raise TransferError(f"{e.name}: {err}") from None
     return order
 
 
