@@ -69,19 +69,22 @@ def test_a_conversation_moves_to_another_board(edge_home, board_a, tmp_path):
     assert r.returncode == 0, r.stderr
     names = [m.name for m in _members(archive)]
     assert names[:2] == ["namespace", "identity.json"] and len(names) == 4, names
-    ns = names and next(kv_a.iterdir()).name
+    ns = next(kv_a.iterdir()).name
     kv_b = tmp_path / "b" / "kv"
-    r = kv(edge_home, "import", "--kv-dir", str(kv_b), "--namespace", ns, str(archive))
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert snapshots(kv_b) == snapshots(kv_a)  # bitwise the same files
-    assert kv(edge_home, "verify", "--kv-dir", str(kv_b)).returncode == 0
-    # importing again keeps what is there
-    again = kv(edge_home, "import", "--kv-dir", str(kv_b), str(archive))
-    assert again.returncode == 0 and "0 snapshot(s) imported" in again.stdout, again.stdout
-    # board B, started on the imported files: the follow-up restores the conversation from disk
+    # board B is running (its namespace is empty) when the archive is imported into its kv dir
     with ServerProc(edge_home, tmp_path / "b", *CHUNK, kv_dir=kv_b).start() as b:
+        assert b.health().json()["snapshots"]["count"] == 0
+        r = kv(edge_home, "import", "--kv-dir", str(kv_b), "--namespace", ns, str(archive))
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert snapshots(kv_b) == snapshots(kv_a)  # bitwise the same files
+        assert kv(edge_home, "verify", "--kv-dir", str(kv_b)).returncode == 0
+        # importing again keeps what is there
+        again = kv(edge_home, "import", "--kv-dir", str(kv_b), str(archive))
+        assert again.returncode == 0 and "0 snapshot(s) imported" in again.stdout, again.stdout
+        # without a restart, the follow-up restores the conversation from the imported files
         reply = conv.send(b.url, 2, 4)
-    assert reply.status == 200 and reply.source == "disk" and reply.cached > 0, reply.body["timings"]
+        assert reply.status == 200 and reply.source == "disk" and reply.cached > 0, reply.body["timings"]
+        assert "2 new file(s) in" in b.log()
 
 
 def test_export_by_name_takes_the_bases_along(edge_home, board_a, tmp_path):

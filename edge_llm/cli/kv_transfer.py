@@ -75,4 +75,4 @@ def import_cmd(kv_dir: Path | None, namespace: str | None, group_read: bool, arc
     for name in res.kept:
         kv_cli.out.print(f"kept {res.namespace}/{name} (already here)")
     kv_cli.out.print(f"{len(res.published)} snapshot(s) imported into {root / res.namespace}; a running server "
-              f"indexes them at its next start (docs/fleet.md)")
+                     f"indexes them at its next lookup that finds no prefix (docs/fleet.md)")

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from edge_llm.config import Geometry
-from edge_llm.errors import SnapshotError, SnapshotNotRegular
+from edge_llm.errors import SnapshotChainError, SnapshotError, SnapshotNotRegular
 from edge_llm.files import TMP_SUFFIX, check_writable, open_regular, orphaned_temp
 from edge_llm.kvcache import KVCache, Restored
 from edge_llm.progress import NO_WORK, Work
@@ -62,6 +62,7 @@ class SnapshotStore:
         check_writable(self.ns)  # an existing namespace on a read-only mount: found now, not at a save
         self.catalog = Catalog(self.ns, self.modes, max_files, max_bytes, recreate=self._recreate_namespace)
         self.saver = Saver(self.catalog, geometry, self.model_id, min_lcp, max_tokens, kv_bs, max_chain, compact_idle)
+        self._dir_mtime = 0  # the namespace directory's mtime when its names were last read (`_adopt_new`)
 
     def _recreate_namespace(self) -> bool:
         """The namespace directory or its identity.json removed under us: make them again (the
@@ -86,6 +87,7 @@ class SnapshotStore:
         """Index the namespace from headers + token ids (no payload); quarantine bad files and
         deltas whose base is gone; remove files a kill left behind."""
         t0 = time.monotonic()
+        self._dir_mtime = self._ns_mtime()
         for tmp in self.ns.glob("*" + TMP_SUFFIX):  # debris of killed writers, not a live one's file
             if orphaned_temp(tmp, self.saver.writer.busy):
                 self.catalog.unlink(tmp, "leftover temp file")
@@ -144,7 +146,49 @@ class SnapshotStore:
                 if m >= self.min_lcp and (best is None or m > best.m
                                           or (m == best.m and e.last_use > best.entry.last_use)):
                     best = Hit(e, m)
+        if best is None and self._adopt_new():  # files imported since the scan (docs/fleet.md)
+            return self.lookup(tokens)
         return best
+
+    def _ns_mtime(self) -> int:
+        try:
+            return os.stat(self.ns).st_mtime_ns
+        except OSError:
+            return 0
+
+    def _adopt_new(self) -> int:
+        """On a lookup miss: if the namespace directory changed since its names were last read,
+        index the snapshot files that are not indexed yet and whose whole chain is readable (files
+        `edge-llm kv import` published into the live kv dir: docs/fleet.md). One stat when nothing
+        changed; headers are read only for new names. A bad new file is left for the next scan."""
+        mtime = self._ns_mtime()
+        if mtime == self._dir_mtime:
+            return 0
+        self._dir_mtime = mtime
+        with self.catalog.lock:
+            known = set(self.catalog.index)
+        new: dict[str, Entry] = {}
+        for path in self.ns.glob(fmt.SNAPSHOT_GLOB):
+            if path.name not in known:
+                try:
+                    new[path.name] = self._read_entry(path)
+                except (SnapshotError, OSError):
+                    continue
+        with self.catalog.lock:
+            index = {**new, **self.catalog.index}
+            adopted = {}
+            for name, e in new.items():
+                try:
+                    if name not in self.catalog.index and chains.chain_of(index, e):
+                        adopted[name] = e
+                except SnapshotChainError:
+                    continue
+            self.catalog.index.update(adopted)
+        if adopted:
+            log.info("[KV-DISK] index: %d new file(s) in %s since the scan (kv import): indexed",
+                     len(adopted), self.ns.name)
+            self.catalog.evict()
+        return len(adopted)
 
     def open(self, hit: Hit, max_seq: int) -> "ChainSource | None":
         """The files a restore of hit.m rows reads, opened and validated (header reads only), for

@@ -13,6 +13,7 @@ CRC, its name = its ids' hash) and every chain (each delta's base in the archive
 disk, and the very file it was written on), and only then publishes them, bases first, each by
 one rename: a reader sees a whole file or none, a bad archive leaves nothing behind. A name
 already on disk is the same token ids: it is kept, not replaced (deltas resting on it stay valid).
+A running server indexes the published files at its next lookup miss (`SnapshotStore._adopt_new`).
 """
 
 from __future__ import annotations
