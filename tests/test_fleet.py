@@ -76,7 +76,8 @@ def test_fleet_affinity_failover_rejoin_and_growth(edge_home, tmp_path):
         wait_for(lambda: post(proxy.url + "/v1/chat/completions", {"n": 2, "messages": []}).status == 400,
                  timeout=30, what="a board up behind haproxy")
         time.sleep(HEALTH_SETTLE_S)  # all three up
-        spread = collections.Counter(probe_routes(proxy.url, PROBES))
+        routes3 = probe_routes(proxy.url, PROBES)
+        spread = collections.Counter(routes3)
         assert set(spread) == {"b1", "b2", "b3"} and min(spread.values()) >= PROBES / 3 * 0.6, spread
         print(f"spread of {PROBES} keys over 3 boards: {dict(sorted(spread.items()))}")
 
@@ -117,9 +118,18 @@ def test_fleet_affinity_failover_rejoin_and_growth(edge_home, tmp_path):
             else:
                 assert c.nodes[2] == home[c.name] and c.replies[2].cached > 0, (c.name, c.nodes)
 
+        # the board leaving moved only its own keys (once HAProxy's checks marked it down)
+        time.sleep(HEALTH_SETTLE_S)
+        routes2 = probe_routes(proxy.url, PROBES)
+        for a, b in zip(routes3, routes2):
+            assert (b != victim_name) if a == victim_name else (b == a), (a, b)
+        print(f"{victim_name} left: {sum(a == victim_name for a in routes3)} of {PROBES} keys moved, "
+              f"{dict(sorted(collections.Counter(b for a, b in zip(routes3, routes2) if a != b).items()))}")
+
         # the victim comes back: its share moves back and restores its snapshots from disk
         victim.start()
         time.sleep(HEALTH_SETTLE_S)
+        assert probe_routes(proxy.url, PROBES) == routes3  # exactly its keys came back
         _turn(convs, proxy.url, 3)
         for c in convs:
             assert c.nodes[3] == home[c.name], (c.name, c.nodes)
