@@ -5,6 +5,7 @@ a delta without its base or another identity imports nothing."""
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 import tarfile
@@ -20,7 +21,7 @@ CHUNK = ["--prefill-chunk", "16"]  # short chats reuse rows (docs/store.md); the
 
 def kv(home: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "edge_llm", "kv", *args], capture_output=True, text=True,
-                          timeout=120, env={"EDGE_LLM_HOME": str(home), "PATH": "/usr/bin:/bin"})
+                          timeout=120, env={**os.environ, "EDGE_LLM_HOME": str(home)})
 
 
 def snapshots(kv_dir: Path) -> dict[str, bytes]:
