@@ -93,22 +93,41 @@ def test_crc_failure_mid_pipeline_recomputes_cleanly(tiny, tmp_path):
     eng.store.close()
 
 
-def test_a_snapshot_that_cannot_be_opened_keeps_the_ram_rows(tiny, tmp_path, caplog):
-    """A file gone between the scan and the request: the store quarantines it at `open`, before any
-    cache row is touched, so the request reuses what RAM holds and is bitwise a cold run."""
+@pytest.mark.parametrize("when", ["before-lookup", "after-lookup"])
+def test_a_snapshot_that_cannot_be_opened_keeps_the_ram_rows(tiny, tmp_path, caplog, when):
+    """A file gone under the running store: removed before the request, the lookup's stat drops it
+    (`vanished`); removed between the lookup and the open (the race), the store quarantines it at
+    `open`, before any cache row is touched. Either way the request reuses what RAM holds and is
+    bitwise a cold run."""
     kv = tmp_path / "kv"
     prompt = snapshot_of_history(tiny, kv)
     want, _ = engine(tiny, tmp_path / "cold-kv").prefill_prompt(prompt)
     eng = engine(tiny, kv)
     eng.prefill_prompt(prompt[:200])  # RAM: a 200-token prefix of the prompt
     (snap,) = kv.rglob("kv_*.kv")
-    snap.unlink()
+    if when == "before-lookup":
+        snap.unlink()
+    else:
+        lookup = eng.store.lookup
+
+        def lookup_then_unlink(*args, **kwargs):
+            hit = lookup(*args, **kwargs)
+            snap.unlink(missing_ok=True)  # the file goes after the lookup found it
+            return hit
+
+        eng.store.lookup = lookup_then_unlink
     eng.gate.read_bps = eng.gate.prefill_tps = None  # unmeasured: the gate restores
     logits, t = eng.prefill_prompt(prompt)
     assert t.cache_source == "ram" and t.ram_cached_tokens > 100 and t.disk_cached_tokens == 0
-    assert t.restore_mode == "" and eng.store.stats()["load_failures"] == 1
+    stats = eng.store.stats()
+    assert t.restore_mode == ""
+    if when == "before-lookup":
+        assert stats["vanished"] == 1 and stats["load_failures"] == 0
+        assert "vanished from" in caplog.text
+    else:
+        assert stats["load_failures"] == 1
+        assert "restore of" in caplog.text and "not started" in caplog.text
     assert np.array_equal(logits.view(np.uint32), want.view(np.uint32))
-    assert "restore of" in caplog.text and "not started" in caplog.text
     eng.store.close()
 
 
