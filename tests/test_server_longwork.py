@@ -286,6 +286,35 @@ def test_long_prefill_is_logged_outside_systemd(tiny_synth_dir, tmp_path):
     assert len(rows) <= t["prefill_ms"] / 1e3 / PROGRESS_LOG_EVERY + 1  # a sane rate, not a line per chunk
 
 
+def completion_in_thread(srv: ServerProc, body: dict, got: dict) -> threading.Thread:
+    """POST `body` to /v1/completions in a started thread; the answer's status, content type and
+    text land in `got` (or `got["error"]` when the connection breaks, e.g. a stream cut off)."""
+
+    def run() -> None:
+        try:
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=600) as r:
+                got["status"], got["type"] = r.status_code, r.headers.get("content-type", "")
+                got["body"] = r.read().decode()
+        except httpx.HTTPError as e:
+            got["error"] = repr(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def assert_answered_cancelled(got: dict, stream: bool) -> None:
+    """A whole answer with finish_reason "cancelled": a JSON body, or a stream's last chunk and [DONE]."""
+    assert got.get("status") == 200 and "error" not in got, got
+    if stream:
+        events = [ln[6:] for ln in got["body"].splitlines() if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]", got["body"][-500:]
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "cancelled"
+    else:
+        assert got["type"].startswith("application/json"), got
+        assert json.loads(got["body"])["choices"][0]["finish_reason"] == "cancelled", got["body"][:500]
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_sigterm_past_the_grace_period_answers_cancelled(tiny_synth_dir, tmp_path, stream):
     """A request still running when the grace period ends gets a proper answer: a JSON body (or
@@ -296,29 +325,15 @@ def test_sigterm_past_the_grace_period_answers_cancelled(tiny_synth_dir, tmp_pat
     try:
         srv = server(tmp_path, tiny_synth_dir, listener, "--grace-seconds", "1", name="g", kv_dir=tmp_path / "kv")
         srv.start()
-
-        def run() -> None:
-            # LONG: still prefilling when the 1 s grace ends, also on a fast machine (12000 took 0.9 s here)
-            body = {"prompt": long_prompt(LONG, seed=5), "max_tokens": 4, "temperature": 0, "stream": stream}
-            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=600) as r:
-                got["status"], got["type"] = r.status_code, r.headers.get("content-type", "")
-                got["body"] = r.read().decode()
-
-        t = threading.Thread(target=run)
-        t.start()
+        # LONG: still prefilling when the 1 s grace ends, also on a fast machine (12000 took 0.9 s here)
+        t = completion_in_thread(srv, {"prompt": long_prompt(LONG, seed=5), "max_tokens": 4, "temperature": 0,
+                                       "stream": stream}, got)
         wait_for(lambda: prefill_rows(listener) >= 1024, timeout=300, what="prefill progress")
         assert srv.stop(signal.SIGTERM) == 0
         t.join(60)
     finally:
         listener.close()
-    assert got["status"] == 200, got
-    if stream:
-        events = [ln[6:] for ln in got["body"].splitlines() if ln.startswith("data: ")]
-        assert events[-1] == "[DONE]", got["body"][-500:]
-        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "cancelled"
-    else:
-        assert got["type"].startswith("application/json")
-        assert json.loads(got["body"])["choices"][0]["finish_reason"] == "cancelled", got["body"][:500]
+    assert_answered_cancelled(got, stream)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
@@ -331,19 +346,9 @@ def test_a_second_ctrl_c_cuts_the_grace_short_and_still_answers(tiny_synth_dir, 
     try:
         srv = server(tmp_path, tiny_synth_dir, listener, "--grace-seconds", "600", name="c", kv_dir=tmp_path / "kv")
         srv.start()
-
-        def run() -> None:
-            # a decode of up to 20000 tokens: still running when the signals come, also on a fast machine
-            body = {"prompt": long_prompt(64, seed=9), "max_tokens": 20000, "temperature": 0, "stream": stream}
-            try:
-                with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=600) as r:
-                    got["status"], got["type"] = r.status_code, r.headers.get("content-type", "")
-                    got["body"] = r.read().decode()
-            except httpx.HTTPError as e:  # a stream cut off
-                got["error"] = repr(e)
-
-        t = threading.Thread(target=run)
-        t.start()
+        # a decode of up to 20000 tokens: still running when the signals come, also on a fast machine
+        t = completion_in_thread(srv, {"prompt": long_prompt(64, seed=9), "max_tokens": 20000, "temperature": 0,
+                                       "stream": stream}, got)
         wait_for(lambda: listener.status("decode "), timeout=300, what="decoding")
         srv.send(signal.SIGINT)
         wait_for(lambda: "shutdown requested (SIGINT)" in srv.log(), timeout=60, what="the first SIGINT handled")
@@ -355,14 +360,7 @@ def test_a_second_ctrl_c_cuts_the_grace_short_and_still_answers(tiny_synth_dir, 
     finally:
         listener.close()
     assert stopped_s < 60, stopped_s  # the grace period was 600 s
-    assert got.get("status") == 200 and "error" not in got, got
-    if stream:
-        events = [ln[6:] for ln in got["body"].splitlines() if ln.startswith("data: ")]
-        assert events[-1] == "[DONE]", got["body"][-500:]
-        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "cancelled"
-    else:
-        assert got["type"].startswith("application/json"), got
-        assert json.loads(got["body"])["choices"][0]["finish_reason"] == "cancelled", got["body"][:500]
+    assert_answered_cancelled(got, stream)
     log = srv.log()
     assert "second SIGINT: grace period cut short" in log and "reason=SIGINT code=0" in log, log[-3000:]
     assert "Traceback" not in log + srv.stderr(), (log + srv.stderr())[-3000:]
