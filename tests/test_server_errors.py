@@ -11,6 +11,8 @@ import httpx
 import pytest
 from serverutil import ServerProc
 
+from edge_llm.server.errors import LINGER_IDLE_S
+
 KEY = "edge-secret-key"
 LIMIT = 8192
 MAX_SEQ = 128
@@ -320,6 +322,7 @@ def test_the_key_is_checked_before_the_body_is_read(srv):
                     headers={"Content-Type": "application/json"}), 401)["code"] == "invalid_api_key"
     status, body, took = raw_request(srv.port, head(COMP, None, "Content-Length: 100000000"))
     assert status == 401 and body["error"]["code"] == "missing_api_key", (status, body, took)
+    assert took < LINGER_IDLE_S, took  # whole at once, not after the wait for the body that never comes
     # a client still sending a body larger than the limit gets the 401 too, not a reset or a 413
     assert err(post(srv, COMP, key=None, content=b"x" * (4 << 20)), 401)["code"] == "missing_api_key"
     assert srv.health().json()["status"] == "ok"
@@ -329,6 +332,7 @@ def test_content_length_over_the_limit_is_413_from_the_headers(srv):
     """100 MB announced, nothing sent: the 413 comes back at once, no body awaited."""
     status, body, took = raw_request(srv.port, head(COMP, KEY, "Content-Length: 100000000"))
     assert status == 413 and body["error"]["code"] == "body_too_large", (status, body, took)
+    assert took < LINGER_IDLE_S, took
 
 
 def test_content_length_with_transfer_encoding_is_400(srv):
