@@ -32,8 +32,8 @@ $(VENV)/.runtime-stamp: $(BIN)/python pyproject.toml setup.py Makefile $(wildcar
 	touch $@
 
 $(VENV)/.test-stamp: $(VENV)/.runtime-stamp pyproject.toml Makefile
-	@echo "installing the test, bench, convert and quant extras into $(VENV) (torch CPU, transformers, onnx," \
-		"onnxruntime, matplotlib, ...: a few minutes the first time; pip shows each package) ..."
+	@echo "installing the test, bench, convert and quant extras into $(VENV) (torch, transformers, onnx," \
+		"onnxruntime, matplotlib, ...; pip shows each package) ..."
 	$(PIP) install -e '.[test,bench,convert,quant]'
 	touch $@
 
