@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import shutil
+import statistics
+import time
 
 import numpy as np
 
@@ -120,4 +122,56 @@ def test_file_replaced_by_a_directory_leaves_the_index(tmp_path):
     path.unlink()
     path.mkdir()  # not a snapshot any more: neither counted nor looked up
     assert counts(s) == (0, 0) and s.lookup(seq(40) + [1]) is None
+    s.close()
+
+
+def write_files(store, n: int, length: int = 40) -> list[str]:
+    """`n` full snapshot files of `length` ids each (conversation i starts at id i * 100), written
+    straight into the namespace and indexed by a scan, as a restart would find them."""
+    data = np.random.default_rng(0).standard_normal((length, G.kv_dim), dtype=np.float32)
+    names = []
+    for i in range(n):
+        tokens = np.array(seq(length, start=i * 100), dtype="<u4")
+        name = fmt.snapshot_name(fmt.fnv1a64(tokens.tobytes()))
+        with open(store.ns / name, "wb") as f:
+            fmt.write_snapshot(f, tokens, store.model_id, G, KV_BS, lambda _layer, _kv: data)
+        names.append(name)
+    assert store.scan() == n
+    return names
+
+
+def median_ms(fn, calls: int = 300) -> float:
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def test_lookup_stats_only_its_hits_chain_and_the_counts_stat_every_file(tmp_path):
+    """With 300 indexed files (raised caps): a lookup stats the files of its hit only, so a file
+    removed elsewhere is found by the next count, not by the lookup; the counts stat every file.
+    Prints the per-call medians docs/store.md quotes (`pytest -s`)."""
+    s = new_store(tmp_path, max_files=1000)
+    names = write_files(s, 300)
+    (s.ns / names[-1]).unlink()  # another conversation's file, removed under the running store
+    hit = s.lookup(seq(40, start=0) + [1])
+    assert hit is not None and hit.m == 40 and s.catalog.counters["vanished"] == 0
+    st = s.stats()
+    assert st["files"] == 299 and st["vanished"] == 1
+    (s.ns / names[0]).unlink()  # the hit's own file: the lookup finds it gone
+    assert s.lookup(seq(40, start=0) + [1]) is None and s.catalog.counters["vanished"] == 2
+    hit_ms = median_ms(lambda: s.lookup(seq(40, start=100) + [1]))
+    miss_ms = median_ms(lambda: s.lookup(seq(40, start=10**6) + [1]))
+    present_ms, stats_ms = median_ms(s.catalog.present), median_ms(s.stats)
+    s._dir_mtime = 0  # as after a save of the store's own: the next miss reads the directory's names
+
+    def listing_miss():
+        s._dir_mtime = 0
+        s.lookup(seq(40, start=10**6) + [1])
+    listing_ms = median_ms(listing_miss)
+    print(f"\n298 indexed files, medians of 300 calls: lookup hit {hit_ms:.3f} ms, lookup miss "
+          f"{miss_ms:.3f} ms, miss that reads the directory's names {listing_ms:.3f} ms, "
+          f"Catalog.present {present_ms:.3f} ms, store.stats() {stats_ms:.3f} ms")
     s.close()

@@ -5,8 +5,10 @@ compaction: `saver.py`) share: the index of entries under one lock, the counters
 shows, the `degraded` flags, the bytes-written totals across restarts (`io-stats.json`), and the
 only code that takes a file away: LRU eviction of whole chains, making room before a write,
 removing files a longer one covers, quarantining a bad file together with every delta on it;
-and the check of the index against the disk (`present`: files removed under the running store
-leave the index, docs/store.md "Files that vanish"). The chain policies it applies are `chains.py`; docs/store.md states them.
+and the check of the index against the disk (`still_there` for the files a lookup or a save
+relies on, `present` for the counts: files removed under the running store leave the index,
+docs/store.md "Files that vanish"). The chain policies it applies are `chains.py`;
+docs/store.md states them.
 """
 
 from __future__ import annotations
@@ -72,34 +74,37 @@ class Catalog:
     # ---- the index against the disk ------------------------------------------------------------
     def present(self) -> list[tuple[Entry, int]]:
         """The indexed files that are still there, with their size on disk now: one `os.stat` per
-        entry. An entry whose file is gone (deleted by `kv rm`/`kv gc` or by hand, its namespace
-        directory removed) or is no longer a regular file leaves the index; a delta resting on it
-        is quarantined (`drop_vanished`). Called before a save trusts the index, by lookup, and
-        by `stats` (docs/store.md, "Files that vanish")."""
+        entry; those that are gone leave the index (`still_there`). For the counts (`stats`:
+        /health, /metrics) and before idle compaction (docs/store.md, "Files that vanish")."""
         with self.lock:
             entries = list(self.index.values())
-        there: list[tuple[Entry, int]] = []
-        gone: list[tuple[Entry, str]] = []
-        for e in entries:
-            try:
-                st = os.stat(e.path)
-            except (FileNotFoundError, NotADirectoryError):
-                gone.append((e, "file vanished"))
-                continue
-            except OSError as err:  # e.g. EACCES: not proof of absence; a restore finds out
-                log.debug("[KV-DISK] could not stat %s: %s", printable(e.name), err)
-                there.append((e, e.size))
-                continue
-            if stat.S_ISREG(st.st_mode):
-                there.append((e, st.st_size))
-            else:
-                gone.append((e, "no longer a regular file"))
-        for e, why in gone:
-            self.drop_vanished(e, why)
-        if not gone:
+        there = [(e, size) for e in entries if (size := self._size_on_disk(e)) is not None]
+        if len(there) == len(entries):
             return there
         with self.lock:
             return [(e, size) for e, size in there if self.index.get(e.name) is e]
+
+    def still_there(self, entries: list[Entry]) -> bool:
+        """True if every one of `entries` (a hit's chain, what a save dedupes against) is still a
+        regular file: one `os.stat` each. One that is gone (deleted by `kv rm`/`kv gc` or by hand,
+        its namespace directory removed) or is no longer a regular file leaves the index, and a
+        delta resting on it is quarantined (`drop_vanished`); the caller then looks again."""
+        return all(self._size_on_disk(e) is not None for e in entries)
+
+    def _size_on_disk(self, e: Entry) -> int | None:
+        """`e`'s size as stat reads it now; None (and `e` dropped) if its file is gone."""
+        try:
+            st = os.stat(e.path)
+        except (FileNotFoundError, NotADirectoryError):
+            self.drop_vanished(e, "file vanished")
+            return None
+        except OSError as err:  # e.g. EACCES: not proof of absence; a restore finds out
+            log.debug("[KV-DISK] could not stat %s: %s", printable(e.name), err)
+            return e.size
+        if not stat.S_ISREG(st.st_mode):
+            self.drop_vanished(e, "no longer a regular file")
+            return None
+        return st.st_size
 
     def drop_vanished(self, e: Entry, why: str) -> bool:
         """`e`'s file is gone: forget it (nothing to move) and quarantine every delta resting on it

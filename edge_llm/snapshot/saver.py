@@ -91,16 +91,20 @@ class Saver:
     # ---- the writer thread ------------------------------------------------------------------------
     def _save(self, job: SaveJob) -> None:
         """Dedupe, write a delta on the longest stored prefix (or a full file when there is none or
-        its chain is at max_chain), publish, drop what it covers, evict. Only entries whose file is
-        still there count as stored (`Catalog.present`: a file removed under us is written again)."""
+        its chain is at max_chain), publish, drop what it covers, evict. Only a file still there
+        counts as stored (`Catalog.still_there` on the one it would skip for, or the chain of its
+        base: a file removed under us is written again)."""
         cat, tokens, n = self.catalog, job.tokens, job.n
-        cat.present()
-        with cat.lock:
-            covering = [e for e in cat.index.values() if is_prefix(tokens, e.tokens)]
-            base = None if covering else chains.best_base(cat.index, tokens, 1)
-            depth = chains.depth(cat.index, base) if base is not None else 0
-        if covering:  # identical, or a prefix of a stored one: any hit it gives, that one gives too
-            e = max(covering, key=lambda c: c.n_tokens)
+        while True:
+            with cat.lock:
+                covering = [e for e in cat.index.values() if is_prefix(tokens, e.tokens)]
+                e = max(covering, key=lambda c: c.n_tokens) if covering else None
+                base = None if covering else chains.best_base(cat.index, tokens, 1)
+                base_chain = chains.chain_of(cat.index, base) if base is not None else []  # best_base: readable
+            if cat.still_there([e] if e is not None else base_chain):
+                break
+        depth = len(base_chain)
+        if e is not None:  # identical, or a prefix of a stored one: any hit it gives, that one gives too
             cat.touch(e)
             cat.count(saves_skipped=1)
             how = "already stored" if e.n_tokens == n else f"prefix of {e.name}"

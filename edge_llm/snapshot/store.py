@@ -137,17 +137,28 @@ class SnapshotStore:
         if req.ndim != 1 or req.shape[0] < 2 or req.min() < 0 or req.max() > 0xFFFFFFFF:
             return None
         req = req.astype(np.uint32)
-        limit = req.shape[0] - 1  # at least one token is prefilled: it yields the logits
+        while True:
+            best = self._best(req, req.shape[0] - 1)  # at least one token is prefilled: it yields the logits
+            if best is None:
+                if self._adopt_new():  # files imported since the scan (docs/fleet.md)
+                    continue
+                return None
+            try:
+                chain = self.catalog.chain(best.entry)
+            except SnapshotChainError:
+                return best  # `open` quarantines it
+            # only the hit's files are checked; one removed under us is no hit (docs/store.md, "Files that vanish")
+            if self.catalog.still_there(chain):
+                return best
+
+    def _best(self, req: np.ndarray, limit: int) -> Hit | None:
         best: Hit | None = None
-        self.catalog.present()  # a file removed under us is no hit (docs/store.md, "Files that vanish")
         with self.catalog.lock:
             for e in self.catalog.index.values():
                 m = min(lcp(req, e.tokens), limit)
                 if m >= self.min_lcp and (best is None or m > best.m
                                           or (m == best.m and e.last_use > best.entry.last_use)):
                     best = Hit(e, m)
-        if best is None and self._adopt_new():  # files imported since the scan (docs/fleet.md)
-            return self.lookup(tokens)
         return best
 
     def _ns_mtime(self) -> int:
@@ -160,20 +171,25 @@ class SnapshotStore:
         """On a lookup miss: if the namespace directory changed since its names were last read,
         index the snapshot files that are not indexed yet and whose whole chain is readable (files
         `edge-llm kv import` published into the live kv dir: docs/fleet.md). One stat when nothing
-        changed; headers are read only for new names. A bad new file is left for the next scan."""
+        changed; headers are read only for new names. A bad new file is left for the next scan.
+        The store's own saves change the directory too: the first miss after a save reads its
+        names once (a plain listing, no stat per file: docs/store.md, "Files that vanish")."""
         mtime = self._ns_mtime()
         if mtime == self._dir_mtime:
             return 0
         self._dir_mtime = mtime
+        try:
+            names = set(os.listdir(self.ns))
+        except OSError:
+            return 0
         with self.catalog.lock:
-            known = set(self.catalog.index)
+            names.difference_update(self.catalog.index)
         new: dict[str, Entry] = {}
-        for path in self.ns.glob(fmt.SNAPSHOT_GLOB):
-            if path.name not in known:
-                try:
-                    new[path.name] = self._read_entry(path)
-                except (SnapshotError, OSError):
-                    continue
+        for name in filter(fmt.is_snapshot_name, names):
+            try:
+                new[name] = self._read_entry(self.ns / name)
+            except (SnapshotError, OSError):
+                continue
         with self.catalog.lock:
             index = {**new, **self.catalog.index}
             adopted = {}
