@@ -18,6 +18,7 @@ import time
 import pytest
 
 from edge_llm.bench.fleet import (
+    HEALTH_SETTLE_S,
     SHIPPED_CONFIG,
     Conversation,
     HAProxy,
@@ -35,7 +36,6 @@ N_CONV, MAX_TOKENS, PROBES = 6, 4, 300
 # the same on every board (part of the snapshot identity): a reused prefix is cut to a multiple of
 # it (docs/store.md), so short chats reuse rows only with a chunk well below their length
 CHUNK = "16"
-HEALTH_SETTLE_S = 4.0  # the shipped checks: inter 1s, rise 2 / fall 2 -> a state change within ~2-3 s
 
 
 def _boards(edge_home, tmp_path, n):
@@ -73,9 +73,7 @@ def test_fleet_affinity_failover_rejoin_and_growth(edge_home, tmp_path):
         three = [f"127.0.0.1:{s.port}" for s in (b1, b2, b3)]
         proxy = HAProxy(fleet_config(text, 3), three, tmp_path / "haproxy").start()
         proxies.append(proxy)
-        wait_for(lambda: post(proxy.url + "/v1/chat/completions", {"n": 2, "messages": []}).status == 400,
-                 timeout=30, what="a board up behind haproxy")
-        time.sleep(HEALTH_SETTLE_S)  # all three up
+        proxy.wait_boards()  # all three up
         routes3 = probe_routes(proxy.url, PROBES)
         spread = collections.Counter(routes3)
         assert set(spread) == {"b1", "b2", "b3"} and min(spread.values()) >= PROBES / 3 * 0.6, spread
@@ -144,7 +142,7 @@ def test_fleet_affinity_failover_rejoin_and_growth(edge_home, tmp_path):
         four = [*three, f"127.0.0.1:{b4.port}"]
         proxy = HAProxy(fleet_config(text, 4), four, tmp_path / "haproxy", port=proxy.port).start()
         proxies.append(proxy)
-        time.sleep(HEALTH_SETTLE_S)
+        proxy.wait_boards()
         after = probe_routes(proxy.url, PROBES)
         moved = [(a, b) for a, b in zip(before, after) if a != b]
         assert all(b == "b4" for _, b in moved), collections.Counter(moved)

@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from email.message import Message
 from pathlib import Path
 
 from edge_llm.snapshot.layout import SNAPSHOT_NAME, is_snapshot_name
@@ -102,9 +103,10 @@ class HTTPFailure(RuntimeError):
     pass
 
 
-def http_json(method: str, url: str, body: dict | None = None, timeout: float = 600.0,
-              api_key: str | None = None) -> tuple[int, dict]:
-    """One request; returns (status, parsed JSON body). Connection errors raise HTTPFailure."""
+def http_call(method: str, url: str, body: dict | None = None, timeout: float = 600.0,
+              api_key: str | None = None) -> tuple[int, Message, dict]:
+    """One request; returns (status, response headers, parsed JSON body, or {"raw": text}).
+    Connection errors raise HTTPFailure."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method)
     if data is not None:
@@ -113,15 +115,22 @@ def http_json(method: str, url: str, body: dict | None = None, timeout: float = 
         req.add_header("Authorization", f"Bearer {api_key}")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, raw = r.status, r.read()
+            status, headers, raw = r.status, r.headers, r.read()
     except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
+        status, headers, raw = e.code, e.headers, e.read()
     except (urllib.error.URLError, OSError) as e:
         raise HTTPFailure(f"{method} {url}: {e}") from e
     try:
-        return status, json.loads(raw or b"{}")
+        return status, headers, json.loads(raw or b"{}")
     except json.JSONDecodeError:
-        return status, {"raw": raw.decode("utf-8", errors="replace")}
+        return status, headers, {"raw": raw.decode("utf-8", errors="replace")}
+
+
+def http_json(method: str, url: str, body: dict | None = None, timeout: float = 600.0,
+              api_key: str | None = None) -> tuple[int, dict]:
+    """One request; returns (status, parsed JSON body). Connection errors raise HTTPFailure."""
+    status, _, parsed = http_call(method, url, body, timeout, api_key)
+    return status, parsed
 
 
 def wait_ready(base_url: str, timeout: float, proc: subprocess.Popen | None = None,

@@ -10,7 +10,6 @@ a board, and `balance roundrobin` in place of the hash for the comparison. Stand
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import random
@@ -19,12 +18,10 @@ import shutil
 import signal
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edge_llm.bench.client import free_port
+from edge_llm.bench.client import HTTPFailure, free_port, http_call
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +29,10 @@ NODE_HEADER = "X-Edge-LLM-Node"  # edge_llm/server/node.py
 SHIPPED_CONFIG = Path(__file__).resolve().parents[2] / "board" / "haproxy.cfg.example"
 HASH_BALANCE = "balance hash var(txn.key)"
 ROUND_ROBIN = "balance roundrobin"
+HASH_TYPE = "hash-type consistent crc32"
 _FOURTH = re.compile(r"^(\s*)# (server b4 .*)$", re.M)
+# the shipped checks (inter 1s, rise 2 / fall 2) change a board's state within ~2-3 s
+HEALTH_SETTLE_S = 4.0
 
 
 class FleetError(RuntimeError):
@@ -85,13 +85,22 @@ class HAProxy:
             if self.proc.poll() is not None:
                 raise FleetError(f"haproxy exited with {self.proc.returncode}: {self.stderr()[-2000:]}")
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2):
-                    return self
-            except urllib.error.HTTPError:
+                http_call("GET", self.url + "/health", timeout=2)
                 return self  # listening (a 503 while the checks have not passed yet)
-            except OSError:
+            except HTTPFailure:
                 time.sleep(0.05)
         raise FleetError(f"haproxy not listening on {self.url} within {timeout:.0f} s")
+
+    def wait_boards(self, timeout: float = 30.0) -> "HAProxy":
+        """Until a board answers through the proxy, then HEALTH_SETTLE_S more, so that every board
+        that is up has passed its checks."""
+        deadline = time.monotonic() + timeout
+        while post(self.url + "/v1/chat/completions", {"n": 2, "messages": []}).status != 400:
+            if time.monotonic() > deadline:
+                raise FleetError(f"no board up behind haproxy within {timeout:.0f} s")
+            time.sleep(0.2)
+        time.sleep(HEALTH_SETTLE_S)
+        return self
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -131,21 +140,10 @@ class Reply:
 
 
 def post(url: str, body: dict, timeout: float = 120.0) -> Reply:
-    """POST JSON; any HTTP status is a Reply (its JSON body, or {"raw": text}). Connection errors raise."""
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    """POST JSON; any HTTP status is a Reply. Connection errors raise HTTPFailure."""
     t0 = time.perf_counter()
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, headers, raw = r.status, r.headers, r.read()
-    except urllib.error.HTTPError as e:
-        status, headers, raw = e.code, e.headers, e.read()
-    wall = (time.perf_counter() - t0) * 1e3
-    try:
-        parsed = json.loads(raw or b"{}")
-    except json.JSONDecodeError:
-        parsed = {"raw": raw.decode("utf-8", errors="replace")}
-    return Reply(status, headers.get(NODE_HEADER), parsed, wall)
+    status, headers, parsed = http_call("POST", url, body, timeout)
+    return Reply(status, headers.get(NODE_HEADER), parsed, (time.perf_counter() - t0) * 1e3)
 
 
 @dataclass
@@ -246,12 +244,7 @@ def run_policy(config_text: str, boards: list[str], workdir: Path, convs: list[C
     """One HAProxy with `config_text` in front of `boards`; every conversation's turns, interleaved."""
     proxy = HAProxy(config_text, boards, workdir).start()
     try:
-        deadline = time.monotonic() + 30
-        while post(proxy.url + "/v1/chat/completions", {"n": 2, "messages": []}).status != 400:
-            if time.monotonic() > deadline:
-                raise FleetError("no board up behind haproxy within 30 s")
-            time.sleep(0.2)
-        time.sleep(3.0)  # every board's checks passed (inter 1s, rise 2)
+        proxy.wait_boards()
         for t in range(len(convs[0].questions)):
             step(f"turn {t + 1} of {len(convs[0].questions)}")
             # every turn in another order (the same for every policy): clients do not arrive in a
