@@ -27,6 +27,7 @@ CPUS = {
     "sapphire-rapids": BASE | AVX512_CORE | {"avx512_vnni", "avx512_bf16", "avx_vnni", "amx_int8", "amx_tile"},
     "knights-landing": BASE | {"avx512f", "avx512cd"},  # AVX-512 F without BW/DQ/VL
     "sandy-bridge": {"sse2", "avx"},
+    "core2": {"sse2"},
 }
 
 
@@ -41,6 +42,8 @@ def test_mlas_family_per_cpu():
     assert isa("cascade-lake") == "x86_64-mlas-avx512vnni-avx512f"
     assert isa("knights-landing") == "x86_64-mlas-avx2-avx512f"
     assert isa("sandy-bridge") == "x86_64-mlas-none-avx"
+    assert isa("core2") == "x86_64-mlas-none-sse2"
+    assert cpuq.kernel_isa(frozenset(CPUS["cascade-lake"]), "riscv64") == "riscv64-mlas"  # no x86 rule elsewhere
 
 
 def test_flags_that_pick_no_other_kernel_keep_the_family():
@@ -51,7 +54,7 @@ def test_flags_that_pick_no_other_kernel_keep_the_family():
 
 def test_every_kernel_change_is_a_new_family():
     families = [isa(c) for c in ("haswell", "alder-lake", "skylake-x", "cascade-lake", "knights-landing",
-                                 "sandy-bridge")]
+                                 "sandy-bridge", "core2")]
     assert len(set(families)) == len(families)
 
 
