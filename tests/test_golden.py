@@ -54,10 +54,14 @@ _Q_SKX = [260, 3003, 4683, 282, 260, 35526, 2380, 1743, 28, 527, 359, 42, 198, 1
 # Haswell: " the primary colors of the RGB color model, which are:\n\n* Red (R): The primary color that is"
 _Q_HSW = [260, 3003, 4683, 282, 260, 35526, 2380, 1743, 28, 527, 359, 42, 198, 198, 26, 3950, 365, 66, 727, 378,
           3003, 2380, 338, 314]
+# Without numpy's X86_V4 loops (NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL AVX512_SPR") cpu-q gives
+# RAW, the F32 ids, under either BLAS family.
 _ORT = "onnxruntime-1.32.0:x86_64-mlas-avx512vnni-avx512f"
-_NP = "numpy-2.4.6-{}X86_V3.X86_V4.baseline(X86_V2):openblas-0.3.31.188.0-{}:attn-x86_64-avx512f-c256"
-CPU_Q_RAW = {f"{_ORT}:{_NP.format(spr, blas)}": ids for spr in ("AVX512_SPR.", "")
-             for blas, ids in (("SkylakeX", _Q_SKX), ("Haswell", _Q_HSW))}
+_NP = "numpy-2.4.6-{}baseline(X86_V2):openblas-0.3.31.188.0-{}:attn-x86_64-avx512f-c256"
+CPU_Q_RAW = {f"{_ORT}:{_NP.format(loops, blas)}": ids
+             for loops, by_blas in (("AVX512_SPR.X86_V3.X86_V4.", (_Q_SKX, _Q_HSW)), ("X86_V3.X86_V4.", (_Q_SKX, _Q_HSW)),
+                                    ("X86_V3.", (RAW, RAW)))
+             for blas, ids in zip(("SkylakeX", "Haswell"), by_blas)}
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +114,13 @@ def test_cpu_q_greedy_ids_are_the_same_on_1_and_2_threads(cpu_q_runs):
     assert cpu_q_runs[1]["numerics"] == cpu_q_runs[2]["numerics"]  # threads are not part of the identity
 
 
-def test_cpu_q_greedy_ids_are_pinned_for_the_kernel_key(cpu_q_runs):
-    got = cpu_q_runs[2]
+@pytest.mark.parametrize("run", [2, pytest.param("haswell-blas", marks=X86_ONLY),
+                                 pytest.param("no-x86-v4-loops", marks=X86_ONLY)])
+def test_cpu_q_greedy_ids_are_pinned_for_the_kernel_key(cpu_q_runs, run):
+    """Every run of the fixture against the pin of its own key: this environment's kernels and, on
+    x86, the other two numpy set-ups it ran (so the Haswell pin is checked wherever the suite runs
+    on x86, not only under OPENBLAS_CORETYPE=Haswell)."""
+    got = cpu_q_runs[run]
     if got["key"] not in CPU_Q_RAW:
         pytest.skip(f"no cpu-q ids pinned for kernel key {got['key']!r} (these kernels gave {got['ids']['raw']}: "
                     "check the text, then add them to CPU_Q_RAW)")
