@@ -13,11 +13,13 @@ from __future__ import annotations
 import collections
 import concurrent.futures as cf
 import shutil
+import subprocess
 import time
 
 import pytest
 
 from edge_llm.bench.fleet import (
+    HASH_TYPES,
     HEALTH_SETTLE_S,
     SHIPPED_CONFIG,
     Conversation,
@@ -190,3 +192,20 @@ def test_node_name_is_a_header_token():
         with pytest.raises(ConfigError, match="node_name must be"):
             load_settings({"node_name": bad}, env={})
     assert load_settings(env={"EDGE_LLM_NODE_NAME": "b9"}).node_name == "b9"
+
+
+def test_bench_fleet_spread_configs_differ_from_the_shipped_file_only_in_hash_type(tmp_path):
+    """`bench fleet --spread` measures HASH_TYPES with the shipped file: each config is one HAProxy
+    accepts (`haproxy -c`) and differs from the shipped one only in the `hash-type` line (and b4's)."""
+    text = SHIPPED_CONFIG.read_text()
+    for hash_type in HASH_TYPES:
+        for n in (3, 4):
+            cfg = fleet_config(text, n, hash_type=hash_type)
+            changed = {a for a, b in zip(text.splitlines(), cfg.splitlines()) if a != b}
+            assert all(ln.strip().startswith(("hash-type ", "# server b4 ")) for ln in changed), changed
+            assert f"    hash-type {hash_type}\n" in cfg
+            path = tmp_path / f"{n}.cfg"
+            path.write_text(cfg)
+            r = subprocess.run(["haproxy", "-c", "-f", str(path)], capture_output=True, text=True, timeout=30)
+            assert r.returncode == 0, (hash_type, r.stderr)
+

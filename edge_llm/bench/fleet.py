@@ -4,7 +4,8 @@ multi-turn chats that remember which board answered (docs/fleet.md).
 Used by `edge-llm bench fleet` and by tests/test_fleet.py, both with the config the repo ships
 (`board/haproxy.cfg.example`) and only its documented knobs: the EDGE_FLEET_BIND / EDGE_BOARD<n>
 environment variables HAProxy expands itself, the commented fourth server line uncommented to add
-a board, and `balance roundrobin` in place of the hash for the comparison. Standard library only.
+a board, and `balance roundrobin` in place of the hash for the comparison (or another `hash-type`
+for `bench fleet --spread`). Standard library only.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ NODE_HEADER = "X-Edge-LLM-Node"  # edge_llm/server/node.py
 SHIPPED_CONFIG = Path(__file__).resolve().parents[2] / "board" / "haproxy.cfg.example"
 HASH_BALANCE = "balance hash var(txn.key)"
 ROUND_ROBIN = "balance roundrobin"
-HASH_TYPE = "hash-type consistent crc32"
+HASH_TYPE = "consistent crc32"  # the shipped `hash-type`
+# `hash-type <method> <function> [avalanche]` of HAProxy 2.6: every consistent function, and map-based
+HASH_TYPES = (*(f"consistent {fn}{mod}" for fn in ("crc32", "sdbm", "djb2", "wt6") for mod in ("", " avalanche")),
+              "map-based crc32")
 _FOURTH = re.compile(r"^(\s*)# (server b4 .*)$", re.M)
 # the shipped checks (inter 1s, rise 2 / fall 2) change a board's state within ~2-3 s
 HEALTH_SETTLE_S = 4.0
@@ -39,15 +43,16 @@ class FleetError(RuntimeError):
     pass
 
 
-def fleet_config(text: str, boards: int = 3, balance: str = HASH_BALANCE) -> str:
-    """The shipped config for 3 or 4 boards (the commented b4 line enabled), hash or round-robin."""
+def fleet_config(text: str, boards: int = 3, balance: str = HASH_BALANCE, hash_type: str = HASH_TYPE) -> str:
+    """The shipped config for 3 or 4 boards (the commented b4 line enabled), hash or round-robin,
+    with the shipped `hash-type` or another (HASH_TYPES)."""
     if boards not in (3, 4):
         raise FleetError(f"the shipped config has lines for 3 or 4 boards, not {boards}")
-    if HASH_BALANCE not in text or not _FOURTH.search(text):
-        raise FleetError("the config lacks the shipped 'balance hash' line or the commented b4 line")
+    if HASH_BALANCE not in text or f"hash-type {HASH_TYPE}\n" not in text or not _FOURTH.search(text):
+        raise FleetError("the config lacks the shipped 'balance hash' or 'hash-type' line or the commented b4 line")
     if boards == 4:
         text = _FOURTH.sub(r"\1\2", text)
-    return text.replace(HASH_BALANCE, balance)
+    return text.replace(HASH_BALANCE, balance).replace(f"hash-type {HASH_TYPE}\n", f"hash-type {hash_type}\n")
 
 
 class HAProxy:
@@ -254,3 +259,25 @@ def run_policy(config_text: str, boards: list[str], workdir: Path, convs: list[C
     finally:
         proxy.stop()
     return follow_up_stats(convs)
+
+
+# ---- bench fleet --spread: the key spread of HAProxy's hash functions -----------------------------
+def hash_spread(text: str, boards: list[str], workdir: Path, keys: int, hash_types=HASH_TYPES,
+                step=lambda msg: None) -> dict:
+    """Per `hash-type`: where `keys` chat keys sharing a system prompt (probe_routes) go on the
+    first 3 boards, and which of them move when the 4th joins; no model run."""
+    out = {}
+    for fn in hash_types:
+        routes = {}
+        for n in (3, 4):
+            step(f"{fn}: {n} boards")
+            proxy = HAProxy(fleet_config(text, n, hash_type=fn), boards[:n], workdir).start()
+            try:
+                routes[n] = probe_routes(proxy.wait_boards().url, keys)
+            finally:
+                proxy.stop()
+        moved = collections.Counter(b for a, b in zip(routes[3], routes[4]) if a != b)
+        out[fn] = {"spread": dict(sorted(collections.Counter(routes[3]).items())),
+                   "moved": sum(moved.values()), "moved_to": dict(sorted(moved.items()))}
+    return out
+

@@ -1,10 +1,13 @@
 """`edge-llm bench fleet`: three boards behind the shipped HAProxy config, the same conversations
-routed by consistent hashing and by round-robin (docs/fleet.md)."""
+routed by consistent hashing and by round-robin; with --spread, how HAProxy's hash types
+spread chat keys over 3 boards and move them to a 4th (docs/fleet.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
+from pathlib import Path
 
 import click
 
@@ -23,11 +26,14 @@ BOARDS = 3
               help="About this many tokens of history in each conversation's first message.")
 @click.option("--max-tokens", type=click.IntRange(1), default=8, show_default=True)
 @click.option("--ready-timeout", type=float, default=600.0, show_default=True)
+@click.option("--spread", is_flag=True, help="Instead: how each of HAProxy's hash types spreads --keys chat "
+              "keys over 3 boards and how many move when a 4th joins (no generation).")
+@click.option("--keys", type=click.IntRange(1), default=300, show_default=True, help="Chat keys for --spread.")
 @out_option
-def fleet_cmd(model, backend, conversations, turns, history_tokens, max_tokens, ready_timeout, out) -> None:
+def fleet_cmd(model, backend, conversations, turns, history_tokens, max_tokens, ready_timeout, spread, keys,
+              out) -> None:
     """Follow-up TTFT and RAM/disk hit rate over 3 boards: `balance hash` (the shipped config) vs
     `balance roundrobin`, the same conversations in the same run, each policy on fresh boards."""
-    from edge_llm.bench import client as S
     from edge_llm.bench import fleet as F
     from edge_llm.bench.disk import new_results_dir
 
@@ -36,6 +42,8 @@ def fleet_cmd(model, backend, conversations, turns, history_tokens, max_tokens, 
     if not F.SHIPPED_CONFIG.is_file():
         raise click.ClickException(f"bench fleet needs a source checkout: {F.SHIPPED_CONFIG.name} not found")
     text = F.SHIPPED_CONFIG.read_text()
+    if spread:
+        return spread_cmd(text, model, backend, keys, ready_timeout, out)
     res_dir = new_results_dir(out, "bench-fleet")
     res: dict = {"command": " ".join(sys.argv), "model": model, "backend": backend, "boards": BOARDS,
                  "conversations": conversations, "turns": turns, "history_tokens": history_tokens,
@@ -45,23 +53,12 @@ def fleet_cmd(model, backend, conversations, turns, history_tokens, max_tokens, 
         task = prog.add_task("fleet bench")
         for policy, cfg in policies.items():
             work = res_dir / policy
-            servers = [S.LocalServer(model, work / f"b{i}" / "kv", work / f"b{i}.log",
-                                     extra_args=["--backend", backend, "--node-name", f"b{i}"],
-                                     stderr_file=work / f"b{i}.stderr") for i in range(1, BOARDS + 1)]
-            work.mkdir(parents=True, exist_ok=True)
-            try:
-                prog.update(task, description=f"{policy}: starting {BOARDS} boards")
-                for s in servers:
-                    s.start()
-                for s in servers:
-                    S.wait_ready(s.base_url, ready_timeout, s.proc, stderr_file=s.stderr_file)
+            prog.update(task, description=f"{policy}: starting {BOARDS} boards")
+            with boards(model, backend, work, BOARDS, ready_timeout) as addresses:
                 convs = F.long_conversations(conversations, turns, history_tokens)
-                stats = F.run_policy(cfg, [f"127.0.0.1:{s.port}" for s in servers], work, convs, max_tokens,
-                                     step=lambda m, p=policy: prog.update(task, description=f"{p}: {m}"))
-            finally:
-                for s in servers:
-                    s.stop()
-            res["policies"][policy] = stats
+                res["policies"][policy] = F.run_policy(
+                    cfg, addresses, work, convs, max_tokens,
+                    step=lambda m, p=policy: prog.update(task, description=f"{p}: {m}"))
     h, rr = res["policies"]["hash"], res["policies"]["roundrobin"]
     res["ttft_median_ratio_rr_over_hash"] = rr["ttft_median_ms"] / h["ttft_median_ms"]
     save_results(res_dir, "fleet", res, markdown(res))
@@ -82,3 +79,46 @@ def markdown(res: dict) -> str:
             f"max_tokens {res['max_tokens']}; follow-ups = turns 2..{res['turns']}.\n\n" + "\n".join(rows) +
             f"\n\nround-robin / hash, median follow-up TTFT: {res['ttft_median_ratio_rr_over_hash']:.2f}x\n\n"
             f"`{res['command']}`\n")
+
+
+@contextlib.contextmanager
+def boards(model: str, backend: str, work: Path, n: int, ready_timeout: float):
+    """`n` fresh boards (b1..bn) on loopback, each with its own kv dir under `work`; yields their
+    host:port addresses, stops them at the end."""
+    from edge_llm.bench import client as S
+
+    work.mkdir(parents=True, exist_ok=True)
+    servers = [S.LocalServer(model, work / f"b{i}" / "kv", work / f"b{i}.log",
+                             extra_args=["--backend", backend, "--node-name", f"b{i}"],
+                             stderr_file=work / f"b{i}.stderr") for i in range(1, n + 1)]
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            S.wait_ready(s.base_url, ready_timeout, s.proc, stderr_file=s.stderr_file)
+        yield [f"127.0.0.1:{s.port}" for s in servers]
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def spread_cmd(text: str, model: str, backend: str, keys: int, ready_timeout: float, out: str) -> None:
+    from edge_llm.bench import fleet as F
+    from edge_llm.bench.disk import new_results_dir
+
+    res_dir = new_results_dir(out, "bench-fleet-spread")
+    res: dict = {"command": " ".join(sys.argv), "keys": keys}
+    with spinner() as prog:
+        task = prog.add_task("fleet spread")
+        prog.update(task, description="starting 4 boards")
+        with boards(model, backend, res_dir, 4, ready_timeout) as addresses:
+            res["hash_types"] = F.hash_spread(text, addresses, res_dir, keys,
+                                              step=lambda m: prog.update(task, description=m))
+    rows = ["| hash-type | keys on b1 / b2 / b3 | moved to 4 boards | moved to |", "|---|---|---|---|"]
+    for fn, r in res["hash_types"].items():
+        rows.append(f"| {fn} | {' / '.join(str(r['spread'].get(b, 0)) for b in ('b1', 'b2', 'b3'))} | "
+                    f"{r['moved']} ({r['moved'] / keys:.0%}) | {r['moved_to']} |")
+    save_results(res_dir, "fleet-spread", res,
+                 f"# bench fleet --spread\n\n{keys} chat keys sharing a system prompt, the shipped config with "
+                 f"each hash-type (shipped: {F.HASH_TYPE}): 3 boards, then 4.\n\n" + "\n".join(rows) + f"\n\n`{res['command']}`\n")
+
