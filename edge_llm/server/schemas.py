@@ -23,6 +23,8 @@ def _unicode_text(value: object, path: tuple[str, ...] = ()) -> None:
     surrogate (`"\\ud800"`) cannot be encoded, tokenized or echoed back. Every string counts: the
     fields', unknown fields' and keys (docs/api.md "Errors")."""
     if isinstance(value, str):
+        if value.isascii():  # a flag of the string, no pass over it: a data: URL costs nothing here
+            return
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
