@@ -74,11 +74,18 @@ class OneLineFormatter(logging.Formatter):
     """Each record's message as one line with nothing a terminal interprets: whatever a call site
     passed in (a file name, a path, a library's own text), control characters are escaped
     (`safetext.one_line`; call sites escape the untrusted strings they know of with
-    `safetext.printable`, docs/logs.md "Untrusted text"). A traceback keeps its lines."""
+    `safetext.printable`, docs/logs.md "Untrusted text"). A traceback keeps its lines, each
+    escaped the same way (an exception's text may quote a client's path)."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         record.message = one_line(record.message)
         return super().formatMessage(record)
+
+    def formatException(self, ei) -> str:
+        return "\n".join(map(one_line, super().formatException(ei).split("\n")))
+
+    def formatStack(self, stack_info: str) -> str:
+        return "\n".join(map(one_line, super().formatStack(stack_info).split("\n")))
 
 
 class LogSetup:

@@ -91,19 +91,19 @@ def test_formatter_makes_every_message_one_line(tmp_path):
         lg = logging.getLogger("edge_llm.test_injection")
         lg.warning("opened %s", "/srv/img\n2026-01-01T00:00:00.000 INFO forged: \x1b[31mred")
         try:
-            raise ValueError("boom")
+            raise ValueError("boom: /srv/\x1b[2J\x9b.png")  # an exception's text quoting a client's path
         except ValueError:
             lg.exception("request \x1b]0;title\x07 failed")
     finally:
         setup.file_handler.close()
         logging.getLogger().handlers.clear()
     raw = log_file.read_bytes()
-    assert b"\x1b" not in raw and b"\x07" not in raw
+    assert b"\x1b" not in raw and b"\x07" not in raw and b"\xc2\x9b" not in raw  # main: the traceback's ESC, CSI
     lines = raw.decode().splitlines()
     assert LINE.match(lines[0]) and lines[0].endswith("opened /srv/img\\n2026-01-01T00:00:00.000 INFO forged: "
                                                        "\\x1b[31mred")
     assert lines[1].endswith("request \\x1b]0;title\\x07 failed") and lines[2] == "Traceback (most recent call last):"
-    assert lines[-1] == "ValueError: boom"
+    assert lines[-1] == "ValueError: boom: /srv/\\x1b[2J\\x9b.png"
 
 
 @pytest.mark.timeout(900)
