@@ -26,7 +26,7 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from edge_llm.files import write_atomic
+from edge_llm.files import read_regular, write_atomic
 from edge_llm.safetext import printable
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class CostGate:
     # ---- persistence (the namespace's gate.json) -------------------------------------------------
     def _load(self, path: Path) -> None:
         try:
-            doc = json.loads(path.read_text())
+            doc = json.loads(read_regular(path, ValueError))  # a FIFO: refused unread (a ValueError)
             rb, tps = doc.get("read_bytes_per_s"), doc.get("prefill_rows_per_s")
         except FileNotFoundError:
             return

@@ -316,10 +316,12 @@ def test_a_snapshot_replaced_by_a_fifo_after_the_start_is_recomputed_and_the_ser
         assert srv.stop(timeout=60) == 0
 
 
-def test_a_namespace_whose_identity_and_io_stats_are_fifos_opens_and_replaces_them(tmp_path):
-    """identity.json and io-stats.json are read when a store opens its namespace (and by `kv ls`):
-    FIFOs there are refused unread, then replaced by the real files."""
+def test_a_namespace_whose_identity_io_stats_and_gate_are_fifos_opens_and_replaces_them(tmp_path):
+    """identity.json, io-stats.json and gate.json are read when a store and its cost gate open
+    their namespace (and by `kv ls`): FIFOs there are refused unread (the gate starts unmeasured), and
+    the store replaces its two by the real files."""
     from edge_llm.config import Geometry
+    from edge_llm.costgate import GATE_FILE, CostGate
     from edge_llm.snapshot.catalog import IO_STATS
     from edge_llm.snapshot.identity import IDENTITY_FILE, Identity, read_identity
     from edge_llm.snapshot.store import SnapshotStore
@@ -327,12 +329,14 @@ def test_a_namespace_whose_identity_and_io_stats_are_fifos_opens_and_replaces_th
     ident = Identity(config={"model": "a"}, weights_digest="aa" * 32)
     ns = tmp_path / ident.namespace
     ns.mkdir(mode=0o700)
-    fifos = [ns / IDENTITY_FILE, ns / IO_STATS]
+    fifos = [ns / IDENTITY_FILE, ns / IO_STATS, ns / GATE_FILE]
     for f in fifos:
         os.mkfifo(f)
     assert within(lambda: read_identity(ns), fifos) is None
     store = within(lambda: SnapshotStore(tmp_path, ident, Geometry(n_layers=2, n_kv_heads=2, head_dim=8), kv_bs=4),
                    fifos)
     assert store.catalog.io.bytes_written == 0
+    gate = within(lambda: CostGate(1024, state_dir=ns), fifos)
+    assert gate.read_bps is None and gate.prefill_tps is None
     assert stat.S_ISREG(os.stat(ns / IDENTITY_FILE).st_mode) and read_identity(ns) is not None
     store.close()
