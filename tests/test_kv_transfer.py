@@ -115,8 +115,14 @@ def test_bad_archives_import_nothing(edge_home, board_a, tmp_path):
         b[len(b) // 2] ^= 0x40
         return bytes(b)
 
+    def rename(info: tarfile.TarInfo) -> bool:  # the delta under another snapshot's name: its ids hash elsewhere
+        if info.name == delta:
+            info.name = "kv_" + "0" * 16 + ".kv"
+        return True
+
     cases = {
         "corrupt": (_rebuild(good, tmp_path / "corrupt.tar", lambda i: True, flip), "block-crc"),
+        "renamed": (_rebuild(good, tmp_path / "renamed.tar", rename), "does not match its tokens hash"),
         "no-base": (_rebuild(good, tmp_path / "nobase.tar", lambda i: i.name != base), "base-missing"),
         "not-a-tar": (tmp_path / "junk.tar", "not a readable archive"),
     }

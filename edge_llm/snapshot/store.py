@@ -330,11 +330,14 @@ def _reason(err: BaseException) -> str:
     return f"read error: {err}"
 
 
-def read_entry(path: Path, geometry: Geometry | None, model_id: int | None) -> Entry:
-    """An index entry from a snapshot file's header (no payload read); raises SnapshotError."""
+def read_entry(path: Path, geometry: Geometry | None, model_id: int | None, name: str | None = None) -> Entry:
+    """An index entry from a snapshot file's header (no payload read); raises SnapshotError.
+    `name`: the snapshot name the file must have (default its own; `kv import` reads a staged
+    file under a temp name)."""
+    name = path.name if name is None else name
     with open_regular(path, SnapshotNotRegular, buffering=0) as f:
         st = os.fstat(f.fileno())
         hdr, tokens = fmt.read_header(f, geometry, model_id, READ_MAX_TOKENS, st.st_size)
-    if fmt.snapshot_name(hdr.tokens_fnv) != path.name:
+    if fmt.snapshot_name(hdr.tokens_fnv) != name:
         raise SnapshotError(f"file name does not match its tokens hash {hdr.tokens_fnv:016x}")
-    return Entry(path.name, path, tokens, st.st_size, st.st_mtime, hdr.spans, hdr.base, hdr.trailer_crc)
+    return Entry(name, path, tokens, st.st_size, st.st_mtime, hdr.spans, hdr.base, hdr.trailer_crc)

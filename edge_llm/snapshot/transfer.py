@@ -29,10 +29,10 @@ from typing import BinaryIO
 from edge_llm.errors import SnapshotChainError, SnapshotError, SnapshotNotRegular
 from edge_llm.files import fsync_dir, open_regular, read_regular, temp_name
 from edge_llm.snapshot import chains
-from edge_llm.snapshot.decode import read_header, verify_file
+from edge_llm.snapshot.decode import verify_file
 from edge_llm.snapshot.entries import Entry
 from edge_llm.snapshot.identity import IDENTITY_FILE, NAMESPACE_RE, Identity, ensure_namespace
-from edge_llm.snapshot.layout import is_snapshot_name, snapshot_name
+from edge_llm.snapshot.layout import is_snapshot_name
 from edge_llm.snapshot.maintenance import snapshot_files
 from edge_llm.snapshot.store import read_entry
 from edge_llm.snapshot.writer import Modes
@@ -180,15 +180,11 @@ def import_archive(src: BinaryIO, kv_dir: Path, expect_namespace: str | None = N
 
 
 def _staged_entry(tmp: Path, final: Path, model_id: int) -> Entry:
-    """Verify a staged file fully (every field and block CRC) and that its name is its ids' hash;
-    its index entry, pointing at the staged file."""
-    hdr = verify_file(tmp, None, model_id)
-    if snapshot_name(hdr.tokens_fnv) != final.name:
-        raise TransferError(f"the file's token ids hash to {snapshot_name(hdr.tokens_fnv)}, not its name")
-    with open_regular(tmp, SnapshotNotRegular, buffering=0) as f:
-        st = os.fstat(f.fileno())
-        h, tokens = read_header(f, None, model_id, None, st.st_size)
-    return Entry(final.name, tmp, tokens, st.st_size, st.st_mtime, h.spans, h.base, h.trailer_crc)
+    """Verify a staged file fully (every field and block CRC) and that its name is its ids' hash
+    (with the store's own bound on ids: what its scan would refuse is not imported); its index
+    entry, pointing at the staged file."""
+    verify_file(tmp, None, model_id)
+    return read_entry(tmp, None, model_id, name=final.name)
 
 
 def _verify_and_publish(ns: Path, staged: list[tuple[Path, Path]]) -> Imported:
