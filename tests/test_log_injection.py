@@ -175,3 +175,32 @@ def test_cli_logging_makes_every_message_one_line():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stderr == b"opened /m/\\x1b[31mred\\nforged\n"
+
+
+def test_kv_commands_print_paths_as_written_not_as_markup(tmp_path):
+    """kv ls / verify / export / import print the paths they were given as text: the console would
+    take `[bold]` in a directory's name as markup and drop it."""
+    import subprocess
+    import sys
+
+    from edge_llm.kvcache import KVCache
+
+    kv_dir, archive, dest = tmp_path / "k[bold]v", tmp_path / "a[red]b.tar", tmp_path / "i[bold]x"
+    store = SnapshotStore(kv_dir, ID, G, kv_bs=4)
+    store.scan()
+    cache = KVCache(G, max_seq=64, kv_bs=4, check_memory=False)
+    cache.set_tokens(list(range(1000, 1040)))
+    store.save_async(cache)
+    assert store.flush(60)
+    store.close()
+    env = {**os.environ, "EDGE_LLM_HOME": str(tmp_path / "home")}
+
+    def kv(*args: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "edge_llm", "kv", *args], capture_output=True, text=True,
+                           timeout=120, env=env)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+    assert f"kv dir {kv_dir}" in kv("ls", "--kv-dir", str(kv_dir))
+    assert f"OK  {store.ns}/kv_" in kv("verify", "--kv-dir", str(kv_dir))
+    assert f"-> {archive}" in kv("export", "--kv-dir", str(kv_dir), "-o", str(archive))
+    assert f"imported into {dest / store.ns.name};" in kv("import", "--kv-dir", str(dest), str(archive))

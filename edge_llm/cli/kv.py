@@ -135,13 +135,13 @@ def ls(kv_dir: Path | None) -> None:
     order survives restarts that way); a file's creation time is not shown: Python's os.stat
     has no birth time on Linux."""
     kv_dir = resolve_kv_dir(kv_dir)
-    out.print(f"kv dir {kv_dir}")
+    out.print(f"kv dir {_shown(kv_dir)}")
     if not kv_dir.exists():  # a fresh home: `serve` creates the directory when it starts
         out.print(f"no snapshots yet in {kv_dir} (it does not exist yet: `edge-llm serve` creates it)", markup=False)
         return
     spaces = namespaces(kv_dir)
     if not spaces:
-        out.print(f"no namespaces in {kv_dir}")
+        out.print(f"no namespaces in {_shown(kv_dir)}")
         return
     for ns in spaces:
         ident = read_identity(ns) or {}
@@ -204,7 +204,7 @@ def inspect(file: str, kv_dir: Path | None, tokenizer_dir: str | None, n_show: i
         raise click.ClickException(str(e)) from None
     except OSError as e:
         raise click.ClickException(f"{file}: {e.strerror or e}") from None
-    out.print(f"[bold]{file}[/bold]  {d['file_size']:,} bytes")
+    out.print(f"[bold]{_shown(file)}[/bold]  {d['file_size']:,} bytes")
     if d["header"]:
         t = Table(title="header (64 bytes, little-endian)", show_edge=False)
         for col in ("offset", "size", "field", "raw bytes", "value"):
@@ -319,10 +319,10 @@ def verify(kv_dir: Path | None, files: tuple[Path, ...]) -> None:
             hdr = fmt.verify_file(path, None, mid, None)
         except (SnapshotError, OSError) as e:
             bad += 1
-            out.print(f"[red]BAD[/red] {path}: {getattr(e, 'reason', 'io-error')}: {e}")
+            out.print(f"[red]BAD[/red] {_shown(path)}: {getattr(e, 'reason', 'io-error')}: {_shown(e)}")
             continue
         secs = time.monotonic() - t0
-        out.print(f"[green]OK[/green]  {path} ({hdr.n_tokens} tokens, {hdr.file_size:,} bytes, "
+        out.print(f"[green]OK[/green]  {_shown(path)} ({hdr.n_tokens} tokens, {hdr.file_size:,} bytes, "
                   f"{2 * hdr.n_layers * hdr.n_blocks} blocks, {hdr.file_size / 1e6 / max(secs, 1e-9):.0f} MB/s)")
     out.print(f"{len(paths)} file(s), {bad} bad")
     if bad:

@@ -34,10 +34,9 @@ def export_cmd(kv_dir: Path | None, namespace: str | None, output: Path, names: 
     if len(found) != 1:
         raise click.ClickException(f"{len(found)} namespaces here: name one with --namespace "
                                    f"({', '.join(p.name for p in found) or 'none'})")
-    ns = found[0]
-    console = kv_cli.out if str(output) != "-" else None
+    ns, to_stdout = found[0], str(output) == "-"
     try:
-        if str(output) == "-":
+        if to_stdout:
             entries = transfer.export(ns, list(names) or None, sys.stdout.buffer)
         else:
             with atomic_file(output, mode=0o600) as f:  # whole or absent; it holds conversations
@@ -46,7 +45,10 @@ def export_cmd(kv_dir: Path | None, namespace: str | None, output: Path, names: 
         raise click.ClickException(str(e)) from None
     msg = (f"exported {len(entries)} snapshot(s), {human(sum(e.size for e in entries))}, of namespace "
            f"{ns.name} -> {output}")
-    (console.print if console else click.echo)(msg, **({} if console else {"err": True}))
+    if to_stdout:  # stdout is the archive
+        click.echo(msg, err=True)
+    else:
+        kv_cli.out.print(msg, markup=False)  # a path is no markup
 
 
 @kv.command("import")
@@ -75,4 +77,4 @@ def import_cmd(kv_dir: Path | None, namespace: str | None, group_read: bool, arc
     for name in res.kept:
         kv_cli.out.print(f"kept {res.namespace}/{name} (already here)")
     kv_cli.out.print(f"{len(res.published)} snapshot(s) imported into {root / res.namespace}; a running server "
-                     f"indexes them at its next lookup that finds no prefix (docs/fleet.md)")
+                     f"indexes them at its next lookup that finds no prefix (docs/fleet.md)", markup=False)
