@@ -137,7 +137,7 @@ def ls(kv_dir: Path | None) -> None:
     kv_dir = resolve_kv_dir(kv_dir)
     out.print(f"kv dir {_shown(kv_dir)}")
     if not kv_dir.exists():  # a fresh home: `serve` creates the directory when it starts
-        out.print(f"no snapshots yet in {kv_dir} (it does not exist yet: `edge-llm serve` creates it)", markup=False)
+        out.print(f"no snapshots yet in {_shown(kv_dir)} (it does not exist yet: `edge-llm serve` creates it)")
         return
     spaces = namespaces(kv_dir)
     if not spaces:
@@ -349,7 +349,7 @@ def rm(kv_dir: Path | None, namespace: str | None, all_: bool, names: tuple[str,
         for r in maintenance.remove(ns, None if all_ else set(names)):
             wanted.discard(r.path.name)
             why = " (a delta resting on a removed snapshot)" if r.dependent else ""
-            out.print(f"removed {ns.name}/{escape(printable(r.path.relative_to(ns)))}{why}")  # --all: any name
+            out.print(f"removed {ns.name}/{_shown(r.path.relative_to(ns))}{why}")  # --all: any name
             removed += 1
     if wanted:
         raise click.ClickException(f"not found: {', '.join(sorted(wanted))}")
