@@ -90,6 +90,7 @@ def test_formatter_makes_every_message_one_line(tmp_path):
     try:
         lg = logging.getLogger("edge_llm.test_injection")
         lg.warning("opened %s", "/srv/img\n2026-01-01T00:00:00.000 INFO forged: \x1b[31mred")
+        lg.warning("skipped %s", printable("kv_C:\\x\x1b\n.kv"))  # escaped at the call site, then by the formatter
         try:
             raise ValueError("boom: /srv/\x1b[2J\x9b.png")  # an exception's text quoting a client's path
         except ValueError:
@@ -102,7 +103,8 @@ def test_formatter_makes_every_message_one_line(tmp_path):
     lines = raw.decode().splitlines()
     assert LINE.match(lines[0]) and lines[0].endswith("opened /srv/img\\n2026-01-01T00:00:00.000 INFO forged: "
                                                        "\\x1b[31mred")
-    assert lines[1].endswith("request \\x1b]0;title\\x07 failed") and lines[2] == "Traceback (most recent call last):"
+    assert lines[1].endswith(" skipped kv_C:\\\\x\\x1b\\n.kv")  # once: the backslash doubled, no escape escaped again
+    assert lines[2].endswith("request \\x1b]0;title\\x07 failed") and lines[3] == "Traceback (most recent call last):"
     assert lines[-1] == "ValueError: boom: /srv/\\x1b[2J\\x9b.png"
 
 
