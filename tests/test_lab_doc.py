@@ -1,6 +1,6 @@
 """docs/lab-a.md cannot rot: its x86 command blocks (```bash lab) run in order, as one bash
 script, against the default model: at 512 tokens, then after the doc's repeat line (```bash repeat)
-at 2k in the same shell, as a student pastes them into one terminal."""
+at 2k in the same shell with the prefetch setting on, as a student pastes them into one terminal."""
 
 from __future__ import annotations
 
@@ -124,16 +124,21 @@ def check_walkthrough(out: str, prefetch: bool) -> re.Match:
 
 def test_lab_runs_twice_in_one_shell(edge_home, tmp_path):
     """As a student does it: steps 0-6 at 512 tokens, then the doc's repeat line (2k, a fresh
-    $LAB) and steps 0-6 again, all in one bash process. Each pass reads its own folder's log and
-    kv dir (once the repeat waited forever for a save line in the first folder's log)."""
+    $LAB), the prefetch section's setting (EDGE_LLM_DISK_KV_PREFETCH=latest before step 0) and
+    steps 0-6 again, all in one bash process. Each pass reads its own folder's log and kv dir
+    (once the repeat waited forever for a save line in the first folder's log); the second pass's
+    evidence is what the prefetch section says: S2's prefix comes from S1's file, named by the
+    request's line."""
     root = lab_root(tmp_path)
     blocks = "\n".join(lab_blocks())
     env = {**os.environ, "EDGE_LLM_HOME": str(edge_home), "PORT": str(free_port())}
-    code, out, err = run_lab(f"{blocks}\n{repeat_block()}\n{blocks}", root, env, timeout=600)
+    env.pop("EDGE_LLM_DISK_KV_PREFETCH", None)
+    script = f"{blocks}\n{repeat_block()}\nexport EDGE_LLM_DISK_KV_PREFETCH=latest\n{blocks}"
+    code, out, err = run_lab(script, root, env, timeout=600)
     assert code == 0, f"{out}\n{err[-3000:]}"
     first, second = out.split("S1 ready (pid ")[1:]
     saved = check_walkthrough(first, prefetch=False)
-    saved2 = check_walkthrough(second, prefetch=False)
+    saved2 = check_walkthrough(second, prefetch=True)
     assert int(re.search(r"S1 prompt (\d+) tokens", first)[1]) < 600 < 1900 < int(
         re.search(r"S1 prompt (\d+) tokens", second)[1])
     assert (root / "lab-2k" / "kv").is_dir() and saved2[2] in (root / "lab-2k" / "edge-llm.log").read_text()
@@ -141,17 +146,6 @@ def test_lab_runs_twice_in_one_shell(edge_home, tmp_path):
     # the doc's example line is what its own prompt gives at 512 (greedy, on the cpu backend it pins)
     example = re.search(r"saved (\d+)-token KV -> kv_\S+ \((\d+) bytes", DOC.read_text())
     assert (example[1], example[2]) == (saved[1], saved[3]), (example.group(0), saved.group(0))
-
-
-def test_lab_walkthrough_with_prefetch(edge_home, tmp_path):
-    """With EDGE_LLM_DISK_KV_PREFETCH=latest the evidence is what the lab's prefetch section says:
-    S2's prefix comes from S1's file, named by the request's line."""
-    root = lab_root(tmp_path)
-    env = {**os.environ, "EDGE_LLM_HOME": str(edge_home), "PORT": str(free_port()),
-           "EDGE_LLM_DISK_KV_PREFETCH": "latest"}
-    code, out, err = run_lab("\n".join(lab_blocks()), root, env, timeout=600)
-    assert code == 0, f"{out}\n{err[-3000:]}"
-    check_walkthrough(out, prefetch=True)
 
 
 def test_lab_says_when_its_server_died(edge_home, tmp_path):
