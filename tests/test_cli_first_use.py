@@ -70,6 +70,21 @@ def test_kv_ls_on_a_fresh_home_says_no_snapshots_yet(tmp_path):
     assert bad.returncode != 0 and "is a file" in bad.stderr, bad.stderr
 
 
+def test_kv_commands_on_a_fresh_home_find_nothing_to_do(tmp_path):
+    """The kv dir's absence is one answer for every kv command (`cli/kv.py` `namespaces`): verify, gc
+    and rm --all find nothing and exit 0 (they once failed with "…/kv: not a directory"); export has
+    no namespace to write and says so."""
+    home = tmp_path / "home"
+    for args, said in ((("verify",), "0 file(s), 0 bad"), (("gc",), "0 snapshot(s) evicted"),
+                       (("rm", "--all"), "0 file(s) removed")):
+        r = edge_llm("kv", *args, home=home, timeout=120)
+        assert r.returncode == 0 and said in r.stdout, (args, r.stdout + r.stderr)
+        assert "not a directory" not in r.stdout + r.stderr
+    exp = edge_llm("kv", "export", "-o", str(tmp_path / "a.tar"), home=home, timeout=120)
+    assert exp.returncode == 1 and "0 namespaces here" in exp.stderr, exp.stderr
+    assert not (home / "kv").exists()  # looking created nothing
+
+
 def test_generate_stats_are_short_lines_not_wrapped(edge_home):
     """On an 80-column terminal the stats come as one line per phase, each phrase whole (the one
     long line was wrapped mid-phrase)."""

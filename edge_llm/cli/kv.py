@@ -48,8 +48,10 @@ class _Bytes(click.ParamType):
 def namespaces(kv_dir: Path, only: str | None = None) -> list[Path]:
     if only is not None and not NAMESPACE_RE.match(only):
         raise click.BadParameter(f"{only!r} is not a namespace (16 hex digits)", param_hint="--namespace")
+    if not kv_dir.exists():  # a fresh home: `serve` creates it at its first start; nothing stored yet
+        return []
     if not kv_dir.is_dir():
-        raise click.ClickException(f"{kv_dir}: not a directory")
+        raise click.ClickException(f"{printable(str(kv_dir))}: not a directory")
     return maintenance.namespace_dirs(kv_dir, only)
 
 
