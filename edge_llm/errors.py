@@ -23,6 +23,19 @@ class ModelImportError(EdgeLLMError):
     """A GGUF file or packaged model could not be imported."""
 
 
+class RunnerError(EdgeLLMError):
+    """A graph runner or NPU engine failed (inference error, worker died, bad shape, NPU refusal)."""
+
+
+class RknnMatmulError(RunnerError):
+    """librknnrt's matmul API returned an error: `function` is the entry point, `code` its return
+    value and `code_name` the name from rknn_api.h's error table (docs/npu.md, "The matmul API binding")."""
+
+    def __init__(self, function: str, code: int, code_name: str, detail: str = ""):
+        self.function, self.code, self.code_name = function, code, code_name
+        super().__init__(f"{function} returned {code} ({code_name})" + (f": {detail}" if detail else ""))
+
+
 class KVCacheError(EdgeLLMError):
     """The KV cache cannot be allocated or an operation exceeds its capacity."""
 

@@ -24,16 +24,12 @@ import numpy as np
 
 from edge_llm.backends import wire
 from edge_llm.backends.graphs import GraphSpec
-from edge_llm.errors import ConfigError, EdgeLLMError
+from edge_llm.errors import ConfigError, RunnerError
 
 log = logging.getLogger(__name__)
 
 CONVERTER_ENV = "EDGE_LLM_CONVERTER_PYTHON"
 WORKER = Path(__file__).with_name("toolkit_worker.py")
-
-
-class RunnerError(EdgeLLMError):
-    """A graph runner failed (inference error, worker died, bad shape)."""
 
 
 @runtime_checkable
