@@ -36,6 +36,8 @@ AUTO = "auto"  # disk_kv / log_file: the default location (resolved by `resolve`
 BACKEND_NAMES = ("cpu", "cpu-q", "rknn", "auto")  # edge_llm/runtime.make_backend maps these to backends
 QUANT_MODES = ("q4",)  # backend cpu-q; edge_llm/backends/cpuq.MODES defines them
 RKNN_RUNNERS = ("auto", "rknnlite", "sim", "onnxruntime")  # docs/npu.md
+LIBRKNNRT_ENV = "EDGE_LLM_LIBRKNNRT"  # the NPU matmul engine's library file (docs/npu.md, "The matmul API binding")
+LIBRKNNRT_NAME = "librknnrt.so"  # without it: found by the dynamic loader
 RESTORE_MODES = ("pipelined", "sequential", "split")  # how a disk prefix is restored (docs/store.md)
 PREFETCH_MODES = ("off", "latest")
 DRAFT_MODES = ("ngram", "off")  # speculative decoding: prompt-lookup drafts or none (docs/speculative.md)  # what the server restores while idle after start-up (docs/store.md)
@@ -166,6 +168,10 @@ class Settings:
     metrics_public: bool = _opt(False, "Serve /metrics without the API key (for a Prometheus scraper "
                                 "that sends none); without api_key_file it is public anyway.", bool,
                                 commands=(SERVE,))
+    ui: bool = _opt(True, "Serve the built-in page at /ui/ (chat, per-turn timings, the snapshot store, live "
+                    "[KV-DISK] and [PREFILL-TIMING] events: docs/ui.md) on the API's host and port; its "
+                    "data endpoints need the API key like the API. false: /ui/ is a 404.", bool,
+                    commands=(SERVE,))
     default_max_tokens: int | None = _opt(1024, "Completion tokens of a chat request that sets no "
                                           "max_tokens (at most what the context window leaves); shown "
                                           "in /v1/models. none: the rest of the context window.",
