@@ -28,7 +28,7 @@ LAYERS = {
 # package -> its modules low to high: a module imports only modules listed before it
 # (`__init__` is the package's own __init__.py; a subpackage is one entry of its parent)
 ORDER = {
-    "backends": ["wire", "toolkit_worker", "graphs", "manifest", "cpu", "cpu_side", "cpu_vision", "vision", "__init__",
+    "backends": ["wire", "toolkit_worker", "graphs", "manifest", "int8mm", "cpu", "cpu_side", "cpu_vision", "vision", "__init__",
                  "runners", "rknnlite", "graph", "rknn", "onnx_export", "attn_kernel", "quant", "quant_export",
                  "vision_export", "decode_export", "decode_step", "cpuq", "vision_graph"],
     "snapshot": ["writer", "layout", "encode", "decode", "format", "inspect", "entries", "chains", "catalog",
@@ -40,7 +40,7 @@ ORDER = {
                     "gguf_blocks", "__init__"],
     "vision": ["preprocess", "positions", "encoder", "model", "__init__"],
     "convert": ["report", "calibration_text", "calibration", "w8a8", "rknn", "vision", "__init__"],
-    "server": ["errors", "schemas", "metrics", "node", "prefetch", "worker", "budget", "images", "streaming", "state", "app",
+    "server": ["errors", "schemas", "metrics", "node", "prefetch", "worker", "budget", "images", "streaming", "ui", "events", "state", "storeview", "app",
                "__init__"],
     "bench": ["disk", "procstat", "prompts", "models", "client", "fleet", "throttle", "restore", "conversation", "ttft",
               "split", "recovery", "quant", "accuracy", "quant_memory", "npu", "vision", "decode", "llamacpp_peer",
