@@ -56,6 +56,11 @@ test-deps: $(VENV)/.test-stamp
 		if [ "$$(id -u)" = 0 ]; then (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq haproxy) || \
 			echo "could not install Debian's haproxy: the fleet test will be skipped"; \
 		else echo "haproxy missing and not root: the fleet test will be skipped"; fi
+	@# Debian's chromium + chromedriver for the page's browser test (tests/test_ui_browser.py, docs/ui.md)
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		if [ "$$(id -u)" = 0 ]; then (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) || \
+			echo "could not install Debian's chromium: the page's browser test will be skipped"; \
+		else echo "chromium/chromedriver missing and not root: the page's browser test will be skipped"; fi
 
 board-deps:
 	@# qemu-user + binfmt, mmdebstrap, systemd-nspawn for the emulated arm64 board, an aarch64 cross gcc
