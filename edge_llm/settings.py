@@ -169,7 +169,7 @@ class Settings:
                                 "that sends none); without api_key_file it is public anyway.", bool,
                                 commands=(SERVE,))
     ui: bool = _opt(True, "Serve the built-in page at /ui/ (chat, per-turn timings, the snapshot store, live "
-                    "[KV-DISK] and [PREFILL-TIMING] events: docs/ui.md) on the API's host and port; its "
+                    "[KV-DISK] and [PREFILL-TIMING] events) on the API's host and port; its "
                     "data endpoints need the API key like the API. false: /ui/ is a 404.", bool,
                     commands=(SERVE,))
     default_max_tokens: int | None = _opt(1024, "Completion tokens of a chat request that sets no "

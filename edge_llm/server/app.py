@@ -39,6 +39,7 @@ from edge_llm.server.metrics import StatusCountMiddleware
 from edge_llm.server.node import NodeHeaderMiddleware
 from edge_llm.server.state import AppState
 from edge_llm.server.streaming import collect, sse_chat, sse_completion
+from edge_llm.server.ui import mount_ui
 from edge_llm.server.worker import Job, QueueFull, ShuttingDown
 from edge_llm.settings import Settings
 
@@ -208,6 +209,9 @@ def create_app(settings: Settings, notifier: Notifier | None = None, loader: Cal
             tokens, images = await run_in_threadpool(decode_images, state.engine, prompt)
         return await respond(request, body, GenerationRequest(tokens, max_tokens, params, stop, images=images),
                              chat=True)
+
+    if settings.ui:  # the page: public static files, its data from the keyed routes (docs/api.md)
+        mount_ui(app)
 
     # the key and the body limit are checked from the request's head, before its body is read: the
     # paths of the routes declared with the key (docs/api.md "What is public")

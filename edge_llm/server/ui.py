@@ -1,0 +1,60 @@
+"""The built-in page: the files of `edge_llm/server/static/` under `/ui/`, with the headers that
+keep them to themselves (docs/api.md, "The page and its endpoints").
+
+The files are public (they hold no data); what the page shows comes from the keyed API. Starlette's
+`StaticFiles` serves them (path checks, ETag / Last-Modified revalidation, HEAD); this module adds
+the security headers to every answer under `/ui/` and the two redirects.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.responses import RedirectResponse
+from starlette.datastructures import MutableHeaders
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+PREFIX = "/ui"
+# no inline script or style, nothing from another origin, never framed (docs/api.md)
+CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
+       "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
+HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache",
+           "Referrer-Policy": "no-referrer"}
+
+
+class _WithHeaders:
+    """ASGI wrapper: `HEADERS` on every response of the wrapped app (files, 304s and 404s alike)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name, value in HEADERS.items():
+                    headers[name] = value
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+def mount_ui(app: FastAPI, static_dir: Path = STATIC_DIR) -> None:
+    """`/ui/` -> index.html, `/ui/<file>` -> the folder's files, `/ui` and `/` -> redirect to `/ui/`."""
+    if not (static_dir / "index.html").is_file():  # a broken install: say so once, serve the API anyway
+        log.warning("the page's files are missing (no index.html in the package's static folder): /ui/ "
+                    "answers 404")
+
+    @app.get(PREFIX, include_in_schema=False)
+    @app.get("/", include_in_schema=False)
+    def to_ui() -> RedirectResponse:
+        return RedirectResponse(PREFIX + "/", status_code=307)
+
+    app.mount(PREFIX, _WithHeaders(StaticFiles(directory=static_dir, html=True, check_dir=False)),
+              name="ui")
