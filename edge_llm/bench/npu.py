@@ -21,10 +21,10 @@ import numpy as np
 from edge_llm.backends.manifest import Manifest
 from edge_llm.backends.onnx_export import sample_inputs
 from edge_llm.backends.rknn import open_rknn
+from edge_llm.bench.npu_predict import RKLLM
 from edge_llm.bench.procstat import proc_status
 from edge_llm.convert.report import predicted_ms
 
-RKLLM = {"ttft_128_ms": 383.6, "decode_tok_s": 14.98, "memory_mb": 1869.0}
 NPU_MM = "/sys/kernel/debug/rknpu/mm"
 
 

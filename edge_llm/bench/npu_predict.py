@@ -1,0 +1,260 @@
+"""The prediction model of the NPU matmul path (docs/npu.md, "Prediction").
+
+A forward of T rows through the w8a8 matmul path (docs/npu.md, "The matmul path") costs
+
+    NPU   sum over linears of max(weight bytes / bandwidth, T x multiply-adds / NPU peak)
+  + calls rounds x per-call cost   (one context per core, N split across the cores: the cores'
+                                    calls of one linear overlap, so a linear costs one call's time)
+  + CPU   the CPU work of T rows at the context length (measured: `measure_cpu`)
+
+Inputs, each with its source (`Rates`): bandwidth ~11 GB/s on one NPU core and ~26.6 GB/s over
+the three (community probes, as issue 36 cites them); ~33 us per `rknn_matmul_run` (reported);
+1024 int8 multiply-adds per cycle per core at 1 GHz (rknn-toolkit2's own cost model: docs/npu.md's
+w8a8 compiler estimate is exactly that rate at 128 rows; 3 cores = Rockchip's 6 TOPS). The bytes
+and calls come from the model geometry (`Plan.of`). The CPU work is measured on this machine by
+running the real matmul backend on the host engine with the time inside `Int8Matmul.run`
+subtracted (`TimedMatmul`); it is x86-64 time, not A76 time (`markdown` says so next to it).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edge_llm.backends.int8mm import ALIGN, MAX_K, Int8Matmul
+from edge_llm.config import ModelArgs
+from edge_llm.convert.report import NPU_HZ
+
+# RKLLM's published figures for Qwen3-VL-2B w8a8 on RK3588 (rknn-llm benchmark.md): TTFT of a
+# 128-token prompt, decode, memory; every NPU benchmark prints its figures next to these
+RKLLM = {"ttft_128_ms": 383.6, "decode_tok_s": 14.98, "memory_mb": 1869.0}
+RKLLM_PREFILL_ROWS = 128
+SOURCES = {
+    "bandwidth": "community probes (issue 36): ~11 GB/s per NPU core, ~26.6 GB/s over three",
+    "call": "reported fixed cost of one rknn_matmul_run (issue 36)",
+    "peak": "rknn-toolkit2's cost model: 1024 int8 MACs/cycle/core at 1 GHz (docs/npu.md w8a8 estimate; "
+            "3 cores = Rockchip's 6 TOPS)",
+}
+
+
+@dataclass(frozen=True)
+class Rates:
+    """The NPU figures the prediction assumes (SOURCES names where each comes from)."""
+
+    bw_core_gbs: float = 11.0  # one NPU core alone
+    bw_all_gbs: float = 26.6  # the three cores together
+    call_us: float = 33.0  # per rknn_matmul_run
+    macs_per_cycle: int = 1024  # int8, per core
+    hz: float = NPU_HZ
+    cores: int = 3
+
+    def bandwidth(self, cores: int) -> float:
+        """Bytes per second `cores` cores read together."""
+        return (self.bw_core_gbs if cores == 1 else self.bw_all_gbs) * 1e9
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One weight the matmul path multiplies by, `count` times per forward (per layer: the layers)."""
+
+    kind: str
+    k: int
+    n: int
+    count: int
+
+
+def _up(x: int, to: int = ALIGN) -> int:
+    return -(-x // to) * to
+
+
+def linears(args: ModelArgs) -> list[Linear]:
+    """A forward's weights as the matmul path fuses them: q/k/v, o, gate/up, down per layer, the head."""
+    h, hd, L = args.hidden_size, args.head_dim, args.num_hidden_layers
+    return [Linear("qkv", h, (args.num_attention_heads + 2 * args.num_key_value_heads) * hd, L),
+            Linear("o", args.num_attention_heads * hd, h, L),
+            Linear("gate_up", h, 2 * args.intermediate_size, L),
+            Linear("down", args.intermediate_size, h, L),
+            Linear("head", h, args.vocab_size, 1)]
+
+
+@dataclass(frozen=True)
+class Part:
+    """What one linear costs on the NPU: its weight bytes, the largest core's share, its calls."""
+
+    kind: str
+    count: int
+    k_parts: int  # K above MAX_K is split into parts, each a call summed on the CPU
+    k_part: int  # rows of K per part, padded to ALIGN
+    n: int  # columns, padded to ALIGN, split across the cores in ALIGN units as evenly as they go
+    cores: int  # contexts, one per core
+
+    @property
+    def bytes(self) -> int:
+        """int8 weight bytes of one run of this linear (all cores, all K parts)."""
+        return self.k_parts * self.k_part * self.n
+
+    @property
+    def n_core(self) -> int:
+        """The widest core's columns: the core that finishes last."""
+        return math.ceil(self.n // ALIGN / self.cores) * ALIGN
+
+    @property
+    def calls(self) -> int:
+        return self.k_parts * self.cores
+
+    def macs(self, rows: int) -> int:
+        return rows * self.bytes
+
+    def seconds(self, rows: int, rates: Rates) -> float:
+        """The slowest core's time: its share of the bytes at its share of the bandwidth, or its
+        multiply-adds at one core's peak rate, whichever is longer."""
+        mine = self.k_parts * self.k_part * self.n_core
+        bw = rates.bandwidth(self.cores) / self.cores
+        return max(mine / bw, rows * mine / (rates.macs_per_cycle * rates.hz))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A model geometry on the matmul path: parts, bytes per token, calls per token."""
+
+    parts: tuple[Part, ...]
+    layers: int
+
+    @classmethod
+    def of(cls, args: ModelArgs, cores: int = 3) -> Plan:
+        parts = []
+        for lin in linears(args):
+            kp = math.ceil(lin.k / MAX_K)
+            parts.append(Part(lin.kind, lin.count, kp, _up(math.ceil(lin.k / kp)), _up(lin.n), cores))
+        return cls(tuple(parts), args.num_hidden_layers)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.count * p.bytes for p in self.parts)
+
+    @property
+    def scale_bytes(self) -> int:
+        """float32 per-channel weight scales, read on the CPU by `dequantize` (in the CPU work)."""
+        return sum(p.count * 4 * p.n for p in self.parts)
+
+    @property
+    def calls(self) -> int:
+        """rknn_matmul_run calls per forward (any number of rows: only M varies)."""
+        return sum(p.count * p.calls for p in self.parts)
+
+    @property
+    def rounds(self) -> int:
+        """Calls one after another per forward: a linear's per-core calls run together."""
+        return sum(p.count * p.k_parts for p in self.parts)
+
+    def npu_ms(self, rows: int, rates: Rates) -> float:
+        """The NPU's time for a forward of `rows` rows: per linear its slowest core (`Part.seconds`),
+        plus the per-call cost of each round."""
+        t = sum(p.count * p.seconds(rows, rates) for p in self.parts)
+        return t * 1e3 + self.rounds * rates.call_us / 1e3
+
+
+@dataclass
+class CpuWork:
+    """CPU ms of one forward by rows and context (measured on this machine, `measure_cpu`):
+    `ms[(rows, context)]`, scaled from the measured layers to the plan's; linear in context
+    between (and beyond) the measured contexts of a row count."""
+
+    ms: dict[tuple[int, int], float]
+    isa: str
+    layers_measured: int
+    layers: int
+    notes: list[str] = field(default_factory=list)
+
+    def __call__(self, rows: int, context: int) -> float:
+        pts = sorted((c, v) for (r, c), v in self.ms.items() if r == rows)
+        if not pts:  # rows never measured: the nearest measured row count, per row
+            near = min({r for r, _ in self.ms}, key=lambda r: abs(r - rows))
+            return self(near, context) * rows / near
+        if len(pts) == 1:
+            return pts[0][1]
+        cs, vs = [c for c, _ in pts], [v for _, v in pts]
+        i = min(max(int(np.searchsorted(cs, context)), 1), len(cs) - 1)
+        (c0, v0), (c1, v1) = pts[i - 1], pts[i]
+        return v0 + (v1 - v0) * (context - c0) / (c1 - c0)
+
+
+def forward_ms(plan: Plan, rates: Rates, cpu: Callable[[int, int], float], rows: int, context: int) -> dict:
+    npu = plan.npu_ms(rows, rates)
+    c = cpu(rows, context)
+    return {"rows": rows, "context": context, "npu_ms": npu, "cpu_ms": c, "ms": npu + c}
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """A greedy answer's decode under drafting: `tokens` decoded after the prompt's forward, in
+    forwards of `rows` rows each (bench.decode.replay under `cost_profile`), at about `context`."""
+
+    family: str
+    context: int
+    tokens: int
+    rows: tuple[int, ...]
+
+
+def predict(plan: Plan, rates: Rates, cpu: Callable[[int, int], float], contexts: Sequence[int] = (512, 2048, 8192),
+            prefill_rows: Sequence[int] = (32, 128), drafting: Sequence[Replayed] = ()) -> dict:
+    """Decode tok/s at each context, prefill tok/s of a prompt of `rows` rows (one chunk), and
+    decode with prompt-lookup drafting for each replayed answer."""
+    res: dict = {"weight_bytes": plan.weight_bytes, "scale_bytes": plan.scale_bytes, "calls": plan.calls,
+                 "rounds": plan.rounds, "layers": plan.layers, "rates": dict(rates.__dict__),
+                 "decode": [], "prefill": [], "drafting": []}
+    for ctx in contexts:
+        f = forward_ms(plan, rates, cpu, 1, ctx)
+        res["decode"].append({**f, "tok_s": 1e3 / f["ms"], "vs_rkllm": 1e3 / f["ms"] / RKLLM["decode_tok_s"]})
+    rk_prefill = RKLLM_PREFILL_ROWS / (RKLLM["ttft_128_ms"] / 1e3)
+    res["rkllm_prefill_tok_s"] = rk_prefill
+    for rows in prefill_rows:
+        f = forward_ms(plan, rates, cpu, rows, rows)
+        tps = rows / f["ms"] * 1e3
+        res["prefill"].append({**f, "tok_s": tps, "vs_rkllm": tps / rk_prefill})
+    for r in drafting:
+        total = sum(forward_ms(plan, rates, cpu, n, r.context)["ms"] for n in r.rows)
+        plain = forward_ms(plan, rates, cpu, 1, r.context)["ms"]
+        tps = r.tokens / total * 1e3
+        res["drafting"].append({"family": r.family, "context": r.context, "forwards": len(r.rows),
+                                "tokens": r.tokens, "verify_rows": sum(n for n in r.rows if n > 1), "ms": total,
+                                "tok_s": tps, "plain_tok_s": 1e3 / plain, "vs_rkllm": tps / RKLLM["decode_tok_s"]})
+    return res
+
+
+def cost_profile(plan: Plan, rates: Rates, cpu: Callable[[int, int], float], context: int) -> Callable[[int], float]:
+    """The drafting cost profile (edge_llm/backends/__init__.py): T rows relative to one row."""
+    one = forward_ms(plan, rates, cpu, 1, context)["ms"]
+    return lambda rows: forward_ms(plan, rates, cpu, rows, context)["ms"] / one
+
+
+class TimedMatmul:
+    """An `Int8Matmul` that counts the time spent inside the engine's `run`, so a forward's time
+    minus it is the CPU work around the matmuls (quantize, dequantize, norms, attention, ...)."""
+
+    def __init__(self, inner: Int8Matmul):
+        self.inner = inner
+        self.numerics = inner.numerics
+        self.seconds = 0.0
+        self.calls = 0
+
+    def add(self, name: str, w: np.ndarray) -> None:
+        self.inner.add(name, w)
+
+    def run(self, name: str, a: np.ndarray) -> np.ndarray:
+        t = time.perf_counter()
+        try:
+            return self.inner.run(name, a)
+        finally:
+            self.seconds += time.perf_counter() - t
+            self.calls += 1
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def reset(self) -> None:
+        self.seconds, self.calls = 0.0, 0

@@ -1,0 +1,98 @@
+"""The prediction model of the NPU matmul path (docs/npu.md, "Prediction"): its arithmetic against
+a hand computation for the Qwen3-VL-2B geometry, and the timing wrapper over a real engine."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from edge_llm.backends.int8mm import HostInt8Matmul
+from edge_llm.bench.npu_predict import CpuWork, Plan, Rates, Replayed, TimedMatmul, cost_profile, predict
+from edge_llm.checkpoints.synth import QWEN3_VL_2B_TEXT
+from edge_llm.config import ModelArgs
+
+ARGS_2B = ModelArgs.from_dict({"model_type": "qwen3_vl", "text_config": QWEN3_VL_2B_TEXT})
+
+
+def test_bytes_and_calls_of_the_2b_by_hand():
+    p = Plan.of(ARGS_2B)
+    layer = 2048 * (16 + 2 * 8) * 128 + 16 * 128 * 2048 + 2048 * 2 * 6144 + 6144 * 2048  # qkv, o, gate_up, down
+    head = 2048 * 151936
+    assert p.weight_bytes == 28 * layer + head == 1_720_451_072  # issue 36: "~1.72 GB of int8 weights per token"
+    assert p.calls == 3 * (4 * 28 + 1) and p.rounds == 4 * 28 + 1
+    assert p.scale_bytes == 4 * (28 * (4096 + 2048 + 12288 + 2048) + 151936)
+
+
+def test_npu_time_by_hand():
+    p, r = Plan.of(ARGS_2B), Rates()
+    # the widest core's columns: N / 32 units shared by 3 cores, rounded up
+    widest = 28 * (2048 * 1376 + 2048 * 704 + 2048 * 4096 + 6144 * 704) + 2048 * 50656
+    bw_core = 26.6e9 / 3
+    decode = (widest / bw_core + 113 * 33e-6) * 1e3
+    assert p.npu_ms(1, r) == pytest.approx(decode, rel=1e-12)
+    assert p.npu_ms(32, r) == p.npu_ms(1, r)  # 32 rows: still the weight bytes, not the multiply-adds
+    # 128 rows: past 1024 MACs/cycle at 1 GHz / (8.87 GB/s per core) = 115.5 rows, compute-bound
+    assert p.npu_ms(128, r) == pytest.approx((128 * widest / 1024e9 + 113 * 33e-6) * 1e3, rel=1e-12)
+    one = Plan.of(ARGS_2B, cores=1)
+    assert one.rounds == one.calls == 113
+    assert one.npu_ms(1, r) == pytest.approx((one.weight_bytes / 11e9 + 113 * 33e-6) * 1e3, rel=1e-12)
+
+
+def test_k_above_the_limit_is_split():
+    big = ModelArgs.from_dict({**QWEN3_VL_2B_TEXT, "model_type": "qwen3", "intermediate_size": 12288})
+    down = next(x for x in Plan.of(big).parts if x.kind == "down")
+    assert (down.k_parts, down.k_part, down.calls) == (2, 6144, 6)
+    assert Plan.of(big).rounds == 5 * 28 + 1
+
+
+def test_cpu_work_interpolates_and_scales_rows():
+    cpu = CpuWork({(1, 512): 2.0, (1, 2048): 5.0, (32, 32): 10.0}, "x86-64", 2, 28)
+    assert cpu(1, 512) == 2.0 and cpu(1, 1280) == pytest.approx(3.5) and cpu(1, 8192) == pytest.approx(17.0)
+    assert cpu(128, 128) == pytest.approx(40.0)  # nearest measured rows (32), per row
+    assert cpu(32, 999) == 10.0  # one context measured: that value
+
+
+def test_prediction_adds_its_parts():
+    p, r = Plan.of(ARGS_2B), Rates()
+    cpu = CpuWork({(1, 512): 3.0, (1, 2048): 3.0, (1, 8192): 3.0, (32, 32): 30.0, (128, 128): 100.0, (2, 512): 3.5},
+                  "x86-64", 2, 28)
+    res = predict(p, r, cpu, contexts=(512,), drafting=[Replayed("recall", 512, 10, (1, 2, 2, 1))])
+    d = res["decode"][0]
+    assert d["ms"] == pytest.approx(p.npu_ms(1, r) + 3.0) and d["tok_s"] == pytest.approx(1e3 / d["ms"])
+    pre = {x["rows"]: x for x in res["prefill"]}
+    assert pre[128]["tok_s"] == pytest.approx(128e3 / (p.npu_ms(128, r) + 100.0))
+    assert res["rkllm_prefill_tok_s"] == pytest.approx(128 / 0.3836)
+    dr = res["drafting"][0]
+    assert dr["ms"] == pytest.approx(2 * (p.npu_ms(1, r) + 3.0) + 2 * (p.npu_ms(2, r) + 3.5))
+    assert dr["tok_s"] == pytest.approx(10e3 / dr["ms"]) and dr["verify_rows"] == 4
+    prof = cost_profile(p, r, cpu, 512)
+    assert prof(1) == 1.0 and prof(2) == pytest.approx((p.npu_ms(2, r) + 3.5) / (p.npu_ms(1, r) + 3.0))
+
+
+def test_timed_matmul_counts_only_the_engine():
+    class Slow(HostInt8Matmul):
+        def run(self, name, a):
+            time.sleep(0.02)
+            return super().run(name, a)
+
+    rng = np.random.default_rng(0)
+    w = rng.integers(-127, 128, (64, 32), dtype=np.int8)
+    a = rng.integers(-127, 128, (3, 64), dtype=np.int8)
+    t = TimedMatmul(Slow())
+    t.add("w", w)
+    t0 = time.perf_counter()
+    c = t.run("w", a)
+    time.sleep(0.03)  # time outside the engine is not counted
+    c2 = t.run("w", a)
+    wall = time.perf_counter() - t0
+    assert np.array_equal(c, a.astype(np.int64) @ w.astype(np.int64)) and np.array_equal(c, c2)
+    assert t.calls == 2 and 0.04 <= t.seconds < wall - 0.025
+    assert t.numerics == "host-exact"
+    t.reset()
+    assert (t.calls, t.seconds) == (0, 0.0)
+    with pytest.raises(KeyError):
+        t.run("missing", a)
+    assert t.calls == 1  # a failing call is timed and counted too
+    t.close()
