@@ -29,11 +29,13 @@ class RunnerError(EdgeLLMError):
 
 class RknnMatmulError(RunnerError):
     """librknnrt's matmul API returned an error: `function` is the entry point, `code` its return
-    value and `code_name` the name from rknn_api.h's error table (docs/npu.md, "The matmul API binding")."""
+    value and `code_name` the name from rknn_api.h's error table; `code` None for a NULL pointer
+    (`rknn_create_mem`) (docs/npu.md, "The matmul API binding")."""
 
-    def __init__(self, function: str, code: int, code_name: str, detail: str = ""):
+    def __init__(self, function: str, code: int | None, code_name: str, detail: str = ""):
         self.function, self.code, self.code_name = function, code, code_name
-        super().__init__(f"{function} returned {code} ({code_name})" + (f": {detail}" if detail else ""))
+        what = "NULL" if code is None else f"{code} ({code_name})"
+        super().__init__(f"{function} returned {what}" + (f": {detail}" if detail else ""))
 
 
 class KVCacheError(EdgeLLMError):
