@@ -28,7 +28,7 @@ LAYERS = {
 # package -> its modules low to high: a module imports only modules listed before it
 # (`__init__` is the package's own __init__.py; a subpackage is one entry of its parent)
 ORDER = {
-    "backends": ["wire", "toolkit_worker", "graphs", "manifest", "int8mm", "cpu", "cpu_side", "cpu_vision", "vision", "__init__",
+    "backends": ["wire", "toolkit_worker", "graphs", "manifest", "int8mm", "rknn_matmul_api", "rknn_mm", "cpu", "cpu_side", "cpu_vision", "vision", "__init__",
                  "runners", "rknnlite", "graph", "rknn", "onnx_export", "attn_kernel", "quant", "quant_export",
                  "vision_export", "decode_export", "decode_step", "cpuq", "vision_graph"],
     "snapshot": ["writer", "layout", "encode", "decode", "format", "inspect", "entries", "chains", "catalog",
