@@ -40,7 +40,7 @@ ORDER = {
                     "gguf_blocks", "__init__"],
     "vision": ["preprocess", "positions", "encoder", "model", "__init__"],
     "convert": ["report", "calibration_text", "calibration", "w8a8", "rknn", "vision", "__init__"],
-    "server": ["errors", "schemas", "metrics", "node", "prefetch", "worker", "budget", "images", "streaming", "ui", "state", "app",
+    "server": ["errors", "schemas", "metrics", "node", "prefetch", "worker", "budget", "images", "streaming", "ui", "events", "state", "storeview", "app",
                "__init__"],
     "bench": ["disk", "procstat", "prompts", "models", "client", "fleet", "throttle", "restore", "conversation", "ttft",
               "split", "recovery", "quant", "accuracy", "quant_memory", "npu_predict", "npu", "vision", "decode", "llamacpp_peer",

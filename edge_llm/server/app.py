@@ -34,10 +34,12 @@ from edge_llm.server.errors import (
     unavailable,
 )
 from edge_llm.server.budget import Budget, encode_within
+from edge_llm.server.events import EventHub
 from edge_llm.server.images import ChatOptions, decode_images, render_chat
 from edge_llm.server.metrics import StatusCountMiddleware
 from edge_llm.server.node import NodeHeaderMiddleware
 from edge_llm.server.state import AppState
+from edge_llm.server.storeview import EdgeState, EdgeStore, StoreView
 from edge_llm.server.streaming import collect, sse_chat, sse_completion
 from edge_llm.server.ui import mount_ui
 from edge_llm.server.worker import Job, QueueFull, ShuttingDown
@@ -60,15 +62,19 @@ def create_app(settings: Settings, notifier: Notifier | None = None, loader: Cal
     chat_options = ChatOptions(settings.image_dir, settings.max_image_bytes, settings.max_images,
                                settings.chat_special_tokens)
     decode_gate = asyncio.Semaphore(settings.max_image_decodes)  # images decoded at once (all requests)
+    events = EventHub()  # log lines -> /v1/edge/events (server/events.py)
+    view = StoreView(state, events)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
+        logging.getLogger().addHandler(events)  # from the first line: the scan's [KV-DISK] index line
         state.start_loading()
         try:
             yield
         finally:
             # the worker join and snapshot flush block: keep them off the event loop
             await run_in_threadpool(state.close)
+            logging.getLogger().removeHandler(events)
 
     keyed = settings.api_key_file is not None
     # with an API key, the interactive docs are off and the schema is behind the key (docs/api.md)
@@ -125,6 +131,23 @@ def create_app(settings: Settings, notifier: Notifier | None = None, loader: Cal
                                              max_model_len=settings.max_seq,
                                              default_max_tokens=settings.default_max_tokens,
                                              backend=state.backend, backend_reason=state.backend_reason)])
+
+    # ---- the page's data (docs/api.md, "The page and its endpoints") ---------------------------
+    @app.get("/v1/edge/state", response_model=EdgeState, responses={401: ERRORS[401]},
+             dependencies=[Depends(auth)])
+    def edge_state() -> EdgeState:
+        return view.state_doc()
+
+    @app.get("/v1/edge/store", response_model=EdgeStore, responses={401: ERRORS[401]},
+             dependencies=[Depends(auth)])
+    def edge_store() -> EdgeStore:  # a stat per snapshot: in the thread pool
+        return view.store_doc()
+
+    # an endless stream: documented in docs/api.md, left out of the schema (a fuzzer would wait on it)
+    @app.get("/v1/edge/events", include_in_schema=False, dependencies=[Depends(auth)])
+    async def edge_events(request: Request) -> StreamingResponse:
+        return StreamingResponse(events.stream(request, lambda: state.status == "stopping"),
+                                 media_type="text/event-stream", headers=_SSE_HEADERS)
 
     # ---- generation ---------------------------------------------------------------------------
     def sampling(body: S._Sampling, endpoint: str) -> tuple[SamplingParams, list[str]]:
