@@ -158,3 +158,13 @@ def tiny_synth_dir(tmp_path_factory) -> Path:
     from edge_llm.checkpoints.synth import synth_checkpoint
 
     return synth_checkpoint(tmp_path_factory.mktemp("tiny-synth") / "tiny-qwen3vl", preset="tiny")
+
+
+@pytest.fixture(scope="session")
+def fake_librknnrt(request) -> Path:
+    """The fake librknnrt.so built for this host (tests/fake_librknnrt: it stands in for Rockchip's
+    closed library, which cannot exist without an RK3588 NPU), compiled once per source into
+    pytest's cache directory."""
+    from fake_librknnrt.build import build_fake
+
+    return build_fake(Path(request.config.cache.mkdir("fake_librknnrt")))

@@ -1,0 +1,195 @@
+"""The NPU matmul engine (`rknn_mm.NpuInt8Matmul`) and its ctypes binding (`rknn_matmul_api`) over a
+fake librknnrt.so built here from tests/fake_librknnrt/fake_rknnrt.c. The fake stands in for
+Rockchip's closed library, which cannot exist without an RK3588 NPU: it implements the entry
+points the binding calls, on the CPU, with rknn_matmul_api.h's native layout and refusals, and
+counts live contexts and buffers (fake_live_objects). The same checks run on the emulated arm64
+board (tests/test_board_emulated.py) through tests/helpers/npu_matmul_check.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_llm.backends import rknn_matmul_api as api
+from edge_llm.backends.int8mm import HostInt8Matmul
+from edge_llm.backends.rknn_mm import M_SHAPES, open_npu_matmul, shape_for, split_columns
+from edge_llm.errors import ConfigError, RknnMatmulError
+from edge_llm.settings import LIBRKNNRT_ENV
+
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+import npu_matmul_check as check  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def lib(fake_librknnrt):
+    """The fake, with no object alive before and after the test (a leak fails the test that made it)."""
+    path = str(fake_librknnrt)
+    assert check.live(path) == (0, 0)
+    yield path
+    assert check.live(path) == (0, 0)
+
+
+def native_reference(w: np.ndarray) -> np.ndarray:
+    """rknn_matmul_api.h's int8 B native layout on RK3588, from its comment: (N/32, K/32, 32, 32),
+    and above K = 8192 ceil(K / 8192) segments of K, each in that layout, one after the other."""
+    K, N = w.shape
+    segs = [w[k0:k0 + 8192] for k0 in range(0, K, 8192)]
+    return np.concatenate([s.reshape(s.shape[0] // 32, 32, N // 32, 32).transpose(2, 0, 3, 1).reshape(-1)
+                           for s in segs])
+
+
+@pytest.mark.parametrize("K,N", [(64, 96), (8256, 64)])
+def test_the_fakes_native_layout_is_the_headers(lib, K, N):
+    """The layout the fake converts B into (and reads in run) is the header's, by an independent
+    numpy rewrite of the header's description: the engine's bitwise results would not show a
+    layout both sides got wrong the same way."""
+    lib_ = api.load_library(lib)
+    w = np.random.default_rng(1).integers(-127, 128, (K, N), dtype=np.int8)
+    out = np.zeros(K * N, dtype=np.int8)
+    info = api.MatmulInfo(K=K, N=N, type=api.MatmulType.INT8_MM_INT8_TO_INT32, B_layout=api.Layout.NATIVE)
+    lib_.b_to_native(w.ctypes.data, out.ctypes.data, K, N, info)
+    assert np.array_equal(out, native_reference(w))
+
+
+def test_results_are_the_host_emulations_bitwise(lib):
+    """M = 1, 3, 32, 33, 128, 200 (padded to a dynamic shape, split above 128), N split over the
+    three cores with parts that are not thirds, K up to the 10240 limit, the extremes +-127."""
+    res = check.bitwise(lib, cases=((64, 224, (1, 3, 32, 33, 128, 200)), (576, 1536, (1, 33)),
+                                    (10240, 96, (2,)), (8224, 64, (3,))))
+    assert res["checked"] == 10 and res["mismatches"] == [], res
+    assert res["parts"]["w64x224"] == [[0, 96], [1, 64], [2, 64]] and res["parts"]["w8224x64"] == [[0, 32], [1, 32]]
+    assert res["live_during"] == [3 + 3 + 3 + 2, 3 * 11] and res["live_after"] == [0, 0]
+    assert res["numerics"].startswith("librknnrt-") and res["numerics"].endswith("-cores0,1,2")
+
+
+def test_rows_never_mix_and_the_result_is_the_callers(lib):
+    """A row's result is the same alone, padded (3 -> 4 rows) or in a split batch (200 = 128 + 72);
+    the returned array is not the engine's buffer (the next run leaves it alone)."""
+    rng = np.random.default_rng(2)
+    w = rng.integers(-127, 128, (96, 160), dtype=np.int8)
+    a = rng.integers(-127, 128, (200, 96), dtype=np.int8)
+    e = open_npu_matmul(lib, cores=(0, 2))
+    try:
+        e.add("w", w)
+        whole = e.run("w", a)
+        kept = whole.copy()
+        for i in (0, 2, 130, 199):
+            assert np.array_equal(e.run("w", a[i:i + 1])[0], whole[i])
+        assert np.array_equal(e.run("w", a[5:8]), whole[5:8])
+        assert np.array_equal(whole, kept)
+        assert [p.core for p in e.weights["w"]] == [0, 2] and e.numerics.endswith("-cores0,2")
+    finally:
+        e.close()
+
+
+def test_split_and_shapes():
+    assert split_columns(224, 3) == [(0, 96), (96, 160), (160, 224)]
+    assert split_columns(64, 3) == [(0, 32), (32, 64)]  # no empty part: two contexts
+    assert split_columns(96, 1) == [(0, 96)]
+    assert [shape_for(m) for m in (1, 3, 32, 33, 128)] == [1, 4, 32, 64, 128] and M_SHAPES[-1] == 128
+
+
+def _info(K=64, N=32, **kw) -> api.MatmulInfo:
+    return api.MatmulInfo(K=K, N=N, type=kw.pop("type", api.MatmulType.INT8_MM_INT8_TO_INT32),
+                          B_layout=api.Layout.NATIVE, **kw)
+
+
+def _refused(exc: pytest.ExceptionInfo, function: str, code: int | None) -> None:
+    e = exc.value
+    assert e.function == function and e.code == code, e
+    assert str(e).startswith(f"{function} returned ") and (code is None or api.ERRORS[code] in str(e)), e
+
+
+@pytest.mark.parametrize("info", [_info(K=48), _info(N=40), _info(K=10272), _info(type=99)],
+                         ids=["K-not-32", "N-not-32", "K-over-10240", "not-a-type"])
+def test_refused_shapes_and_types(lib, info):
+    with pytest.raises(RknnMatmulError) as exc:
+        api.load_library(lib).create_dynamic_shape(info, [api.Shape(1, info.K, info.N)])
+    _refused(exc, "rknn_matmul_create_dynamic_shape", -5)
+
+
+def test_refused_calls_on_a_context(lib):
+    """A three-core mask, a buffer smaller than its io attr, an M outside the dynamic shapes, a run
+    with nothing bound: each names its function and code, and the context stays usable."""
+    L = api.load_library(lib)
+    ctx, attrs = L.create_dynamic_shape(_info(), [api.Shape(1, 64, 32), api.Shape(4, 64, 32)])
+    small = L.create_mem(ctx, attrs[1].A.size - 1)
+    try:
+        with pytest.raises(RknnMatmulError) as exc:
+            L.set_core_mask(ctx, api.CoreMask.CORE_0_1_2)
+        _refused(exc, "rknn_matmul_set_core_mask", -5)
+        L.set_core_mask(ctx, api.CoreMask.CORE_1)
+        with pytest.raises(RknnMatmulError) as exc:
+            L.set_io_mem(ctx, small, attrs[1].A)
+        _refused(exc, "rknn_matmul_set_io_mem", -5)
+        with pytest.raises(RknnMatmulError) as exc:
+            L.set_dynamic_shape(ctx, api.Shape(3, 64, 32))
+        _refused(exc, "rknn_matmul_set_dynamic_shape", -5)
+        L.set_dynamic_shape(ctx, api.Shape(1, 64, 32))
+        with pytest.raises(RknnMatmulError) as exc:
+            L.run(ctx)
+        _refused(exc, "rknn_matmul_run", -8)
+    finally:
+        L.destroy_mem(ctx, small)
+        L.destroy(ctx)
+    with pytest.raises(RknnMatmulError) as exc:
+        L.destroy(ctx)
+    _refused(exc, "rknn_matmul_destroy", -7)
+
+
+def test_a_failed_add_releases_what_it_made_and_close_releases_the_rest(lib):
+    """The fake's domain limit lowered so a weight's third part finds its domain full half-way
+    through `add`: the refusal surfaces, the two parts made so far are released, the weight
+    registered before still runs, and close() (twice) leaves nothing alive."""
+    fake = ctypes.CDLL(lib)
+    e = open_npu_matmul(lib)
+    w = np.ones((64, 96), dtype=np.int8)
+    try:
+        e.add("first", w)
+        before = check.live(lib)
+        per_part = check.domain_bytes(lib, 1) // 3
+        fake.fake_set_domain_limit(ctypes.c_uint64(check.domain_bytes(lib, 1) + 2 * per_part + per_part // 2))
+        with pytest.raises(RknnMatmulError) as exc:
+            e.add("second", w)
+        _refused(exc, "rknn_create_mem", None)
+        assert check.live(lib) == before and "second" not in e.weights
+        assert np.array_equal(e.run("first", np.ones((1, 64), np.int8)), np.full((1, 96), 64, np.int32))
+    finally:
+        fake.fake_set_domain_limit(ctypes.c_uint64(1 << 32))
+        e.close()
+    e.close()
+    assert check.live(lib) == (0, 0)
+
+
+def test_two_iommu_domains_hold_the_2b_decoder_and_the_tower(lib):
+    """Qwen3-VL-2B's int8 decoder as the engine allocates it (domain 1) beside the vision tower's
+    0.85 GB (domain 0) fits; the fp16 graphs' 3.49 GB and the tower in one domain are refused."""
+    res = check.domains(lib)
+    assert res["decoder_int8_bytes"] == 1_720_451_072  # 28 x (qkv, o, gate_up, down) + head, int8
+    assert res["split"] is None and res["split_bytes"][0] == check.TOWER_BYTES
+    assert res["decoder_int8_bytes"] < res["split_bytes"][1] < 1 << 32  # + A/C buffers for 128 rows
+    assert res["int8_one_domain"] is None  # 2.2 + 0.85 GB: the int8 decoder alone does not need domain 1
+    assert res["fp16_one_domain"].startswith("rknn_create_mem returned NULL"), res
+    assert res["live_after"] == [0, 0]
+
+
+def test_a_missing_library_says_what_to_install(tmp_path, monkeypatch, lib):
+    monkeypatch.setenv(LIBRKNNRT_ENV, str(tmp_path / "nowhere" / "librknnrt.so"))
+    with pytest.raises(ConfigError) as exc:
+        open_npu_matmul()
+    msg = str(exc.value)
+    assert str(tmp_path / "nowhere" / "librknnrt.so") in msg and "rknpu2" in msg and LIBRKNNRT_ENV in msg, msg
+    monkeypatch.setenv(LIBRKNNRT_ENV, lib)  # the variable is what open_npu_matmul() loads
+    open_npu_matmul().close()
+    libm = ctypes.util.find_library("m")
+    assert libm
+    with pytest.raises(ConfigError, match="libm.* has no rknn_matmul_create, .*librknnrt 2.1 or newer"):
+        open_npu_matmul(libm)
