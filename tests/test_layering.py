@@ -43,7 +43,7 @@ ORDER = {
     "server": ["errors", "schemas", "metrics", "node", "prefetch", "worker", "budget", "images", "streaming", "ui", "events", "state", "storeview", "app",
                "__init__"],
     "bench": ["disk", "procstat", "prompts", "models", "client", "fleet", "throttle", "restore", "conversation", "ttft",
-              "split", "recovery", "quant", "accuracy", "quant_memory", "npu_predict", "npu", "vision", "decode", "llamacpp_peer",
+              "split", "recovery", "quant", "accuracy", "quant_memory", "npu_predict", "npu_matmul", "npu", "vision", "decode", "llamacpp_peer",
               "__init__"],
     "cli": ["options", "progress", "bench", "convert", "doctor", "generate", "kv", "kv_transfer", "model", "serve", "__init__"],
     "cli.bench": ["common", "accuracy", "compute", "decode", "fleet", "npu", "quant", "recovery", "restore", "vision", "__init__"],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import platform
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import pytest
 
 from edge_llm.backends import rknn_matmul_api as api
 from edge_llm.backends.int8mm import HostInt8Matmul
-from edge_llm.backends.rknn_mm import M_SHAPES, open_npu_matmul, shape_for, split_columns
+from edge_llm.backends.rknn_mm import M_SHAPES, library_id, open_npu_matmul, shape_for, split_columns
 from edge_llm.errors import ConfigError, RknnMatmulError
 from edge_llm.settings import LIBRKNNRT_ENV
 
@@ -193,3 +194,15 @@ def test_a_missing_library_says_what_to_install(tmp_path, monkeypatch, lib):
     assert libm
     with pytest.raises(ConfigError, match="libm.* has no rknn_matmul_create, .*librknnrt 2.1 or newer"):
         open_npu_matmul(libm)
+
+
+def test_the_micro_benchmark_labels_what_it_measured(lib):
+    """bench_matmul over the fake: every figure comes with the engine's numerics (the library's
+    hash) and the machine, so the fake's numbers on this CPU are not read as an NPU's."""
+    from edge_llm.bench.npu_matmul import bench_matmul
+
+    res = bench_matmul(lib, reps=3, stream_reps=1, shapes={"64x96": (64, 96)})
+    assert res.numerics == f"librknnrt-{library_id(lib)}-cores0" and res.machine.startswith(platform.machine())
+    assert 0 < res.lib_run_us < res.run_us and set(res.gbps["64x96"]) == {"1 core", "3 cores"}
+    text = "\n".join(res.lines())
+    assert res.numerics in text and res.machine in text and "GB/s" in text, text
