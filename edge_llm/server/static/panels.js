@@ -29,13 +29,21 @@ function fill(dl, rows) {
 const isBytes = (k) => /bytes/.test(k);
 const show = (k, v) => (typeof v === "number" && isBytes(k) ? bytes(v) : Array.isArray(v) ? v.join("; ") : v);
 
+// Rows for an object's fields, nested objects flattened with dotted names (memory.parts.weights).
+function rows(prefix, obj) {
+  return Object.entries(obj || {}).flatMap(([k, v]) =>
+    v !== null && typeof v === "object" && !Array.isArray(v)
+      ? rows(prefix + k + ".", v)
+      : [[prefix + k, show(prefix.includes("parts") ? "bytes" : k, v)]]);
+}
+
 export async function refreshState() {
   const s = await getJSON("/v1/edge/state");
   $("hdr-model").textContent = `${s.model || ""} · ${s.backend || ""}`;
   const badge = $("hdr-status");
   badge.textContent = s.busy ? "busy" : s.status;
   badge.className = "badge status-" + s.status + (s.degraded && s.degraded.length ? " degraded" : "");
-  const mem = s.memory || {};
+  const mem = s.memory || { estimate: "(loading)" };
   const settings = s.settings || {};
   fill($("state"), [
     ["status", s.status], ["version", s.version], ["model", s.model], ["backend", s.backend],
@@ -43,8 +51,7 @@ export async function refreshState() {
     ["uptime", s.uptime_s === undefined ? "" : `${Math.round(s.uptime_s)} s`],
     ["degraded", (s.degraded || []).length ? s.degraded.join("; ") : "none"],
     ["busy", s.busy], ["queue_depth", s.queue_depth],
-    ...Object.entries(mem).map(([k, v]) => ["memory." + k, show(k, v)]),
-    ...Object.entries(settings).map(([k, v]) => ["settings." + k, show(k, v)]),
+    ...rows("memory.", mem), ...rows("settings.", settings), ...rows("events.", s.events),
   ]);
   return s;
 }
@@ -62,8 +69,7 @@ export async function refreshStore() {
   const gate = st.cost_gate || {};
   fill($("store-summary"), [
     ["namespace", st.namespace], ["enabled", st.enabled], ["free", bytes(st.free_bytes)],
-    ...Object.entries(limits).map(([k, v]) => ["limit " + k, show(k, v)]),
-    ...Object.entries(gate).map(([k, v]) => ["cost gate " + k, show(k, v)]),
+    ...rows("limit ", limits), ...rows("cost gate ", st.cost_gate === null ? { mode: "off" } : gate),
   ]);
   const snaps = [...(st.snapshots || [])].sort((a, b) => (b.last_used || 0) - (a.last_used || 0));
   $("snapshots").tBodies[0].replaceChildren(...snaps.map((s) => {
@@ -99,6 +105,11 @@ export async function followEvents(onKvDisk) {
       if (!r.ok) throw new Error(await errorText(r));
       $("events-status").textContent = "connected";
       await readSSE(r, (name, data) => {
+        if (name === "dropped") {
+          const n = JSON.parse(data).dropped;
+          addEvent({ ts: Date.now() / 1000, tag: "dropped", line: `(${n} event(s) dropped: this page read too slowly)` });
+          return;
+        }
         if (name !== "log") return;
         const ev = JSON.parse(data);
         addEvent(ev);

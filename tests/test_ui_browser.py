@@ -1,0 +1,182 @@
+"""The page (docs/ui.md) in a real headless chromium against a real server on the default model.
+
+One server's life and restart, as the lab runs it with the page (docs/lab-a.md): a streamed chat
+turn is a cold row in the turns table; SIGTERM, start again on the same kv dir; "Resend
+conversation" restores the prefix from disk (cached_tokens > 0, source disk), the store view lists
+the snapshot, the chart has a cold and a restored point, the live events show the restore. The
+layout holds at 360 and 1280 CSS pixels. A second server with `api_key_file`: the page asks for the
+key, a wrong key is refused and shows nothing, the right one shows the state.
+
+Browser: Debian's chromium + chromedriver (make test-deps); skipped, saying so, where they are absent.
+EDGE_LLM_UI_SCREENSHOT=<png> also writes the desktop screenshot there (docs/ui.png is made this way).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+import time
+from pathlib import Path
+
+import pytest
+import uibrowser as ub
+from serverutil import ServerProc
+
+pytestmark = pytest.mark.skipif(ub.missing() is not None, reason=str(ub.missing()))
+
+# A system prompt longer than two prefill chunks (128 rows): a restored prefix is cut back to a
+# chunk boundary (docs/store.md "Restore and recompute"), so a shorter one would restore nothing.
+SYSTEM = ("You are the lab assistant of a class that runs a small language model on an RK3588 board. "
+          "The board has eight CPU cores, an NPU and an eMMC disk. The server keeps the KV cache of the "
+          "last conversation in RAM and writes a snapshot of it to the disk after every request, so that "
+          "a restarted server reads the prefix back instead of computing it again. ") * 3
+QUESTION = "Where does the server write its snapshots?"
+
+
+@pytest.fixture
+def browser(tmp_path):
+    driver = ub.start_browser(download_dir=tmp_path / "downloads")
+    yield driver
+    driver.quit()
+
+
+def text(driver, css: str) -> str:
+    return driver.execute_script("const e = document.querySelector(arguments[0]); return e ? e.textContent : ''", css)
+
+
+def turn_rows(driver) -> list[dict]:
+    return driver.execute_script(
+        "return [...document.querySelectorAll('#turns tbody tr')].map(tr => Object.fromEntries("
+        "[...tr.cells].map(td => [td.dataset.col, td.textContent])))")
+
+
+def canvas_colours(driver) -> dict[str, int]:
+    """Pixels of each series' colour on the chart canvas (what was drawn, not the data attributes)."""
+    return driver.execute_script("""
+        const c = document.getElementById('chart'), d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        const want = {cold: [0x1f, 0x6f, 0xb4], restored: [0xd9, 0x48, 0x0f]}, out = {cold: 0, restored: 0};
+        for (let i = 0; i < d.length; i += 4) for (const [k, [r, g, b]] of Object.entries(want))
+            if (Math.abs(d[i] - r) < 3 && Math.abs(d[i + 1] - g) < 3 && Math.abs(d[i + 2] - b) < 3) out[k]++;
+        return out;""")
+
+
+def check_layout(driver, size: tuple[int, int]) -> dict:
+    ub.set_viewport(driver, size)
+    assert driver.execute_script("return innerWidth") == size[0]
+    boxes = ub.panel_boxes(driver)
+    for name, b in boxes.items():
+        assert b["w"] > 0 and b["h"] > 0, (size, name, b)
+        assert b["x"] >= 0 and b["x"] + b["w"] <= size[0] + 0.5, (size, name, b)  # no sideways scrolling
+    assert not ub.overlaps(boxes), (size, ub.overlaps(boxes), boxes)
+    return boxes
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.mark.timeout(600)
+def test_chat_restart_resend_restores_from_disk(edge_home, tmp_path, browser):
+    d = browser
+    srv = ServerProc(edge_home, tmp_path / "srv", "--model", "default", "--backend", "cpu").start()
+    try:
+        d.get(srv.url + "/")  # redirected to /ui/
+        assert d.current_url.endswith("/ui/")
+        ub.wait_js(d, "return document.querySelector('#state dd[data-key=backend]')?.textContent === 'cpu'",
+                   what="the state panel")
+        d.execute_script("document.querySelector('details.opts').open = true")
+        d.find_element("id", "opt-system").send_keys(SYSTEM)
+        mx = d.find_element("id", "opt-max")
+        mx.clear()
+        mx.send_keys("12")
+        d.find_element("id", "opt-temp").send_keys("0")
+        d.find_element("id", "chat-input").send_keys(QUESTION)
+        d.find_element("id", "send").click()
+        ub.wait_js(d, "return document.querySelectorAll('#turns tbody tr').length === 1", what="the first turn")
+        (cold,) = turn_rows(d)
+        assert cold["source"] == "none" and cold["cached"] == "0" and int(cold["prompt"]) > 256, cold
+        answer = text(d, "#messages .msg.assistant .body")
+        assert answer.strip(), "no streamed answer"
+        assert float(cold["ttft"]) > 0 and float(cold["prefill"]) > 0 and cold["draft"] == "0 / 0", cold
+
+        # the snapshot is written after the answer: wait for its line, then restart on the same kv dir
+        ub.wait_js(d, "return [...document.querySelectorAll('#events li')].some(li => /\\[KV-DISK\\] saved/"
+                      ".test(li.textContent))", what="the live [KV-DISK] saved event")
+        assert srv.stop(signal.SIGTERM) == 0
+        srv.start()
+        ub.wait_js(d, "return document.getElementById('events-status').textContent === 'connected' && "
+                      "document.querySelector('#state dd[data-key=uptime]')?.textContent !== ''",
+                   what="the page reconnected")
+        d.find_element("id", "resend").click()
+        ub.wait_js(d, "return document.querySelectorAll('#turns tbody tr').length === 2", what="the resent turn")
+        restored = turn_rows(d)[1]
+        assert restored["source"] == "disk" and int(restored["cached"]) > 0, restored
+        assert restored["prompt"] == cold["prompt"] and int(restored["restored"]) > 0, restored
+        assert len(d.find_elements("css selector", "#messages .msg.assistant")) == 1  # the answer was replaced
+        assert text(d, "#messages .msg.assistant .body") == answer  # greedy: the cold run's answer
+
+        # the store lists the snapshot, the live events show the restore, the chart has both points
+        d.find_element("id", "store-refresh").click()
+        ub.wait_js(d, "return document.querySelectorAll('#snapshots tbody tr').length >= 1", what="the store view")
+        files = d.execute_script("return [...document.querySelectorAll('#snapshots td[data-col=file]')]"
+                                 ".map(td => td.textContent)")
+        assert all(f.startswith("kv_") and f.endswith(".kv") for f in files), files
+        ub.wait_js(d, "return [...document.querySelectorAll('#events li')].some(li => /\\[KV-DISK\\] loaded/"
+                      ".test(li.textContent))", what="the live [KV-DISK] loaded event")
+        chart = d.find_element("id", "chart")
+        assert (chart.get_attribute("data-cold"), chart.get_attribute("data-restored")) == ("1", "1")
+        colours = canvas_colours(d)
+        assert colours["cold"] > 20 and colours["restored"] > 20, colours
+
+        d.find_element("id", "chart-csv").click()
+        csv = _wait_file(tmp_path / "downloads" / "edge-llm-ttft.csv")
+        lines = csv.decode().splitlines()
+        assert lines[0].startswith("series,prompt_tokens,ttft_ms") and [x.split(",")[0] for x in lines[1:]] == \
+            ["cold", "restored"], lines
+
+        for size in (ub.PHONE, ub.DESKTOP):
+            check_layout(d, size)
+        shot = tmp_path / "ui.png"
+        ub.full_screenshot(d, shot, ub.DESKTOP[0])
+        assert png_size(shot.read_bytes())[0] == ub.DESKTOP[0]
+        if os.environ.get("EDGE_LLM_UI_SCREENSHOT"):
+            Path(os.environ["EDGE_LLM_UI_SCREENSHOT"]).write_bytes(shot.read_bytes())
+    finally:
+        srv.stop()
+
+
+def _wait_file(path: Path, timeout: float = 30) -> bytes:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.is_file() and path.stat().st_size > 0:
+            return path.read_bytes()
+        time.sleep(0.1)
+    raise TimeoutError(f"{path.name} was not downloaded")
+
+
+@pytest.mark.timeout(300)
+def test_key_flow(edge_home, tmp_path, browser):
+    d = browser
+    (tmp_path / "keys").write_text("right-key\n")
+    srv = ServerProc(edge_home, tmp_path / "srv", "--model", "default", "--backend", "cpu", "--no-disk-kv",
+                     "--api-key-file", str(tmp_path / "keys")).start()
+    try:
+        d.get(srv.url + "/ui/")
+        ub.wait_js(d, "return !document.getElementById('key-form').hidden", what="the key form")
+        assert d.execute_script("return document.body.classList.contains('needs-key')")
+        assert text(d, "#state") == "" and text(d, "#snapshots tbody") == ""
+        d.find_element("id", "key-input").send_keys("wrong-key")
+        d.find_element("css selector", "#key-form button[type=submit]").click()
+        ub.wait_js(d, "return !document.getElementById('key-error').hidden && "
+                      "!document.getElementById('key-form').hidden", what="the refusal")
+        assert "refused" in text(d, "#key-error") and text(d, "#state") == ""
+        d.find_element("id", "key-input").send_keys("right-key")
+        d.find_element("css selector", "#key-form button[type=submit]").click()
+        ub.wait_js(d, "return document.querySelector('#state dd[data-key=backend]')?.textContent === 'cpu'",
+                   what="the state with the right key")
+        assert d.find_element("id", "key-form").get_attribute("hidden") is not None
+        assert not d.execute_script("return document.body.classList.contains('needs-key')")
+    finally:
+        srv.stop()
