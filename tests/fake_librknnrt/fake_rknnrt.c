@@ -17,8 +17,8 @@
  *     (rknn_create_mem returns NULL, as the driver's allocation fails).
  * What is the fake's own choice (marked "fake:" below): only RKNN_INT8_MM_INT8_TO_INT32 and AC in
  * the normal layout are implemented (others are refused); after rknn_matmul_set_dynamic_shape, A
- * and C must be bound again with that shape's attrs before a run (what Rockchip's dynamic-shape
- * demo does); destroying a context frees nothing of its buffers (they must be destroyed first).
+ * and C must be bound again with that shape's attrs before a run (stricter than may be needed:
+ * the engine does it either way); destroying a context frees nothing of its buffers (they must be destroyed first).
  * Test hooks (not in the header): fake_live_objects, fake_domain_bytes, fake_set_domain_limit.
  */
 #include <pthread.h>
