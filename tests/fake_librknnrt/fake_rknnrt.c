@@ -324,24 +324,28 @@ int rknn_matmul_run(rknn_context ctx) {
     if (!c->c || c->c_m != M) return RKNN_ERR_OUTPUT_INVALID;
     const int8_t *A = c->a->virt_addr, *B = c->b->virt_addr;
     int32_t *C = c->c->virt_addr;
-    memset(C, 0, (size_t)M * N * 4);
-    for (int k0 = 0; k0 < K; k0 += 32)
-        for (int nb = 0; nb < N; nb += 32) {
-            const int8_t *blk = B + (c->info.B_layout == 1 ? native_offset(k0, nb, K, N) : 0);
-            for (int m = 0; m < M; m++) {
-                const int8_t *a = A + (size_t)m * K + k0;
-                int32_t *out = C + (size_t)m * N + nb;
-                for (int j = 0; j < 32; j++) {
-                    int32_t acc = 0;
-                    if (c->info.B_layout == 1) {
-                        const int8_t *b = blk + j * 32;
-                        for (int t = 0; t < 32; t++) acc += (int32_t)a[t] * (int32_t)b[t];
-                    } else {
-                        for (int t = 0; t < 32; t++) acc += (int32_t)a[t] * (int32_t)B[(size_t)(k0 + t) * N + nb + j];
+    int native = c->info.B_layout == 1;
+    /* one 32-column block of C at a time, its 32 sums of a row in acc: the block's B (K x 32) is
+       read once per row from cache; int32 accumulation is exact (|sum| <= 128 * 128 * 10240) */
+    for (int nb = 0; nb < N; nb += 32)
+        for (int m = 0; m < M; m++) {
+            int32_t acc[32] = {0};
+            const int8_t *arow = A + (size_t)m * K;
+            for (int k0 = 0; k0 < K; k0 += 32) {
+                const int8_t *a = arow + k0;
+                if (native) {
+                    const int8_t *blk = B + native_offset(k0, nb, K, N);
+                    for (int j = 0; j < 32; j++) {
+                        int32_t s = 0;
+                        for (int t = 0; t < 32; t++) s += (int32_t)a[t] * (int32_t)blk[j * 32 + t];
+                        acc[j] += s;
                     }
-                    out[j] += acc;
+                } else {
+                    for (int t = 0; t < 32; t++)
+                        for (int j = 0; j < 32; j++) acc[j] += (int32_t)a[t] * (int32_t)B[(size_t)(k0 + t) * N + nb + j];
                 }
             }
+            memcpy(C + (size_t)m * N + nb, acc, sizeof acc);
         }
     return RKNN_SUCC;
 }
