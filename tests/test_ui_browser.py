@@ -86,6 +86,8 @@ def test_chat_restart_resend_restores_from_disk(edge_home, tmp_path, browser):
         assert d.current_url.endswith("/ui/")
         ub.wait_js(d, "return document.querySelector('#state dd[data-key=backend]')?.textContent === 'cpu'",
                    what="the state panel")
+        assert not d.find_element("id", "key-form").is_displayed()  # no key on this server: never asked
+        assert not d.find_element("id", "image-label").is_displayed()  # a text-only model: no image upload
         d.execute_script("document.querySelector('details.opts').open = true")
         d.find_element("id", "opt-system").send_keys(SYSTEM)
         mx = d.find_element("id", "opt-max")
@@ -165,18 +167,21 @@ def test_key_flow(edge_home, tmp_path, browser):
     try:
         d.get(srv.url + "/ui/")
         ub.wait_js(d, "return !document.getElementById('key-form').hidden", what="the key form")
-        assert d.execute_script("return document.body.classList.contains('needs-key')")
+        assert d.find_element("id", "key-form").is_displayed()
+        assert not any(d.find_element("id", p).is_displayed() for p in ub.PANELS)  # nothing shown without it
         assert text(d, "#state") == "" and text(d, "#snapshots tbody") == ""
         d.find_element("id", "key-input").send_keys("wrong-key")
         d.find_element("css selector", "#key-form button[type=submit]").click()
         ub.wait_js(d, "return !document.getElementById('key-error').hidden && "
                       "!document.getElementById('key-form').hidden", what="the refusal")
         assert "refused" in text(d, "#key-error") and text(d, "#state") == ""
+        assert not d.find_element("id", "panel-state").is_displayed()
         d.find_element("id", "key-input").send_keys("right-key")
         d.find_element("css selector", "#key-form button[type=submit]").click()
         ub.wait_js(d, "return document.querySelector('#state dd[data-key=backend]')?.textContent === 'cpu'",
                    what="the state with the right key")
         assert d.find_element("id", "key-form").get_attribute("hidden") is not None
-        assert not d.execute_script("return document.body.classList.contains('needs-key')")
+        assert not d.find_element("id", "key-form").is_displayed()
+        assert all(d.find_element("id", p).is_displayed() for p in ub.PANELS)
     finally:
         srv.stop()

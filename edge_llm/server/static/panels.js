@@ -27,7 +27,14 @@ function fill(dl, rows) {
 }
 
 const isBytes = (k) => /bytes/.test(k);
-const show = (k, v) => (typeof v === "number" && isBytes(k) ? bytes(v) : Array.isArray(v) ? v.join("; ") : v);
+function show(k, v) {
+  if (v === null || v === undefined) return "none";
+  if (typeof v === "number") {
+    if (isBytes(k)) return bytes(v) + (k.endsWith("_per_s") ? "/s" : "");
+    return Number.isInteger(v) ? String(v) : v.toFixed(1);
+  }
+  return Array.isArray(v) ? v.join("; ") : v;
+}
 
 // Rows for an object's fields, nested objects flattened with dotted names (memory.parts.weights).
 function rows(prefix, obj) {
