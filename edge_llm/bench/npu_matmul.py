@@ -3,7 +3,8 @@
 
 - overhead: the median time of `run` at M = 1 on a 32 x 32 weight (nothing to stream), next to
   the median of `rknn_matmul_run` alone on the same context: the library's fixed cost and what
-  the binding adds (copies in and out, the ctypes call, the thread per core);
+  the binding adds (copies in and out, the ctypes call); and `run` on a 32 x 96 weight over the
+  three cores (one 32-column part each, run by one thread per core);
 - GB/s: int8 weight bytes / median time of `run` at M = 1, for a 2048 x 6144 weight (the 2B's
   gate/up width) and one core's third of the 2B head (2048 x 50656), on core 0 and over 0, 1, 2.
 
@@ -28,6 +29,7 @@ HEAD_2B = (2048, 151936)  # Qwen3-VL-2B's tied head (hidden, vocab)
 STREAM_SHAPES = {"2048x6144": (2048, 6144),
                  "2B head / 3": (HEAD_2B[0], split_columns(HEAD_2B[1], 3)[0][1])}
 TINY = (32, 32)
+TINY_3 = (32, 96)  # one 32-column part per core
 
 
 @dataclass
@@ -36,11 +38,13 @@ class MatmulBench:
     machine: str
     run_us: float  # median NpuInt8Matmul.run, M = 1, 32 x 32, one core
     lib_run_us: float  # median rknn_matmul_run alone, same context
+    run3_us: float = 0.0  # median NpuInt8Matmul.run, M = 1, 32 x 96 over three cores
     gbps: dict[str, dict[str, float]] = field(default_factory=dict)  # shape -> {"1 core", "3 cores"} -> GB/s
 
     def lines(self) -> list[str]:
         out = [f"NPU matmul engine {self.numerics} on {self.machine}",
-               f"  per-call: run {self.run_us:.1f} us (M=1, 32x32), of it rknn_matmul_run {self.lib_run_us:.1f} us"]
+               f"  per-call: run {self.run_us:.1f} us (M=1, 32x32, one core), of it rknn_matmul_run "
+               f"{self.lib_run_us:.1f} us; over three cores (32x96) {self.run3_us:.1f} us"]
         for shape, by in self.gbps.items():
             out.append(f"  stream {shape} int8, M=1: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in by.items()))
         return out
@@ -88,6 +92,12 @@ def bench_matmul(lib: str | None = None, reps: int = 50, stream_reps: int = 5,
         res = MatmulBench(one.numerics, machine(), run_s * 1e6, lib_s * 1e6)
     finally:
         one.close()
+    three = open_npu_matmul(lib, cores=CORES)
+    try:
+        three.add("tiny3", rng.integers(-127, 128, TINY_3, dtype=np.int8))
+        res.run3_us = _median_s(lambda: three.run("tiny3", a), reps) * 1e6
+    finally:
+        three.close()
     for label, (K, N) in shapes.items():
         w = rng.integers(-127, 128, (K, N), dtype=np.int8)
         a = rng.integers(-127, 128, (1, K), dtype=np.int8)
