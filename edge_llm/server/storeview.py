@@ -32,6 +32,7 @@ from edge_llm.snapshot.store import SnapshotStore
 FIRST_WORDS_CHARS = 80  # the longest `first_words`
 FIRST_WORDS_TOKENS = 512  # token ids decoded for it: a system prompt and the first user words
 _SENTINEL = "\ue000first words\ue000"  # a private-use marker: where the user's text starts
+_PATH = re.compile(r"(?<![\w.~])~?/(?:[^\s/,;()'\"]+/)*([^\s/,;()'\"]*)")  # an absolute path in a message
 
 
 # ---- the documents (response models: /openapi.json, and FastAPI checks every answer) ---------------
@@ -117,8 +118,8 @@ class StoreView:
         h = st.health()
         return EdgeState(
             status=h["status"], version=__version__, model=st.model_id, backend=st.backend,
-            backend_reason=st.backend_reason, namespace=st.namespace, max_seq=s.max_seq, uptime_s=h["uptime_s"],
-            degraded=h["degraded"], busy=h["busy"], queue_depth=h["queue_depth"], queue_size=s.queue_size,
+            backend_reason=basenames(st.backend_reason) if st.backend_reason else None, namespace=st.namespace,
+            max_seq=s.max_seq, uptime_s=h["uptime_s"], degraded=[basenames(d) for d in h["degraded"]], busy=h["busy"], queue_depth=h["queue_depth"], queue_size=s.queue_size,
             memory=self._memory(st.engine) if st.engine is not None else None,
             settings={"disk_kv": s.disk_kv is not None, "disk_kv_restore": s.disk_kv_restore,
                       "disk_kv_prefetch": s.disk_kv_prefetch, "disk_kv_min_lcp": s.disk_kv_min_lcp,
@@ -206,6 +207,12 @@ class StoreView:
                 rendered = ""
             self._user_prefix = rendered.split(_SENTINEL)[0] if _SENTINEL in rendered else ""
         return self._user_prefix
+
+
+def basenames(text: str) -> str:
+    """`text` with each absolute path cut to its last part ("NPU at /dev/rknpu" -> "NPU at rknpu"): the
+    page's documents name no place on the board's disk."""
+    return _PATH.sub(lambda m: m.group(1), text)
 
 
 def _shorten(text: str, limit: int) -> str:
