@@ -8,8 +8,9 @@ domain 0 to the vision tower's `.rknn`). M varies per call: each context is crea
 dynamic shapes `M_SHAPES`; a call pads its rows up to the next shape with zero rows and splits
 above the largest (rows never mix, so padding changes no bit). A, B and C are buffers from
 `rknn_create_mem`, allocated once per context, with numpy views onto them: a call copies the
-int8 rows in and the int32 rows out, nothing else. The parts of one call run concurrently, one
-thread per core (ctypes releases the GIL for the call). docs/npu.md, "The matmul API binding".
+int8 rows in and the int32 rows out, nothing else. The parts of one call run concurrently: the
+first on the caller's thread, the others on one pool thread each (ctypes releases the GIL for the
+call). docs/npu.md, "The matmul API binding".
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ class NpuInt8Matmul:
         self.weights: dict[str, list[_Part]] = {}
         self.k: dict[str, int] = {}
         self.n: dict[str, int] = {}
-        self.pool = ThreadPoolExecutor(len(self.cores), thread_name_prefix="npu-mm") if len(self.cores) > 1 else None
+        # the first part of a call runs on the caller's thread, the others on one thread per core
+        self.pool = ThreadPoolExecutor(len(self.cores) - 1, thread_name_prefix="npu-mm") if len(self.cores) > 1 else None
         self.numerics = f"librknnrt-{library_id(lib.path)}-cores{','.join(map(str, self.cores))}"
 
     # ---- load ------------------------------------------------------------------------------
@@ -173,7 +175,12 @@ class NpuInt8Matmul:
             if p.m != shape:
                 self._set_shape(p, shape, K)
         if self.pool is not None and len(parts) > 1:
-            list(self.pool.map(self.lib.run, [p.ctx for p in parts]))
+            others = [self.pool.submit(self.lib.run, p.ctx) for p in parts[1:]]
+            try:
+                self.lib.run(parts[0].ctx)
+            finally:
+                for f in others:
+                    f.result()  # waits for every part; the first error is raised
         else:
             for p in parts:
                 self.lib.run(p.ctx)
