@@ -64,13 +64,13 @@ class _Part:
     n0: int
     n1: int
     attrs: list[api.IoAttr] = field(default_factory=list)
-    mems: list = field(default_factory=list)  # rknn_tensor_mem pointers, released at close
+    mems: list[ctypes._Pointer] = field(default_factory=list)  # rknn_tensor_mem pointers (A, B, C)
     a: np.ndarray | None = None  # int8 view of the A buffer (largest shape)
     c: np.ndarray | None = None  # int32 view of the C buffer
     m: int = 0  # the dynamic shape set now (0: none yet)
 
 
-def _view(mem, dtype: type, count: int) -> np.ndarray:
+def _view(mem: ctypes._Pointer, dtype: type, count: int) -> np.ndarray:
     m = mem.contents
     return np.frombuffer((ctypes.c_byte * m.size).from_address(m.virt_addr), dtype=dtype, count=count)
 
