@@ -67,6 +67,7 @@ def test_results_are_the_host_emulations_bitwise(lib):
                                     (10240, 96, (2,)), (8224, 64, (3,))))
     assert res["checked"] == 10 and res["mismatches"] == [], res
     assert res["parts"]["w64x224"] == [[0, 96], [1, 64], [2, 64]] and res["parts"]["w8224x64"] == [[0, 32], [1, 32]]
+    assert res["masks_domains"] == [[1, 1], [2, 1], [4, 1]]  # one core per context, all in domain 1
     assert res["live_during"] == [3 + 3 + 3 + 2, 3 * 11] and res["live_after"] == [0, 0]
     assert res["numerics"].startswith("librknnrt-") and res["numerics"].endswith("-cores0,1,2")
 

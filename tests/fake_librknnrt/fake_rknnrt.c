@@ -19,7 +19,8 @@
  * the normal layout are implemented (others are refused); after rknn_matmul_set_dynamic_shape, A
  * and C must be bound again with that shape's attrs before a run (stricter than may be needed:
  * the engine does it either way); destroying a context frees nothing of its buffers (they must be destroyed first).
- * Test hooks (not in the header): fake_live_objects, fake_domain_bytes, fake_set_domain_limit.
+ * Test hooks (not in the header): fake_live_objects, fake_context_info, fake_domain_bytes,
+ * fake_set_domain_limit.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -374,6 +375,15 @@ void fake_live_objects(int64_t *n_contexts, int64_t *n_mems) {
     pthread_mutex_unlock(&lock);
     *n_contexts = nc;
     *n_mems = nm;
+}
+
+/* the core mask and IOMMU domain a context was given; -1 for a context that does not exist */
+int fake_context_info(rknn_context ctx, int *core_mask, int *domain) {
+    ctx_rec *c = lookup(ctx);
+    if (!c) return -1;
+    *core_mask = c->core_mask;
+    *domain = c->info.iommu_domain_id;
+    return 0;
 }
 
 uint64_t fake_domain_bytes(int domain) { return domain >= 0 && domain < MAX_DOMAINS ? domain_bytes[domain] : 0; }

@@ -41,6 +41,14 @@ def live(lib_path: str) -> tuple[int, int]:
     return c.value, m.value
 
 
+def context_info(lib_path: str, ctx: int) -> list[int]:
+    """[core mask, IOMMU domain] the fake recorded for a context."""
+    fake = ctypes.CDLL(lib_path)
+    mask, domain = ctypes.c_int(), ctypes.c_int()
+    assert fake.fake_context_info(ctypes.c_uint64(ctx), ctypes.byref(mask), ctypes.byref(domain)) == 0
+    return [mask.value, domain.value]
+
+
 def domain_bytes(lib_path: str, domain: int) -> int:
     fake = ctypes.CDLL(lib_path)
     fake.fake_domain_bytes.restype = ctypes.c_uint64
@@ -67,11 +75,13 @@ def bitwise(lib_path: str, cases=SMALL_CASES, seed: int = 0) -> dict:
                 if got.dtype != np.int32 or not np.array_equal(got, want):
                     mismatches.append([K, N, m])
         parts = {name: [[p.core, p.n1 - p.n0] for p in ps] for name, ps in npu.weights.items()}
+        masks = sorted({tuple(context_info(lib_path, p.ctx)) for ps in npu.weights.values() for p in ps})
         during = list(live(lib_path))
     finally:
         npu.close()
         host.close()
-    return {"checked": checked, "mismatches": mismatches, "parts": parts, "live_during": during,
+    return {"checked": checked, "mismatches": mismatches, "parts": parts, "masks_domains": [list(m) for m in masks],
+            "live_during": during,
             "live_after": list(live(lib_path)), "numerics": npu.numerics}
 
 
