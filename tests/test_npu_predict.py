@@ -48,21 +48,24 @@ def test_k_above_the_limit_is_split():
 
 
 def test_cpu_work_interpolates_and_scales_rows():
-    cpu = CpuWork({(1, 512): 2.0, (1, 2048): 5.0, (32, 32): 10.0}, "x86-64", 2, 28)
+    cpu = CpuWork({(1, 512): 2.0, (1, 2048): 5.0, (4, 512): 6.0}, {32: 10.0}, "x86-64", 2, 28)
     assert cpu(1, 512) == 2.0 and cpu(1, 1280) == pytest.approx(3.5) and cpu(1, 8192) == pytest.approx(17.0)
-    assert cpu(128, 128) == pytest.approx(40.0)  # nearest measured rows (32), per row
-    assert cpu(32, 999) == 10.0  # one context measured: that value
+    assert cpu(128, 128, prompt=True) == pytest.approx(40.0)  # nearest measured rows (32), per row
+    assert cpu(4, 999) == 6.0  # one context measured: that value
+    assert cpu(8, 512) == pytest.approx(12.0)  # nearest measured decode rows (4), per row
 
 
 def test_prediction_adds_its_parts():
     p, r = Plan.of(ARGS_2B), Rates()
-    cpu = CpuWork({(1, 512): 3.0, (1, 2048): 3.0, (1, 8192): 3.0, (32, 32): 30.0, (128, 128): 100.0, (2, 512): 3.5},
+    cpu = CpuWork({(1, 512): 3.0, (1, 2048): 3.0, (1, 8192): 3.0, (2, 512): 3.5}, {32: 30.0, 128: 100.0},
                   "x86-64", 2, 28)
     res = predict(p, r, cpu, contexts=(512,), drafting=[Replayed("recall", 512, 10, (1, 2, 2, 1))])
     d = res["decode"][0]
     assert d["ms"] == pytest.approx(p.npu_ms(1, r) + 3.0) and d["tok_s"] == pytest.approx(1e3 / d["ms"])
     pre = {x["rows"]: x for x in res["prefill"]}
-    assert pre[128]["tok_s"] == pytest.approx(128e3 / (p.npu_ms(128, r) + 100.0))
+    assert pre[128]["tok_s"] == pytest.approx(128e3 / (p.npu_ms(128, r, head_rows=1) + 100.0))
+    # a prompt's head runs on its last row only: 128 rows of it would be compute-bound
+    assert p.npu_ms(128, r, head_rows=1) < p.npu_ms(128, r)
     assert res["rkllm_prefill_tok_s"] == pytest.approx(128 / 0.3836)
     dr = res["drafting"][0]
     assert dr["ms"] == pytest.approx(2 * (p.npu_ms(1, r) + 3.0) + 2 * (p.npu_ms(2, r) + 3.5))
@@ -71,10 +74,17 @@ def test_prediction_adds_its_parts():
     assert prof(1) == 1.0 and prof(2) == pytest.approx((p.npu_ms(2, r) + 3.5) / (p.npu_ms(1, r) + 3.0))
 
 
+def _busy(seconds: float) -> None:
+    """CPU time spent (the wrapper counts CPU time, so a sleep would not do)."""
+    t = time.process_time()
+    while time.process_time() - t < seconds:
+        pass
+
+
 def test_timed_matmul_counts_only_the_engine():
     class Slow(HostInt8Matmul):
         def run(self, name, a):
-            time.sleep(0.02)
+            _busy(0.02)
             return super().run(name, a)
 
     rng = np.random.default_rng(0)
@@ -84,9 +94,9 @@ def test_timed_matmul_counts_only_the_engine():
     t.add("w", w)
     t0 = time.perf_counter()
     c = t.run("w", a)
-    time.sleep(0.03)  # time outside the engine is not counted
+    _busy(0.03)  # time outside the engine is not counted
     c2 = t.run("w", a)
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - t0  # CPU time <= wall time
     assert np.array_equal(c, a.astype(np.int64) @ w.astype(np.int64)) and np.array_equal(c, c2)
     assert t.calls == 2 and 0.04 <= t.seconds < wall - 0.025
     assert t.numerics == "host-exact"

@@ -30,7 +30,7 @@ import numpy as np
 from edge_llm.backends.graphs import HEAD, HEAD_N, ForwardCost
 from edge_llm.backends.manifest import Manifest
 from edge_llm.backends.rknn import compiler_cycles
-from edge_llm.bench.npu import RKLLM
+from edge_llm.bench.npu_predict import RKLLM
 from edge_llm.convert.report import NPU_HZ
 from edge_llm.drafting import DraftConfig, Drafter
 

@@ -5,7 +5,7 @@ A forward of T rows through the w8a8 matmul path (docs/npu.md, "The matmul path"
     NPU   sum over linears of max(weight bytes / bandwidth, T x multiply-adds / NPU peak)
   + calls rounds x per-call cost   (one context per core, N split across the cores: the cores'
                                     calls of one linear overlap, so a linear costs one call's time)
-  + CPU   the CPU work of T rows at the context length (measured: `measure_cpu`)
+  + CPU   the CPU work of T rows at the context length (measured: `npu_cpu.measure`)
 
 Inputs, each with its source (`Rates`): bandwidth ~11 GB/s on one NPU core and ~26.6 GB/s over
 the three (community probes, as issue 36 cites them); ~33 us per `rknn_matmul_run` (reported);
@@ -33,6 +33,7 @@ from edge_llm.convert.report import NPU_HZ
 # 128-token prompt, decode, memory; every NPU benchmark prints its figures next to these
 RKLLM = {"ttft_128_ms": 383.6, "decode_tok_s": 14.98, "memory_mb": 1869.0}
 RKLLM_PREFILL_ROWS = 128
+CLOCK = time.process_time  # the CPU work is CPU time (bench/npu_cpu.py), and so is TimedMatmul's
 SOURCES = {
     "bandwidth": "community probes (issue 36): ~11 GB/s per NPU core, ~26.6 GB/s over three",
     "call": "reported fixed cost of one rknn_matmul_run (issue 36)",
@@ -151,41 +152,51 @@ class Plan:
         """Calls one after another per forward: a linear's per-core calls run together."""
         return sum(p.count * p.k_parts for p in self.parts)
 
-    def npu_ms(self, rows: int, rates: Rates) -> float:
-        """The NPU's time for a forward of `rows` rows: per linear its slowest core (`Part.seconds`),
-        plus the per-call cost of each round."""
-        t = sum(p.count * p.seconds(rows, rates) for p in self.parts)
+    def npu_ms(self, rows: int, rates: Rates, head_rows: int | None = None) -> float:
+        """The NPU's time for a forward of `rows` rows (the head on `head_rows`, default all: a
+        prompt's forward needs the last row's logits only): per linear its slowest core
+        (`Part.seconds`), plus the per-call cost of each round."""
+        t = sum(p.count * p.seconds((head_rows or rows) if p.kind == "head" else rows, rates) for p in self.parts)
         return t * 1e3 + self.rounds * rates.call_us / 1e3
 
 
 @dataclass
 class CpuWork:
-    """CPU ms of one forward by rows and context (measured on this machine, `measure_cpu`):
-    `ms[(rows, context)]`, scaled from the measured layers to the plan's; linear in context
-    between (and beyond) the measured contexts of a row count."""
+    """CPU ms of one forward (measured on this machine, `npu_cpu.measure`), already scaled from
+    the measured layers to the plan's: `decode[(rows, context)]` for decode rows (one, or a verify
+    forward's, logits of every row), linear in context between and beyond the measured contexts
+    of a row count; `prompt[rows]` for a prompt's forward from row 0 (the last row's logits)."""
 
-    ms: dict[tuple[int, int], float]
+    decode: dict[tuple[int, int], float]
+    prompt: dict[int, float]
     isa: str
     layers_measured: int
     layers: int
-    notes: list[str] = field(default_factory=list)
 
-    def __call__(self, rows: int, context: int) -> float:
-        pts = sorted((c, v) for (r, c), v in self.ms.items() if r == rows)
+    def __call__(self, rows: int, context: int, prompt: bool = False) -> float:
+        if prompt:
+            near = min(self.prompt, key=lambda r: abs(r - rows))
+            return self.prompt[near] * rows / near
+        pts = sorted((c, v) for (r, c), v in self.decode.items() if r == rows)
         if not pts:  # rows never measured: the nearest measured row count, per row
-            near = min({r for r, _ in self.ms}, key=lambda r: abs(r - rows))
+            near = min({r for r, _ in self.decode}, key=lambda r: abs(r - rows))
             return self(near, context) * rows / near
-        if len(pts) == 1:
+        if len(pts) == 1 or context <= pts[0][0]:  # below the shortest measured context: its value
             return pts[0][1]
-        cs, vs = [c for c, _ in pts], [v for _, v in pts]
+        cs = [c for c, _ in pts]
         i = min(max(int(np.searchsorted(cs, context)), 1), len(cs) - 1)
         (c0, v0), (c1, v1) = pts[i - 1], pts[i]
         return v0 + (v1 - v0) * (context - c0) / (c1 - c0)
 
 
-def forward_ms(plan: Plan, rates: Rates, cpu: Callable[[int, int], float], rows: int, context: int) -> dict:
-    npu = plan.npu_ms(rows, rates)
-    c = cpu(rows, context)
+CpuCost = Callable[..., float]  # (rows, context, prompt=False) -> ms: a CpuWork or a stand-in
+
+
+def forward_ms(plan: Plan, rates: Rates, cpu: CpuCost, rows: int, context: int,
+               prompt: bool = False) -> dict:
+    """One forward of `rows` rows at `context`: decode rows (logits of every row) or a prompt's."""
+    npu = plan.npu_ms(rows, rates, 1 if prompt else None)
+    c = cpu(rows, context, prompt)
     return {"rows": rows, "context": context, "npu_ms": npu, "cpu_ms": c, "ms": npu + c}
 
 
@@ -200,7 +211,7 @@ class Replayed:
     rows: tuple[int, ...]
 
 
-def predict(plan: Plan, rates: Rates, cpu: Callable[[int, int], float], contexts: Sequence[int] = (512, 2048, 8192),
+def predict(plan: Plan, rates: Rates, cpu: CpuCost, contexts: Sequence[int] = (512, 2048, 8192),
             prefill_rows: Sequence[int] = (32, 128), drafting: Sequence[Replayed] = ()) -> dict:
     """Decode tok/s at each context, prefill tok/s of a prompt of `rows` rows (one chunk), and
     decode with prompt-lookup drafting for each replayed answer."""
@@ -213,7 +224,7 @@ def predict(plan: Plan, rates: Rates, cpu: Callable[[int, int], float], contexts
     rk_prefill = RKLLM_PREFILL_ROWS / (RKLLM["ttft_128_ms"] / 1e3)
     res["rkllm_prefill_tok_s"] = rk_prefill
     for rows in prefill_rows:
-        f = forward_ms(plan, rates, cpu, rows, rows)
+        f = forward_ms(plan, rates, cpu, rows, rows, prompt=True)
         tps = rows / f["ms"] * 1e3
         res["prefill"].append({**f, "tok_s": tps, "vs_rkllm": tps / rk_prefill})
     for r in drafting:
@@ -226,7 +237,7 @@ def predict(plan: Plan, rates: Rates, cpu: Callable[[int, int], float], contexts
     return res
 
 
-def cost_profile(plan: Plan, rates: Rates, cpu: Callable[[int, int], float], context: int) -> Callable[[int], float]:
+def cost_profile(plan: Plan, rates: Rates, cpu: CpuCost, context: int) -> Callable[[int], float]:
     """The drafting cost profile (edge_llm/backends/__init__.py): T rows relative to one row."""
     one = forward_ms(plan, rates, cpu, 1, context)["ms"]
     return lambda rows: forward_ms(plan, rates, cpu, rows, context)["ms"] / one
@@ -246,11 +257,11 @@ class TimedMatmul:
         self.inner.add(name, w)
 
     def run(self, name: str, a: np.ndarray) -> np.ndarray:
-        t = time.perf_counter()
+        t = CLOCK()
         try:
             return self.inner.run(name, a)
         finally:
-            self.seconds += time.perf_counter() - t
+            self.seconds += CLOCK() - t
             self.calls += 1
 
     def close(self) -> None:
@@ -258,3 +269,35 @@ class TimedMatmul:
 
     def reset(self) -> None:
         self.seconds, self.calls = 0.0, 0
+
+
+def _ms(x: float) -> str:
+    return f"{x:.1f}"
+
+
+def markdown(res: dict, cpu_isa: str, cpu_note: str = "") -> str:
+    """The prediction table, each figure next to RKLLM's (docs/npu.md, "Prediction")."""
+    r = res["rates"]
+    rk = RKLLM["decode_tok_s"]
+    lines = [f"## Prediction: the matmul path, {res['layers']} layers", "",
+             f"- int8 weights per token {res['weight_bytes'] / 1e9:.3f} GB (+ {res['scale_bytes'] / 1e6:.1f} MB of "
+             f"float32 channel scales, read by the CPU); {res['calls']} rknn_matmul_run calls per forward in "
+             f"{res['rounds']} rounds (one context per core)",
+             f"- NPU: {r['bw_all_gbs']} GB/s over {r['cores']} cores, {r['bw_core_gbs']} GB/s on one ({SOURCES['bandwidth']}); "
+             f"{r['call_us']} us per call ({SOURCES['call']}); {r['macs_per_cycle']} MACs/cycle/core at "
+             f"{r['hz'] / 1e9:.1f} GHz ({SOURCES['peak']})",
+             f"- CPU work measured on {cpu_isa}, not scaled to the board's Cortex-A76 cores{cpu_note}", "",
+             "| forward | context | NPU ms | CPU ms | ms | predicted tok/s | RKLLM tok/s | vs RKLLM |",
+             "|---|---|---|---|---|---|---|---|"]
+    for d in res["decode"]:
+        lines.append(f"| decode, 1 row | {d['context']} | {_ms(d['npu_ms'])} | {_ms(d['cpu_ms'])} | {_ms(d['ms'])} | "
+                     f"{d['tok_s']:.2f} | {rk} | {d['vs_rkllm']:.2f}x |")
+    for d in res["drafting"]:
+        lines.append(f"| decode + drafting, {d['family']} ({d['tokens']} tokens in {d['forwards']} forwards, "
+                     f"{d['verify_rows']} verify rows) | {d['context']} | | | {_ms(d['ms'] / d['forwards'])} per forward | "
+                     f"{d['tok_s']:.2f} | {rk} | {d['vs_rkllm']:.2f}x |")
+    for p in res["prefill"]:
+        lines.append(f"| prefill, {p['rows']}-row prompt | {p['context']} | {_ms(p['npu_ms'])} | {_ms(p['cpu_ms'])} | "
+                     f"{_ms(p['ms'])} | {p['tok_s']:.0f} | {res['rkllm_prefill_tok_s']:.0f} (128-token TTFT) | "
+                     f"{p['vs_rkllm']:.2f}x |")
+    return "\n".join(lines) + "\n"
