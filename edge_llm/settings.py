@@ -35,7 +35,12 @@ CONFIG_ENV = "EDGE_LLM_CONFIG"
 AUTO = "auto"  # disk_kv / log_file: the default location (resolved by `resolve`)
 BACKEND_NAMES = ("cpu", "cpu-q", "rknn", "auto")  # edge_llm/runtime.make_backend maps these to backends
 QUANT_MODES = ("q4",)  # backend cpu-q; edge_llm/backends/cpuq.MODES defines them
-RKNN_RUNNERS = ("auto", "rknnlite", "sim", "onnxruntime")  # docs/npu.md
+RKNN_RUNNERS = ("auto", "rknnlite", "sim", "onnxruntime", "host", "librknnrt")  # docs/npu.md
+MM_RUNNERS = ("host", "librknnrt")  # the ones of an `edge-llm convert npu-mm` directory (docs/npu.md, "The matmul path")
+# `edge-llm convert npu-mm`'s choices and defaults (convert/mm8.py; measured in docs/npu.md, "The matmul path")
+MM_ROTATIONS = ("none", "hadamard")
+MM_CLIPS = ("none", "mse")
+MM_ROTATION, MM_DOWN_ROTATION, MM_CLIP, MM_GPTQ_TOKENS = "hadamard", "hadamard", "none", 512
 LIBRKNNRT_ENV = "EDGE_LLM_LIBRKNNRT"  # the NPU matmul engine's library file (docs/npu.md, "The matmul API binding")
 LIBRKNNRT_NAME = "librknnrt.so"  # without it: found by the dynamic loader
 RESTORE_MODES = ("pipelined", "sequential", "split")  # how a disk prefix is restored (docs/store.md)
@@ -93,7 +98,8 @@ class Settings:
     rknn_dir: str | None = _opt(None, "Directory made by `edge-llm convert rknn` (backend rknn/auto).",
                                 "path", nullable=True, metavar="DIR", shown_default="none")
     rknn_runner: str = _opt("auto", "What runs the rknn graphs: auto (the NPU), rknnlite, sim (the "
-                            "rknn-toolkit2 simulator, hosts only) or onnxruntime (F32).", str,
+                            "rknn-toolkit2 simulator, hosts only) or onnxruntime (F32); an npu-mm directory: "
+                            "auto (the NPU), librknnrt or host (the exact emulation).", str,
                             choices=RKNN_RUNNERS)
     max_seq: int = _opt(8192, "Context window in tokens (prompt + completion); the KV cache is "
                         "preallocated for it.", minimum=1)

@@ -29,7 +29,7 @@ LAYERS = {
 # (`__init__` is the package's own __init__.py; a subpackage is one entry of its parent)
 ORDER = {
     "backends": ["wire", "toolkit_worker", "graphs", "manifest", "int8mm", "rknn_matmul_api", "rknn_mm", "cpu", "cpu_side", "cpu_vision", "vision", "__init__",
-                 "runners", "rknnlite", "graph", "rknn", "onnx_export", "attn_kernel", "quant", "quant_export",
+                 "runners", "rknnlite", "graph", "mm8", "rknn", "onnx_export", "attn_kernel", "quant", "quant_export",
                  "vision_export", "decode_export", "decode_step", "cpuq", "vision_graph"],
     "snapshot": ["writer", "layout", "encode", "decode", "format", "inspect", "entries", "chains", "catalog",
                  "chain_read", "saver", "identity", "store", "maintenance", "transfer", "__init__"],
@@ -39,7 +39,7 @@ ORDER = {
     "checkpoints": ["packaged", "gguf_header", "safetensors_writer", "gguf_import", "synth", "default",
                     "gguf_blocks", "__init__"],
     "vision": ["preprocess", "positions", "encoder", "model", "__init__"],
-    "convert": ["report", "calibration_text", "calibration", "w8a8", "rknn", "vision", "__init__"],
+    "convert": ["report", "calibration_text", "hadamard", "gptq", "mm8", "calibration", "w8a8", "rknn", "vision", "__init__"],
     "server": ["errors", "schemas", "metrics", "node", "prefetch", "worker", "budget", "images", "streaming", "ui", "events", "state", "storeview", "app",
                "__init__"],
     "bench": ["disk", "procstat", "prompts", "models", "client", "fleet", "throttle", "restore", "conversation", "ttft",

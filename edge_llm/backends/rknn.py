@@ -20,11 +20,13 @@ from pathlib import Path
 from edge_llm.backends.graph import GraphBackend
 from edge_llm.backends.graphs import HEAD, HEAD_N, NEVER_PAYS, row_plan
 from edge_llm.backends.manifest import MANIFEST, Manifest
+from edge_llm.backends.mm8 import MmBackend, MmManifest, is_mm_dir
 from edge_llm.errors import ConfigError, EdgeLLMError
+from edge_llm.settings import MM_RUNNERS, RKNN_RUNNERS
 
 log = logging.getLogger(__name__)
 
-RUNNERS = ("auto", "rknnlite", "sim", "onnxruntime")
+RUNNERS = RKNN_RUNNERS
 NPU_NODES = ("dev/rknpu",)
 
 
@@ -53,6 +55,9 @@ def resolve_runner(runner: str) -> str:
         return "rknnlite"
     if runner not in RUNNERS:
         raise ConfigError(f"unknown rknn runner {runner!r} (choose from {', '.join(RUNNERS)})")
+    if runner in MM_RUNNERS:
+        raise ConfigError(f"runner {runner} runs an `edge-llm convert npu-mm` directory, not compiled graphs "
+                          "(use rknnlite, sim or onnxruntime)")
     return runner
 
 
@@ -62,6 +67,8 @@ def open_rknn(rknn_dir: str | Path, runner: str = "auto", model_dir: str | Path 
     """Read the manifest, check it against the model, start the runner; a Backend to load.
     `layer_masks`: the board runner's NPU core masks for layer graphs (None: its default)."""
     root = Path(rknn_dir)
+    if is_mm_dir(root):
+        return open_mm(root, runner, model_dir)
     m = Manifest.read(root)
     if model_dir is not None:
         from edge_llm.config import ModelArgs
@@ -96,6 +103,33 @@ def open_rknn(rknn_dir: str | Path, runner: str = "auto", model_dir: str | Path 
         side = CpuSide.load(root, m.layers)
     return GraphBackend("rknn", specs, r, f"rknn:{m.identity()}:{r.numerics}", forward_cost=compiler_cost(m),
                         cpu_side=side)
+
+
+def open_mm(root: Path, runner: str, model_dir: str | Path | None) -> MmBackend:
+    """An `edge-llm convert npu-mm` directory (backends/mm8.py) on its engine: `librknnrt` (the
+    NPU's matmul API, backends/rknn_mm.py; `auto` on a machine with an NPU) or `host` (the exact
+    emulation, int8mm.py)."""
+    m = MmManifest.read(root)
+    if model_dir is not None:
+        from edge_llm.config import ModelArgs
+        from edge_llm.weights import weight_digest
+
+        m.check_model(ModelArgs.from_dir(model_dir), weight_digest(model_dir))
+    if runner == "auto":
+        if not npu_present():
+            raise ConfigError(f"no RKNPU device on this machine: use --rknn-runner host to run {root} in the exact "
+                              "emulation, or --backend cpu")
+        runner = "librknnrt"
+    if runner == "host":
+        from edge_llm.backends.int8mm import HostInt8Matmul
+
+        return MmBackend(root, m, HostInt8Matmul())
+    if runner == "librknnrt":
+        from edge_llm.backends.rknn_mm import open_npu_matmul
+
+        return MmBackend(root, m, open_npu_matmul())
+    raise ConfigError(f"{root} holds int8 matmul weights (`edge-llm convert npu-mm`): runner "
+                      f"{' or '.join(MM_RUNNERS)}, not {runner!r}")
 
 
 def compiler_cycles(m: Manifest, rows: int, layers: int | None = None) -> int | None:

@@ -11,6 +11,7 @@ import click
 from edge_llm.cli.bench.common import int_list
 from edge_llm.convert.calibration_text import CALIB_TOKENS
 from edge_llm.logsetup import setup_cli_logging
+from edge_llm.settings import MM_CLIP, MM_CLIPS, MM_DOWN_ROTATION, MM_GPTQ_TOKENS, MM_ROTATION, MM_ROTATIONS
 
 
 def _importable(name: str) -> bool:
@@ -22,7 +23,7 @@ def _importable(name: str) -> bool:
 
 @click.group("convert")
 def convert() -> None:
-    """Convert a model for another backend (the NPU: `convert rknn`)."""
+    """Convert a model for another backend (the NPU: `convert rknn` graphs, `convert npu-mm` int8 matmul weights)."""
 
 
 @convert.command("rknn")
@@ -162,6 +163,39 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
         _convert_tower(model_dir, out_dir, grids, converter_python, not no_accuracy, fp16_headroom, console)
     if bad:
         console.print(f"[yellow]above the fp16 expectation ({FP16_REL_LIMIT:g}): {'; '.join(bad)}[/yellow]")
+
+
+@convert.command("npu-mm")
+@click.argument("model_dir")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--rotation", type=click.Choice(MM_ROTATIONS), default=MM_ROTATION, show_default=True,
+              help="The residual stream in a randomized Hadamard basis folded into the weights.")
+@click.option("--down-rotation", type=click.Choice(MM_ROTATIONS), default=MM_DOWN_ROTATION,
+              show_default=True, help="An online Hadamard of down_proj's input (on the CPU), its transpose in W_down.")
+@click.option("--clip", type=click.Choice(MM_CLIPS), default=MM_CLIP, show_default=True,
+              help="Per-channel weight scale: the absmax (none) or the MSE-optimal clip of it (mse).")
+@click.option("--gptq-tokens", type=click.IntRange(0), default=MM_GPTQ_TOKENS, show_default=True,
+              help="GPTQ error compensation on this many tokens of the built-in calibration text (0: round "
+                   "to nearest; the F32 model runs on them first).")
+@click.option("-v", "--verbose", is_flag=True)
+def npu_mm_cmd(model_dir, out_dir, rotation, down_rotation, clip, gptq_tokens, verbose) -> None:
+    """Quantize MODEL_DIR (an HF model directory, or 'default') for the NPU's int8 matmul API:
+    per-channel int8 weights, their scales and rotations in OUT_DIR/weights.npz and
+    OUT_DIR/manifest.json, with numpy alone (no rknn-toolkit2; runs on the board too). Serve with
+    --backend rknn --rknn-dir OUT_DIR (docs/npu.md, "The matmul path")."""
+    from edge_llm.cli.progress import resolve_model_with_bar
+    from edge_llm.convert.mm8 import convert_mm8
+    from edge_llm.errors import EdgeLLMError
+
+    setup_cli_logging(logging.INFO if verbose else logging.WARNING)
+    try:
+        model_dir = str(resolve_model_with_bar(model_dir))
+        m = convert_mm8(model_dir, out_dir, rotation, down_rotation, clip, gptq_tokens)
+    except EdgeLLMError as e:
+        raise click.ClickException(str(e)) from None
+    b = m.build
+    click.echo(f"{m.layers} layers -> {out_dir} (identity {m.identity()}): {b['bytes'] / 1e6:.0f} MB of int8 "
+               f"weights and scales in {b['seconds']:.1f} s, peak RSS {b['peak_rss_mb']:.0f} MB")
 
 
 NPU_WINDOW = 4 << 30  # the RK3588 NPU's IOMMU window: every graph of a process maps into it

@@ -43,6 +43,7 @@ from edge_llm.backends.manifest import CALIB_DIR, Manifest
 from edge_llm.backends.onnx_export import GraphBuilder, export_one, _head_tensors, f32_linear, manifest_for
 from edge_llm.config import ModelArgs
 from edge_llm.convert.calibration import Capture
+from edge_llm.convert.hadamard import ROTATION_SEED, ROTATIONS, hadamard, orthogonal  # noqa: F401 (re-exported)
 from edge_llm.weights import load_weights
 
 log = logging.getLogger(__name__)
@@ -64,49 +65,6 @@ def channel_scale(y: np.ndarray) -> np.ndarray:
     the CPU): the channels above the median no longer set the output tensor's one int8 scale."""
     rng = np.abs(y).max(axis=0)
     return np.maximum(rng / max(float(np.median(rng)), 1e-30), 1.0).astype(np.float32)
-
-
-ROTATIONS = ("none", "hadamard")
-ROTATION_SEED = 20260  # the random signs of the Hadamard rotation (part of cpu_side.npz, so of the identity)
-
-
-def hadamard(n: int) -> np.ndarray | None:
-    """A Hadamard matrix of order n (entries +-1, H H^T = n I) as Sylvester's 2^k times a Paley
-    block of order m = q + 1 (q prime, q = 3 mod 4), or None if n has no such form."""
-    for k in range(n.bit_length()):
-        m, rest = n >> k, n - ((n >> k) << k)
-        if rest or m < 1:
-            continue
-        if m == 1:
-            block = np.ones((1, 1))
-        else:
-            q = m - 1
-            if q < 3 or q % 4 != 3 or any(q % d == 0 for d in range(2, int(q ** 0.5) + 1)):
-                continue
-            chi = np.full(q, -1.0)
-            chi[[(i * i) % q for i in range(1, q)]] = 1.0
-            chi[0] = 0.0
-            jac = chi[(np.arange(q)[None, :] - np.arange(q)[:, None]) % q]  # Jacobsthal matrix
-            block = np.eye(m)
-            block[0, 1:], block[1:, 0], block[1:, 1:] = 1.0, -1.0, block[1:, 1:] + jac
-        h = block
-        for _ in range(k):
-            h = np.block([[h, h], [h, -h]])
-        assert np.array_equal(h @ h.T, n * np.eye(n)), n
-        return h
-    return None
-
-
-def orthogonal(n: int, seed: int = ROTATION_SEED) -> np.ndarray:
-    """The residual stream's rotation: a Hadamard matrix with random column signs, divided by
-    sqrt(n) (QuaRot's randomized Hadamard: one massive channel becomes n entries of equal size);
-    for an n without a Hadamard construction here, a random orthogonal matrix (QR)."""
-    rng = np.random.default_rng(seed)
-    h = hadamard(n)
-    if h is None:
-        q, r = np.linalg.qr(rng.standard_normal((n, n)))
-        return (q * np.sign(np.diag(r))).astype(np.float32)
-    return (h * rng.choice([-1.0, 1.0], n)[None, :] / np.sqrt(n)).astype(np.float32)
 
 
 def _silu_mul(gu: np.ndarray, inter: int) -> np.ndarray:

@@ -8,14 +8,16 @@ import sys
 import click
 
 from edge_llm.cli.bench.common import bench, out_option, save_results, spinner
+from edge_llm.settings import RKNN_RUNNERS
 
 
 @bench.command("accuracy")
 @click.option("--model", default="default", show_default=True, help="Model directory, or `default`.")
 @click.option("--backend", type=click.Choice(["rknn", "cpu-q"]), required=True)
-@click.option("--rknn-dir", default=None, metavar="DIR", help="`edge-llm convert rknn` output (backend rknn).")
-@click.option("--rknn-runner", type=click.Choice(["sim", "onnxruntime", "rknnlite"]), default="sim",
-              show_default=True, help="sim: the toolkit's fp16 simulator (converter venv); rknnlite: the board.")
+@click.option("--rknn-dir", default=None, metavar="DIR", help="`edge-llm convert rknn` or `convert npu-mm` output (backend rknn).")
+@click.option("--rknn-runner", type=click.Choice([r for r in RKNN_RUNNERS if r != "auto"]), default="sim",
+              show_default=True, help="sim: the toolkit's fp16 simulator (converter venv); rknnlite: the board; an "
+              "npu-mm directory: host (the exact emulation) or librknnrt (the board).")
 @click.option("--teacher-tokens", type=click.IntRange(16), default=320, show_default=True,
               help="Tokens of the teacher-forced text (top-1 agreement, KL).")
 @click.option("--greedy-tokens", type=click.IntRange(0), default=100, show_default=True,

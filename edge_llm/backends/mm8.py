@@ -1,0 +1,263 @@
+"""The w8a8 decoder on int8 matmuls (`edge-llm convert npu-mm`; docs/npu.md, "The matmul path").
+
+Every linear of the decoder is one int8 x int8 -> int32 matmul through an `Int8Matmul` engine
+(int8mm.py: the host emulation, or librknnrt's matmul API on the board); everything else runs
+here on the CPU in float32. Per layer four matmuls (q/k/v fused, o, gate/up fused, down) and the
+head once per forward:
+
+    xn   = RMSNorm(x)                      the gain folded into W_qkv (always), rows of x R
+    qkv  = deq(mm(qkv, q(xn))) (+ bias)    q(): quantize_rows, one scale per row, at run time
+    h    = x + deq(mm(o, q(attn)))         W_o's columns rotated (x R basis)
+    hn   = RMSNorm(h)                      the gain folded into W_gu
+    a    = SiLU(gate) * up                 (the CPU backend's formula)
+    a    = a H (optional)                  the online Hadamard of down_proj's input, H^T in W_down
+    out  = h + deq(mm(down, q(a)))
+    logits = deq(mm(head, q(RMSNorm(x))))  the final gain folded into W_head
+
+deq() is `int8mm.dequantize` (row scale x channel scale). With the residual rotation R (an
+orthogonal randomized Hadamard matrix, `convert/mm8.py`) the stream lives in the basis x R:
+`embed` and `residual` rotate rows on their way in, and RMSNorm commutes with R. The row
+quantization and every op here are elementwise or per row, so a row's bits depend on that row
+only (the engine's integer product is exact): restore == recompute holds bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edge_llm.backends import QKVArrays
+from edge_llm.backends.cpu import numpy_kernels, rms_norm
+from edge_llm.backends.graphs import ForwardCost
+from edge_llm.backends.int8mm import Int8Matmul, dequantize, quantize_rows
+from edge_llm.config import ModelArgs
+from edge_llm.errors import ConfigError
+from edge_llm.files import write_atomic
+from edge_llm.weights import Weights
+
+log = logging.getLogger(__name__)
+
+FORMAT = "edge-llm-npu-mm/1"
+MANIFEST = "manifest.json"
+WEIGHTS = "weights.npz"
+LAYOUT = "row-major-KN"  # B as (K, N) int8 rows; the NPU engine converts to its native layout at load
+# A bandwidth-bound NPU reads every weight once per forward whatever its row count: a verify
+# forward of T rows costs one decode step plus the CPU's per-row work (norms, quantization,
+# attention) and the NPU's int8 compute, a few percent of a step per row (docs/npu.md "Prediction").
+FORWARD_COST = ForwardCost(1.1, 0.03)
+
+
+@dataclass
+class MmManifest:
+    """`manifest.json` of an `edge-llm convert npu-mm` directory. `identity()` hashes what
+    decides the numerics: format, dtype, scale granularity, rotations, clip, layout, the source
+    weights' digest and the digest of weights.npz."""
+
+    model: dict[str, Any]  # name, model_type, weights_sha256, config (identity fields)
+    layers: int
+    rotation: str  # residual stream: none | hadamard
+    down_rotation: str  # online Hadamard of down_proj's input: none | hadamard
+    clip: str  # per-channel weight scale: none (absmax) | mse (MSE-optimal clip per channel)
+    gptq_tokens: int  # GPTQ on this many calibration tokens (convert/gptq.py); 0: round to nearest
+    weights_sha256: str  # of weights.npz
+    format: str = FORMAT
+    dtype: str = "w8a8"
+    scales: str = "activation per row (run time), weight per output channel"
+    layout: str = LAYOUT
+    build: dict[str, Any] = field(default_factory=dict)  # seconds, peak RSS: informational
+
+    def identity(self) -> str:
+        doc = {k: v for k, v in asdict(self).items() if k not in ("build", "model")}
+        doc["source"] = self.model.get("weights_sha256")
+        return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+    def write(self, root: Path) -> None:
+        write_atomic(root / MANIFEST, json.dumps({**asdict(self), "identity": self.identity()}, indent=1) + "\n")
+
+    @classmethod
+    def read(cls, root: str | Path) -> "MmManifest":
+        path = Path(root) / MANIFEST
+        doc = read_doc(path)
+        if doc.get("format") != FORMAT:
+            raise ConfigError(f"{path}: format {doc.get('format')!r}, expected {FORMAT!r}")
+        doc.pop("identity", None)
+        try:
+            return cls(**doc)
+        except TypeError as e:
+            raise ConfigError(f"{path}: malformed ({e})") from None
+
+    def check_model(self, args: ModelArgs, weights_sha256: str | None) -> None:
+        if self.model.get("config") != json.loads(json.dumps(args.identity_fields())):
+            raise ConfigError(f"npu-mm weights were converted from a different model config "
+                              f"({self.model.get('name')}, {self.model.get('model_type')})")
+        if weights_sha256 is not None and self.model.get("weights_sha256") != weights_sha256:
+            raise ConfigError(f"npu-mm weights were converted from other weights ({self.model.get('name')}): "
+                              "re-run `edge-llm convert npu-mm` for this model")
+
+
+def read_doc(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: not found (make it with `edge-llm convert npu-mm MODEL {path.parent}` "
+                          "or `edge-llm convert rknn`)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: unreadable ({e})") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: not a manifest (a JSON object expected)")
+    return doc
+
+
+def is_mm_dir(root: str | Path) -> bool:
+    """Whether `root/manifest.json` declares this format (else: a graph directory, or nothing)."""
+    path = Path(root) / MANIFEST
+    return path.is_file() and read_doc(path).get("format") == FORMAT
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fwht(x: np.ndarray, block: np.ndarray) -> np.ndarray:
+    """x (T, m * 2^k) @ (block ⊗ H_{2^k}) / sqrt(2^k), `block` the normalized (m, m) factor (the
+    1x1 identity for a power of two): Sylvester's butterflies over the last 2^k axis, then the
+    small factor over the first. Per row, in float32 (the converter folds the transpose of the
+    same dense matrix into W_down: `dense_hadamard`)."""
+    T, n = x.shape
+    m = block.shape[0]
+    s = n // m
+    y = x.reshape(T, m, s).copy()
+    h = 1
+    while h < s:
+        v = y.reshape(T, m, s // (2 * h), 2, h)
+        a, b = v[:, :, :, 0, :].copy(), v[:, :, :, 1, :]
+        v[:, :, :, 0, :] += b
+        np.subtract(a, b, out=v[:, :, :, 1, :])
+        h *= 2
+    y *= np.float32(1.0 / np.sqrt(s))
+    if m > 1:
+        y = np.matmul(block.T, y)  # (m, m) @ (T, m, s): one small gemm per row
+    return y.reshape(T, n)
+
+
+def dense_hadamard(block: np.ndarray, n: int) -> np.ndarray:
+    """The (n, n) matrix `fwht` multiplies by (float64, for the converter)."""
+    s = n // block.shape[0]
+    syl = np.array([[1.0]])
+    while syl.shape[0] < s:
+        syl = np.block([[syl, syl], [syl, -syl]])
+    return np.kron(block.astype(np.float64), syl / np.sqrt(s))
+
+
+class MmBackend:
+    """A `Backend` (see `edge_llm.backends`) over an `Int8Matmul` engine and a converted directory."""
+
+    name = "rknn"
+    chunk_sizes: tuple[int, ...] = ()
+    row_step = None
+    forward_cost = FORWARD_COST
+
+    def __init__(self, root: str | Path, manifest: MmManifest, engine: Int8Matmul):
+        self.root, self.m, self.engine = Path(root), manifest, engine
+        self.numerics = f"rknn-mm:{manifest.identity()}:{engine.numerics}:{numpy_kernels()}"
+        self.scales: dict[str, np.ndarray] = {}
+        self.bias: dict[int, np.ndarray] = {}
+        self.rotation: np.ndarray | None = None
+        self.down_block: np.ndarray | None = None
+
+    def load(self, args: ModelArgs, weights: Weights) -> None:
+        if self.m.layers != args.num_hidden_layers:
+            raise ConfigError(f"{self.root}: converted {self.m.layers} layers, the model has "
+                              f"{args.num_hidden_layers} (converted with --layers? convert all layers to serve)")
+        self.args, self.eps = args, np.float32(args.rms_norm_eps)
+        self.q_dim, self.kv_dim, self.inter, self.vocab = args.q_dim, args.kv_dim, args.intermediate_size, args.vocab_size
+        self.table = weights.pop_rows(f"{args.weight_prefix}embed_tokens.weight")  # exact F32 rows, read when used
+        path = self.root / WEIGHTS
+        try:
+            with np.load(path) as z:
+                for key in z.files:
+                    arr = z[key]
+                    kind = key.rsplit(".", 1)[-1]
+                    if kind == "w":
+                        self.engine.add(key[:-2], np.ascontiguousarray(arr))
+                    elif kind == "s":
+                        self.scales[key[:-2]] = np.array(arr, np.float32)
+                    elif kind == "b":
+                        self.bias[int(key.split(".")[1])] = np.array(arr, np.float32)
+                    elif key == "rotation":
+                        self.rotation = np.array(arr, np.float32)
+                    elif key == "down_block":
+                        self.down_block = np.array(arr, np.float32)
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"{path}: unreadable ({e}): re-run `edge-llm convert npu-mm`") from None
+        missing = [n for n in self._names() if n not in self.scales]
+        if missing:
+            raise ConfigError(f"{path}: no weight {missing[0]!r} ({len(missing)} missing): re-run "
+                              "`edge-llm convert npu-mm`")
+        log.info("npu-mm backend: %d layers, engine %s, rotation %s, down %s", self.m.layers, self.engine.numerics,
+                 self.m.rotation, self.m.down_rotation)
+
+    def _names(self) -> list[str]:
+        return [f"layer.{i}.{k}" for i in range(self.m.layers) for k in ("qkv", "o", "gu", "down")] + ["head"]
+
+    def _linear(self, name: str, x: np.ndarray) -> np.ndarray:
+        q, s = quantize_rows(x)
+        return dequantize(self.engine.run(name, q), s, self.scales[name])
+
+    # ---- the seam -------------------------------------------------------------------------
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        return self.residual(self.table[tokens].astype(np.float32, copy=False))
+
+    def residual(self, rows: np.ndarray) -> np.ndarray:
+        if self.rotation is None:
+            return rows
+        return _rows_matmul(rows, self.rotation)
+
+    def qkv(self, layer: int, x: np.ndarray) -> QKVArrays:
+        y = self._linear(f"layer.{layer}.qkv", rms_norm(x, np.float32(1.0), self.eps))
+        if layer in self.bias:
+            y += self.bias[layer]
+        q, kv = self.q_dim, self.kv_dim
+        return y[:, :q], y[:, q:q + kv], y[:, q + kv:]
+
+    def post(self, layer: int, attn: np.ndarray, x: np.ndarray,
+             fuse_next: bool = True) -> tuple[np.ndarray, QKVArrays | None]:
+        p = f"layer.{layer}."
+        h = x + self._linear(p + "o", attn)
+        gu = self._linear(p + "gu", rms_norm(h, np.float32(1.0), self.eps))
+        gate, up = gu[:, :self.inter], gu[:, self.inter:]
+        with np.errstate(over="ignore"):  # exp(-g) -> inf for g << 0 gives silu = -0, correct
+            act = np.exp(np.negative(gate))
+        act += np.float32(1.0)
+        np.divide(gate, act, out=act)
+        act *= up
+        if self.down_block is not None:
+            act = fwht(act, self.down_block)
+        h += self._linear(p + "down", act)  # (x + o) + m, as the CPU backend adds
+        return h, None
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        y = self._linear("head", rms_norm(x, np.float32(1.0), self.eps))
+        return y if y.shape[1] == self.vocab else np.ascontiguousarray(y[:, :self.vocab])
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _rows_matmul(rows: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """rows @ r one row at a time: the same sgemv for every row, so a row's bits do not depend
+    on how many rows came with it (a T-row sgemm may block differently from T = 1)."""
+    out = np.empty((rows.shape[0], r.shape[1]), np.float32)
+    for i in range(rows.shape[0]):
+        np.matmul(rows[i], r, out=out[i])
+    return out

@@ -1,0 +1,162 @@
+"""`edge-llm convert npu-mm`: int8 weights for the matmul path, numpy only (docs/npu.md, "The matmul path").
+
+No rknn-toolkit2 and no calibration text: per-channel symmetric int8 weights (`int8mm.quantize_weight`)
+of the fused linears (q/k/v, o, gate/up, down, head), their scales, and the rotations folded in:
+
+- `rotation="hadamard"`: the residual stream in the basis x R, R the randomized Hadamard matrix of
+  `convert/w8a8.py` (QuaRot): R^T and the norm gain fold into the weights that read a normalized
+  row (qkv, gate/up, head), R into those that write the stream (o, down). Without it the gains
+  fold into those weights alone.
+- `down_rotation="hadamard"`: down_proj's input (SwiGLU's output) times a Hadamard matrix H on
+  the CPU at run time (`mm8.fwht`: Sylvester butterflies times a small Paley block), H^T folded
+  into W_down: its outlier channels are spread before the row's int8 scale is taken.
+- `clip="mse"`: each output channel's scale from the clip ratio of its absmax (0.80 .. 1.00) with
+  the least squared weight error, instead of the absmax itself.
+
+Writes OUT_DIR/weights.npz (`layer.L.{qkv,o,gu,down}.{w,s}`, `layer.L.qkv.b` for a model with
+q/k/v biases, `head.{w,s}`, `rotation`, `down_block`) and OUT_DIR/manifest.json (`mm8.MmManifest`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from edge_llm.backends.cpu import load_layer
+from edge_llm.backends.int8mm import ALIGN, MAX_K, quantize_weight
+from edge_llm.backends.mm8 import MANIFEST, WEIGHTS, MmManifest, dense_hadamard, file_sha256, read_doc
+from edge_llm.config import ModelArgs
+from edge_llm.convert.gptq import calibration_ids, capture, gptq
+from edge_llm.convert.hadamard import hadamard, orthogonal
+from edge_llm.errors import ConfigError
+from edge_llm.settings import MM_CLIP, MM_CLIPS, MM_DOWN_ROTATION, MM_GPTQ_TOKENS, MM_ROTATION, MM_ROTATIONS
+from edge_llm.weights import load_weights, weight_digest
+
+log = logging.getLogger(__name__)
+
+CLIP_RATIOS = np.round(np.arange(0.80, 1.0001, 0.02), 2).astype(np.float32)
+
+
+def mse_clip(w: np.ndarray) -> np.ndarray:
+    """Per output channel of w (K, N): the ratio in CLIP_RATIOS whose int8 grid has the least
+    squared error over the channel (ties: the larger ratio)."""
+    best = np.full(w.shape[1], np.inf)
+    pick = np.ones(w.shape[1], np.float32)
+    for r in CLIP_RATIOS[::-1]:
+        q, s = quantize_weight(w, np.full(w.shape[1], r, np.float32))
+        err = np.square(q * s[None, :] - w).sum(axis=0, dtype=np.float64)
+        better = err < best
+        best[better], pick[better] = err[better], r
+    return pick
+
+
+def down_block(n: int) -> np.ndarray:
+    """The normalized small factor of the online Hadamard over n columns: n = m * 2^k with the
+    smallest m that has a Hadamard matrix here (1 for a power of two, else a Paley order)."""
+    for k in range(n.bit_length() - 1, -1, -1):
+        m = n >> k
+        if m << k == n and (h := hadamard(m)) is not None:
+            return (h / np.sqrt(m)).astype(np.float32)
+    raise ConfigError(f"no Hadamard construction for down_proj's input width {n}: use --down-rotation none")
+
+
+def _check_dims(args: ModelArgs) -> None:
+    for what, k in (("hidden_size", args.hidden_size), ("q_dim", args.q_dim),
+                    ("intermediate_size", args.intermediate_size)):
+        if k % ALIGN or k > MAX_K:
+            raise ConfigError(f"{what} = {k}: the NPU's int8 matmul needs K a multiple of {ALIGN}, at most {MAX_K}")
+
+
+def _pad_cols(w: np.ndarray) -> np.ndarray:
+    """N up to a multiple of ALIGN with zero columns (the backend drops them: only the head's vocab)."""
+    extra = -w.shape[1] % ALIGN
+    return w if not extra else np.concatenate([w, np.zeros((w.shape[0], extra), w.dtype)], axis=1)
+
+
+def convert_mm8(model_dir: str | Path, out_dir: str | Path, rotation: str = MM_ROTATION,
+                down_rotation: str = MM_DOWN_ROTATION, clip: str = MM_CLIP,
+                gptq_tokens: int = MM_GPTQ_TOKENS,
+                progress: Callable[[int, int], None] | None = None) -> MmManifest:
+    """Quantize MODEL_DIR's decoder into OUT_DIR (see the module docstring); the manifest.
+    `gptq_tokens`: GPTQ on that many calibration tokens (`convert/gptq.py`); 0: round to nearest."""
+    if rotation not in MM_ROTATIONS or down_rotation not in MM_ROTATIONS or clip not in MM_CLIPS:
+        raise ConfigError(f"rotation and down_rotation: one of {MM_ROTATIONS}; clip: one of {MM_CLIPS}")
+    t0 = time.perf_counter()
+    root = Path(out_dir)
+    if (root / MANIFEST).exists() and read_doc(root / MANIFEST).get("format") != MmManifest.format:
+        raise ConfigError(f"{root} holds another conversion (its {MANIFEST} is not an npu-mm one): choose "
+                          "an empty directory")
+    root.mkdir(parents=True, exist_ok=True)
+    args = ModelArgs.from_dir(model_dir)
+    _check_dims(args)
+    seen = capture(model_dir, calibration_ids(model_dir, gptq_tokens)) if gptq_tokens else {}
+    weights = load_weights(model_dir, args)
+    n = args.num_hidden_layers
+    r = orthogonal(args.hidden_size) if rotation == "hadamard" else None
+    block = down_block(args.intermediate_size) if down_rotation == "hadamard" else None
+    h_down = dense_hadamard(block, args.intermediate_size).astype(np.float32) if block is not None else None
+    out: dict[str, np.ndarray] = {}
+
+    def put(name: str, w: np.ndarray, x: np.ndarray | None = None) -> None:
+        """`x`: the real rows this weight reads (in its basis), for GPTQ."""
+        q, s = quantize_weight(w, mse_clip(w) if clip == "mse" else None)
+        out[f"{name}.w"], out[f"{name}.s"] = (q if x is None else gptq(w, x, s)), s
+
+    def rows(layer: int, kind: str, basis: np.ndarray | None = None) -> np.ndarray | None:
+        x = seen.pop((layer, kind), None)
+        return x if x is None or basis is None else x @ basis
+
+    def reads(w: np.ndarray, gain: np.ndarray) -> np.ndarray:  # a weight reading a normalized row
+        w = gain[:, None] * w
+        return w if r is None else r.T @ w
+
+    def writes(w: np.ndarray) -> np.ndarray:  # a weight writing the residual stream
+        return w if r is None else w @ r
+
+    p = args.weight_prefix
+    for i in range(n):
+        L = load_layer(args, weights, i)
+        put(f"layer.{i}.qkv", reads(L.w_qkv, L.in_norm), rows(i, "qkv", r))
+        if L.b_qkv is not None:
+            out[f"layer.{i}.qkv.b"] = L.b_qkv.astype(np.float32)
+        put(f"layer.{i}.o", writes(L.w_o), rows(i, "o"))
+        put(f"layer.{i}.gu", reads(L.w_gu, L.post_norm), rows(i, "gu", r))
+        down = L.w_down if h_down is None else h_down.T @ L.w_down
+        put(f"layer.{i}.down", writes(down), rows(i, "down", h_down))
+        del L
+        if progress:
+            progress(i + 1, n + 1)
+    final = weights.pop(f"{p}norm.weight")
+    head = weights.pop(f"{p}embed_tokens.weight" if args.tie_word_embeddings else args.lm_head_name)
+    put("head", _pad_cols(reads(np.ascontiguousarray(head.T), final)), rows(-1, "head", r))
+    del head
+    if r is not None:
+        out["rotation"] = r
+    if block is not None:
+        out["down_block"] = block
+    if progress:
+        progress(n + 1, n + 1)
+    tmp = root / f".{WEIGHTS}.tmp"
+    with open(tmp, "wb") as f:
+        np.savez(f, **out)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / WEIGHTS)
+    del out
+    m = MmManifest(model={"name": Path(model_dir).resolve().name, "model_type": args.model_type,
+                          "weights_sha256": weight_digest(model_dir),
+                          "config": json.loads(json.dumps(args.identity_fields()))},
+                   layers=n, rotation=rotation, down_rotation=down_rotation, clip=clip, gptq_tokens=gptq_tokens,
+                   weights_sha256=file_sha256(root / WEIGHTS))
+    m.build = {"seconds": round(time.perf_counter() - t0, 2), "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+               "bytes": (root / WEIGHTS).stat().st_size}
+    m.write(root)
+    log.info("npu-mm: %d layers -> %s in %.1f s", n, root, m.build["seconds"])
+    return m
