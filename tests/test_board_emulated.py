@@ -445,6 +445,27 @@ def test_restore_is_a_cold_run_on_aarch64(board):
         assert got["tokens"].tolist() == cold["tokens"].tolist(), m
 
 
+def test_npu_matmul_engine_on_aarch64(board, tmp_path):
+    """rknn_mm.NpuInt8Matmul in the installed venv (arm64 Python and numpy) over the fake
+    librknnrt.so built with the aarch64 cross compiler (tests/fake_librknnrt: it stands in for
+    Rockchip's closed library, which cannot exist without an NPU): results bitwise the host
+    emulation's on the board, and Qwen3-VL-2B's int8 decoder in IOMMU domain 1 beside the vision
+    tower's 0.85 GB in domain 0 (tests/helpers/npu_matmul_check.py; small shapes: qemu is slow)."""
+    from fake_librknnrt.build import build_fake
+
+    so = build_fake(tmp_path, "aarch64")
+    board.copy_in(so.parent, "/root/fake-rknnrt")
+    res = board.run([f"{VENV}/python", f"{board.CHECKOUT}/tests/helpers/npu_matmul_check.py",
+                     "--lib", "/root/fake-rknnrt/librknnrt.so"], check=False, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads(res.stdout.strip().splitlines()[-1])
+    bits, dom = doc["bitwise"], doc["domains"]
+    assert bits["checked"] == 5 and bits["mismatches"] == [] and bits["live_after"] == [0, 0], bits
+    assert bits["parts"]["w64x224"] == [[0, 96], [1, 64], [2, 64]] and bits["masks_domains"] == [[1, 1], [2, 1], [4, 1]], bits
+    assert dom["split"] is None and dom["int8_one_domain"] is None, dom
+    assert dom["fp16_one_domain"].startswith("rknn_create_mem returned NULL") and dom["live_after"] == [0, 0], dom
+
+
 def test_reboot_starts_the_service_and_restores(board):
     """A power cycle: the enabled service starts at boot (before `is-system-running` returns),
     restores from the snapshots on disk, and the journal still has the previous boot."""
