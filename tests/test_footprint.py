@@ -51,6 +51,37 @@ def test_auto_with_an_npu_node_but_no_manifest_says_why(tmp_path: Path) -> None:
     assert c.name == "cpu-q" and f"but no manifest.json in {empty}" in c.reason, c
 
 
+def test_auto_with_an_npu_node_runs_what_rknn_dir_holds(tmp_path: Path, tiny_synth_dir: Path) -> None:
+    """A fake RKNPU node (the driver cannot exist here): an `edge-llm convert npu-mm` directory of
+    this model -> rknn, on the matmul path, and the reason says so; the same directory for another
+    model -> cpu-q and why; a graph directory goes through the graph checks (one exported without
+    the fp16 range check is refused, as before)."""
+    from edge_llm.backends.onnx_export import export_graph_set
+    from edge_llm.convert.mm8 import convert_mm8
+
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "rknpu").write_text("")
+    mm = tmp_path / "mm"
+    convert_mm8(tiny_synth_dir, mm)
+    c = fp.choose_backend(Settings(backend="auto", rknn_dir=str(mm)), tiny_synth_dir, sysroot=tmp_path)
+    assert (c.name, c.auto) == ("rknn", True), c
+    assert c.reason == f"NPU at /dev/rknpu and a matching npu-mm manifest.json in {mm} (w8a8 on the matmul API)"
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in tiny_synth_dir.iterdir():
+        if f.is_file():
+            (other / f.name).write_bytes(f.read_bytes())
+    (other / "config.json").write_text((tiny_synth_dir / "config.json").read_text().replace(
+        '"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e-05'))
+    c = fp.choose_backend(Settings(backend="auto", rknn_dir=str(mm)), other, sysroot=tmp_path)
+    assert c.name == "cpu-q" and "does not match the model: npu-mm weights were converted from a different " \
+        "model config" in c.reason, c
+    graphs = tmp_path / "graphs"
+    export_graph_set(tiny_synth_dir, graphs, layers=1)
+    c = fp.choose_backend(Settings(backend="auto", rknn_dir=str(graphs)), tiny_synth_dir, sysroot=tmp_path)
+    assert c.name == "cpu-q" and "without the fp16 range check" in c.reason, c
+
+
 def test_auto_without_onnxruntime_is_cpu_and_names_the_extra(tmp_path: Path) -> None:
     """onnxruntime hidden from a fresh interpreter (a meta-path finder that refuses it, as on an
     install without the quant extra)."""

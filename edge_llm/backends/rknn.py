@@ -165,7 +165,10 @@ def compiler_cost(m: Manifest) -> Callable[[int], float]:
 
 def npu_usable(rknn_dir: str | Path | None, model_dir: str | Path, sysroot: str | Path = "/") -> tuple[bool, str]:
     """(whether backend rknn can run this model here, why): an RKNPU device node and an rknn_dir
-    whose manifest matches the model (`backend = auto` tries this first: edge_llm/footprint.py)."""
+    whose manifest matches the model (`backend = auto` tries this first: edge_llm/footprint.py).
+    The directory says which NPU path runs: an `edge-llm convert npu-mm` directory (w8a8 on the
+    matmul API, the recommended decoder: docs/npu.md, "Backend choice") or a graph directory
+    (`edge-llm convert rknn`, fp16 or w8a8 graphs)."""
     node = npu_present(sysroot)
     if node is None:
         return False, "no RKNPU device node"
@@ -177,9 +180,13 @@ def npu_usable(rknn_dir: str | Path | None, model_dir: str | Path, sysroot: str 
         from edge_llm.config import ModelArgs
         from edge_llm.weights import weight_digest
 
+        args, digest = ModelArgs.from_dir(model_dir), weight_digest(model_dir)
+        if is_mm_dir(rknn_dir):
+            MmManifest.read(rknn_dir).check_model(args, digest)
+            return True, f"NPU at {node} and a matching npu-mm {MANIFEST} in {rknn_dir} (w8a8 on the matmul API)"
         m = Manifest.read(rknn_dir)
-        m.check_model(ModelArgs.from_dir(model_dir), weight_digest(model_dir))
+        m.check_model(args, digest)
         m.check_fp16(Path(rknn_dir))
     except EdgeLLMError as e:
         return False, f"NPU at {node} but {rknn_dir} does not match the model: {e}"
-    return True, f"NPU at {node} and a matching {MANIFEST} in {rknn_dir}"
+    return True, f"NPU at {node} and a matching {MANIFEST} in {rknn_dir} ({m.dtype} graphs)"
