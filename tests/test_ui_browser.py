@@ -185,3 +185,32 @@ def test_key_flow(edge_home, tmp_path, browser):
         assert all(d.find_element("id", p).is_displayed() for p in ub.PANELS)
     finally:
         srv.stop()
+
+
+@pytest.mark.timeout(300)
+def test_image_upload_for_a_vision_model(edge_home, tiny_synth_dir, tmp_path, browser):
+    """A vision model (the tiny random Qwen3-VL: its answer is noise, its image tokens are not): the
+    page offers the upload, and the picked image reaches the server as a data: URL image part."""
+    from PIL import Image
+
+    picture = tmp_path / "red.png"
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(picture)
+    d = browser
+    srv = ServerProc(edge_home, tmp_path / "srv", "--model", str(tiny_synth_dir), "--backend", "cpu",
+                     "--no-disk-kv").start()
+    try:
+        d.get(srv.url + "/ui/")
+        ub.wait_js(d, "return !document.getElementById('image-label').hidden", what="the image upload")
+        d.find_element("id", "image-input").send_keys(str(picture))
+        mx = d.find_element("id", "opt-max")
+        d.execute_script("document.querySelector('details.opts').open = true")
+        mx.clear()
+        mx.send_keys("4")
+        d.find_element("id", "chat-input").send_keys("What is in the picture?")
+        d.find_element("id", "send").click()
+        ub.wait_js(d, "return document.querySelectorAll('#turns tbody tr').length === 1", what="the image turn")
+        (row,) = turn_rows(d)
+        assert int(row["image"]) > 0 and int(row["prompt"]) > int(row["image"]), row
+        assert "[image]" in text(d, "#messages .msg.user")
+    finally:
+        srv.stop()

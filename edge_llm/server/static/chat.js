@@ -9,7 +9,7 @@ const $ = (id) => document.getElementById(id);
 
 let db = load();
 let running = null;          // the AbortController of the request in flight
-let pendingImage = null;     // a data: URL picked for the next message
+let pendingImage = null;     // a promise of the data: URL picked for the next message
 let onTurnDone = () => {};
 
 function load() {
@@ -100,12 +100,12 @@ export function renderTurns() {
     tr.className = "turn source-" + t.cache_source;
     const cells = [i + 1, t.prompt_tokens, t.cached_tokens, t.cache_source, t.align_rows, t.restore_bytes,
                    fmt(t.prefill_ms), fmt(t.ttft_ms), fmt(t.decode_tps, 1),
-                   `${t.drafted_tokens} / ${t.accepted_tokens}`];
+                   `${t.drafted_tokens} / ${t.accepted_tokens}`, t.image_tokens || 0];
     tr.replaceChildren(...cells.map((v, k) => {
       const td = document.createElement("td");
       td.textContent = String(v);
       td.dataset.col = ["n", "prompt", "cached", "source", "aligned", "restored", "prefill", "ttft", "tps",
-                        "draft"][k];
+                        "draft", "image"][k];
       return td;
     }));
     return tr;
@@ -128,6 +128,7 @@ function turnFrom(usage, timings, finish) {
     decode_tps: t.decode_ms > 0 ? (t.decode_tokens * 1000) / t.decode_ms : null,
     drafted_tokens: t.drafted_tokens || 0,
     accepted_tokens: t.accepted_tokens || 0,
+    image_tokens: t.image_tokens || 0,
     finish_reason: finish,
   };
 }
@@ -199,9 +200,14 @@ async function send(ev) {
   if (!text.trim() || running) return;
   const conv = conversation();
   conv.system = $("opt-system").value;
-  const content = pendingImage
-    ? [{ type: "text", text }, { type: "image_url", image_url: { url: pendingImage } }]
-    : text;
+  let image = null;
+  try {
+    image = pendingImage && await pendingImage;
+  } catch (e) {
+    showError("could not read the image: " + e.message);
+    return;
+  }
+  const content = image ? [{ type: "text", text }, { type: "image_url", image_url: { url: image } }] : text;
   conv.messages.push({ role: "user", content });
   if (conv.title === "new conversation") conv.title = text.slice(0, 40);
   $("chat-input").value = "";
@@ -243,9 +249,12 @@ export function installChat(turnDone) {
     const f = $("image-input").files[0];
     pendingImage = null;
     if (!f) return;
-    const reader = new FileReader();
-    reader.onload = () => { pendingImage = reader.result; };
-    reader.readAsDataURL(f);
+    pendingImage = new Promise((resolve, reject) => {
+      const reader = new FileReader();
+      reader.onload = () => resolve(reader.result);
+      reader.onerror = () => reject(reader.error);
+      reader.readAsDataURL(f);
+    });
   });
   $("conv-select").addEventListener("change", () => {
     db.current = $("conv-select").value;
