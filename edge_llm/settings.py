@@ -95,7 +95,8 @@ class Settings:
                               "configuration (weights in the backend's format, KV for max_seq, vision "
                               "tower, runtime) exceeds the memory available to the process, MemAvailable "
                               "or the cgroup limit (docs/board.md, Memory). false: start anyway.", bool)
-    rknn_dir: str | None = _opt(None, "Directory made by `edge-llm convert rknn` (backend rknn/auto).",
+    rknn_dir: str | None = _opt(None, "Directory made by `edge-llm convert rknn` (graphs) or `edge-llm convert "
+                                "npu-mm` (int8 matmul weights); its manifest says which (backend rknn/auto).",
                                 "path", nullable=True, metavar="DIR", shown_default="none")
     rknn_runner: str = _opt("auto", "What runs the rknn graphs: auto (the NPU), rknnlite, sim (the "
                             "rknn-toolkit2 simulator, hosts only) or onnxruntime (F32); an npu-mm directory: "
