@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import uibrowser as ub
-from serverutil import ServerProc
+from serverutil import ServerProc, wait_for
 
 pytestmark = pytest.mark.skipif(ub.missing() is not None, reason=str(ub.missing()))
 
@@ -108,6 +108,9 @@ def test_chat_restart_resend_restores_from_disk(edge_home, tmp_path, browser):
                       ".test(li.textContent))", what="the live [KV-DISK] saved event")
         assert srv.stop(signal.SIGTERM) == 0
         srv.start()
+        d.refresh()  # the conversation and its turns come back from localStorage
+        ub.wait_js(d, "return document.querySelectorAll('#turns tbody tr').length === 1", what="the kept turn")
+        assert text(d, "#messages .msg.assistant .body") == answer
         ub.wait_js(d, "return document.getElementById('events-status').textContent === 'connected' && "
                       "document.querySelector('#state dd[data-key=uptime]')?.textContent !== ''",
                    what="the page reconnected")
@@ -183,6 +186,20 @@ def test_key_flow(edge_home, tmp_path, browser):
         assert d.find_element("id", "key-form").get_attribute("hidden") is not None
         assert not d.find_element("id", "key-form").is_displayed()
         assert all(d.find_element("id", p).is_displayed() for p in ub.PANELS)
+
+        # chat with the key; Stop aborts the stream and the server cancels the job
+        mark = srv.log_size()
+        d.execute_script("document.querySelector('details.opts').open = true")
+        d.find_element("id", "opt-max").clear()
+        d.find_element("id", "opt-max").send_keys("400")
+        d.find_element("id", "chat-input").send_keys("Tell me a long story about a board.")
+        d.find_element("id", "send").click()
+        ub.wait_js(d, "return document.querySelector('#messages .msg.assistant.streaming .body')?.textContent",
+                   what="the streamed answer")
+        d.find_element("id", "stop").click()
+        ub.wait_js(d, "return !document.getElementById('send').disabled", what="the stop")
+        wait_for(lambda: "client disconnected" in srv.log(mark), what="the job's cancel line")
+        assert turn_rows(d) == [] and text(d, "#chat-error") == ""  # a stopped request has no turn row
     finally:
         srv.stop()
 

@@ -88,7 +88,10 @@ function renderConversations() {
     o.selected = c.id === db.current;
     return o;
   }));
-  $("opt-system").value = conversation().system;
+  const c = conversation();
+  $("opt-system").value = c.system;
+  $("opt-temp").value = c.temperature ?? "";
+  $("opt-max").value = c.max_tokens ?? "64";
 }
 
 const fmt = (x, digits = 0) => (x === undefined || x === null ? "" : Number(x).toFixed(digits));
@@ -188,6 +191,12 @@ async function run(conv) {
   save();
 }
 
+function takeOptions(conv) {
+  conv.system = $("opt-system").value;
+  conv.temperature = $("opt-temp").value;
+  conv.max_tokens = $("opt-max").value;
+}
+
 function setRunning(on) {
   $("send").disabled = on;
   $("resend").disabled = on;
@@ -199,7 +208,7 @@ async function send(ev) {
   const text = $("chat-input").value;
   if (!text.trim() || running) return;
   const conv = conversation();
-  conv.system = $("opt-system").value;
+  takeOptions(conv);
   let image = null;
   try {
     image = pendingImage && await pendingImage;
@@ -223,7 +232,7 @@ async function send(ev) {
 async function resend() {
   if (running) return;
   const conv = conversation();
-  conv.system = $("opt-system").value;
+  takeOptions(conv);
   if (conv.messages.length && conv.messages[conv.messages.length - 1].role === "assistant") conv.messages.pop();
   if (!conv.messages.length) return;
   renderMessages();
@@ -277,10 +286,13 @@ export function installChat(turnDone) {
     renderAll();
     onTurnDone();
   });
-  $("opt-system").addEventListener("change", () => {
-    conversation().system = $("opt-system").value;
-    save();
-  });
+  // the options belong to the conversation: a resend after a reload asks for the same answer
+  for (const [id, field] of [["opt-system", "system"], ["opt-temp", "temperature"], ["opt-max", "max_tokens"]]) {
+    $(id).addEventListener("change", () => {
+      conversation()[field] = $(id).value;
+      save();
+    });
+  }
   renderAll();
 }
 
