@@ -143,6 +143,9 @@ def test_chat_restart_resend_restores_from_disk(edge_home, tmp_path, browser):
 
         for size in (ub.PHONE, ub.DESKTOP):
             check_layout(d, size)
+        phone = tmp_path / "ui-360.png"
+        ub.full_screenshot(d, phone, ub.PHONE[0])
+        assert png_size(phone.read_bytes())[0] == ub.PHONE[0]
         shot = tmp_path / "ui.png"
         ub.full_screenshot(d, shot, ub.DESKTOP[0])
         assert png_size(shot.read_bytes())[0] == ub.DESKTOP[0]

@@ -100,6 +100,7 @@ def overlaps(boxes: dict[str, dict]) -> list[tuple[str, str]]:
 
 def full_screenshot(driver, path: Path, width: int) -> None:
     """The whole page at `width` CSS pixels, as one PNG."""
+    set_viewport(driver, (width, DESKTOP[1]))  # the height at this width, then all of it
     height = driver.execute_script("return document.documentElement.scrollHeight")
     set_viewport(driver, (width, height))
     time.sleep(0.3)
