@@ -141,8 +141,14 @@ def test_chat_restart_resend_restores_from_disk(edge_home, tmp_path, browser):
         assert lines[0].startswith("series,prompt_tokens,ttft_ms") and [x.split(",")[0] for x in lines[1:]] == \
             ["cold", "restored"], lines
 
+        d.find_element("id", "chart-png").click()
+        png = _wait_file(tmp_path / "downloads" / "edge-llm-ttft.png")
+        assert png_size(png) == (int(chart.get_attribute("width")), int(chart.get_attribute("height")))
+
         for size in (ub.PHONE, ub.DESKTOP):
             check_layout(d, size)
+        refused = [m for m in ub.console(d) if "Content Security Policy" in m or "Refused to" in m]
+        assert not refused, refused  # the page runs under its CSP without a violation
         phone = tmp_path / "ui-360.png"
         ub.full_screenshot(d, phone, ub.PHONE[0])
         assert png_size(phone.read_bytes())[0] == ub.PHONE[0]
