@@ -204,11 +204,11 @@ def test_store_and_events_after_a_request(srv):
     ev = Events(srv.url + "/v1/edge/events", AUTH)
     wait_for(ev.opened, 30, what="the event stream's first line")
     out = chat(srv, PROMPT)
-    n_prompt = out["usage"]["prompt_tokens"]
+    n_prefill = out["timings"]["prefill_tokens"]  # rows computed: the line's n=
     saved = wait_for(lambda: [e for e in ev.logs() if e["tag"] == "KV-DISK" and " saved " in e["line"]], 60,
                      what="a [KV-DISK] saved event")[0]
     prefill = [e for e in ev.logs() if e["tag"] == "PREFILL-TIMING"]
-    assert prefill and f"n={n_prompt} " in prefill[-1]["line"]
+    assert prefill and f"n={n_prefill} " in prefill[-1]["line"]
     messages = log_messages(srv)
     for e in (saved, prefill[-1]):
         assert e["line"] in messages, e  # the same text as the log file's line
@@ -307,7 +307,10 @@ def test_the_hub_never_waits_and_counts_what_it_drops():
         assert first["tag"] == "KV-DISK" and hub.clients == 0
     finally:
         logger.removeHandler(hub)
-        loop.close()
+        hold.set()
+        t.join(5)
+        if not t.is_alive():
+            loop.close()
 
 
 @pytest.mark.timeout(180)
