@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -37,3 +39,84 @@ def test_host_runner_measures_everything(tiny_synth_dir, tmp_path):
     layers = json.loads((tiny_synth_dir / "config.json").read_text())["text_config"]["num_hidden_layers"]
     assert res["calls_per_token"] == 2 * layers + 1 and res["per_call_overhead_ms"] is None
     assert "graph calls per decode token" in r.stdout
+
+
+# ---- the matmul path -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def default_mm(edge_home, tmp_path_factory):
+    """The default model (real weights) and its `convert npu-mm` directory, rounded to nearest
+    (no GPTQ: the bench measures speed, which the weights' values do not change)."""
+    from edge_llm.checkpoints.default import resolve_model_dir
+    from edge_llm.convert.mm8 import convert_mm8
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("EDGE_LLM_HOME", str(edge_home))
+    model = Path(resolve_model_dir("default"))
+    mp.undo()
+    out = tmp_path_factory.mktemp("default-mm") / "mm"
+    convert_mm8(model, out, gptq_tokens=0)
+    return model, out
+
+
+@pytest.mark.timeout(900)
+def test_matmul_path_through_the_fake_library(default_mm, fake_librknnrt, tmp_path):
+    """`bench npu` on an npu-mm directory end to end, through the binding and the tests' fake
+    librknnrt.so (C on this CPU standing in for Rockchip's closed library: no NPU here); the table
+    says the figures are the fake's, and the prediction next to them is the model's arithmetic."""
+    from edge_llm.bench.npu_predict import Plan, Rates
+    from edge_llm.config import ModelArgs
+
+    model, mm = default_mm
+    r = subprocess.run([sys.executable, "-m", "edge_llm", "bench", "npu", "--model", str(model), "--rknn-dir", str(mm),
+                        "--lib", str(fake_librknnrt), "--repeats", "1", "--contexts", "512,8192",
+                        "--out", str(tmp_path / "res")],
+                       capture_output=True, text=True, timeout=840)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(next((tmp_path / "res").glob("*-bench-npu/npu.json")).read_text())
+    assert res["path"] == "matmul" and res["npu"] is None
+    assert "NO NPU on this machine: the library is a stand-in" in r.stdout
+    m = res["micro"]
+    assert m["run_us"] > 0 and m["run3_us"] > 0 and set(m["gbps"]["2048x6144"]) == {"1 core", "3 cores"}
+    assert [d["context"] for d in res["decode"]] == [512, 8192] and all(d["tok_s"] > 0 for d in res["decode"])
+    plan = Plan.of(ModelArgs.from_dir(model))
+    # the 8K KV cache (30 layers x 2 x 192 floats x 4 B per row) and the int8 weights the fake holds
+    assert res["rss_context"] == 8192 and res["rss_mb"] > (30 * 2 * 192 * 4 * 8192 + plan.weight_bytes) / 2**20
+    assert [p["rows"] for p in res["prefill"]] == [32, 128] and all(p["tok_s"] > 0 for p in res["prefill"])
+    pred = res["predicted"]["decode"][0]
+    assert pred["npu_ms"] == pytest.approx(plan.npu_ms(1, Rates()), rel=1e-9)
+    assert pred["ms"] == pytest.approx(pred["npu_ms"] + pred["cpu_ms"]) and pred["cpu_ms"] > 0
+    mes = res["predicted_measured_rates"]["decode"][0]
+    assert mes["cpu_ms"] == pred["cpu_ms"] and mes["npu_ms"] != pred["npu_ms"]
+    assert "| decode at 8192 |" in r.stdout and "| prefill, 128-row prompt |" in r.stdout
+    assert "RSS with a 8192-token KV cache written" in r.stdout
+
+
+@pytest.mark.timeout(600)
+def test_predict_only_prints_the_prediction(tiny_synth_dir, edge_home, tmp_path):
+    """`--predict-only` on any machine: the CPU work measured here on a conversion, scaled to
+    --npu-layers, the drafting rows of bench decode's answers (default model, cpu backend)."""
+    from edge_llm.bench.npu_predict import Plan, Rates
+    from edge_llm.config import ModelArgs
+    from edge_llm.convert.mm8 import convert_mm8
+
+    convert_mm8(tiny_synth_dir, tmp_path / "mm", gptq_tokens=0)
+    env = {**os.environ, "EDGE_LLM_HOME": str(edge_home)}
+    r = subprocess.run([sys.executable, "-m", "edge_llm", "bench", "npu", "--model", str(tiny_synth_dir),
+                        "--rknn-dir", str(tmp_path / "mm"), "--predict-only", "--npu-layers", "28",
+                        "--drafting-tokens", "16", "--contexts", "256", "--repeats", "1", "--out", str(tmp_path / "res")],
+                       capture_output=True, text=True, timeout=540, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(next((tmp_path / "res").glob("*-bench-npu/npu.json")).read_text())
+    args = ModelArgs.from_dir(tiny_synth_dir)
+    plan = Plan.of(ModelArgs(**{**args.__dict__, "num_hidden_layers": 28}))
+    assert res["layers"] == 28 and res["weight_bytes"] == plan.weight_bytes and res["cpu"]["layers_measured"] == 2
+    for d in res["decode"]:
+        assert d["npu_ms"] == pytest.approx(plan.npu_ms(1, Rates()), rel=1e-9) and d["cpu_ms"] > 0
+    assert [f["family"] for f in res["drafting"]] == ["recall", "code"]
+    assert all(f["tokens"] == 15 and f["forwards"] <= 15 for f in res["drafting"])
+    assert [d["context"] for d in res["decode"]] == [256]
+    assert "## Prediction: the matmul path, 28 layers" in r.stdout and "not scaled to the board's Cortex-A76" in r.stdout
+    bad = subprocess.run([sys.executable, "-m", "edge_llm", "bench", "npu", "--model", str(tiny_synth_dir),
+                          "--rknn-dir", str(tmp_path), "--predict-only", "--out", str(tmp_path / "res2")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--predict-only needs an `edge-llm convert npu-mm` directory" in bad.stderr

@@ -20,7 +20,7 @@ import numpy as np
 
 from edge_llm.backends.manifest import Manifest
 from edge_llm.backends.onnx_export import sample_inputs
-from edge_llm.backends.rknn import open_rknn
+from edge_llm.backends.rknn import npu_present, open_rknn
 from edge_llm.bench.npu_predict import RKLLM
 from edge_llm.bench.procstat import proc_status
 from edge_llm.convert.report import predicted_ms
@@ -169,4 +169,68 @@ def markdown(res: dict) -> str:
         lines.append(f"| {g['graph']} | {g['rows']} | {g['ms']:.3f} | {pred} |")
     for c in res.get("core_layouts", []):
         lines.append(f"\n- layers on {c['layers']}: decode {c['decode_tok_s']:.2f} tok/s")
+    return "\n".join(lines) + "\n"
+
+
+# ---- the matmul path (an `edge-llm convert npu-mm` directory) --------------------------------------
+def run_mm(model_dir: str | Path, mm_dir: str | Path, lib: str | None = None, repeats: int = 3,
+           contexts: tuple[int, ...] = (512, 8192), step: Callable[[str], None] = lambda msg: None) -> dict:
+    """The matmul path through librknnrt (`lib`: None -> $EDGE_LLM_LIBRKNNRT, else librknnrt.so):
+    the engine's per-call overhead and GB/s on one core and three (bench/npu_matmul.py), then the
+    model's decode at each context, prefill of a 32- and a 128-row prompt and RSS with the KV rows
+    of each context written; each next to the prediction (the published rates, and the rates just
+    measured) with the CPU work measured in the same forwards, and to RKLLM's figures."""
+    from edge_llm.backends.rknn_mm import open_npu_matmul
+    from edge_llm.bench.npu_cpu import measure
+    from edge_llm.bench.npu_matmul import STREAM_SHAPES, bench_matmul
+    from edge_llm.bench.npu_predict import Plan, Rates, predict
+    from edge_llm.config import ModelArgs
+
+    step("matmul micro-benchmark")
+    micro = bench_matmul(lib)
+    engine = open_npu_matmul(lib)
+    res: dict = {"path": "matmul", "model": str(model_dir), "rknn_dir": str(mm_dir), "micro": micro.as_dict(),
+                 "numerics": engine.numerics, "npu": npu_present(), "anchor": RKLLM}
+    got = measure(model_dir, mm_dir, engine, contexts=contexts, verify_rows=(), repeats=repeats, step=step)
+    stream = micro.gbps[next(iter(STREAM_SHAPES))]  # the first stream shape: the 2B's gate/up
+    measured_rates = Rates(bw_core_gbs=stream["1 core"], bw_all_gbs=stream["3 cores"], call_us=micro.run3_us)
+    plan = Plan.of(ModelArgs.from_dir(model_dir))
+    res["predicted"] = predict(plan, Rates(), got.cpu, contexts)
+    res["predicted_measured_rates"] = predict(plan, measured_rates, got.cpu, contexts)
+    res["decode"] = [{"context": c, "ms": got.decode_ms[(1, c)], "tok_s": 1e3 / got.decode_ms[(1, c)]}
+                     for c in contexts]
+    res["rss_mb"], res["rss_context"] = got.rss_mb, got.context
+    res["prefill"] = [{"rows": r, "ms": ms, "tok_s": r / ms * 1e3} for r, ms in got.prompt_ms.items()]
+    res["cpu_isa"] = got.cpu.isa
+    return res
+
+
+def markdown_mm(res: dict) -> str:
+    """Measured next to predicted (published rates / measured rates) and RKLLM's figures."""
+    from edge_llm.bench.npu_predict import RKLLM_PREFILL_ROWS
+
+    where = (f"NPU at {res['npu']}" if res["npu"] else
+             "NO NPU on this machine: the library is a stand-in (the tests' fake: C on this CPU), so every "
+             "measured figure below is that C code's speed, not an NPU's")
+    m = res["micro"]
+    lines = [f"# NPU benchmark: the matmul path ({where})", "",
+             f"- engine `{res['numerics']}` on {m['machine']}; CPU work measured in the same forwards on "
+             f"{res['cpu_isa']}",
+             f"- per call: run {m['run_us']:.1f} us on one core (rknn_matmul_run {m['lib_run_us']:.1f} us), "
+             f"{m['run3_us']:.1f} us over three cores (prediction: 33 us)"]
+    for shape, by in m["gbps"].items():
+        lines.append(f"- stream {shape}: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in by.items())
+                     + " (prediction: 11 GB/s on one core, 26.6 over three)")
+    pub, mes = res["predicted"], res["predicted_measured_rates"]
+    rk_pre = RKLLM_PREFILL_ROWS / (RKLLM["ttft_128_ms"] / 1e3)
+    lines += ["", "| | measured tok/s | predicted (published rates) | predicted (measured rates) | RKLLM | "
+              "measured / RKLLM |", "|---|---|---|---|---|---|"]
+    for d, p, q in zip(res["decode"], pub["decode"], mes["decode"]):
+        lines.append(f"| decode at {d['context']} | {d['tok_s']:.2f} | {p['tok_s']:.2f} | {q['tok_s']:.2f} | "
+                     f"{RKLLM['decode_tok_s']} | {d['tok_s'] / RKLLM['decode_tok_s']:.2f}x |")
+    for d, p, q in zip(res["prefill"], pub["prefill"], mes["prefill"]):
+        lines.append(f"| prefill, {d['rows']}-row prompt | {d['tok_s']:.1f} | {p['tok_s']:.1f} | {q['tok_s']:.1f} | "
+                     f"{rk_pre:.0f} | {d['tok_s'] / rk_pre:.2f}x |")
+    lines.append(f"\n- RSS with a {res['rss_context']}-token KV cache written: {res['rss_mb']:.0f} MB (RKLLM: "
+                 f"{RKLLM['memory_mb']:.0f} MB for Qwen3-VL-2B)")
     return "\n".join(lines) + "\n"

@@ -1,0 +1,197 @@
+"""The CPU work of the NPU matmul path, measured (docs/npu.md, "Prediction").
+
+`measure` loads the real matmul backend (`backends/mm8.MmBackend`) over an engine wrapped by
+`npu_predict.TimedMatmul` and times forwards in CPU time (`time.process_time`, numpy's BLAS held
+to one thread: a shared machine's load does not count, and no thread split flatters it); a
+forward's time minus the time inside the engine's `run` is the CPU's share (quantize rows, dequantize, norms, SwiGLU, RoPE, attention, the rotation
+of new rows, the online Hadamard if converted with it, Python). The decoder layers' share is
+timed apart (from a layer's `qkv` to the end of its `post`) and scaled to the predicted layer
+count; the rest (embedding, head, sampling's logits) is counted once. The KV rows of a long
+context are written directly (attention's cost depends on the row count, not the values), so
+8K needs no 8K prefill.
+
+`replay_families` gives the drafting rows of `bench decode`'s recall and code answers on the
+default model's CPU backend under the matmul path's own cost profile.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+from edge_llm.backends import QKVArrays
+from edge_llm.backends.cpu import numpy_kernels
+from edge_llm.backends.int8mm import Int8Matmul
+from edge_llm.backends.mm8 import MmBackend, MmManifest
+from edge_llm.bench.npu_predict import CLOCK, CpuCost, CpuWork, Plan, Rates, Replayed, TimedMatmul, cost_profile, predict
+
+DECODE_CONTEXTS = (128, 512, 2048, 8192)
+VERIFY_ROWS = (2, 4, 8)  # a verify forward: 1 + the draft (draft_max 8: docs/speculative.md)
+PROMPT_ROWS = (32, 128)
+
+
+class TimedMmBackend(MmBackend):
+    """MmBackend that adds up the wall time of its decoder layers (qkv of a layer to the end of
+    its post, attention included) and of its logits."""
+
+    def __init__(self, root: str | Path, manifest: MmManifest, engine: TimedMatmul):
+        super().__init__(root, manifest, engine)
+        self.timed = engine
+        self.layer_s = self.head_s = 0.0
+        self.layer_engine_s = self.head_engine_s = 0.0
+        self._start = (0.0, 0.0)
+
+    def qkv(self, layer: int, x: np.ndarray) -> QKVArrays:
+        self._start = (CLOCK(), self.timed.seconds)
+        return super().qkv(layer, x)
+
+    def post(self, layer: int, attn: np.ndarray, x: np.ndarray,
+             fuse_next: bool = True) -> tuple[np.ndarray, QKVArrays | None]:
+        out = super().post(layer, attn, x, fuse_next)
+        self.layer_s += CLOCK() - self._start[0]
+        self.layer_engine_s += self.timed.seconds - self._start[1]
+        return out
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        t, e = CLOCK(), self.timed.seconds
+        out = super().logits(x)
+        self.head_s += CLOCK() - t
+        self.head_engine_s += self.timed.seconds - e
+        return out
+
+    def reset_times(self) -> None:
+        self.layer_s = self.head_s = self.layer_engine_s = self.head_engine_s = 0.0
+        self.timed.reset()
+
+
+def cpu_isa() -> str:
+    """Where the CPU work was measured: the machine and numpy's kernels (its BLAS family)."""
+    return f"{platform.machine()} {numpy_kernels()}"
+
+
+def _fill(cache, n: int, rng: np.random.Generator) -> None:
+    """Rows [0, n) of every layer written with random K/V and declared valid."""
+    g = cache.geometry
+    for layer in range(g.n_layers):
+        k = rng.standard_normal((n, g.kv_dim), dtype=np.float32)
+        cache.write(layer, 0, k, k)
+    cache.set_tokens(list(range(n)))
+
+
+@dataclass
+class Measured:
+    """What `measure` took from one load: the CPU work, the wall ms of the same forwards (median of
+    the repeats: on a board, the path's real speed), and RSS with the KV cache of the longest
+    context allocated (KVCache commits its pages up front) and its rows written."""
+
+    cpu: CpuWork
+    decode_ms: dict[tuple[int, int], float]
+    prompt_ms: dict[int, float]
+    rss_mb: float
+    context: int
+
+
+def measure(model_dir: str | Path, mm_dir: str | Path, engine: Int8Matmul, layers: int | None = None,
+            contexts: Sequence[int] = DECODE_CONTEXTS, verify_rows: Sequence[int] = VERIFY_ROWS,
+            prompt_rows: Sequence[int] = PROMPT_ROWS, repeats: int = 3,
+            step: Callable[[str], None] = lambda _m: None) -> Measured:
+    """Forwards of MmBackend over `engine`: the CPU ms (its `run` time subtracted, the layers' share
+    scaled from the converted layers to `layers`, default the same; the least of `repeats`) and
+    the wall ms (median)."""
+    from edge_llm.bench.procstat import proc_status
+    from edge_llm.models.qwen3 import Model
+
+    timed = TimedMatmul(engine)
+    be = TimedMmBackend(mm_dir, MmManifest.read(mm_dir), timed)
+    model = Model.load(model_dir, backend=be)
+    measured = model.args.num_hidden_layers
+    layers = layers or measured
+    rng = np.random.default_rng(0)
+    extra = max(verify_rows, default=1)
+    ids = rng.integers(0, min(model.args.vocab_size, 1000), max([*contexts, *prompt_rows]) + extra + 1)
+
+    def one(rows: int, ctx: int, prompt: bool) -> tuple[float, float]:
+        cpu, wall = [], []
+        for _ in range(repeats + 1):  # the first one warms up
+            cache.truncate(ctx)
+            be.reset_times()
+            t, w = CLOCK(), time.perf_counter()
+            model.forward(ids[ctx:ctx + rows], cache, all_logits=not prompt, decode=not prompt)
+            wall.append((time.perf_counter() - w) * 1e3)
+            total = CLOCK() - t
+            layer_cpu = be.layer_s - be.layer_engine_s
+            rest_cpu = total - be.layer_s - (timed.seconds - be.layer_engine_s)
+            cpu.append((rest_cpu + layer_cpu * layers / measured) * 1e3)
+        # CPU time only grows with interference (cache misses): the least
+        return min(cpu[1:]), statistics.median(wall[1:])
+
+    prompt, decode, prompt_wall, decode_wall = {}, {}, {}, {}
+    try:
+        with threadpool_limits(1):
+            cache = model.new_cache(max([*contexts, *prompt_rows]) + extra + 1, check_memory=False)
+            for rows in prompt_rows:
+                step(f"a {rows}-row prompt")
+                cache.reset()
+                prompt[rows], prompt_wall[rows] = one(rows, 0, True)
+            for ctx in contexts:
+                _fill(cache, ctx, rng)
+                for rows in (1, *verify_rows):
+                    step(f"{rows} decode rows at context {ctx}")
+                    decode[(rows, ctx)], decode_wall[(rows, ctx)] = one(rows, ctx, False)
+            rss = proc_status()["VmRSS"] / 2**20
+    finally:
+        model.close()
+    return Measured(CpuWork(decode, prompt, cpu_isa(), measured, layers), decode_wall, prompt_wall, rss,
+                    max(contexts))
+
+
+def replay_families(plan: Plan, rates: Rates, cpu: CpuCost, families: Sequence[str] = ("recall", "code"),
+                    max_tokens: int = 128, step: Callable[[str], None] = lambda _m: None) -> list[Replayed]:
+    """Greedy answers of `bench decode`'s families on the default model's CPU backend, and the
+    rows of each forward the engine's drafting runs for them under this prediction's cost profile
+    (`bench.decode.replay`: the real Drafter, greedy verification)."""
+    from edge_llm.bench.decode import FAMILIES, chat_ids, replay
+    from edge_llm.drafting import DraftConfig
+    from edge_llm.engine import GenerationRequest
+    from edge_llm.runtime import load_runtime
+    from edge_llm.settings import Settings, resolve
+
+    eng = load_runtime(resolve(Settings(backend="cpu", disk_kv=None, log_file=None, max_seq=4096, draft="off")))
+    out = []
+    try:
+        for fam in families:
+            step(f"greedy answer: {fam}")
+            ids = chat_ids(eng.tokenizer, FAMILIES[fam])
+            eng.cache.reset()
+            tokens = list(list(eng.generate(GenerationRequest(list(ids), max_tokens=max_tokens)))[-1].completion_ids)
+            rows = replay(ids, tokens, cost_profile(plan, rates, cpu, len(ids)), DraftConfig())
+            out.append(Replayed(fam, len(ids), len(tokens) - 1, tuple(rows)))
+    finally:
+        eng.close()
+    return out
+
+
+def run_prediction(model_dir: str | Path, mm_dir: str | Path, layers: int | None = None, rates: Rates = Rates(),
+                   drafting_tokens: int = 128, repeats: int = 3, engine: Int8Matmul | None = None,
+                   contexts: Sequence[int] = DECODE_CONTEXTS, step: Callable[[str], None] = lambda _m: None) -> dict:
+    """The prediction for `model_dir`'s geometry at `layers` layers (default: its own), the CPU
+    work measured on `mm_dir` (its conversion) over `engine` (default: the host emulation)."""
+    from edge_llm.backends.int8mm import HostInt8Matmul
+    from edge_llm.config import ModelArgs
+
+    args = ModelArgs.from_dir(model_dir)
+    layers = layers or args.num_hidden_layers
+    plan = Plan.of(ModelArgs(**{**args.__dict__, "num_hidden_layers": layers}), rates.cores)
+    cpu = measure(model_dir, mm_dir, engine or HostInt8Matmul(), layers, contexts, repeats=repeats, step=step).cpu
+    drafting = replay_families(plan, rates, cpu, max_tokens=drafting_tokens, step=step) if drafting_tokens else []
+    res = predict(plan, rates, cpu, contexts, drafting=drafting)
+    res["cpu"] = {"isa": cpu.isa, "layers_measured": cpu.layers_measured, "layers": cpu.layers,
+                  "decode_ms": {f"{r}x{c}": v for (r, c), v in cpu.decode.items()}, "prompt_ms": cpu.prompt}
+    return res
