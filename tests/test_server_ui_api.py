@@ -97,10 +97,10 @@ class Events:
         return any(n == ":" and d == "edge-llm events" for n, d in list(self.items))
 
 
-def chat(srv: ServerProc, text: str, max_tokens: int = 8) -> dict:
+def chat(srv: ServerProc, text: str, max_tokens: int = 8, before: list[dict] | None = None) -> dict:
+    messages = [*(before or []), {"role": "user", "content": text}]
     r = httpx.post(srv.url + "/v1/chat/completions", headers=AUTH if srv.api_key else {}, timeout=600,
-                   json={"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-                         "temperature": 0})
+                   json={"messages": messages, "max_tokens": max_tokens, "temperature": 0})
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -230,6 +230,20 @@ def test_store_and_events_after_a_request(srv):
     assert doc["free_bytes"] > 0 and doc["cost_gate"]["mode"] == "pipelined"
     assert doc["cost_gate"]["compute_tokens_per_s"] > 0  # this prefill measured the rate
     assert not [s for s in strings(doc) if "/" in s or os.sep in s], "a path in /v1/edge/store"
+
+    # the next turn is saved as a delta on that file: its formula counts only the rows it holds
+    chat(srv, "And what should I eat there?", 4,
+         [{"role": "user", "content": PROMPT}, out["choices"][0]["message"]])
+    delta = wait_for(lambda: [e for e in ev.logs() if e["tag"] == "KV-DISK" and " saved " in e["line"]
+                              and f"-> {name}" not in e["line"]], 60, what="the second turn's save")[0]
+    assert f"delta on {name}" in delta["line"]
+    dname = re.search(r"-> (kv_[0-9a-f]{16}\.kv)", delta["line"]).group(1)
+    doc = httpx.get(srv.url + "/v1/edge/store", headers=AUTH, timeout=30).json()
+    d = next(s for s in doc["snapshots"] if s["file"] == dname)
+    dpath = srv.kv_dir / doc["namespace"] / dname
+    assert d["chain_base"] == name and d["chain_files"] == 2, d
+    assert d["formula_bytes"] == describe(dpath)["size_formula"]["expected"] == d["bytes"] == dpath.stat().st_size
+    assert doc["snapshots"][0]["file"] == dname  # most recently used first
 
 
 @pytest.mark.timeout(300)
