@@ -48,12 +48,14 @@ def srv(edge_home, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def srv_no_ui(edge_home, tmp_path_factory):
-    """ui = false (from the TOML file, as a board sets it), no key; ends with the SIGTERM test."""
+def srv_no_ui(tiny_synth_dir, tmp_path_factory):
+    """ui = false (from the TOML file, as a board sets it), no key, the tiny random Qwen3-VL (no
+    number of it is checked: it has a vision tower, the default model has none); ends with the
+    SIGTERM test."""
     work = tmp_path_factory.mktemp("srv-no-ui")
     (work / "edge-llm.toml").write_text("ui = false\n")
-    s = ServerProc(edge_home, work, "--config", str(work / "edge-llm.toml"), "--max-seq", "512",
-                   "--grace-seconds", "120")
+    s = ServerProc(work / "home", work, "--model", str(tiny_synth_dir), "--config", str(work / "edge-llm.toml"),
+                   "--max-seq", "256", "--grace-seconds", "120")
     s.start()
     yield s
     s.stop()
@@ -151,7 +153,8 @@ def test_ui_false_turns_the_page_off(srv_no_ui):
     for path in ("/ui/", "/ui/index.html", "/ui", "/"):
         r = httpx.get(srv_no_ui.url + path, timeout=30)
         assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", path
-    assert httpx.get(srv_no_ui.url + "/v1/edge/state", timeout=30).status_code == 200  # the API stays
+    state = httpx.get(srv_no_ui.url + "/v1/edge/state", timeout=30)  # the API stays
+    assert state.status_code == 200 and state.json()["vision"] is True  # a Qwen3-VL: images allowed
 
 
 # ---- the key ------------------------------------------------------------------------------------
@@ -178,6 +181,7 @@ def test_state(srv):
         assert st[k] == health[k], k
     assert st["backend_reason"] == basenames(health["backend_reason"])
     assert st["status"] == "ok" and st["max_seq"] == 1024 and st["settings"]["api_key"] is True
+    assert st["vision"] is False  # SmolLM2 has no vision tower
     mem = st["memory"]
     assert mem["estimate_bytes"] == sum(mem["parts"].values()) > 0
     assert mem["parts"]["KV"] == 1024 * 2 * 30 * 3 * 64 * 4  # max_seq x 2 x layers x kv_dim x F32

@@ -55,6 +55,7 @@ class EdgeState(BaseModel):
     model: str
     backend: str
     backend_reason: str | None
+    vision: bool  # the model has a vision tower: chat messages may carry images
     namespace: str | None
     max_seq: int
     uptime_s: float
@@ -118,7 +119,8 @@ class StoreView:
         h = st.health()
         return EdgeState(
             status=h["status"], version=__version__, model=st.model_id, backend=st.backend,
-            backend_reason=basenames(st.backend_reason) if st.backend_reason else None, namespace=st.namespace,
+            backend_reason=basenames(st.backend_reason) if st.backend_reason else None,
+            vision=st.engine is not None and st.engine.vision is not None, namespace=st.namespace,
             max_seq=s.max_seq, uptime_s=h["uptime_s"], degraded=[basenames(d) for d in h["degraded"]], busy=h["busy"], queue_depth=h["queue_depth"], queue_size=s.queue_size,
             memory=self._memory(st.engine) if st.engine is not None else None,
             settings={"disk_kv": s.disk_kv is not None, "disk_kv_restore": s.disk_kv_restore,
