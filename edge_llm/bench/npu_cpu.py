@@ -19,8 +19,8 @@ from __future__ import annotations
 import platform
 import statistics
 import time
-from dataclasses import dataclass
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,9 +28,12 @@ from threadpoolctl import threadpool_limits
 
 from edge_llm.backends import QKVArrays
 from edge_llm.backends.cpu import numpy_kernels
-from edge_llm.backends.int8mm import Int8Matmul
-from edge_llm.backends.mm8 import MmBackend, MmManifest
-from edge_llm.bench.npu_predict import CLOCK, CpuCost, CpuWork, Plan, Rates, Replayed, TimedMatmul, cost_profile, predict
+from edge_llm.backends.int8mm import HostInt8Matmul, Int8Matmul, dequantize, quantize_rows
+from edge_llm.backends.mm8 import MmBackend, MmManifest, fwht
+from edge_llm.bench.npu_predict import (CLOCK, CpuCost, CpuWork, Plan, Rates, Replayed, TimedMatmul, cost_profile,
+                                        predict)
+from edge_llm.config import ModelArgs
+from edge_llm.models.qwen3 import Model, attention
 
 DECODE_CONTEXTS = (128, 512, 2048, 8192)
 VERIFY_ROWS = (2, 4, 8)  # a verify forward: 1 + the draft (draft_max 8: docs/speculative.md)
@@ -96,6 +99,51 @@ class Measured:
     prompt_ms: dict[int, float]
     rss_mb: float
     context: int
+    parts: dict[str, float]
+
+
+def _least_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = CLOCK()
+        fn()
+        best = min(best, CLOCK() - t)
+    return best * 1e3
+
+
+def cpu_parts(be: MmBackend, args: ModelArgs, contexts: Sequence[int], prompt_rows: int,
+              repeats: int) -> dict[str, float]:
+    """Where the CPU time goes, op by op (CPU ms, the least of `repeats`): the residual rotation of
+    new rows, the online Hadamard, a layer's quantize + dequantize around its four products, and
+    attention of one row per layer at each context."""
+    rng = np.random.default_rng(0)
+    h, inter = args.hidden_size, args.intermediate_size
+    widths = [(h, args.q_dim + 2 * args.kv_dim), (args.q_dim, h), (h, 2 * inter), (inter, h)]
+    out: dict[str, float] = {}
+    for rows in (1, prompt_rows):
+        x = rng.standard_normal((rows, h), dtype=np.float32)
+        out[f"residual rotation, {rows} rows"] = _least_ms(lambda: be.residual(x), repeats)
+        if be.down_block is not None:
+            a = rng.standard_normal((rows, inter), dtype=np.float32)
+            block = be.down_block
+            out[f"online Hadamard, {rows} rows, per layer"] = _least_ms(lambda: fwht(a, block), repeats)
+        ins = [rng.standard_normal((rows, k), dtype=np.float32) for k, _ in widths]
+        cs = [rng.integers(-2**20, 2**20, (rows, n), dtype=np.int32) for _, n in widths]
+        scales = [np.ones(n, np.float32) for _, n in widths]
+
+        def scaling() -> None:
+            for xi, ci, si in zip(ins, cs, scales):
+                _q, rs = quantize_rows(xi)
+                dequantize(ci, rs, si)
+
+        out[f"quantize + dequantize, {rows} rows, per layer"] = _least_ms(scaling, repeats)
+    for ctx in contexts:
+        q = rng.standard_normal((1, args.num_attention_heads, args.head_dim), dtype=np.float32)
+        kv = rng.standard_normal((ctx, args.kv_dim), dtype=np.float32)
+        out[f"attention, 1 row at {ctx}, per layer"] = _least_ms(
+            lambda: attention(q, kv, kv, ctx - 1, args.num_key_value_heads), repeats)
+    return out
 
 
 def measure(model_dir: str | Path, mm_dir: str | Path, engine: Int8Matmul, layers: int | None = None,
@@ -106,7 +154,6 @@ def measure(model_dir: str | Path, mm_dir: str | Path, engine: Int8Matmul, layer
     scaled from the converted layers to `layers`, default the same; the least of `repeats`) and
     the wall ms (median)."""
     from edge_llm.bench.procstat import proc_status
-    from edge_llm.models.qwen3 import Model
 
     timed = TimedMatmul(engine)
     be = TimedMmBackend(mm_dir, MmManifest.read(mm_dir), timed)
@@ -146,10 +193,12 @@ def measure(model_dir: str | Path, mm_dir: str | Path, engine: Int8Matmul, layer
                     step(f"{rows} decode rows at context {ctx}")
                     decode[(rows, ctx)], decode_wall[(rows, ctx)] = one(rows, ctx, False)
             rss = proc_status()["VmRSS"] / 2**20
+            step("CPU work op by op")
+            parts = cpu_parts(be, model.args, contexts, max(prompt_rows), max(repeats, 3))
     finally:
         model.close()
     return Measured(CpuWork(decode, prompt, cpu_isa(), measured, layers), decode_wall, prompt_wall, rss,
-                    max(contexts))
+                    max(contexts), parts)
 
 
 def replay_families(plan: Plan, rates: Rates, cpu: CpuCost, families: Sequence[str] = ("recall", "code"),
@@ -183,15 +232,14 @@ def run_prediction(model_dir: str | Path, mm_dir: str | Path, layers: int | None
                    contexts: Sequence[int] = DECODE_CONTEXTS, step: Callable[[str], None] = lambda _m: None) -> dict:
     """The prediction for `model_dir`'s geometry at `layers` layers (default: its own), the CPU
     work measured on `mm_dir` (its conversion) over `engine` (default: the host emulation)."""
-    from edge_llm.backends.int8mm import HostInt8Matmul
-    from edge_llm.config import ModelArgs
-
     args = ModelArgs.from_dir(model_dir)
     layers = layers or args.num_hidden_layers
     plan = Plan.of(ModelArgs(**{**args.__dict__, "num_hidden_layers": layers}), rates.cores)
-    cpu = measure(model_dir, mm_dir, engine or HostInt8Matmul(), layers, contexts, repeats=repeats, step=step).cpu
+    got = measure(model_dir, mm_dir, engine or HostInt8Matmul(), layers, contexts, repeats=repeats, step=step)
+    cpu = got.cpu
     drafting = replay_families(plan, rates, cpu, max_tokens=drafting_tokens, step=step) if drafting_tokens else []
     res = predict(plan, rates, cpu, contexts, drafting=drafting)
     res["cpu"] = {"isa": cpu.isa, "layers_measured": cpu.layers_measured, "layers": cpu.layers,
-                  "decode_ms": {f"{r}x{c}": v for (r, c), v in cpu.decode.items()}, "prompt_ms": cpu.prompt}
+                  "decode_ms": {f"{r}x{c}": v for (r, c), v in cpu.decode.items()}, "prompt_ms": cpu.prompt,
+                  "parts_ms": got.parts}
     return res

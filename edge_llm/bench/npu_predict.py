@@ -275,7 +275,7 @@ def _ms(x: float) -> str:
     return f"{x:.1f}"
 
 
-def markdown(res: dict, cpu_isa: str, cpu_note: str = "") -> str:
+def markdown(res: dict, cpu_isa: str, parts: dict[str, float] | None = None) -> str:
     """The prediction table, each figure next to RKLLM's (docs/npu.md, "Prediction")."""
     r = res["rates"]
     rk = RKLLM["decode_tok_s"]
@@ -286,7 +286,7 @@ def markdown(res: dict, cpu_isa: str, cpu_note: str = "") -> str:
              f"- NPU: {r['bw_all_gbs']} GB/s over {r['cores']} cores, {r['bw_core_gbs']} GB/s on one ({SOURCES['bandwidth']}); "
              f"{r['call_us']} us per call ({SOURCES['call']}); {r['macs_per_cycle']} MACs/cycle/core at "
              f"{r['hz'] / 1e9:.1f} GHz ({SOURCES['peak']})",
-             f"- CPU work measured on {cpu_isa}, not scaled to the board's Cortex-A76 cores{cpu_note}", "",
+             f"- CPU work measured on {cpu_isa}, not scaled to the board's Cortex-A76 cores", "",
              "| forward | context | NPU ms | CPU ms | ms | predicted tok/s | RKLLM tok/s | vs RKLLM |",
              "|---|---|---|---|---|---|---|---|"]
     for d in res["decode"]:
@@ -300,4 +300,6 @@ def markdown(res: dict, cpu_isa: str, cpu_note: str = "") -> str:
         lines.append(f"| prefill, {p['rows']}-row prompt | {p['context']} | {_ms(p['npu_ms'])} | {_ms(p['cpu_ms'])} | "
                      f"{_ms(p['ms'])} | {p['tok_s']:.0f} | {res['rkllm_prefill_tok_s']:.0f} (128-token TTFT) | "
                      f"{p['vs_rkllm']:.2f}x |")
+    if parts:
+        lines += ["", "CPU ms op by op (one thread): " + "; ".join(f"{k} {v:.3f}" for k, v in parts.items())]
     return "\n".join(lines) + "\n"

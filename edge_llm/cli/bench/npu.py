@@ -91,7 +91,7 @@ def npu_cmd(model, rknn_dir, runner, lib, predict_only, npu_layers, drafting_tok
     if predict_only:
         from edge_llm.bench.npu_predict import markdown
 
-        md = markdown(res, res["cpu"]["isa"])
+        md = markdown(res, res["cpu"]["isa"], res["cpu"]["parts_ms"])
     else:
         md = B.markdown_mm(res) if matmul else B.markdown(res)
     save_results(res_dir, "npu", res, md)
