@@ -223,7 +223,8 @@ def markdown_mm(res: dict) -> str:
                      + " (prediction: 11 GB/s on one core, 26.6 over three)")
     pub, mes = res["predicted"], res["predicted_measured_rates"]
     rk_pre = RKLLM_PREFILL_ROWS / (RKLLM["ttft_128_ms"] / 1e3)
-    lines += ["", "| | measured tok/s | predicted (published rates) | predicted (measured rates) | RKLLM | "
+    lines += ["", f"Model {Path(res['model']).name}; RKLLM's figures are Qwen3-VL-2B's (w8a8, RK3588).", "",
+              "| | measured tok/s | predicted (published rates) | predicted (measured rates) | RKLLM | "
               "measured / RKLLM |", "|---|---|---|---|---|---|"]
     for d, p, q in zip(res["decode"], pub["decode"], mes["decode"]):
         lines.append(f"| decode at {d['context']} | {d['tok_s']:.2f} | {p['tok_s']:.2f} | {q['tok_s']:.2f} | "
