@@ -196,13 +196,21 @@ def test_key_flow(edge_home, tmp_path, browser):
         assert not d.find_element("id", "key-form").is_displayed()
         assert all(d.find_element("id", p).is_displayed() for p in ub.PANELS)
 
-        # chat with the key; Stop aborts the stream and the server cancels the job
-        mark = srv.log_size()
+        # a refused request: the server's message is shown, the typed message is kept
         d.execute_script("document.querySelector('details.opts').open = true")
         d.find_element("id", "opt-max").clear()
-        d.find_element("id", "opt-max").send_keys("400")
+        d.find_element("id", "opt-max").send_keys("999999")
         d.find_element("id", "chat-input").send_keys("Tell me a long story about a board.")
         d.find_element("id", "send").click()
+        ub.wait_js(d, "return !document.getElementById('chat-error').hidden", what="the refusal's message")
+        assert text(d, "#chat-error").startswith("400: ") and "max_tokens" in text(d, "#chat-error")
+        assert "long story" in text(d, "#messages .msg.user") and turn_rows(d) == []
+
+        # chat with the key; Stop aborts the stream and the server cancels the job
+        mark = srv.log_size()
+        d.find_element("id", "opt-max").clear()
+        d.find_element("id", "opt-max").send_keys("400")
+        d.find_element("id", "resend").click()
         ub.wait_js(d, "return document.querySelector('#messages .msg.assistant.streaming .body')?.textContent",
                    what="the streamed answer")
         d.find_element("id", "stop").click()
