@@ -3,8 +3,9 @@
 `measure` loads the real matmul backend (`backends/mm8.MmBackend`) over an engine wrapped by
 `npu_predict.TimedMatmul` and times forwards in CPU time (`time.process_time`, numpy's BLAS held
 to one thread: a shared machine's load does not count, and no thread split flatters it); a
-forward's time minus the time inside the engine's `run` is the CPU's share (quantize rows, dequantize, norms, SwiGLU, RoPE, attention, the rotation
-of new rows, the online Hadamard if converted with it, Python). The decoder layers' share is
+forward's time minus the time inside the engine's `run` is the CPU's share (quantize rows,
+dequantize, norms, SwiGLU, RoPE, attention, the rotation of new rows, the online Hadamard if
+converted with it, Python). `cpu_parts` times the larger of those ops one by one. The decoder layers' share is
 timed apart (from a layer's `qkv` to the end of its `post`) and scaled to the predicted layer
 count; the rest (embedding, head, sampling's logits) is counted once. The KV rows of a long
 context are written directly (attention's cost depends on the row count, not the values), so
