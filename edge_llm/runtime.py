@@ -57,7 +57,9 @@ def make_tower_graph(s: Settings, choice: BackendChoice, model_dir: Path, say: C
         from edge_llm.backends.vision_graph import open_rknn_tower
 
         try:
-            return open_rknn_tower(s.rknn_dir, s.rknn_runner, model_dir=model_dir, progress=say)
+            # an npu-mm decoder's runners run int8 matmuls; a tower graph beside it runs on the graph runners
+            runner = {"librknnrt": "rknnlite", "host": "onnxruntime"}.get(s.rknn_runner, s.rknn_runner)
+            return open_rknn_tower(s.rknn_dir, runner, model_dir=model_dir, progress=say)
         except RunnerError as e:  # e.g. the NPU's 4 GB window full with an fp16 decoder (docs/vision.md)
             log.warning("vision: the NPU tower did not load (%s): images take the numpy tower", e)
             return None

@@ -49,8 +49,10 @@ WEIGHTS = "weights.npz"
 LAYOUT = "row-major-KN"  # B as (K, N) int8 rows; the NPU engine converts to its native layout at load
 # A bandwidth-bound NPU reads every weight once per forward whatever its row count: a verify
 # forward of T rows costs one decode step plus the CPU's per-row work (norms, quantization,
-# attention) and the NPU's int8 compute, a few percent of a step per row (docs/npu.md "Prediction").
-FORWARD_COST = ForwardCost(1.1, 0.03)
+# attention) and the NPU's int8 compute. Predicted for Qwen3-VL-2B at 512 rows of context (CPU
+# work measured on x86-64 AVX-512, the NPU at the published rates): 2/4/8 rows cost 1.15/1.26/1.47
+# one-row steps (docs/npu.md "Prediction (the matmul path)").
+FORWARD_COST = ForwardCost(1.15, 0.05)
 
 
 @dataclass
@@ -184,6 +186,20 @@ class MmBackend:
         self.table = weights.pop_rows(f"{args.weight_prefix}embed_tokens.weight")  # exact F32 rows, read when used
         path = self.root / WEIGHTS
         try:
+            self._load_weights(path)
+        except BaseException:  # an engine that ran out of NPU memory half-way: release what it holds
+            self.engine.close()
+            raise
+        missing = [n for n in self._names() if n not in self.scales]
+        if missing:
+            self.engine.close()
+            raise ConfigError(f"{path}: no weight {missing[0]!r} ({len(missing)} missing): re-run "
+                              "`edge-llm convert npu-mm`")
+        log.info("npu-mm backend: %d layers, engine %s, rotation %s, down %s", self.m.layers, self.engine.numerics,
+                 self.m.rotation, self.m.down_rotation)
+
+    def _load_weights(self, path: Path) -> None:
+        try:
             with np.load(path) as z:
                 for key in z.files:
                     arr = z[key]
@@ -200,12 +216,6 @@ class MmBackend:
                         self.down_block = np.array(arr, np.float32)
         except (OSError, ValueError, KeyError) as e:
             raise ConfigError(f"{path}: unreadable ({e}): re-run `edge-llm convert npu-mm`") from None
-        missing = [n for n in self._names() if n not in self.scales]
-        if missing:
-            raise ConfigError(f"{path}: no weight {missing[0]!r} ({len(missing)} missing): re-run "
-                              "`edge-llm convert npu-mm`")
-        log.info("npu-mm backend: %d layers, engine %s, rotation %s, down %s", self.m.layers, self.engine.numerics,
-                 self.m.rotation, self.m.down_rotation)
 
     def _names(self) -> list[str]:
         return [f"layer.{i}.{k}" for i in range(self.m.layers) for k in ("qkv", "o", "gu", "down")] + ["head"]

@@ -41,6 +41,7 @@ from edge_llm.weights import load_weights, weight_digest
 
 log = logging.getLogger(__name__)
 
+HEAD_COLUMNS = 16384  # the head is rotated and quantized in parts of this many vocab columns (peak RAM)
 CLIP_RATIOS = np.round(np.arange(0.80, 1.0001, 0.02), 2).astype(np.float32)
 
 
@@ -74,12 +75,6 @@ def _check_dims(args: ModelArgs) -> None:
             raise ConfigError(f"{what} = {k}: the NPU's int8 matmul needs K a multiple of {ALIGN}, at most {MAX_K}")
 
 
-def _pad_cols(w: np.ndarray) -> np.ndarray:
-    """N up to a multiple of ALIGN with zero columns (the backend drops them: only the head's vocab)."""
-    extra = -w.shape[1] % ALIGN
-    return w if not extra else np.concatenate([w, np.zeros((w.shape[0], extra), w.dtype)], axis=1)
-
-
 def convert_mm8(model_dir: str | Path, out_dir: str | Path, rotation: str = MM_ROTATION,
                 down_rotation: str = MM_DOWN_ROTATION, clip: str = MM_CLIP,
                 gptq_tokens: int = MM_GPTQ_TOKENS,
@@ -104,10 +99,13 @@ def convert_mm8(model_dir: str | Path, out_dir: str | Path, rotation: str = MM_R
     h_down = dense_hadamard(block, args.intermediate_size).astype(np.float32) if block is not None else None
     out: dict[str, np.ndarray] = {}
 
-    def put(name: str, w: np.ndarray, x: np.ndarray | None = None) -> None:
+    def quantize(w: np.ndarray, x: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """`x`: the real rows this weight reads (in its basis), for GPTQ."""
         q, s = quantize_weight(w, mse_clip(w) if clip == "mse" else None)
-        out[f"{name}.w"], out[f"{name}.s"] = (q if x is None else gptq(w, x, s)), s
+        return (q if x is None else gptq(w, x, s)), s
+
+    def put(name: str, w: np.ndarray, x: np.ndarray | None = None) -> None:
+        out[f"{name}.w"], out[f"{name}.s"] = quantize(w, x)
 
     def rows(layer: int, kind: str, basis: np.ndarray | None = None) -> np.ndarray | None:
         x = seen.pop((layer, kind), None)
@@ -135,8 +133,15 @@ def convert_mm8(model_dir: str | Path, out_dir: str | Path, rotation: str = MM_R
             progress(i + 1, n + 1)
     final = weights.pop(f"{p}norm.weight")
     head = weights.pop(f"{p}embed_tokens.weight" if args.tie_word_embeddings else args.lm_head_name)
-    put("head", _pad_cols(reads(np.ascontiguousarray(head.T), final)), rows(-1, "head", r))
+    x_head, parts = rows(-1, "head", r), []
+    for c in range(0, head.shape[0], HEAD_COLUMNS):  # output channels are independent: a part at a time
+        parts.append(quantize(reads(np.ascontiguousarray(head[c:c + HEAD_COLUMNS].T), final), x_head))
     del head
+    pad = -args.vocab_size % ALIGN  # zero columns up to a multiple of 32 (the backend drops them)
+    zeros = np.zeros((args.hidden_size, pad), np.int8)
+    out["head.w"] = np.ascontiguousarray(np.concatenate([q for q, _ in parts] + [zeros], axis=1))
+    out["head.s"] = np.concatenate([sc for _, sc in parts] + [np.ones(pad, np.float32)])
+    del parts
     if r is not None:
         out["rotation"] = r
     if block is not None:
