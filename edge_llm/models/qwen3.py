@@ -107,6 +107,7 @@ class Model:
         weights = load_weights(model_dir, args)  # raises WeightsError before anything is read
         weights.progress = progress
         be = get_backend(backend) if isinstance(backend, str) else backend
+        be.load(args, weights)  # first: a backend's row step may read the q/k norm gains (backends/mm8_step.py)
         q_norms: list[np.ndarray] = []
         k_norms: list[np.ndarray] = []
         if args.qk_norm:
@@ -114,7 +115,6 @@ class Model:
                 lp = f"{args.weight_prefix}layers.{i}.self_attn."
                 q_norms.append(weights.pop(f"{lp}q_norm.weight"))
                 k_norms.append(weights.pop(f"{lp}k_norm.weight"))
-        be.load(args, weights)
         log.info("loaded %s: %d layers, hidden %d, backend %s", args.model_type,
                  args.num_hidden_layers, args.hidden_size, be.name)
         return cls(args, be, q_norms, k_norms)
