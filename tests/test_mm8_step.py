@@ -56,7 +56,6 @@ def model(model_dir, mm_dir):
     from edge_llm.models.qwen3 import Model
 
     m = Model.load(model_dir, backend=open_rknn(mm_dir, "host", model_dir=model_dir))
-    m.backend.row_step = MmRowStep(m.backend, m.args, m.q_norms, m.k_norms)
     yield m
     m.close()
 
@@ -93,7 +92,8 @@ def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
 @pytest.mark.timeout(300)
 def test_row_step_is_the_seam_up_to_rounding(model):
     be = model.backend
-    assert be.row_step.max_rows >= len(ROWS)
+    assert isinstance(be.row_step, MmRowStep) and be.row_step.max_rows >= len(ROWS)  # MmBackend.load made it
+    assert f"rowstep-{attn_kernel.isa()}" in model.numerics  # restored K/V rows must come from the same kernel
     seam_logits, seam_kv = _run(model, ROWS, step_on=False)
     step_logits, step_kv = _run(model, ROWS, step_on=True)
     p = len(PROMPT)
@@ -183,3 +183,16 @@ def test_bad_calls_are_refused(model):
     strided = np.zeros((4, 2 * args.kv_dim), np.float32)[:, ::2]
     with pytest.raises(ValueError, match="C-contiguous"):
         step(x[:1], half[:1], half[:1], [(strided, strided)] * args.num_hidden_layers)
+
+
+@pytest.mark.timeout(600)
+def test_restore_is_a_cold_run_with_the_row_step(model_dir, mm_dir, tmp_path):
+    """tests/test_restore_recompute.py's property with the row step on (it is on whenever the
+    library is built: the first test): a snapshot of m unaligned rows restored in a new process +
+    the tail (its last prompt row and the decoded rows go through the row step) is bitwise a cold
+    run."""
+    from test_restore_recompute import check_restores
+
+    rows = check_restores(model_dir, tmp_path, (45,), backend="rknn", chunk=32, n=150, rknn_dir=mm_dir,
+                          runner="host")
+    assert [r["restored"] for r in rows] == [32]

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_llm.backends import QKVArrays
+from edge_llm.backends import QKVArrays, RowStep, attn_kernel, mm8_step
 from edge_llm.backends.cpu import numpy_kernels, rms_norm
 from edge_llm.backends.graphs import ForwardCost
 from edge_llm.backends.int8mm import Int8Matmul, dequantize, quantize_rows
@@ -166,7 +166,7 @@ class MmBackend:
 
     name = "rknn"
     chunk_sizes: tuple[int, ...] = ()
-    row_step = None
+    row_step: RowStep | None = None
     forward_cost = FORWARD_COST
 
     def __init__(self, root: str | Path, manifest: MmManifest, engine: Int8Matmul):
@@ -195,8 +195,14 @@ class MmBackend:
             self.engine.close()
             raise ConfigError(f"{path}: no weight {missing[0]!r} ({len(missing)} missing): re-run "
                               "`edge-llm convert npu-mm`")
-        log.info("npu-mm backend: %d layers, engine %s, rotation %s, down %s", self.m.layers, self.engine.numerics,
-                 self.m.rotation, self.m.down_rotation)
+        # decode forwards in one call, attention by the operator library's kernel (mm8_step.py); its
+        # code path decides the K/V rows' bits, so it joins the numerics
+        self.row_step = mm8_step.make(self, args, weights)
+        if self.row_step is not None:
+            self.numerics = f"{self.numerics}:rowstep-{attn_kernel.isa()}"
+        log.info("npu-mm backend: %d layers, engine %s, rotation %s, down %s, row step %s", self.m.layers,
+                 self.engine.numerics, self.m.rotation, self.m.down_rotation,
+                 "on" if self.row_step is not None else "off (the operator library is not built)")
 
     def _load_weights(self, path: Path) -> None:
         try:
