@@ -23,7 +23,8 @@ relies on it.
 
 A backend may also offer a `row_step` (`RowStep`): a decode step of the whole decoder + head in
 one call, reading the cached K/V rows in place and returning the new rows for the model to
-write (backend cpu-q: decode_step.py, docs/quantization.md). The model runs every one-row
+write (backend cpu-q: decode_step.py, docs/quantization.md; the matmul path: mm8_step.py,
+docs/npu.md). The model runs every one-row
 forward with it (decode, and the last prompt token) and every decode forward of up to
 `row_step.max_rows` rows (a speculative verify), and prompt chunks through the seam above; the
 choice depends only on the row count and on whether the rows are a prompt's, so bit-exact
