@@ -64,9 +64,7 @@ def main() -> int:
         for start in range(args.starts):
             runs.append(one_start(args, Path(tmp), start))
             print(json.dumps(runs[-1]), flush=True)
-    from threadpoolctl import threadpool_info
-
-    from edge_llm.backends.cpuq import kernel_isa
+    from edge_llm.bench.procstat import kernels
 
     warm = [r["warm_up_s"] for r in runs if r["warm_up_s"] is not None]
     print(json.dumps({
@@ -74,10 +72,7 @@ def main() -> int:
         "median_request_wall_ms": [round(statistics.median(r["request_wall_ms"][j] for r in runs), 1)
                                    for j in range(args.requests)],
         "median_warm_up_s": statistics.median(warm) if warm else None,
-        "loadavg_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
-        "blas": [f"{i['internal_api']} {i['version']} {i.get('architecture')}, {i['num_threads']} threads"
-                 for i in threadpool_info() if i["user_api"] == "blas"],
-        "mlas": kernel_isa()}))
+        "loadavg_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)], **kernels()}))
     return 0
 
 

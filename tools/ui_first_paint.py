@@ -124,19 +124,14 @@ def main() -> int:
             if driver is not None:
                 driver.quit()
             srv.stop(signal.SIGTERM)
-    from threadpoolctl import threadpool_info
-
-    from edge_llm.backends.cpuq import kernel_isa
+    from edge_llm.bench.procstat import kernels
 
     files = {f.name: f.stat().st_size for f in sorted(STATIC.rglob("*")) if f.is_file()}
     print(json.dumps({
         "backend": args.backend, "loads": args.loads, "median_idle": medians(idle),
         "median_busy": medians(loaded), "page_bytes_loaded": loaded[-1]["page_bytes"],
         "static_bytes": sum(files.values()), "static_files": files,
-        "loadavg_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
-        "blas": [f"{i['internal_api']} {i['version']} {i.get('architecture')}, {i['num_threads']} threads"
-                 for i in threadpool_info() if i["user_api"] == "blas"],
-        "mlas": kernel_isa()}))
+        "loadavg_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)], **kernels()}))
     return 0
 
 

@@ -38,6 +38,18 @@ def numpy_kernels() -> str:
     return f"numpy-{np.__version__}-{'.'.join(targets)}:{'+'.join(blas) or build or 'no-blas'}"
 
 
+def swiglu(gu: np.ndarray, inter: int) -> np.ndarray:
+    """silu(gate) * up of a fused (T, 2 inter) gate/up product: g / (1 + exp(-g)) * u, in that
+    order of float32 operations (every numpy path computes the MLP with these bits)."""
+    gate, up = gu[:, :inter], gu[:, inter:]
+    with np.errstate(over="ignore"):  # exp(-g) -> inf for g << 0 gives silu = -0, correct
+        act = np.exp(np.negative(gate))
+    act += np.float32(1.0)
+    np.divide(gate, act, out=act)
+    act *= up
+    return act
+
+
 def cpu_numerics() -> str:
     """The numpy backends' `numerics`: F32 on numpy's kernels, which decide the last bits."""
     return f"cpu-f32:{numpy_kernels()}"
@@ -177,14 +189,7 @@ class CPUBackend:
         """SwiGLU MLP of the post-attention RMSNorm, without the residual."""
         L = self.layers[layer]
         gu = rms_norm(x, L.post_norm, self.eps) @ L.w_gu  # (T, 2 inter)
-        gate, up = gu[:, :self.inter], gu[:, self.inter:]
-        # silu(g) * u = g * u / (1 + exp(-g)), in place on the fused buffer
-        with np.errstate(over="ignore"):  # exp(-g) -> inf for g << 0 gives silu = -0, correct
-            act = np.exp(np.negative(gate))
-        act += np.float32(1.0)
-        np.divide(gate, act, out=act)
-        act *= up
-        return act @ L.w_down
+        return swiglu(gu, self.inter) @ L.w_down
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         return rms_norm(x, self.final_norm, self.eps) @ self.lm_head.T

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from edge_llm.backends import QKVArrays, RowStep, attn_kernel, mm8_step
-from edge_llm.backends.cpu import numpy_kernels, rms_norm
+from edge_llm.backends.cpu import numpy_kernels, rms_norm, swiglu
 from edge_llm.backends.graphs import ForwardCost
 from edge_llm.backends.int8mm import Int8Matmul, dequantize, quantize_rows
 from edge_llm.config import ModelArgs
@@ -250,13 +250,7 @@ class MmBackend:
              fuse_next: bool = True) -> tuple[np.ndarray, QKVArrays | None]:
         p = f"layer.{layer}."
         h = x + self._linear(p + "o", attn)
-        gu = self._linear(p + "gu", rms_norm(h, np.float32(1.0), self.eps))
-        gate, up = gu[:, :self.inter], gu[:, self.inter:]
-        with np.errstate(over="ignore"):  # exp(-g) -> inf for g << 0 gives silu = -0, correct
-            act = np.exp(np.negative(gate))
-        act += np.float32(1.0)
-        np.divide(gate, act, out=act)
-        act *= up
+        act = swiglu(self._linear(p + "gu", rms_norm(h, np.float32(1.0), self.eps)), self.inter)
         if self.down_block is not None:
             act = fwht(act, self.down_block)
         h += self._linear(p + "down", act)  # (x + o) + m, as the CPU backend adds

@@ -1,5 +1,5 @@
-"""This process's memory as the kernel counts it (/proc/self/status), and a fresh child process
-to measure one phase in (its peak is its own)."""
+"""This process's memory as the kernel counts it (/proc/self/status), a fresh child process
+to measure one phase in (its peak is its own), and the kernels a timing ran on."""
 
 from __future__ import annotations
 
@@ -24,3 +24,15 @@ def in_child(fn, *args):
     """`fn(*args)` in a fresh spawned process (picklable function and arguments)."""
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
         return ex.submit(fn, *args).result()
+
+
+def kernels() -> dict[str, list[str] | str]:
+    """The BLAS libraries numpy loaded (version, kernel family, threads) and the kernel family
+    onnxruntime's MLAS picks on this CPU: what a speed figure is named with."""
+    from threadpoolctl import threadpool_info
+
+    from edge_llm.backends.cpuq import kernel_isa
+
+    return {"blas": [f"{i['internal_api']} {i['version']} {i.get('architecture')}, {i['num_threads']} threads"
+                     for i in threadpool_info() if i["user_api"] == "blas"],
+            "mlas": kernel_isa()}

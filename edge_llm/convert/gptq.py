@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_llm.backends.cpu import CPUBackend, rms_norm
+from edge_llm.backends.cpu import CPUBackend, rms_norm, swiglu
 from edge_llm.backends.int8mm import QMAX
 
 log = logging.getLogger(__name__)
@@ -54,9 +54,7 @@ class _Recorder(CPUBackend):
         L = self.layers[layer]
         self._keep(layer, "gu", rms_norm(x, np.float32(1.0), self.eps))
         gu = rms_norm(x, L.post_norm, self.eps) @ L.w_gu
-        gate, up = gu[:, :self.inter], gu[:, self.inter:]
-        with np.errstate(over="ignore"):
-            act = gate / (np.float32(1.0) + np.exp(-gate)) * up
+        act = swiglu(gu, self.inter)
         self._keep(layer, "down", act)
         return act @ L.w_down
 
