@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 from serverutil import ServerProc
 
-from edge_llm.backends.mm8 import MmBackend, MmManifest, dense_hadamard, fwht
+from edge_llm.backends.mm8 import MmBackend, MmManifest, fwht
+from edge_llm.convert.hadamard import dense_hadamard
 from edge_llm.errors import ConfigError
 
 # the documented targets (docs/npu.md, "The matmul path"): at least cpu-q's accuracy
@@ -28,8 +29,8 @@ TOP1, KL = 0.975, 0.003
 
 
 @pytest.fixture(scope="module")
-def model_dir(edge_home) -> Path:
-    return next(edge_home.glob("models/*/config.json")).parent
+def model_dir(default_model_dir) -> Path:
+    return default_model_dir
 
 
 @pytest.fixture(scope="module")

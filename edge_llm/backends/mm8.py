@@ -122,19 +122,11 @@ def is_mm_dir(root: str | Path) -> bool:
     return path.is_file() and read_doc(path).get("format") == FORMAT
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def fwht(x: np.ndarray, block: np.ndarray) -> np.ndarray:
     """x (T, m * 2^k) @ (block ⊗ H_{2^k}) / sqrt(2^k), `block` the normalized (m, m) factor (the
     1x1 identity for a power of two): Sylvester's butterflies over the last 2^k axis, then the
     small factor over the first. Per row, in float32 (the converter folds the transpose of the
-    same dense matrix into W_down: `dense_hadamard`)."""
+    same dense matrix into W_down: `convert.hadamard.dense_hadamard`)."""
     T, n = x.shape
     m = block.shape[0]
     s = n // m
@@ -150,15 +142,6 @@ def fwht(x: np.ndarray, block: np.ndarray) -> np.ndarray:
     if m > 1:
         y = np.matmul(block.T, y)  # (m, m) @ (T, m, s): one small gemm per row
     return y.reshape(T, n)
-
-
-def dense_hadamard(block: np.ndarray, n: int) -> np.ndarray:
-    """The (n, n) matrix `fwht` multiplies by (float64, for the converter)."""
-    s = n // block.shape[0]
-    syl = np.array([[1.0]])
-    while syl.shape[0] < s:
-        syl = np.block([[syl, syl], [syl, -syl]])
-    return np.kron(block.astype(np.float64), syl / np.sqrt(s))
 
 
 class MmBackend:

@@ -16,7 +16,6 @@ call). docs/npu.md, "The matmul API binding".
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 from collections.abc import Sequence
@@ -28,6 +27,7 @@ import numpy as np
 from edge_llm.backends import rknn_matmul_api as api
 from edge_llm.backends.int8mm import ALIGN, check_rows, check_weight
 from edge_llm.errors import ConfigError, RknnMatmulError
+from edge_llm.weights import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +95,7 @@ def library_id(path: str) -> str:
     real = _loaded_file(path)
     if real is None:
         return "unknown"
-    h = hashlib.sha256()
-    with open(real, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:12]
+    return sha256_file(real)[:12]
 
 
 class NpuInt8Matmul:

@@ -46,3 +46,13 @@ def orthogonal(n: int, seed: int = ROTATION_SEED) -> np.ndarray:
         q, r = np.linalg.qr(rng.standard_normal((n, n)))
         return (q * np.sign(np.diag(r))).astype(np.float32)
     return (h * rng.choice([-1.0, 1.0], n)[None, :] / np.sqrt(n)).astype(np.float32)
+
+
+def dense_hadamard(block: np.ndarray, n: int) -> np.ndarray:
+    """The (n, n) matrix `backends.mm8.fwht` multiplies by: `block` (normalized, (m, m)) ⊗
+    Sylvester's H_{n/m} / sqrt(n/m), in float64 for the converter (it folds the transpose into W_down)."""
+    s = n // block.shape[0]
+    syl = np.ones((1, 1))
+    while syl.shape[0] < s:  # Sylvester's order, as fwht's butterflies: not hadamard(s), which may pick Paley
+        syl = np.block([[syl, syl], [syl, -syl]])
+    return np.kron(block.astype(np.float64), syl / np.sqrt(s))

@@ -31,13 +31,13 @@ import numpy as np
 
 from edge_llm.backends.cpu import load_layer
 from edge_llm.backends.int8mm import ALIGN, MAX_K, quantize_weight
-from edge_llm.backends.mm8 import MANIFEST, WEIGHTS, MmManifest, dense_hadamard, file_sha256, read_doc
+from edge_llm.backends.mm8 import MANIFEST, WEIGHTS, MmManifest, read_doc
 from edge_llm.config import ModelArgs
 from edge_llm.convert.gptq import calibration_ids, capture, gptq
-from edge_llm.convert.hadamard import hadamard, orthogonal
+from edge_llm.convert.hadamard import dense_hadamard, hadamard, orthogonal
 from edge_llm.errors import ConfigError
 from edge_llm.settings import MM_CLIP, MM_CLIPS, MM_DOWN_ROTATION, MM_GPTQ_TOKENS, MM_ROTATION, MM_ROTATIONS
-from edge_llm.weights import load_weights, weight_digest
+from edge_llm.weights import load_weights, sha256_file, weight_digest
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +159,7 @@ def convert_mm8(model_dir: str | Path, out_dir: str | Path, rotation: str = MM_R
                           "weights_sha256": weight_digest(model_dir),
                           "config": json.loads(json.dumps(args.identity_fields()))},
                    layers=n, rotation=rotation, down_rotation=down_rotation, clip=clip, gptq_tokens=gptq_tokens,
-                   weights_sha256=file_sha256(root / WEIGHTS))
+                   weights_sha256=sha256_file(root / WEIGHTS))
     m.build = {"seconds": round(time.perf_counter() - t0, 2), "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                "bytes": (root / WEIGHTS).stat().st_size}
     m.write(root)
