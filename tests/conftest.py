@@ -161,6 +161,25 @@ def tiny_synth_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def default_model_dir(edge_home: Path) -> Path:
+    """The default model's directory inside the session's EDGE_LLM_HOME."""
+    return next(edge_home.glob("models/*/config.json")).parent
+
+
+@pytest.fixture(scope="session")
+def default_mm_rtn(default_model_dir: Path, tmp_path_factory) -> Path:
+    """The default model (real weights) converted by `edge-llm convert npu-mm` with round-to-nearest
+    weights (`gptq_tokens=0`: seconds instead of GPTQ's minutes), shared by the tests that compare
+    the matmul path's engines and decode paths or time it; the accuracy targets need the default
+    conversion, which tests/test_mm8.py makes through the CLI."""
+    from edge_llm.convert.mm8 import convert_mm8
+
+    out = tmp_path_factory.mktemp("default-mm") / "mm"
+    convert_mm8(default_model_dir, out, gptq_tokens=0)
+    return out
+
+
+@pytest.fixture(scope="session")
 def fake_librknnrt(request) -> Path:
     """The fake librknnrt.so built for this host (tests/fake_librknnrt: it stands in for Rockchip's
     closed library, which cannot exist without an RK3588 NPU), compiled once per source into

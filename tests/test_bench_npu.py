@@ -43,19 +43,10 @@ def test_host_runner_measures_everything(tiny_synth_dir, tmp_path):
 
 # ---- the matmul path -----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def default_mm(edge_home, tmp_path_factory):
+def default_mm(default_model_dir, default_mm_rtn):
     """The default model (real weights) and its `convert npu-mm` directory, rounded to nearest
-    (no GPTQ: the bench measures speed, which the weights' values do not change)."""
-    from edge_llm.checkpoints.default import resolve_model_dir
-    from edge_llm.convert.mm8 import convert_mm8
-
-    mp = pytest.MonkeyPatch()
-    mp.setenv("EDGE_LLM_HOME", str(edge_home))
-    model = Path(resolve_model_dir("default"))
-    mp.undo()
-    out = tmp_path_factory.mktemp("default-mm") / "mm"
-    convert_mm8(model, out, gptq_tokens=0)
-    return model, out
+    (the bench measures speed, which the weights' values do not change)."""
+    return default_model_dir, default_mm_rtn
 
 
 @pytest.mark.timeout(900)

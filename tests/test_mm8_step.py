@@ -17,9 +17,6 @@ rows differ by 1.8).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -36,18 +33,13 @@ KL_MAX = 0.02
 
 
 @pytest.fixture(scope="module")
-def model_dir(edge_home) -> Path:
-    return next(edge_home.glob("models/*/config.json")).parent
+def model_dir(default_model_dir) -> Path:
+    return default_model_dir
 
 
 @pytest.fixture(scope="module")
-def mm_dir(edge_home, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("npu-mm-step") / "out"
-    r = subprocess.run([sys.executable, "-m", "edge_llm", "convert", "npu-mm", "default", str(out),
-                        "--gptq-tokens", "0"], env={**os.environ, "EDGE_LLM_HOME": str(edge_home)},
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return out
+def mm_dir(default_mm_rtn) -> Path:
+    return default_mm_rtn
 
 
 @pytest.fixture(scope="module")
