@@ -12,6 +12,19 @@ ROTATION_SEED = 20260  # the random signs of the Hadamard rotation (part of cpu_
 def hadamard(n: int) -> np.ndarray | None:
     """A Hadamard matrix of order n (entries +-1, H H^T = n I) as Sylvester's 2^k times a Paley
     block of order m = q + 1 (q prime, q = 3 mod 4), or None if n has no such form."""
+    factors = hadamard_factors(n)
+    if factors is None:
+        return None
+    h, k = factors
+    for _ in range(k):
+        h = np.block([[h, h], [h, -h]])
+    assert np.array_equal(h @ h.T, n * np.eye(n)), n
+    return h
+
+
+def hadamard_factors(n: int) -> tuple[np.ndarray, int] | None:
+    """`hadamard(n)` = H_{2^k} ⊗ block (Sylvester's order outer): (block (m, m) of +-1, k), the
+    smallest k that has a construction; None if none."""
     for k in range(n.bit_length()):
         m, rest = n >> k, n - ((n >> k) << k)
         if rest or m < 1:
@@ -28,11 +41,7 @@ def hadamard(n: int) -> np.ndarray | None:
             jac = chi[(np.arange(q)[None, :] - np.arange(q)[:, None]) % q]  # Jacobsthal matrix
             block = np.eye(m)
             block[0, 1:], block[1:, 0], block[1:, 1:] = 1.0, -1.0, block[1:, 1:] + jac
-        h = block
-        for _ in range(k):
-            h = np.block([[h, h], [h, -h]])
-        assert np.array_equal(h @ h.T, n * np.eye(n)), n
-        return h
+        return block, k
     return None
 
 
@@ -46,6 +55,17 @@ def orthogonal(n: int, seed: int = ROTATION_SEED) -> np.ndarray:
         q, r = np.linalg.qr(rng.standard_normal((n, n)))
         return (q * np.sign(np.diag(r))).astype(np.float32)
     return (h * rng.choice([-1.0, 1.0], n)[None, :] / np.sqrt(n)).astype(np.float32)
+
+
+def orthogonal_factors(n: int, seed: int = ROTATION_SEED) -> tuple[np.ndarray, np.ndarray] | None:
+    """`orthogonal(n)` = (H_{2^k} ⊗ block) diag(col_scale) as (block (m, m) of +-1, col_scale (n,) =
+    its random signs / sqrt(n)), both float32: the fast transform's factors (`_mm8ops.c`,
+    `edge_mm8_rotate`); None where `orthogonal` is not a Hadamard matrix."""
+    factors = hadamard_factors(n)
+    if factors is None:
+        return None
+    signs = np.random.default_rng(seed).choice([-1.0, 1.0], n)  # orthogonal's draw
+    return factors[0].astype(np.float32), (signs / np.sqrt(n)).astype(np.float32)
 
 
 def dense_hadamard(block: np.ndarray, n: int) -> np.ndarray:

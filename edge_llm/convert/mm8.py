@@ -14,7 +14,8 @@ of the fused linears (q/k/v, o, gate/up, down, head), their scales, and the rota
   the least squared weight error, instead of the absmax itself.
 
 Writes OUT_DIR/weights.npz (`layer.L.{qkv,o,gu,down}.{w,s}`, `layer.L.qkv.b` for a model with
-q/k/v biases, `head.{w,s}`, `rotation`, `down_block`) and OUT_DIR/manifest.json (`mm8.MmManifest`).
+q/k/v biases, `head.{w,s}`, `rotation` (and its factors `rotation_block`, `rotation_scale`
+when it is a Hadamard matrix), `down_block`) and OUT_DIR/manifest.json (`mm8.MmManifest`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from edge_llm.backends.int8mm import ALIGN, MAX_K, quantize_weight
 from edge_llm.backends.mm8 import MANIFEST, WEIGHTS, MmManifest, read_doc
 from edge_llm.config import ModelArgs
 from edge_llm.convert.gptq import calibration_ids, capture, gptq
-from edge_llm.convert.hadamard import dense_hadamard, hadamard, orthogonal
+from edge_llm.convert.hadamard import dense_hadamard, hadamard, orthogonal, orthogonal_factors
 from edge_llm.errors import ConfigError
 from edge_llm.settings import MM_CLIP, MM_CLIPS, MM_DOWN_ROTATION, MM_GPTQ_TOKENS, MM_ROTATION, MM_ROTATIONS
 from edge_llm.weights import load_weights, sha256_file, weight_digest
@@ -143,7 +144,9 @@ def convert_mm8(model_dir: str | Path, out_dir: str | Path, rotation: str = MM_R
     out["head.s"] = np.concatenate([sc for _, sc in parts] + [np.ones(pad, np.float32)])
     del parts
     if r is not None:
-        out["rotation"] = r
+        out["rotation"] = r  # the dense matrix: what the numpy path multiplies by, and the fallback
+        if (factors := orthogonal_factors(args.hidden_size)) is not None:  # the C ops' fast transform
+            out["rotation_block"], out["rotation_scale"] = factors
     if block is not None:
         out["down_block"] = block
     if progress:
