@@ -29,7 +29,7 @@ LAYERS = {
 # (`__init__` is the package's own __init__.py; a subpackage is one entry of its parent)
 ORDER = {
     "backends": ["wire", "toolkit_worker", "graphs", "manifest", "int8mm", "rknn_matmul_api", "rknn_mm", "cpu", "cpu_side", "cpu_vision", "vision", "__init__",
-                 "runners", "rknnlite", "graph", "attn_kernel", "mm8_step", "mm8", "rknn", "onnx_export", "quant", "quant_export",
+                 "runners", "rknnlite", "graph", "attn_kernel", "mm8_ops", "mm8_step", "mm8", "rknn", "onnx_export", "quant", "quant_export",
                  "vision_export", "decode_export", "decode_step", "cpuq", "vision_graph"],
     "snapshot": ["writer", "layout", "encode", "decode", "format", "inspect", "entries", "chains", "catalog",
                  "chain_read", "saver", "identity", "store", "maintenance", "transfer", "__init__"],

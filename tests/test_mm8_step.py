@@ -91,7 +91,11 @@ def test_row_step_is_the_seam_up_to_rounding(model):
     p = len(PROMPT)
     assert np.array_equal(step_kv[:, :, :p], seam_kv[:, :, :p])  # the prompt went through the seam
     assert np.array_equal(step_kv[0, :, p:], seam_kv[0, :, p:])  # layer 0: nothing attended before it
-    assert np.abs(step_kv[1, :, p:] - seam_kv[1, :, p:]).max() < 1e-4  # layer 1: one attention's rounding
+    # layer 1: one attention's rounding, and what it moves: a last-bit change of layer 0's attention
+    # output can move a row scale by an ulp and round one int8 activation of a near tie to the
+    # neighbouring step in a later quantization of the layer (measured: 0.025 with the C ops, one
+    # such flip in o's dequantization + RMSNorm; < 1e-4 where none flips); without `q *= scale` 1.8
+    assert np.abs(step_kv[1, :, p:] - seam_kv[1, :, p:]).max() < 0.1
     scale = np.abs(seam_kv[:, :, p:]).max(axis=(-1, -2), keepdims=True)
     assert (np.abs(step_kv[:, :, p:] - seam_kv[:, :, p:]) <= 0.05 * scale).all()
     kl = _kl(seam_logits, step_logits)

@@ -16,9 +16,11 @@ head once per forward:
 
 deq() is `int8mm.dequantize` (row scale x channel scale). With the residual rotation R (an
 orthogonal randomized Hadamard matrix, `convert/mm8.py`) the stream lives in the basis x R:
-`embed` and `residual` rotate rows on their way in, and RMSNorm commutes with R. The row
-quantization and every op here are elementwise or per row, so a row's bits depend on that row
-only (the engine's integer product is exact): restore == recompute holds bit for bit.
+`embed` and `residual` rotate rows on their way in, and RMSNorm commutes with R. The ops around
+the matmuls are `mm8_ops`' (the C ops when the operator library is built: a handful of calls per
+layer, the rotation as a fast transform; else the numpy reference). The row quantization and
+every op are elementwise or per row, so a row's bits depend on that row only (the engine's
+integer product is exact): restore == recompute holds bit for bit.
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ from typing import Any
 
 import numpy as np
 
-from edge_llm.backends import QKVArrays, RowStep, attn_kernel, mm8_step
-from edge_llm.backends.cpu import numpy_kernels, rms_norm, swiglu
+from edge_llm.backends import QKVArrays, RowStep, attn_kernel, mm8_ops, mm8_step
+from edge_llm.backends.cpu import numpy_kernels
 from edge_llm.backends.graphs import ForwardCost
-from edge_llm.backends.int8mm import Int8Matmul, dequantize, quantize_rows
+from edge_llm.backends.int8mm import Int8Matmul
+from edge_llm.backends.mm8_ops import fwht  # noqa: F401 (its home before mm8_ops: tests import it here)
 from edge_llm.config import ModelArgs
 from edge_llm.errors import ConfigError
 from edge_llm.files import write_atomic
@@ -122,28 +125,6 @@ def is_mm_dir(root: str | Path) -> bool:
     return path.is_file() and read_doc(path).get("format") == FORMAT
 
 
-def fwht(x: np.ndarray, block: np.ndarray) -> np.ndarray:
-    """x (T, m * 2^k) @ (block ⊗ H_{2^k}) / sqrt(2^k), `block` the normalized (m, m) factor (the
-    1x1 identity for a power of two): Sylvester's butterflies over the last 2^k axis, then the
-    small factor over the first. Per row, in float32 (the converter folds the transpose of the
-    same dense matrix into W_down: `convert.hadamard.dense_hadamard`)."""
-    T, n = x.shape
-    m = block.shape[0]
-    s = n // m
-    y = x.reshape(T, m, s).copy()
-    h = 1
-    while h < s:
-        v = y.reshape(T, m, s // (2 * h), 2, h)
-        a, b = v[:, :, :, 0, :].copy(), v[:, :, :, 1, :]
-        v[:, :, :, 0, :] += b
-        np.subtract(a, b, out=v[:, :, :, 1, :])
-        h *= 2
-    y *= np.float32(1.0 / np.sqrt(s))
-    if m > 1:
-        y = np.matmul(block.T, y)  # (m, m) @ (T, m, s): one small gemm per row
-    return y.reshape(T, n)
-
-
 class MmBackend:
     """A `Backend` (see `edge_llm.backends`) over an `Int8Matmul` engine and a converted directory."""
 
@@ -152,12 +133,17 @@ class MmBackend:
     row_step: RowStep | None = None
     forward_cost = FORWARD_COST
 
-    def __init__(self, root: str | Path, manifest: MmManifest, engine: Int8Matmul):
+    def __init__(self, root: str | Path, manifest: MmManifest, engine: Int8Matmul,
+                 ops: mm8_ops.RowOps | None = None):
         self.root, self.m, self.engine = Path(root), manifest, engine
+        self.ops = mm8_ops.ops() if ops is None else ops  # the C ops when built (their bits: the tag)
         self.numerics = f"rknn-mm:{manifest.identity()}:{engine.numerics}:{numpy_kernels()}"
+        if self.ops.tag:
+            self.numerics = f"{self.numerics}:{self.ops.tag}"
         self.scales: dict[str, np.ndarray] = {}
         self.bias: dict[int, np.ndarray] = {}
         self.rotation: np.ndarray | None = None
+        self.rotation_factors: mm8_ops.Factors | None = None
         self.down_block: np.ndarray | None = None
 
     def load(self, args: ModelArgs, weights: Weights) -> None:
@@ -188,6 +174,7 @@ class MmBackend:
                  "on" if self.row_step is not None else "off (the operator library is not built)")
 
     def _load_weights(self, path: Path) -> None:
+        factors: dict[str, np.ndarray] = {}
         try:
             with np.load(path) as z:
                 for key in z.files:
@@ -203,15 +190,15 @@ class MmBackend:
                         self.rotation = np.array(arr, np.float32)
                     elif key == "down_block":
                         self.down_block = np.array(arr, np.float32)
+                    elif key in ("rotation_block", "rotation_scale"):
+                        factors[key] = np.array(arr, np.float32)
         except (OSError, ValueError, KeyError) as e:
             raise ConfigError(f"{path}: unreadable ({e}): re-run `edge-llm convert npu-mm`") from None
+        if self.rotation is not None and len(factors) == 2:
+            self.rotation_factors = (factors["rotation_block"], factors["rotation_scale"])
 
     def _names(self) -> list[str]:
         return [f"layer.{i}.{k}" for i in range(self.m.layers) for k in ("qkv", "o", "gu", "down")] + ["head"]
-
-    def _linear(self, name: str, x: np.ndarray) -> np.ndarray:
-        q, s = quantize_rows(x)
-        return dequantize(self.engine.run(name, q), s, self.scales[name])
 
     # ---- the seam -------------------------------------------------------------------------
     def embed(self, tokens: np.ndarray) -> np.ndarray:
@@ -220,37 +207,29 @@ class MmBackend:
     def residual(self, rows: np.ndarray) -> np.ndarray:
         if self.rotation is None:
             return rows
-        return _rows_matmul(rows, self.rotation)
+        return self.ops.rotate(rows, self.rotation, self.rotation_factors)
 
     def qkv(self, layer: int, x: np.ndarray) -> QKVArrays:
-        y = self._linear(f"layer.{layer}.qkv", rms_norm(x, np.float32(1.0), self.eps))
-        if layer in self.bias:
-            y += self.bias[layer]
+        name, ops = f"layer.{layer}.qkv", self.ops
+        q8, s = ops.norm_quant(x, self.eps)
+        y = ops.dequant(self.engine.run(name, q8), s, self.scales[name], self.bias.get(layer))
         q, kv = self.q_dim, self.kv_dim
         return y[:, :q], y[:, q:q + kv], y[:, q + kv:]
 
     def post(self, layer: int, attn: np.ndarray, x: np.ndarray,
              fuse_next: bool = True) -> tuple[np.ndarray, QKVArrays | None]:
-        p = f"layer.{layer}."
-        h = x + self._linear(p + "o", attn)
-        act = swiglu(self._linear(p + "gu", rms_norm(h, np.float32(1.0), self.eps)), self.inter)
-        if self.down_block is not None:
-            act = fwht(act, self.down_block)
-        h += self._linear(p + "down", act)  # (x + o) + m, as the CPU backend adds
-        return h, None
+        p, ops, sc = f"layer.{layer}.", self.ops, self.scales
+        q8, s = ops.quant(attn)
+        h, q8, s = ops.dequant_add_norm_quant(self.engine.run(p + "o", q8), s, sc[p + "o"], x, self.eps)
+        q8, s = ops.swiglu_quant(self.engine.run(p + "gu", q8), s, sc[p + "gu"], self.inter, self.down_block)
+        # (x + o) + m, as the CPU backend adds
+        return ops.dequant_add(self.engine.run(p + "down", q8), s, sc[p + "down"], h), None
 
     def logits(self, x: np.ndarray) -> np.ndarray:
-        y = self._linear("head", rms_norm(x, np.float32(1.0), self.eps))
+        q8, s = self.ops.norm_quant(x, self.eps)
+        y = self.ops.dequant(self.engine.run("head", q8), s, self.scales["head"], None)
         return y if y.shape[1] == self.vocab else np.ascontiguousarray(y[:, :self.vocab])
 
     def close(self) -> None:
         self.engine.close()
 
-
-def _rows_matmul(rows: np.ndarray, r: np.ndarray) -> np.ndarray:
-    """rows @ r one row at a time: the same sgemv for every row, so a row's bits do not depend
-    on how many rows came with it (a T-row sgemm may block differently from T = 1)."""
-    out = np.empty((rows.shape[0], r.shape[1]), np.float32)
-    for i in range(rows.shape[0]):
-        np.matmul(rows[i], r, out=out[i])
-    return out
