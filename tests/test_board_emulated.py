@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO / "tools"))
 import board_container  # noqa: E402
 import board_emu  # noqa: E402
 import board_image  # noqa: E402
-from serverutil import free_port  # noqa: E402
+from serverutil import ServerProc, free_port  # noqa: E402
 
 REASON = board_image.unavailable_reason()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=f"emulated board: {REASON}")]
@@ -464,6 +464,58 @@ def test_npu_matmul_engine_on_aarch64(board, tmp_path):
     assert bits["parts"]["w64x224"] == [[0, 96], [1, 64], [2, 64]] and bits["masks_domains"] == [[1, 1], [2, 1], [4, 1]], bits
     assert dom["split"] is None and dom["int8_one_domain"] is None, dom
     assert dom["fp16_one_domain"].startswith("rknn_create_mem returned NULL") and dom["live_after"] == [0, 0], dom
+
+
+@pytest.mark.timeout(1500)
+def test_auto_serves_the_default_model_on_the_npu_matmul_path(board, tmp_path, edge_home, default_model_dir,
+                                                              default_mm_rtn):
+    """docs/npu.md "Backend choice" on an arm64 board: `--backend auto` with an RKNPU node and an
+    `edge-llm convert npu-mm` rknn_dir serves the default model (real weights, converted on this
+    host and copied in, as docs/npu.md says) on the matmul path: w8a8 through librknnrt's matmul
+    API, here the fake built for aarch64 (tests/fake_librknnrt stands in for Rockchip's closed
+    library and an empty /dev/rknpu for the driver: neither can exist without an NPU). Its greedy
+    answer is the answer of the same directory in the exact host emulation on x86 (the int8
+    products are exact; the CPU side is another ISA's float32, so the text is compared, not bits)."""
+    from edge_llm.bench.accuracy import FACT
+    from fake_librknnrt.build import build_fake
+
+    b = board
+    chat = {"model": "default", "messages": [{"role": "user", "content": FACT}], "temperature": 0, "max_tokens": 12}
+    with ServerProc(edge_home, tmp_path, "--model", "default", "--backend", "rknn", "--rknn-dir", str(default_mm_rtn),
+                    "--rknn-runner", "host", "--no-disk-kv").start() as srv:
+        status, ref = http_json("POST", srv.url + "/v1/chat/completions", chat, timeout=300)
+    assert status == 200, ref
+    answer = ref["choices"][0]["message"]["content"]
+    assert "Paris" in answer, answer
+
+    so = build_fake(tmp_path / "fake", "aarch64")
+    b.copy_in(so.parent, "/root/fake-rknnrt")
+    model = f"/root/{default_model_dir.name}"
+    b.copy_in(default_model_dir, model)
+    b.copy_in(default_mm_rtn, "/root/default-mm")
+    port = free_port()
+    serve = [f"{VENV}/edge-llm", "serve", "--model", model, "--backend", "auto",
+             "--rknn-dir", "/root/default-mm", "--port", str(port), "--disk-kv", "off", "--log-file", "off"]
+    b.run(["touch", "/dev/rknpu"])
+    pid = b.run(f"(EDGE_LLM_LIBRKNNRT=/root/fake-rknnrt/librknnrt.so {shlex.join(serve)}) > /root/mm.log 2>&1 "
+                "& echo $!").stdout.strip()
+    try:
+        waited = wait_ready(f"http://127.0.0.1:{port}", timeout=900)
+        status, health = http_json("GET", f"http://127.0.0.1:{port}/health", timeout=30)
+        assert status == 200 and health["backend"] == "rknn", health
+        status, got = http_json("POST", f"http://127.0.0.1:{port}/v1/chat/completions",
+                                {**chat, "model": default_model_dir.name}, timeout=900)
+        assert status == 200, got
+        print(f"\nnpu-mm on the board: ready in {waited:.0f} s, {got['usage']} in {got['timings']}")
+    finally:
+        b.run(["kill", pid], check=False)
+        b.run(["rm", "-f", "/dev/rknpu"])
+    logged = b.path("/root/mm.log").read_text()
+    assert ("backend auto -> rknn (NPU at /dev/rknpu and a matching npu-mm manifest.json in /root/default-mm "
+            "(w8a8 on the matmul API))") in logged, logged[-3000:]
+    ready = rf"runtime ready: model {default_model_dir.name} \(rknn-mm:[0-9a-f]{{16}}:librknnrt-[0-9a-f]+-cores0,1,2:"
+    assert re.search(ready, logged), logged[-3000:]
+    assert got["choices"][0]["message"]["content"] == answer, (got, answer)
 
 
 def test_reboot_starts_the_service_and_restores(board):
