@@ -32,9 +32,21 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Clones for AVX-512, AVX2 and the x86-64 baseline, picked at load time: they differ in vector width
+ * only, never in bits (the rules above). EDGE_MM8_ONE_ISA: no clones, the code of -march alone
+ * (tests/test_mm8_ops.py builds the baseline that way and compares its bits with this CPU's clone). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(EDGE_MM8_ONE_ISA)
+#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define CLONES
+#endif
+
 #define LANES 16           /* partial sums of the sum of squares (fixed: part of the bits) */
 #define QMAX 127.0f
 #define ROUND_MAGIC 12582912.0f /* 1.5 * 2^23 */
+
+typedef float vf __attribute__((vector_size(64), aligned(4))); /* 16 floats, any alignment */
+#define SHUF __builtin_shufflevector
 
 static inline float round_even(float v) { return (v + ROUND_MAGIC) - ROUND_MAGIC; }
 
@@ -59,7 +71,7 @@ static inline float exp_f(float x) {
     return (p * s1) * s2;
 }
 
-static float sum_squares(const float *x, int64_t n) {
+static inline float sum_squares(const float *x, int64_t n) {
     float acc[LANES] = {0};
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES)
@@ -71,22 +83,30 @@ static float sum_squares(const float *x, int64_t n) {
 }
 
 /* 1 / sqrt(mean(x^2) + eps): the reciprocal RMS of backends/cpu.rms_norm, in its float32 steps. */
-static float inv_rms(const float *x, int64_t n, float eps) {
+static inline float inv_rms(const float *x, int64_t n, float eps) {
     float var = sum_squares(x, n) / (float)n;
     return 1.0f / sqrtf(var + eps);
 }
 
 /* q = clip(round_even((x * mul) / scale)), scale = absmax(x * mul) / 127 (1 for a zero row). With
  * mul == 1 the products are x itself: `int8mm.quantize_rows` bit for bit. */
-static void quantize_row(const float *x, int64_t n, float mul, int8_t *q, float *scale) {
-    float amax = 0.0f;
-    for (int64_t i = 0; i < n; i++) {
+static inline void quantize_row(const float *x, int64_t n, float mul, int8_t *q, float *scale) {
+    float mx[LANES] = {0}; /* lane maxima (a max is exact in any order; lanes let it vectorize) */
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) {
+            float a = fabsf(x[i + j] * mul);
+            mx[j] = a > mx[j] ? a : mx[j];
+        }
+    for (int j = 0; i < n; i++, j++) {
         float a = fabsf(x[i] * mul);
-        amax = a > amax ? a : amax;
+        mx[j] = a > mx[j] ? a : mx[j];
     }
+    float amax = 0.0f;
+    for (int j = 0; j < LANES; j++) amax = mx[j] > amax ? mx[j] : amax;
     float s = amax / QMAX;
     s = amax == 0.0f ? 1.0f : s;
-    for (int64_t i = 0; i < n; i++) {
+    for (i = 0; i < n; i++) {
         float v = round_even((x[i] * mul) / s);
         v = v > QMAX ? QMAX : v;
         v = v < -QMAX ? -QMAX : v;
@@ -97,18 +117,18 @@ static void quantize_row(const float *x, int64_t n, float mul, int8_t *q, float 
 
 /* RMSNorm (unit gain: the gains are folded into the weights) of each row, quantized: the input of
  * q/k/v, gate/up and the head. x (T, n) -> q (T, n) int8, scale (T). */
-void edge_mm8_norm_quant(const float *x, int64_t T, int64_t n, float eps, int8_t *q, float *scale) {
+CLONES void edge_mm8_norm_quant(const float *x, int64_t T, int64_t n, float eps, int8_t *q, float *scale) {
     for (int64_t t = 0; t < T; t++)
         quantize_row(x + t * n, n, inv_rms(x + t * n, n, eps), q + t * n, scale + t);
 }
 
 /* Rows quantized as they are (attention's output before o). */
-void edge_mm8_quant(const float *x, int64_t T, int64_t n, int8_t *q, float *scale) {
+CLONES void edge_mm8_quant(const float *x, int64_t T, int64_t n, int8_t *q, float *scale) {
     for (int64_t t = 0; t < T; t++) quantize_row(x + t * n, n, 1.0f, q + t * n, scale + t);
 }
 
 /* y = ((float)c * row_scale) * col_scale (+ bias if not NULL): `int8mm.dequantize` bit for bit. */
-void edge_mm8_dequant(const int32_t *c, const float *row_scale, const float *col_scale, const float *bias,
+CLONES void edge_mm8_dequant(const int32_t *c, const float *row_scale, const float *col_scale, const float *bias,
                       int64_t T, int64_t n, float *y) {
     for (int64_t t = 0; t < T; t++) {
         const int32_t *ct = c + t * n;
@@ -122,7 +142,7 @@ void edge_mm8_dequant(const int32_t *c, const float *row_scale, const float *col
 
 /* h = x + dequant(c): a residual addition ((x + o) + m, in that order, over two calls). h may be x.
  * With q and scale not NULL, also RMSNorm(h) quantized (the next linear's input) in the same pass. */
-void edge_mm8_dequant_add(const int32_t *c, const float *row_scale, const float *col_scale, const float *x,
+CLONES void edge_mm8_dequant_add(const int32_t *c, const float *row_scale, const float *col_scale, const float *x,
                           int64_t T, int64_t n, float eps, float *h, int8_t *q, float *scale) {
     for (int64_t t = 0; t < T; t++) {
         const int32_t *ct = c + t * n;
@@ -133,12 +153,32 @@ void edge_mm8_dequant_add(const int32_t *c, const float *row_scale, const float 
     }
 }
 
+/* 16 values (y[i], y[i + h]) -> (y[i] + y[i + h], y[i] - y[i + h]) for h = 1, 2, 4, 8 in a vector:
+ * the same operations, so the same bits, as the scalar butterflies of these four stages. */
+static inline void butterflies16(float *y) {
+    vf v = *(vf *)y, p;
+    p = SHUF(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    v = SHUF(v + p, p - v, 0, 17, 2, 19, 4, 21, 6, 23, 8, 25, 10, 27, 12, 29, 14, 31);
+    p = SHUF(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v = SHUF(v + p, p - v, 0, 1, 18, 19, 4, 5, 22, 23, 8, 9, 26, 27, 12, 13, 30, 31);
+    p = SHUF(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v = SHUF(v + p, p - v, 0, 1, 2, 3, 20, 21, 22, 23, 8, 9, 10, 11, 28, 29, 30, 31);
+    p = SHUF(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v = SHUF(v + p, p - v, 0, 1, 2, 3, 4, 5, 6, 7, 24, 25, 26, 27, 28, 29, 30, 31);
+    *(vf *)y = v;
+}
+
 /* a (m * s) in place: a @ (block ⊗ H_s) / sqrt(s), H_s Sylvester's (s a power of two), block (m, m)
  * row-major, normalized (m == 1: no block). `mm8_ops.fwht`, in a fixed order; tmp holds m * s. */
-static void hadamard_row(float *a, int64_t m, int64_t s, const float *block, float *tmp) {
+static inline void hadamard_row(float *a, int64_t m, int64_t s, const float *block, float *tmp) {
     for (int64_t seg = 0; seg < m; seg++) {
         float *y = a + seg * s;
-        for (int64_t h = 1; h < s; h *= 2)
+        int64_t h = 1;
+        if (s % 16 == 0) { /* the first four stages in registers */
+            for (int64_t b = 0; b < s; b += 16) butterflies16(y + b);
+            h = 16;
+        }
+        for (; h < s; h *= 2)
             for (int64_t b = 0; b < s; b += 2 * h)
                 for (int64_t i = b; i < b + h; i++) {
                     float u = y[i], v = y[i + h];
@@ -165,7 +205,7 @@ static void hadamard_row(float *a, int64_t m, int64_t s, const float *block, flo
 /* The MLP's middle: gate/up dequantized, SiLU(g) * u (g / (1 + e^-g) * u, `cpu.swiglu`'s order), the
  * online Hadamard of down_proj's input if block is not NULL (m * s = inter), quantized for down.
  * c (T, 2 inter) int32, col_scale (2 inter) -> q (T, inter) int8, scale (T); work: 2 inter floats. */
-void edge_mm8_swiglu_quant(const int32_t *c, const float *row_scale, const float *col_scale, int64_t T,
+CLONES void edge_mm8_swiglu_quant(const int32_t *c, const float *row_scale, const float *col_scale, int64_t T,
                            int64_t inter, const float *block, int64_t m, int8_t *q, float *scale, float *work) {
     float *a = work, *tmp = work + inter;
     for (int64_t t = 0; t < T; t++) {
@@ -186,7 +226,7 @@ void edge_mm8_swiglu_quant(const int32_t *c, const float *row_scale, const float
  * randomized Hadamard matrix, Sylvester outer, the block inner): p-point butterflies over the row's
  * m-wide segments, each segment times the block (index order), then the column scales. O(n (log p +
  * m)) instead of the dense n x n product. x (T, n) -> y (T, n), y != x. */
-void edge_mm8_rotate(const float *x, int64_t T, int64_t n, const float *block, int64_t m, const float *col_scale,
+CLONES void edge_mm8_rotate(const float *x, int64_t T, int64_t n, const float *block, int64_t m, const float *col_scale,
                      float *y, float *work) {
     int64_t p = n / m;
     for (int64_t t = 0; t < T; t++) {
