@@ -303,3 +303,51 @@ def test_numerics_name_the_ops_and_logits_stay_close(model, recorded, prompt):
     # 98.4 %; against the F32 CPU backend numpy's 0.0055 / 97.2 %, C's 0.0051 / 96.6 %)
     assert kl.mean() < 0.006 and kl.max() < 0.05, kl
     assert (numpy_logits.argmax(-1) == c_logits.argmax(-1)).mean() >= 0.9
+
+
+@pytest.mark.timeout(120)
+def test_qk_rope_is_the_models_formula(model, recorded):
+    """The row step's q/k RMSNorm + RoPE + q scale in one C call (`COps.qk_rope`) against the
+    model's numpy (models/qwen3.py's per-layer loop: rms_norm, apply_rope, q *= scale) on the q/k/v
+    rows of every layer: without q/k norms (the default model has none) bitwise, with them (gains
+    drawn here: Qwen3's per-head norms, real rows) within float32 rounding (the sums of squares in
+    the C order); v copied as it is; a row alone bitwise the row in a batch. A swapped sin sign or a
+    missing gain moves values by their own size."""
+    from edge_llm.backends.cpu import rms_norm
+    from edge_llm.models.rope import apply_rope
+
+    calls, _ = recorded
+    a, c = model.args, mm8_ops.c_ops()
+    assert c is not None and not a.qk_norm
+    H, n_kv, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    layers = [args for args in calls["dequant"] if args[0].shape[1] == a.q_dim + 2 * a.kv_dim]
+    assert len(layers) == a.num_hidden_layers
+    T = layers[0][0].shape[0]
+    cos, sin = model.rope.cos_sin(np.arange(T))
+    eps, worst = np.float32(a.rms_norm_eps), 0.0
+    rng = np.random.default_rng(0)
+    for layer, args in enumerate(layers):
+        y = NumpyOps().dequant(*args)
+        q, k, v = y[:, :a.q_dim], y[:, a.q_dim:a.q_dim + a.kv_dim], y[:, a.q_dim + a.kv_dim:]
+        gains = None if layer % 2 else (rng.uniform(0.2, 3.0, D).astype(np.float32),
+                                        rng.uniform(0.2, 3.0, D).astype(np.float32))
+        q_ref, k_ref = q.reshape(T, H, D), k.reshape(T, n_kv, D)
+        if gains is not None:
+            q_ref, k_ref = rms_norm(q_ref, gains[0], eps), rms_norm(k_ref, gains[1], eps)
+        q_ref = apply_rope(q_ref, cos, sin)
+        q_ref *= model.scale
+        k_ref = apply_rope(k_ref, cos, sin)
+        outs = np.empty((T, a.q_dim), np.float32), np.empty((T, a.kv_dim), np.float32), np.empty((T, a.kv_dim),
+                                                                                                    np.float32)
+        c.qk_rope(q, k, v, H, n_kv, gains, eps, cos[:, :D // 2], sin[:, :D // 2], model.scale, *outs)
+        assert np.array_equal(outs[2], v)
+        for got, ref in ((outs[0], q_ref.reshape(T, -1)), (outs[1], k_ref.reshape(T, -1))):
+            if gains is None:
+                assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+            worst = max(worst, float((np.abs(got - ref) / (np.abs(ref).max(axis=1, keepdims=True))).max()))
+        one = tuple(np.empty((1, o.shape[1]), np.float32) for o in outs)
+        t = T // 2
+        c.qk_rope(q[t:t + 1], k[t:t + 1], v[t:t + 1], H, n_kv, gains, eps, cos[t:t + 1, :D // 2],
+                  sin[t:t + 1, :D // 2], model.scale, *one)
+        assert all(np.array_equal(o[t:t + 1].view(np.uint32), p.view(np.uint32)) for o, p in zip(outs, one))
+    assert worst < 1e-6, worst  # relative to each row's largest value: a few float32 ulps (measured 2.4e-7)

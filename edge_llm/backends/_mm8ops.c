@@ -255,3 +255,39 @@ CLONES void edge_mm8_rotate(const float *x, int64_t T, int64_t n, const float *b
         for (int64_t i = 0; i < n; i++) yt[i] *= col_scale[i];
     }
 }
+
+/* The row step's q/k/v rows after the qkv product: per-head RMSNorm of q and k with their gains
+ * (q_gain, k_gain; NULL: a model without q/k norms), RoPE by the half tables cos/sin (T, D/2) (the
+ * model's apply_rope: lo c - hi s, hi c + lo s), q times scale; q, k, v rows (T, ...) with row stride
+ * ld (views of one (T, ld) product) -> q_out (T, H D), k_out and v_out (T, n_kv D). The model's
+ * float32 steps (models/qwen3.py, models/rope.py) with the sums of squares in this file's order. */
+CLONES void edge_mm8_qk_rope(const float *q, const float *k, const float *v, int64_t ld, int64_t T, int64_t H,
+                             int64_t n_kv, int64_t D, const float *q_gain, const float *k_gain, float eps,
+                             const float *cos_t, const float *sin_t, float scale, float *q_out, float *k_out,
+                             float *v_out) {
+    int64_t half = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_t + t * half, *s = sin_t + t * half;
+        for (int64_t head = 0; head < H + n_kv; head++) {
+            int is_q = head < H;
+            const float *x = is_q ? q + t * ld + head * D : k + t * ld + (head - H) * D;
+            const float *gain = is_q ? q_gain : k_gain;
+            float *o = is_q ? q_out + (t * H + head) * D : k_out + (t * n_kv + head - H) * D;
+            float xn[D > 0 ? D : 1];
+            if (gain) {
+                float inv = inv_rms(x, D, eps);
+                for (int64_t d = 0; d < D; d++) xn[d] = gain[d] * (x[d] * inv);
+            } else {
+                memcpy(xn, x, (size_t)D * sizeof(float));
+            }
+            for (int64_t d = 0; d < half; d++) {
+                float lo = xn[d], hi = xn[d + half];
+                o[d] = lo * c[d] - hi * s[d];
+                o[d + half] = hi * c[d] + lo * s[d];
+            }
+            if (is_q)
+                for (int64_t d = 0; d < D; d++) o[d] *= scale;
+        }
+        memcpy(v_out + t * n_kv * D, v + t * ld, (size_t)(n_kv * D) * sizeof(float));
+    }
+}

@@ -152,8 +152,9 @@ class COps:
         lib.edge_mm8_dequant_add.argtypes = [P, P, P, P, I64, I64, F, P, P, P]
         lib.edge_mm8_swiglu_quant.argtypes = [P, P, P, I64, I64, P, I64, P, P, P]
         lib.edge_mm8_rotate.argtypes = [P, I64, I64, P, I64, P, P, P]
+        lib.edge_mm8_qk_rope.argtypes = [P, P, P, I64, I64, I64, I64, I64, P, P, F, P, P, F, P, P, P]
         for f in (lib.edge_mm8_norm_quant, lib.edge_mm8_quant, lib.edge_mm8_dequant, lib.edge_mm8_dequant_add,
-                  lib.edge_mm8_swiglu_quant, lib.edge_mm8_rotate):
+                  lib.edge_mm8_swiglu_quant, lib.edge_mm8_rotate, lib.edge_mm8_qk_rope):
             f.restype = None
         self.lib = lib
 
@@ -234,6 +235,32 @@ class COps:
         y, work = np.empty((T, n), np.float32), np.empty(n, np.float32)
         self.lib.edge_mm8_rotate(_p(x), T, n, _p(_f32(block)), m, _p(_f32(scale)), _p(y), _p(work))
         return y
+
+
+    def qk_rope(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, heads: int, kv_heads: int,
+                gains: tuple[np.ndarray, np.ndarray] | None, eps: np.float32, cos: np.ndarray, sin: np.ndarray,
+                scale: np.float32, q_out: np.ndarray, k_out: np.ndarray, v_out: np.ndarray) -> None:
+        """The row step's q/k/v after `MmBackend.qkv` (q, k, v: its column views of one (T, ld)
+        product): per-head RMSNorm of q and k with `gains` (None: no q/k norms), RoPE by the half
+        tables cos/sin (T, D/2), q times `scale`, into q_out (T, H D) and k_out, v_out (T, n_kv D),
+        C-contiguous float32. The model's float32 steps, its sums of squares in the C file's order."""
+        T, qd = q.shape
+        D = qd // heads
+        for a in (q, k, v):  # row stride of the one product they view (MmBackend.qkv's columns)
+            if a.dtype != np.float32 or a.ndim != 2 or a.strides != q.strides or a.strides[1] != 4:
+                raise ValueError("mm8 ops: q, k, v must be float32 column views of one C-contiguous product")
+        want = {"k": (T, kv_heads * D), "v": (T, kv_heads * D), "cos": (T, D // 2), "sin": (T, D // 2),
+                "q_out": (T, heads * D), "k_out": (T, kv_heads * D), "v_out": (T, kv_heads * D)}
+        got = {"k": k, "v": v, "cos": cos, "sin": sin, "q_out": q_out, "k_out": k_out, "v_out": v_out}
+        bad = [f"{n} {got[n].shape}" for n in want if got[n].shape != want[n]]
+        if qd != heads * D or bad or (gains is not None and any(g.shape != (D,) for g in gains)):
+            raise ValueError(f"mm8 ops: q {q.shape} for {heads} heads of {D}: {', '.join(bad) or 'gains'}")
+        if not all(o.flags.c_contiguous and o.dtype == np.float32 for o in (q_out, k_out, v_out)):
+            raise ValueError("mm8 ops: q/k/v outputs must be C-contiguous float32")
+        qg, kg = (None, None) if gains is None else (_f32(gains[0]), _f32(gains[1]))
+        c, s = _f32(cos), _f32(sin)
+        self.lib.edge_mm8_qk_rope(_p(q), _p(k), _p(v), q.strides[0] // 4, T, heads, kv_heads, D, _p(qg), _p(kg),
+                                  float(eps), _p(c), _p(s), float(scale), _p(q_out), _p(k_out), _p(v_out))
 
 
 def ops() -> RowOps:

@@ -4,9 +4,10 @@
 A decode step (one row) or a speculative verify forward (up to `max_rows` rows) goes through every
 layer and the head here instead of through the model's per-layer loop: the dense work is the
 backend's own (`MmBackend.qkv` / `post` / `logits`: the same int8 matmuls and the same float32
-per-row ops, so those bits are the seam's), the model's per-head q/k RMSNorm and RoPE are the
-model's numpy functions on the same rows, and attention over the cached K/V rows is the operator
-library's C kernel (`edge_attn_rows` in `_attn.c`, docs/quantization.md "The attention operator"):
+per-row ops, so those bits are the seam's), the model's per-head q/k RMSNorm, RoPE and q scale are
+one call of the matmul path's C ops (`mm8_ops.COps.qk_rope`: the model's float32 formulas, its sums
+of squares in the C order, so within float32 rounding of the model's numpy), and attention over the
+cached K/V rows is the operator library's C kernel (`edge_attn_rows` in `_attn.c`, docs/quantization.md "The attention operator"):
 it reads the cache's rows in place, one pass over them for all T query rows, where the model's
 numpy attention builds (n_kv, T, S) scores and a transposed view of every row. That kernel sums
 in another order than numpy's, so the row step's logits and new K/V rows are the seam's up to
@@ -26,8 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from edge_llm.backends import attn_kernel
-from edge_llm.backends.cpu import rms_norm
+from edge_llm.backends import attn_kernel, mm8_ops
 from edge_llm.backends import Backend
 from edge_llm.config import ModelArgs
 from edge_llm.errors import ConfigError
@@ -40,31 +40,18 @@ def _ptr(a: np.ndarray) -> ctypes.c_void_p:
     return ctypes.c_void_p(a.ctypes.data)
 
 
-def _rope(x: np.ndarray, c: np.ndarray, s: np.ndarray) -> np.ndarray:
-    """x (T, heads, D) rotated by half tables (T, 1, D/2): the model's `apply_rope` (models/rope.py,
-    whose tables repeat these halves) with the same float32 operations in the same order."""
-    half = x.shape[-1] // 2
-    lo, hi = x[..., :half], x[..., half:]
-    out = np.empty_like(x)
-    np.multiply(lo, c, out=out[..., :half])
-    out[..., :half] -= hi * s
-    np.multiply(hi, c, out=out[..., half:])
-    out[..., half:] += lo * s
-    return out
-
-
 class MmRowStep:
     """Up to `max_rows` rows through every layer of an `MmBackend` and its head (a `RowStep`)."""
 
     def __init__(self, backend: Backend, args: ModelArgs, q_norms: Sequence[np.ndarray],
                  k_norms: Sequence[np.ndarray], max_rows: int = MAX_ROWS):
-        lib = attn_kernel.library()
-        if lib is None:
+        lib, ops = attn_kernel.library(), mm8_ops.c_ops()
+        if lib is None or ops is None:
             raise ConfigError("the attention operator (_attn.c) was not built at install: no row step")
         if args.qk_norm and (len(q_norms) != args.num_hidden_layers or len(k_norms) != args.num_hidden_layers):
             raise ConfigError(f"row step: {args.num_hidden_layers} q/k norm gains needed, got "
                               f"{len(q_norms)} and {len(k_norms)}")
-        self.lib, self.be, self.args, self.max_rows = lib, backend, args, max_rows
+        self.lib, self.ops, self.be, self.args, self.max_rows = lib, ops, backend, args, max_rows
         self.q_norms = [np.asarray(w, np.float32) for w in q_norms]
         self.k_norms = [np.asarray(w, np.float32) for w in k_norms]
         self.eps = np.float32(args.rms_norm_eps)
@@ -73,6 +60,7 @@ class MmRowStep:
         self.k_new = np.empty((n, max_rows, kv), np.float32)
         self.v_new = np.empty((n, max_rows, kv), np.float32)
         self.attn = np.empty((max_rows, args.q_dim), np.float32)
+        self.q = np.empty((max_rows, args.q_dim), np.float32)
         self.work = np.empty(0, np.float32)
 
     def _work(self, S: int, T: int) -> np.ndarray:
@@ -96,24 +84,16 @@ class MmRowStep:
         if cos.shape != (T, D // 2) or sin.shape != (T, D // 2):
             raise ValueError(f"row step: cos/sin need shape ({T}, {D // 2}), got {cos.shape} and {sin.shape}")
         S = past[0][0].shape[0]
-        c, s = cos[:, None, :], sin[:, None, :]
-        work, attn = self._work(S, T), self.attn[:T]
+        work, attn, q_rows = self._work(S, T), self.attn[:T], self.q[:T]
         for layer, (kp, vp) in enumerate(past):
             if kp.shape != (S, a.kv_dim) or vp.shape != (S, a.kv_dim) or not (kp.flags.c_contiguous
                                                                                 and vp.flags.c_contiguous):
                 raise ValueError(f"row step: layer {layer}'s past rows must be C-contiguous ({S}, {a.kv_dim})")
             q, k, v = be.qkv(layer, x)
-            q = q.reshape(T, H, D)
-            k = k.reshape(T, n_kv, D)
-            if a.qk_norm:
-                q = rms_norm(q, self.q_norms[layer], self.eps)
-                k = rms_norm(k, self.k_norms[layer], self.eps)
-            q = _rope(q, c, s)
-            q *= self.scale
             k_new, v_new = self.k_new[layer, :T], self.v_new[layer, :T]
-            k_new[:] = _rope(k, c, s).reshape(T, a.kv_dim)
-            v_new[:] = v
-            rc = self.lib.edge_attn_rows(_ptr(q), _ptr(kp), _ptr(vp), _ptr(k_new), _ptr(v_new), S, T, a.kv_dim,
+            gains = (self.q_norms[layer], self.k_norms[layer]) if a.qk_norm else None
+            self.ops.qk_rope(q, k, v, H, n_kv, gains, self.eps, cos, sin, self.scale, q_rows, k_new, v_new)
+            rc = self.lib.edge_attn_rows(_ptr(q_rows), _ptr(kp), _ptr(vp), _ptr(k_new), _ptr(v_new), S, T, a.kv_dim,
                                          H, n_kv, D, _ptr(attn), _ptr(work))
             if rc != 0:
                 raise ValueError(f"row step: attention refused its sizes (S={S}, T={T}, H={H}, n_kv={n_kv}, D={D})")
@@ -125,7 +105,7 @@ def make(backend: Backend, args: ModelArgs, weights: Weights, max_rows: int = MA
     """The row step of `backend` (an `MmBackend` being loaded), or None without the operator
     library (the model then runs decode forwards through the seam). Reads the q/k norm gains from
     `weights` without taking them: the model takes them after the backend's load."""
-    if attn_kernel.library() is None:
+    if attn_kernel.library() is None or mm8_ops.c_ops() is None:
         return None
     q_norms, k_norms = [], []
     if args.qk_norm:
