@@ -69,7 +69,7 @@ def orthogonal_factors(n: int, seed: int = ROTATION_SEED) -> tuple[np.ndarray, n
 
 
 def dense_hadamard(block: np.ndarray, n: int) -> np.ndarray:
-    """The (n, n) matrix `backends.mm8.fwht` multiplies by: `block` (normalized, (m, m)) ⊗
+    """The (n, n) matrix `backends.mm8_ops.fwht` multiplies by: `block` (normalized, (m, m)) ⊗
     Sylvester's H_{n/m} / sqrt(n/m), in float64 for the converter (it folds the transpose into W_down)."""
     s = n // block.shape[0]
     syl = np.ones((1, 1))

@@ -8,7 +8,7 @@ of the fused linears (q/k/v, o, gate/up, down, head), their scales, and the rota
   row (qkv, gate/up, head), R into those that write the stream (o, down). Without it the gains
   fold into those weights alone.
 - `down_rotation="hadamard"`: down_proj's input (SwiGLU's output) times a Hadamard matrix H on
-  the CPU at run time (`mm8.fwht`: Sylvester butterflies times a small Paley block), H^T folded
+  the CPU at run time (`mm8_ops.fwht`: Sylvester butterflies times a small Paley block), H^T folded
   into W_down: its outlier channels are spread before the row's int8 scale is taken.
 - `clip="mse"`: each output channel's scale from the clip ratio of its absmax (0.80 .. 1.00) with
   the least squared weight error, instead of the absmax itself.
