@@ -29,8 +29,8 @@ from threadpoolctl import threadpool_limits
 
 from edge_llm.backends import QKVArrays
 from edge_llm.backends.cpu import numpy_kernels
-from edge_llm.backends.int8mm import HostInt8Matmul, Int8Matmul, dequantize, quantize_rows
-from edge_llm.backends.mm8 import MmBackend, MmManifest, fwht
+from edge_llm.backends.int8mm import HostInt8Matmul, Int8Matmul
+from edge_llm.backends.mm8 import MmBackend, MmManifest
 from edge_llm.bench.npu_predict import (CLOCK, CpuCost, CpuWork, Plan, Rates, Replayed, TimedMatmul, cost_profile,
                                         predict)
 from edge_llm.config import ModelArgs
@@ -115,30 +115,35 @@ def _least_ms(fn: Callable[[], object], repeats: int) -> float:
 
 def cpu_parts(be: MmBackend, args: ModelArgs, contexts: Sequence[int], prompt_rows: int,
               repeats: int) -> dict[str, float]:
-    """Where the CPU time goes, op by op (CPU ms, the least of `repeats`): the residual rotation of
-    new rows, the online Hadamard, a layer's quantize + dequantize around its four products, and
-    attention of one row per layer at each context."""
+    """Where the CPU time goes, op by op (CPU ms, the least of `repeats`), through the backend's own
+    per-row ops (`be.ops`: the C ops when built, else numpy's): the residual rotation of new rows,
+    the MLP's middle (dequantize gate/up, SwiGLU, the online Hadamard if converted with it,
+    quantize), the rest of a layer's quantize / dequantize / RMSNorm / residual adds, and attention
+    of one row per layer at each context."""
     rng = np.random.default_rng(0)
-    h, inter = args.hidden_size, args.intermediate_size
-    widths = [(h, args.q_dim + 2 * args.kv_dim), (args.q_dim, h), (h, 2 * inter), (inter, h)]
+    h, inter, ops, eps = args.hidden_size, args.intermediate_size, be.ops, np.float32(args.rms_norm_eps)
     out: dict[str, float] = {}
     for rows in (1, prompt_rows):
         x = rng.standard_normal((rows, h), dtype=np.float32)
         out[f"residual rotation, {rows} rows"] = _least_ms(lambda: be.residual(x), repeats)
-        if be.down_block is not None:
-            a = rng.standard_normal((rows, inter), dtype=np.float32)
-            block = be.down_block
-            out[f"online Hadamard, {rows} rows, per layer"] = _least_ms(lambda: fwht(a, block), repeats)
-        ins = [rng.standard_normal((rows, k), dtype=np.float32) for k, _ in widths]
-        cs = [rng.integers(-2**20, 2**20, (rows, n), dtype=np.int32) for _, n in widths]
-        scales = [np.ones(n, np.float32) for _, n in widths]
+        ones = np.ones(rows, np.float32)
+        gu = rng.integers(-2**20, 2**20, (rows, 2 * inter), dtype=np.int32)
+        gu_s = np.full(2 * inter, 1e-5, np.float32)
+        out[f"SwiGLU{' + online Hadamard' if be.down_block is not None else ''} + quantize, {rows} rows, "
+            "per layer"] = _least_ms(lambda: ops.swiglu_quant(gu, ones, gu_s, inter, be.down_block), repeats)
+        qkv = rng.integers(-2**20, 2**20, (rows, args.q_dim + 2 * args.kv_dim), dtype=np.int32)
+        attn = rng.standard_normal((rows, args.q_dim), dtype=np.float32)
+        ch = rng.integers(-2**20, 2**20, (rows, h), dtype=np.int32)
+        qkv_s, h_s = np.ones(qkv.shape[1], np.float32), np.ones(h, np.float32)
 
-        def scaling() -> None:
-            for xi, ci, si in zip(ins, cs, scales):
-                _q, rs = quantize_rows(xi)
-                dequantize(ci, rs, si)
+        def scaling() -> None:  # MmBackend.qkv and post around their products, the MLP's middle apart
+            ops.norm_quant(x, eps)
+            ops.dequant(qkv, ones, qkv_s, None)
+            ops.quant(attn)
+            ops.dequant_add_norm_quant(ch, ones, h_s, x, eps)
+            ops.dequant_add(ch, ones, h_s, x)
 
-        out[f"quantize + dequantize, {rows} rows, per layer"] = _least_ms(scaling, repeats)
+        out[f"norms, quantize, dequantize, residual adds, {rows} rows, per layer"] = _least_ms(scaling, repeats)
     for ctx in contexts:
         q = rng.standard_normal((1, args.num_attention_heads, args.head_dim), dtype=np.float32)
         kv = rng.standard_normal((ctx, args.kv_dim), dtype=np.float32)
