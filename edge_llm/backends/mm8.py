@@ -53,9 +53,9 @@ LAYOUT = "row-major-KN"  # B as (K, N) int8 rows; the NPU engine converts to its
 # A bandwidth-bound NPU reads every weight once per forward whatever its row count: a verify
 # forward of T rows costs one decode step plus the CPU's per-row work (norms, quantization,
 # attention) and the NPU's int8 compute. Predicted for Qwen3-VL-2B at 512 rows of context (CPU
-# work measured on x86-64 AVX-512, the NPU at the published rates): 2/4/8 rows cost 1.15/1.26/1.47
-# one-row steps (docs/npu.md "Prediction (the matmul path)").
-FORWARD_COST = ForwardCost(1.15, 0.05)
+# work measured on x86-64 AVX-512 with the C ops, the NPU at the published rates): 2/4/8 rows cost
+# 1.08/1.14/1.26 one-row steps (docs/npu.md "Prediction (the matmul path)").
+FORWARD_COST = ForwardCost(1.08, 0.03)
 
 
 @dataclass
@@ -71,6 +71,7 @@ class MmManifest:
     clip: str  # per-channel weight scale: none (absmax) | mse (MSE-optimal clip per channel)
     gptq_tokens: int  # GPTQ on this many calibration tokens (convert/gptq.py); 0: round to nearest
     weights_sha256: str  # of weights.npz
+    vo_rotation: str = "none"  # attention values per head times a Hadamard matrix, folded into W_v and W_o
     format: str = FORMAT
     dtype: str = "w8a8"
     scales: str = "activation per row (run time), weight per output channel"
