@@ -27,9 +27,11 @@ from edge_llm.backends.mm8_step import MmRowStep
 
 pytestmark = pytest.mark.skipif(attn_kernel.library() is None, reason="the operator library (_attn.c) is not built")
 
-# nats per row, row step vs seam: measured up to 0.003 here, the size of the w8a8 path's own KL
-# against F32 (0.003-0.005): a flipped int8 rounding in an early layer moves the rest that much
-KL_MAX = 0.02
+# nats per row, row step vs seam: a flipped int8 rounding in an early layer moves the rest by the
+# size of the w8a8 path's own error against F32 (KL 0.003-0.005 on average). Measured up to 0.003
+# per row on the round-to-nearest conversion with absmax scales, 0.025 (mean 0.0065) with the V/O
+# rotation and MSE clip, the C ops or numpy's alike; a wrong RoPE, scale or mask gives KL above 1
+KL_MAX = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +99,9 @@ def test_row_step_is_the_seam_up_to_rounding(model):
     # such flip in o's dequantization + RMSNorm; < 1e-4 where none flips); without `q *= scale` 1.8
     assert np.abs(step_kv[1, :, p:] - seam_kv[1, :, p:]).max() < 0.1
     scale = np.abs(seam_kv[:, :, p:]).max(axis=(-1, -2), keepdims=True)
-    assert (np.abs(step_kv[:, :, p:] - seam_kv[:, :, p:]) <= 0.05 * scale).all()
+    # each layer's K and V rows within a tenth of their largest value (measured up to 0.065 of it, V
+    # rows of late layers, after the flips above)
+    assert (np.abs(step_kv[:, :, p:] - seam_kv[:, :, p:]) <= 0.1 * scale).all()
     kl = _kl(seam_logits, step_logits)
     assert kl.max() < KL_MAX, kl
 
