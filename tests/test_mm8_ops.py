@@ -351,3 +351,48 @@ def test_qk_rope_is_the_models_formula(model, recorded):
                   sin[t:t + 1, :D // 2], model.scale, *one)
         assert all(np.array_equal(o[t:t + 1].view(np.uint32), p.view(np.uint32)) for o, p in zip(outs, one))
     assert worst < 1e-6, worst  # relative to each row's largest value: a few float32 ulps (measured 2.4e-7)
+
+
+@pytest.mark.timeout(600)
+def test_aarch64_build_under_qemu_gives_the_same_bits(model, recorded, tmp_path):
+    """The board's build: _mm8ops.c cross-compiled for aarch64 (NEON, no clones) with setup.py's
+    flags, run under qemu-user by tests/c/mm8ops_check.c on the default model's real rows (RMSNorm +
+    quantize, SwiGLU + Hadamard + quantize, the fast rotation, q/k RMSNorm + RoPE, dequantize +
+    residual add + RMSNorm + quantize): bitwise this CPU's clone. A fused multiply-add contracted on
+    aarch64 (its compiler contracts by default: the file's pragma stops it) would fail it."""
+    cc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64-static")
+    if cc is None or qemu is None:
+        pytest.skip("no aarch64 cross compiler or qemu-user (`make board-deps` as root installs them)")
+    repo = Path(__file__).resolve().parents[1]
+    exe = tmp_path / "mm8ops_check"
+    build = subprocess.run([cc, "-O3", "-fopenmp-simd", "-Wno-psabi", "-Wall", "-Werror", "-o", str(exe),
+                            str(repo / "tests/c/mm8ops_check.c"), str(repo / "edge_llm/backends/_mm8ops.c"), "-lm"],
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    calls, _ = recorded
+    a, c = model.args, mm8_ops.c_ops()
+    assert c is not None
+    x, eps = calls["norm_quant"][0]
+    gu, rs, gs, inter, block = calls["swiglu_quant"][0]
+    o, _, os_, _, _ = calls["dequant_add_norm_quant"][0]
+    rot_block, rot_scale = orthogonal_factors(a.hidden_size)
+    qkv = NumpyOps().dequant(*calls["dequant"][0])
+    T, n, H, K, D = x.shape[0], x.shape[1], a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    rng = np.random.default_rng(3)
+    qg, kg = rng.uniform(0.2, 3.0, D).astype(np.float32), rng.uniform(0.2, 3.0, D).astype(np.float32)
+    cos, sin = (t[:, :D // 2].copy() for t in model.rope.cos_sin(np.arange(T)))
+    head = np.array([T, n, inter, block.shape[0], rot_block.shape[0], H, K, D], np.int64).tobytes()
+    arrays = [x, gu, rs, gs, block, rot_block, rot_scale, qkv, qg, kg, cos, sin, o, os_]
+    (tmp_path / "in.bin").write_bytes(head + np.float32(eps).tobytes() + b"".join(
+        np.ascontiguousarray(v).tobytes() for v in arrays))
+    run = subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe), str(tmp_path / "in.bin"),
+                          str(tmp_path / "out.bin")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "aarch64 ok", run.stdout + run.stderr
+    outs = [np.zeros((T, a.q_dim), np.float32), np.zeros((T, a.kv_dim), np.float32),
+            np.zeros((T, a.kv_dim), np.float32)]
+    q, k, v = qkv[:, :a.q_dim], qkv[:, a.q_dim:a.q_dim + a.kv_dim], qkv[:, a.q_dim + a.kv_dim:]
+    c.qk_rope(q, k, v, H, K, (qg, kg), eps, cos, sin, np.float32(0.125), *outs)
+    want = [*c.norm_quant(x, eps), *c.swiglu_quant(gu, rs, gs, inter, block),
+            c.rotate(x, orthogonal(n), (rot_block, rot_scale)), *outs,
+            *c.dequant_add_norm_quant(o, rs, os_, x, eps)]
+    assert (tmp_path / "out.bin").read_bytes() == b"".join(w.tobytes() for w in want)
