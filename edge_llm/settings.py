@@ -40,7 +40,8 @@ MM_RUNNERS = ("host", "librknnrt")  # the ones of an `edge-llm convert npu-mm` d
 # `edge-llm convert npu-mm`'s choices and defaults (convert/mm8.py; measured in docs/npu.md, "The matmul path")
 MM_ROTATIONS = ("none", "hadamard")
 MM_CLIPS = ("none", "mse")
-MM_ROTATION, MM_DOWN_ROTATION, MM_CLIP, MM_GPTQ_TOKENS = "hadamard", "hadamard", "none", 2048
+MM_ROTATION, MM_DOWN_ROTATION, MM_CLIP, MM_GPTQ_TOKENS = "hadamard", "hadamard", "mse", 2048
+MM_VO_ROTATION = "hadamard"
 LIBRKNNRT_ENV = "EDGE_LLM_LIBRKNNRT"  # the NPU matmul engine's library file (docs/npu.md, "The matmul API binding")
 LIBRKNNRT_NAME = "librknnrt.so"  # without it: found by the dynamic loader
 RESTORE_MODES = ("pipelined", "sequential", "split")  # how a disk prefix is restored (docs/store.md)

@@ -71,6 +71,7 @@ class MmManifest:
     clip: str  # per-channel weight scale: none (absmax) | mse (MSE-optimal clip per channel)
     gptq_tokens: int  # GPTQ on this many calibration tokens (convert/gptq.py); 0: round to nearest
     weights_sha256: str  # of weights.npz
+    vo_rotation: str = "none"  # attention values per head times a Hadamard matrix, folded into W_v and W_o
     format: str = FORMAT
     dtype: str = "w8a8"
     scales: str = "activation per row (run time), weight per output channel"

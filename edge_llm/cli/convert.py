@@ -11,7 +11,8 @@ import click
 from edge_llm.cli.bench.common import int_list
 from edge_llm.convert.calibration_text import CALIB_TOKENS
 from edge_llm.logsetup import setup_cli_logging
-from edge_llm.settings import MM_CLIP, MM_CLIPS, MM_DOWN_ROTATION, MM_GPTQ_TOKENS, MM_ROTATION, MM_ROTATIONS
+from edge_llm.settings import (MM_CLIP, MM_CLIPS, MM_DOWN_ROTATION, MM_GPTQ_TOKENS, MM_ROTATION, MM_ROTATIONS,
+                               MM_VO_ROTATION)
 
 
 def _importable(name: str) -> bool:
@@ -172,13 +173,16 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
               help="The residual stream in a randomized Hadamard basis folded into the weights.")
 @click.option("--down-rotation", type=click.Choice(MM_ROTATIONS), default=MM_DOWN_ROTATION,
               show_default=True, help="An online Hadamard of down_proj's input (on the CPU), its transpose in W_down.")
+@click.option("--vo-rotation", type=click.Choice(MM_ROTATIONS), default=MM_VO_ROTATION, show_default=True,
+              help="Attention values per head times a Hadamard matrix folded into W_v, its transpose into W_o "
+                   "(o_proj's input spread; no run-time cost).")
 @click.option("--clip", type=click.Choice(MM_CLIPS), default=MM_CLIP, show_default=True,
               help="Per-channel weight scale: the absmax (none) or the MSE-optimal clip of it (mse).")
 @click.option("--gptq-tokens", type=click.IntRange(0), default=MM_GPTQ_TOKENS, show_default=True,
               help="GPTQ error compensation on this many tokens of the built-in calibration text (0: round "
                    "to nearest; the F32 model runs on them first).")
 @click.option("-v", "--verbose", is_flag=True)
-def npu_mm_cmd(model_dir, out_dir, rotation, down_rotation, clip, gptq_tokens, verbose) -> None:
+def npu_mm_cmd(model_dir, out_dir, rotation, down_rotation, vo_rotation, clip, gptq_tokens, verbose) -> None:
     """Quantize MODEL_DIR (an HF model directory, or 'default') for the NPU's int8 matmul API:
     per-channel int8 weights, their scales and rotations in OUT_DIR/weights.npz and
     OUT_DIR/manifest.json, with numpy alone (no rknn-toolkit2; runs on the board too). Serve with
@@ -190,7 +194,7 @@ def npu_mm_cmd(model_dir, out_dir, rotation, down_rotation, clip, gptq_tokens, v
     setup_cli_logging(logging.INFO if verbose else logging.WARNING)
     try:
         model_dir = str(resolve_model_with_bar(model_dir))
-        m = convert_mm8(model_dir, out_dir, rotation, down_rotation, clip, gptq_tokens)
+        m = convert_mm8(model_dir, out_dir, rotation, down_rotation, clip, gptq_tokens, vo_rotation)
     except EdgeLLMError as e:
         raise click.ClickException(str(e)) from None
     b = m.build

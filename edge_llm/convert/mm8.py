@@ -1,7 +1,8 @@
 """`edge-llm convert npu-mm`: int8 weights for the matmul path, numpy only (docs/npu.md, "The matmul path").
 
-No rknn-toolkit2 and no calibration text: per-channel symmetric int8 weights (`int8mm.quantize_weight`)
-of the fused linears (q/k/v, o, gate/up, down, head), their scales, and the rotations folded in:
+No rknn-toolkit2: per-channel symmetric int8 weights (`int8mm.quantize_weight`, rounded by GPTQ on
+the built-in calibration text: `convert/gptq.py`) of the fused linears (q/k/v, o, gate/up, down,
+head), their scales, and the rotations folded in:
 
 - `rotation="hadamard"`: the residual stream in the basis x R, R the randomized Hadamard matrix of
   `convert/w8a8.py` (QuaRot): R^T and the norm gain fold into the weights that read a normalized
@@ -10,6 +11,10 @@ of the fused linears (q/k/v, o, gate/up, down, head), their scales, and the rota
 - `down_rotation="hadamard"`: down_proj's input (SwiGLU's output) times a Hadamard matrix H on
   the CPU at run time (`mm8_ops.fwht`: Sylvester butterflies times a small Paley block), H^T folded
   into W_down: its outlier channels are spread before the row's int8 scale is taken.
+- `vo_rotation="hadamard"`: each attention head's value columns times an orthonormal Hadamard
+  matrix G (W_v G, b_v G) and W_o's rows of every query head times G^T: attention is linear in
+  the values, so each head's output comes out times G and o's input row is spread before its
+  int8 scale is taken, at no run-time cost (the cache holds the rotated values).
 - `clip="mse"`: each output channel's scale from the clip ratio of its absmax (0.80 .. 1.00) with
   the least squared weight error, instead of the absmax itself.
 
@@ -37,7 +42,8 @@ from edge_llm.config import ModelArgs
 from edge_llm.convert.gptq import calibration_ids, capture, gptq
 from edge_llm.convert.hadamard import dense_hadamard, hadamard, orthogonal, orthogonal_factors
 from edge_llm.errors import ConfigError
-from edge_llm.settings import MM_CLIP, MM_CLIPS, MM_DOWN_ROTATION, MM_GPTQ_TOKENS, MM_ROTATION, MM_ROTATIONS
+from edge_llm.settings import (MM_CLIP, MM_CLIPS, MM_DOWN_ROTATION, MM_GPTQ_TOKENS, MM_ROTATION, MM_ROTATIONS,
+                               MM_VO_ROTATION)
 from edge_llm.weights import load_weights, sha256_file, weight_digest
 
 log = logging.getLogger(__name__)
@@ -59,14 +65,28 @@ def mse_clip(w: np.ndarray) -> np.ndarray:
     return pick
 
 
-def down_block(n: int) -> np.ndarray:
+def down_block(n: int, what: str = "down_proj's input", option: str = "--down-rotation") -> np.ndarray:
     """The normalized small factor of the online Hadamard over n columns: n = m * 2^k with the
     smallest m that has a Hadamard matrix here (1 for a power of two, else a Paley order)."""
     for k in range(n.bit_length() - 1, -1, -1):
         m = n >> k
         if m << k == n and (h := hadamard(m)) is not None:
             return (h / np.sqrt(m)).astype(np.float32)
-    raise ConfigError(f"no Hadamard construction for down_proj's input width {n}: use --down-rotation none")
+    raise ConfigError(f"no Hadamard construction for {what} width {n}: use {option} none")
+
+
+def rotate_values(args: ModelArgs, g: np.ndarray, w_qkv: np.ndarray, b_qkv: np.ndarray | None,
+                  w_o: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """The V/O rotation (module docstring): W_qkv's value columns and b_v per KV head times g
+    (head_dim, head_dim), W_o's rows per query head times g^T."""
+    hd, a, K = args.head_dim, args.q_dim + args.kv_dim, w_qkv.shape[0]
+    w = np.array(w_qkv, np.float32)
+    w[:, a:] = (w[:, a:].reshape(K, -1, hd) @ g).reshape(K, -1)
+    b = None if b_qkv is None else np.array(b_qkv, np.float32)
+    if b is not None:
+        b[a:] = (b[a:].reshape(-1, hd) @ g).reshape(-1)
+    o = (g.T @ np.asarray(w_o, np.float32).reshape(-1, hd, w_o.shape[1])).reshape(w_o.shape)
+    return w, b, o
 
 
 def _check_dims(args: ModelArgs) -> None:
@@ -78,12 +98,12 @@ def _check_dims(args: ModelArgs) -> None:
 
 def convert_mm8(model_dir: str | Path, out_dir: str | Path, rotation: str = MM_ROTATION,
                 down_rotation: str = MM_DOWN_ROTATION, clip: str = MM_CLIP,
-                gptq_tokens: int = MM_GPTQ_TOKENS,
+                gptq_tokens: int = MM_GPTQ_TOKENS, vo_rotation: str = MM_VO_ROTATION,
                 progress: Callable[[int, int], None] | None = None) -> MmManifest:
     """Quantize MODEL_DIR's decoder into OUT_DIR (see the module docstring); the manifest.
     `gptq_tokens`: GPTQ on that many calibration tokens (`convert/gptq.py`); 0: round to nearest."""
-    if rotation not in MM_ROTATIONS or down_rotation not in MM_ROTATIONS or clip not in MM_CLIPS:
-        raise ConfigError(f"rotation and down_rotation: one of {MM_ROTATIONS}; clip: one of {MM_CLIPS}")
+    if {rotation, down_rotation, vo_rotation} - set(MM_ROTATIONS) or clip not in MM_CLIPS:
+        raise ConfigError(f"rotation, down_rotation, vo_rotation: one of {MM_ROTATIONS}; clip: one of {MM_CLIPS}")
     t0 = time.perf_counter()
     root = Path(out_dir)
     if (root / MANIFEST).exists() and read_doc(root / MANIFEST).get("format") != MmManifest.format:
@@ -98,6 +118,9 @@ def convert_mm8(model_dir: str | Path, out_dir: str | Path, rotation: str = MM_R
     r = orthogonal(args.hidden_size) if rotation == "hadamard" else None
     block = down_block(args.intermediate_size) if down_rotation == "hadamard" else None
     h_down = dense_hadamard(block, args.intermediate_size).astype(np.float32) if block is not None else None
+    g = None  # the V/O rotation's matrix: Sylvester's for a power of two, as the online Hadamard's
+    if vo_rotation == "hadamard":
+        g = dense_hadamard(down_block(args.head_dim, "head_dim", "--vo-rotation"), args.head_dim).astype(np.float32)
     out: dict[str, np.ndarray] = {}
 
     def quantize(w: np.ndarray, x: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -122,10 +145,14 @@ def convert_mm8(model_dir: str | Path, out_dir: str | Path, rotation: str = MM_R
     p = args.weight_prefix
     for i in range(n):
         L = load_layer(args, weights, i)
-        put(f"layer.{i}.qkv", reads(L.w_qkv, L.in_norm), rows(i, "qkv", r))
-        if L.b_qkv is not None:
-            out[f"layer.{i}.qkv.b"] = L.b_qkv.astype(np.float32)
-        put(f"layer.{i}.o", writes(L.w_o), rows(i, "o"))
+        w_qkv, b_qkv, w_o, x_o = L.w_qkv, L.b_qkv, L.w_o, rows(i, "o")
+        if g is not None:
+            w_qkv, b_qkv, w_o = rotate_values(args, g, w_qkv, b_qkv, w_o)
+            x_o = None if x_o is None else (x_o.reshape(len(x_o), -1, args.head_dim) @ g).reshape(x_o.shape)
+        put(f"layer.{i}.qkv", reads(w_qkv, L.in_norm), rows(i, "qkv", r))
+        if b_qkv is not None:
+            out[f"layer.{i}.qkv.b"] = b_qkv.astype(np.float32)
+        put(f"layer.{i}.o", writes(w_o), x_o)
         put(f"layer.{i}.gu", reads(L.w_gu, L.post_norm), rows(i, "gu", r))
         down = L.w_down if h_down is None else h_down.T @ L.w_down
         put(f"layer.{i}.down", writes(down), rows(i, "down", h_down))
@@ -162,6 +189,7 @@ def convert_mm8(model_dir: str | Path, out_dir: str | Path, rotation: str = MM_R
                           "weights_sha256": weight_digest(model_dir),
                           "config": json.loads(json.dumps(args.identity_fields()))},
                    layers=n, rotation=rotation, down_rotation=down_rotation, clip=clip, gptq_tokens=gptq_tokens,
+                   vo_rotation=vo_rotation,
                    weights_sha256=sha256_file(root / WEIGHTS))
     m.build = {"seconds": round(time.perf_counter() - t0, 2), "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                "bytes": (root / WEIGHTS).stat().st_size}
