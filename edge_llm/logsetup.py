@@ -41,6 +41,11 @@ class ReopenableFileHandler(logging.StreamHandler):
         self._reopen = True
 
     def emit(self, record: logging.LogRecord) -> None:
+        if self.stream is None or self.stream.closed:
+            # closed by logging.shutdown() at exit while a daemon thread still logs (the model
+            # loader, when the server exits early: its port taken). The record has no file left;
+            # logging's "--- Logging error ---" traceback on stderr would bury why the server exited.
+            return
         if self._reopen:
             self.acquire()
             try:

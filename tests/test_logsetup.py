@@ -103,3 +103,39 @@ def test_failed_start_logs_the_reason_and_exits_1(tmp_path):
     text = log_file.read_text()
     assert len(BANNER.findall(text)) == 1
     assert re.search(r"=== edge-llm exit pid=\d+ reason=model load failed: ConfigError: .*no-such-model.* code=1", text)
+
+
+LATE_RECORD = """
+import logging, sys, threading
+from edge_llm.logsetup import setup_logging
+
+setup_logging(sys.argv[1])
+go = threading.Event()
+
+def loader():  # the server's model loader: a daemon thread that logs while the process exits
+    go.wait()
+    logging.getLogger("edge_llm.footprint").info("memory: estimated 1.02 GiB")
+
+t = threading.Thread(target=loader, daemon=True)
+t.start()
+logging.getLogger("edge_llm.server").error("[Errno 98] address already in use")
+logging.shutdown()  # what the interpreter's exit does (atexit) before daemon threads stop
+go.set()
+t.join()
+"""
+
+
+def test_a_record_after_shutdown_is_dropped_without_a_traceback(tmp_path):
+    """A server that cannot bind its port exits while its loader thread still logs: the file
+    handler is closed by then. The late record is dropped; no "--- Logging error ---" traceback
+    on stderr buries the reason the server exited (tools/test-recovery.sh shows stderr's tail)."""
+    import subprocess
+    import sys
+
+    log_file = tmp_path / "edge-llm.log"
+    r = subprocess.run([sys.executable, "-c", LATE_RECORD, str(log_file)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "Logging error" not in r.stderr and "closed file" not in r.stderr, r.stderr
+    assert "address already in use" in r.stderr and "address already in use" in log_file.read_text()
+    assert "memory: estimated" not in log_file.read_text()
