@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 from serverutil import ServerProc
 
-from edge_llm.backends.mm8 import MmBackend, MmManifest, fwht
+from edge_llm.backends.mm8 import MmBackend, MmManifest
+from edge_llm.backends.mm8_ops import fwht
 from edge_llm.convert.hadamard import dense_hadamard
 from edge_llm.errors import ConfigError
 

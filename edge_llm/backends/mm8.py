@@ -38,7 +38,6 @@ from edge_llm.backends import QKVArrays, RowStep, attn_kernel, mm8_ops, mm8_step
 from edge_llm.backends.cpu import numpy_kernels
 from edge_llm.backends.graphs import ForwardCost
 from edge_llm.backends.int8mm import Int8Matmul
-from edge_llm.backends.mm8_ops import fwht  # noqa: F401 (its home before mm8_ops: tests import it here)
 from edge_llm.config import ModelArgs
 from edge_llm.errors import ConfigError
 from edge_llm.files import write_atomic
@@ -197,6 +196,8 @@ class MmBackend:
             raise ConfigError(f"{path}: unreadable ({e}): re-run `edge-llm convert npu-mm`") from None
         if self.rotation is not None and len(factors) == 2:
             self.rotation_factors = (factors["rotation_block"], factors["rotation_scale"])
+            if self.ops.uses_factors:  # derivable from the factors: not kept (16 MB for the 2B)
+                self.rotation = None
 
     def _names(self) -> list[str]:
         return [f"layer.{i}.{k}" for i in range(self.m.layers) for k in ("qkv", "o", "gu", "down")] + ["head"]
@@ -206,7 +207,7 @@ class MmBackend:
         return self.residual(self.table[tokens].astype(np.float32, copy=False))
 
     def residual(self, rows: np.ndarray) -> np.ndarray:
-        if self.rotation is None:
+        if self.rotation is None and self.rotation_factors is None:
             return rows
         return self.ops.rotate(rows, self.rotation, self.rotation_factors)
 

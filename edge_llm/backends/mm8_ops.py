@@ -35,6 +35,7 @@ class RowOps(Protocol):
     products; rs (T,) the row scales the rows were quantized with; cs (N,) the weight's channel scales."""
 
     tag: str  # "" (numpy: the numerics as before) or what the backend's numerics append
+    uses_factors: bool  # `rotate` applies the rotation's factors when given (the dense matrix is then not needed)
 
     def norm_quant(self, x: np.ndarray, eps: np.float32) -> Quantized:
         """RMSNorm with unit gain (the gains are folded into the weights), then quantize_rows."""
@@ -56,8 +57,9 @@ class RowOps(Protocol):
                      block: np.ndarray | None) -> Quantized:
         """quantize_rows(fwht(swiglu(dequant(c)), block)) (no fwht for block None)."""
 
-    def rotate(self, x: np.ndarray, dense: np.ndarray, factors: Factors | None) -> np.ndarray:
-        """x @ R, R the residual rotation (dense (n, n); its factors if the converter wrote them)."""
+    def rotate(self, x: np.ndarray, dense: np.ndarray | None, factors: Factors | None) -> np.ndarray:
+        """x @ R, R the residual rotation (dense (n, n); its factors if the converter wrote them;
+        dense may be None when `uses_factors` and factors are given)."""
 
 
 def fwht(x: np.ndarray, block: np.ndarray) -> np.ndarray:
@@ -95,6 +97,7 @@ class NumpyOps:
     """The reference: numpy float32 operations (the numerics the matmul path had before the C ops)."""
 
     tag = ""
+    uses_factors = False
 
     def norm_quant(self, x: np.ndarray, eps: np.float32) -> Quantized:
         return quantize_rows(rms_norm(x, np.float32(1.0), eps))
@@ -121,7 +124,8 @@ class NumpyOps:
         act = swiglu(dequantize(c, rs, cs), inter)
         return quantize_rows(act if block is None else fwht(act, block))
 
-    def rotate(self, x: np.ndarray, dense: np.ndarray, factors: Factors | None) -> np.ndarray:
+    def rotate(self, x: np.ndarray, dense: np.ndarray | None, factors: Factors | None) -> np.ndarray:
+        assert dense is not None, "the numpy reference multiplies by the dense matrix"
         return rows_matmul(x, dense)
 
 
@@ -143,6 +147,7 @@ class COps:
     """`_mm8ops.c` through ctypes (its bit rules are in the C file's header)."""
 
     tag = "ops-c1"  # the C ops' formulas and orders: a change of their bits changes this
+    uses_factors = True
 
     def __init__(self, lib: ctypes.CDLL):
         P, I64, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -223,7 +228,7 @@ class COps:
         self.lib.edge_mm8_swiglu_quant(_p(c), _p(rs), _p(cs), T, inter, _p(b), m, _p(q), _p(s), _p(work))
         return q, s
 
-    def rotate(self, x: np.ndarray, dense: np.ndarray, factors: Factors | None) -> np.ndarray:
+    def rotate(self, x: np.ndarray, dense: np.ndarray | None, factors: Factors | None) -> np.ndarray:
         if factors is None:  # a conversion without them (older, or a QR rotation): the dense product
             return rows_matmul(x, dense)
         block, scale = factors
@@ -235,7 +240,6 @@ class COps:
         y, work = np.empty((T, n), np.float32), np.empty(n, np.float32)
         self.lib.edge_mm8_rotate(_p(x), T, n, _p(_f32(block)), m, _p(_f32(scale)), _p(y), _p(work))
         return y
-
 
     def qk_rope(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, heads: int, kv_heads: int,
                 gains: tuple[np.ndarray, np.ndarray] | None, eps: np.float32, cos: np.ndarray, sin: np.ndarray,
