@@ -84,7 +84,7 @@ def test_matmul_path_through_the_fake_library(default_mm, fake_librknnrt, tmp_pa
 
 @pytest.mark.timeout(600)
 def test_predict_only_prints_the_prediction(tiny_synth_dir, edge_home, tmp_path):
-    """`--predict-only` on any machine: the CPU work measured here on a conversion, scaled to
+    """`--predict-only` on any machine: the CPU work measured here on a conversion, run at
     --npu-layers, the drafting rows of bench decode's answers (default model, cpu backend)."""
     from edge_llm.bench.npu_predict import Plan, Rates
     from edge_llm.config import ModelArgs
@@ -100,7 +100,8 @@ def test_predict_only_prints_the_prediction(tiny_synth_dir, edge_home, tmp_path)
     res = json.loads(next((tmp_path / "res").glob("*-bench-npu/npu.json")).read_text())
     args = ModelArgs.from_dir(tiny_synth_dir)
     plan = Plan.of(ModelArgs(**{**args.__dict__, "num_hidden_layers": 28}))
-    assert res["layers"] == 28 and res["weight_bytes"] == plan.weight_bytes and res["cpu"]["layers_measured"] == 2
+    assert res["layers"] == 28 and res["weight_bytes"] == plan.weight_bytes and res["cpu"]["layers_converted"] == 2
+    assert res["cpu"]["layers"] == 28 and res["cpu"]["recorded"] is True
     for d in res["decode"]:
         assert d["npu_ms"] == pytest.approx(plan.npu_ms(1, Rates()), rel=1e-9) and d["cpu_ms"] > 0
     assert [f["family"] for f in res["drafting"]] == ["recall", "code"]

@@ -106,3 +106,62 @@ def test_timed_matmul_counts_only_the_engine():
         t.run("missing", a)
     assert t.calls == 1  # a failing call is timed and counted too
     t.close()
+
+
+def test_recorded_products_read_no_weights_after_the_first_call():
+    """npu_cpu.RecordedMatmul: the inner engine's exact product on a weight's first call for a row
+    count, then that array again without the inner engine (the timed forwards read no weights),
+    read-only, and a layer past the conversion computed with layer L % converted's weight."""
+    from edge_llm.bench.npu_cpu import RecordedMatmul
+
+    class Counting(HostInt8Matmul):
+        calls: list[str] = []
+
+        def run(self, name, a):
+            self.calls.append(name)
+            return super().run(name, a)
+
+    rng = np.random.default_rng(1)
+    inner = Counting()
+    rec = RecordedMatmul(inner, layers=2)
+    ws = {f"layer.{i}.o": rng.integers(-127, 128, (64, 32), dtype=np.int8) for i in range(2)}
+    for name, w in ws.items():
+        rec.add(name, w)
+    a = rng.integers(-127, 128, (1, 64), dtype=np.int8)
+    first = rec.run("layer.1.o", a)
+    assert np.array_equal(first, a.astype(np.int64) @ ws["layer.1.o"].astype(np.int64))
+    assert rec.run("layer.1.o", a) is first and inner.calls == ["layer.1.o"]  # replayed, not recomputed
+    deep = rec.run("layer.5.o", a)  # layer 5 of a 2-layer conversion: layer 1's weight, its own array
+    assert inner.calls == ["layer.1.o", "layer.1.o"] and deep is not first and np.array_equal(deep, first)
+    assert rec.run("layer.1.o", rng.integers(-127, 128, (3, 64), dtype=np.int8)).shape == (3, 32)  # per row count
+    with pytest.raises(ValueError):
+        first[0, 0] = 1  # an op writing into its input would change every later forward
+    assert rec.aliased("head") == "head" and rec.aliased("layer.4.gu") == "layer.0.gu"
+
+
+def test_a_deepened_model_runs_every_layer_with_its_own_data(tiny_synth_dir, tmp_path):
+    """npu_cpu.deepened: a 2-layer conversion timed as a 5-layer model: the cache, the row step and
+    the per-layer loop run 5 layers, each layer's scales and q/k norm gains its own arrays (the
+    CPU side's working set of the deeper model); and deepening needs recorded products."""
+    from edge_llm.backends.mm8 import MmBackend, MmManifest
+    from edge_llm.bench.npu_cpu import RecordedMatmul, deepened, measure
+    from edge_llm.convert.mm8 import convert_mm8
+    from edge_llm.models.qwen3 import Model
+
+    mm = tmp_path / "mm"
+    convert_mm8(tiny_synth_dir, mm, gptq_tokens=0)
+    be = MmBackend(mm, MmManifest.read(mm), RecordedMatmul(HostInt8Matmul(), 2))
+    model = deepened(Model.load(tiny_synth_dir, backend=be), be, 5)
+    try:
+        assert model.args.num_hidden_layers == 5 and be.row_step is not None and len(be.row_step.q_norms) == 5
+        assert not np.shares_memory(be.scales["layer.4.gu"], be.scales["layer.0.gu"])
+        assert np.array_equal(be.scales["layer.4.gu"], be.scales["layer.0.gu"])
+        cache = model.new_cache(64, check_memory=False)
+        model.forward(list(range(1, 9)), cache)  # the per-layer loop
+        logits = model.forward([9], cache, all_logits=True, decode=True)  # the row step
+        assert cache.length == 9 and np.isfinite(logits).all()
+        assert all(np.any(cache.valid(layer, 9)[0] != 0) for layer in range(5))
+    finally:
+        model.close()
+    with pytest.raises(ValueError, match="needs the recorded products"):
+        measure(tiny_synth_dir, mm, HostInt8Matmul(), layers=5)

@@ -5,11 +5,13 @@
 to one thread: a shared machine's load does not count, and no thread split flatters it); a
 forward's time minus the time inside the engine's `run` is the CPU's share (quantize rows,
 dequantize, norms, SwiGLU, RoPE, attention, the rotation of new rows, the online Hadamard if
-converted with it, Python). `cpu_parts` times the larger of those ops one by one. The decoder layers' share is
-timed apart (from a layer's `qkv` to the end of its `post`) and scaled to the predicted layer
-count; the rest (embedding, head, sampling's logits) is counted once. The KV rows of a long
-context are written directly (attention's cost depends on the row count, not the values), so
-8K needs no 8K prefill.
+converted with it, writing the KV rows, Python). `cpu_parts` times the larger of those ops one by
+one. On a host the products are recorded once and replayed (`RecordedMatmul`): the host
+emulation's float32 weight stream would evict the CPU side's data from the caches, which an
+NPU does not. A prediction for more layers than were converted runs the converted ones again
+(`deepened`), each layer with its own scales, products and KV rows, so the whole model's CPU-side
+working set is what the caches hold. The KV rows of a long context are written directly
+(attention's cost depends on the row count, not the values), so 8K needs no 8K prefill.
 
 `replay_families` gives the drafting rows of `bench decode`'s recall and code answers on the
 default model's CPU backend under the matmul path's own cost profile.
@@ -27,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from edge_llm.backends import QKVArrays
+from edge_llm.backends import mm8_step
 from edge_llm.backends.cpu import numpy_kernels
 from edge_llm.backends.int8mm import HostInt8Matmul, Int8Matmul
 from edge_llm.backends.mm8 import MmBackend, MmManifest
@@ -41,38 +43,63 @@ VERIFY_ROWS = (2, 4, 8)  # a verify forward: 1 + the draft (draft_max 8: docs/sp
 PROMPT_ROWS = (32, 128)
 
 
-class TimedMmBackend(MmBackend):
-    """MmBackend that adds up the wall time of its decoder layers (qkv of a layer to the end of
-    its post, attention included) and of its logits."""
+class RecordedMatmul:
+    """An `Int8Matmul` for timing the CPU side on a host: each weight's product for a row count is
+    computed once by `inner` (the host emulation) on the first call and returned as recorded
+    afterwards (read-only), so the timed forwards read no weights on this CPU. On a board the NPU
+    streams the weights and the CPU's caches keep the CPU side's own data; the host emulation
+    instead streams 4 bytes per weight through them, which evicts everything the per-row ops and
+    attention read (it tripled the 2B's figure at 128 rows of context: docs/npu.md, "Prediction").
+    Each weight name keeps its own recorded array, as each NPU context has its own C buffer.
 
-    def __init__(self, root: str | Path, manifest: MmManifest, engine: TimedMatmul):
-        super().__init__(root, manifest, engine)
-        self.timed = engine
-        self.layer_s = self.head_s = 0.0
-        self.layer_engine_s = self.head_engine_s = 0.0
-        self._start = (0.0, 0.0)
+    `layers`: the converted layer count; a weight of layer L >= layers is computed with layer
+    L % layers' weight (`aliased`), so a model of more layers than were converted has its own
+    products, scales and KV rows per layer: the CPU side's real working set."""
 
-    def qkv(self, layer: int, x: np.ndarray) -> QKVArrays:
-        self._start = (CLOCK(), self.timed.seconds)
-        return super().qkv(layer, x)
+    def __init__(self, inner: Int8Matmul, layers: int):
+        self.inner, self.layers = inner, layers
+        self.numerics = inner.numerics
+        self.recorded: dict[tuple[str, int], np.ndarray] = {}
 
-    def post(self, layer: int, attn: np.ndarray, x: np.ndarray,
-             fuse_next: bool = True) -> tuple[np.ndarray, QKVArrays | None]:
-        out = super().post(layer, attn, x, fuse_next)
-        self.layer_s += CLOCK() - self._start[0]
-        self.layer_engine_s += self.timed.seconds - self._start[1]
+    def add(self, name: str, w: np.ndarray) -> None:
+        self.inner.add(name, w)
+
+    def aliased(self, name: str) -> str:
+        kind, _, rest = name.partition(".")
+        if kind != "layer":
+            return name
+        layer, _, what = rest.partition(".")
+        return f"layer.{int(layer) % self.layers}.{what}"
+
+    def run(self, name: str, a: np.ndarray) -> np.ndarray:
+        key = (name, a.shape[0])
+        out = self.recorded.get(key)
+        if out is None:
+            out = self.inner.run(self.aliased(name), a).copy()
+            out.flags.writeable = False  # an op that wrote into its input would change the next forward
+            self.recorded[key] = out
         return out
 
-    def logits(self, x: np.ndarray) -> np.ndarray:
-        t, e = CLOCK(), self.timed.seconds
-        out = super().logits(x)
-        self.head_s += CLOCK() - t
-        self.head_engine_s += self.timed.seconds - e
-        return out
+    def close(self) -> None:
+        self.inner.close()
 
-    def reset_times(self) -> None:
-        self.layer_s = self.head_s = self.layer_engine_s = self.head_engine_s = 0.0
-        self.timed.reset()
+
+def deepened(model: Model, be: MmBackend, layers: int) -> Model:
+    """`model` (over `be`, a conversion of fewer layers) as a model of `layers` layers: layer L
+    runs layer L % converted's weights (its engine a `RecordedMatmul`) with its own copies of the
+    scales, biases and q/k norm gains, and the row step rebuilt for that depth. For timing only."""
+    conv = model.args.num_hidden_layers
+    args = ModelArgs(**{**model.args.__dict__, "num_hidden_layers": layers})
+    for L in range(conv, layers):
+        for kind in ("qkv", "o", "gu", "down"):
+            be.scales[f"layer.{L}.{kind}"] = be.scales[f"layer.{L % conv}.{kind}"].copy()
+        if L % conv in be.bias:
+            be.bias[L] = be.bias[L % conv].copy()
+    q_norms = [model.q_norms[L % conv].copy() for L in range(layers)] if args.qk_norm else []
+    k_norms = [model.k_norms[L % conv].copy() for L in range(layers)] if args.qk_norm else []
+    if be.row_step is not None:
+        be.row_step = mm8_step.MmRowStep(be, args, q_norms, k_norms, be.row_step.max_rows)
+    return Model(args, be, q_norms, k_norms)
 
 
 def cpu_isa() -> str:
@@ -154,34 +181,37 @@ def cpu_parts(be: MmBackend, args: ModelArgs, contexts: Sequence[int], prompt_ro
 
 def measure(model_dir: str | Path, mm_dir: str | Path, engine: Int8Matmul, layers: int | None = None,
             contexts: Sequence[int] = DECODE_CONTEXTS, verify_rows: Sequence[int] = VERIFY_ROWS,
-            prompt_rows: Sequence[int] = PROMPT_ROWS, repeats: int = 3,
+            prompt_rows: Sequence[int] = PROMPT_ROWS, repeats: int = 3, record: bool = False,
             step: Callable[[str], None] = lambda _m: None) -> Measured:
-    """Forwards of MmBackend over `engine`: the CPU ms (its `run` time subtracted, the layers' share
-    scaled from the converted layers to `layers`, default the same; the least of `repeats`) and
-    the wall ms (median)."""
+    """Forwards of MmBackend over `engine` at `layers` layers (default: the converted ones; more
+    runs the converted layers again, `deepened`): the CPU ms (the forward's CPU time minus the
+    time inside the engine's `run`; the least of `repeats`) and the wall ms (median). `record`
+    (a host engine: the products computed on this CPU) times the forwards over a
+    `RecordedMatmul`, so that no weight stream goes through this CPU's caches; deepening needs it."""
     from edge_llm.bench.procstat import proc_status
 
-    timed = TimedMatmul(engine)
-    be = TimedMmBackend(mm_dir, MmManifest.read(mm_dir), timed)
+    converted = MmManifest.read(mm_dir).layers
+    layers = layers or converted
+    if layers != converted and not record:
+        raise ValueError(f"{layers} layers from a conversion of {converted}: needs the recorded products (record=True)")
+    timed = TimedMatmul(RecordedMatmul(engine, converted) if record else engine)
+    be = MmBackend(mm_dir, MmManifest.read(mm_dir), timed)
     model = Model.load(model_dir, backend=be)
-    measured = model.args.num_hidden_layers
-    layers = layers or measured
+    if layers != converted:
+        model = deepened(model, be, layers)
     rng = np.random.default_rng(0)
     extra = max(verify_rows, default=1)
     ids = rng.integers(0, min(model.args.vocab_size, 1000), max([*contexts, *prompt_rows]) + extra + 1)
 
     def one(rows: int, ctx: int, prompt: bool) -> tuple[float, float]:
         cpu, wall = [], []
-        for _ in range(repeats + 1):  # the first one warms up
+        for _ in range(repeats + 1):  # the first one warms up (and records the products)
             cache.truncate(ctx)
-            be.reset_times()
+            timed.reset()
             t, w = CLOCK(), time.perf_counter()
             model.forward(ids[ctx:ctx + rows], cache, all_logits=not prompt, decode=not prompt)
             wall.append((time.perf_counter() - w) * 1e3)
-            total = CLOCK() - t
-            layer_cpu = be.layer_s - be.layer_engine_s
-            rest_cpu = total - be.layer_s - (timed.seconds - be.layer_engine_s)
-            cpu.append((rest_cpu + layer_cpu * layers / measured) * 1e3)
+            cpu.append((CLOCK() - t - timed.seconds) * 1e3)
         # CPU time only grows with interference (cache misses): the least
         return min(cpu[1:]), statistics.median(wall[1:])
 
@@ -203,7 +233,7 @@ def measure(model_dir: str | Path, mm_dir: str | Path, engine: Int8Matmul, layer
             parts = cpu_parts(be, model.args, contexts, max(prompt_rows), max(repeats, 3))
     finally:
         model.close()
-    return Measured(CpuWork(decode, prompt, cpu_isa(), measured, layers), decode_wall, prompt_wall, rss,
+    return Measured(CpuWork(decode, prompt, cpu_isa(), converted, layers, record), decode_wall, prompt_wall, rss,
                     max(contexts), parts)
 
 
@@ -241,11 +271,13 @@ def run_prediction(model_dir: str | Path, mm_dir: str | Path, layers: int | None
     args = ModelArgs.from_dir(model_dir)
     layers = layers or args.num_hidden_layers
     plan = Plan.of(ModelArgs(**{**args.__dict__, "num_hidden_layers": layers}), rates.cores)
-    got = measure(model_dir, mm_dir, engine or HostInt8Matmul(), layers, contexts, repeats=repeats, step=step)
+    got = measure(model_dir, mm_dir, engine or HostInt8Matmul(), layers, contexts, repeats=repeats,
+                  record=engine is None, step=step)
     cpu = got.cpu
     drafting = replay_families(plan, rates, cpu, max_tokens=drafting_tokens, step=step) if drafting_tokens else []
     res = predict(plan, rates, cpu, contexts, drafting=drafting)
-    res["cpu"] = {"isa": cpu.isa, "layers_measured": cpu.layers_measured, "layers": cpu.layers,
+    res["cpu"] = {"isa": cpu.isa, "layers_converted": cpu.layers_converted, "layers": cpu.layers,
+                  "recorded": cpu.recorded,
                   "decode_ms": {f"{r}x{c}": v for (r, c), v in cpu.decode.items()}, "prompt_ms": cpu.prompt,
                   "parts_ms": got.parts}
     return res

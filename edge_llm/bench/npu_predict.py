@@ -162,16 +162,19 @@ class Plan:
 
 @dataclass
 class CpuWork:
-    """CPU ms of one forward (measured on this machine, `npu_cpu.measure`), already scaled from
-    the measured layers to the plan's: `decode[(rows, context)]` for decode rows (one, or a verify
-    forward's, logits of every row), linear in context between and beyond the measured contexts
-    of a row count; `prompt[rows]` for a prompt's forward from row 0 (the last row's logits)."""
+    """CPU ms of one forward (measured on this machine, `npu_cpu.measure`) of a model of `layers`
+    layers (a conversion of `layers_converted` run deeper: `npu_cpu.deepened`): `decode[(rows,
+    context)]` for decode rows (one, or a verify forward's, logits of every row), linear in context
+    between and beyond the measured contexts of a row count; `prompt[rows]` for a prompt's forward
+    from row 0 (the last row's logits). `recorded`: timed over recorded products
+    (`npu_cpu.RecordedMatmul`: no weight stream through this CPU's caches, as on a board)."""
 
     decode: dict[tuple[int, int], float]
     prompt: dict[int, float]
     isa: str
-    layers_measured: int
+    layers_converted: int
     layers: int
+    recorded: bool = False
 
     def __call__(self, rows: int, context: int, prompt: bool = False) -> float:
         if prompt:
@@ -286,7 +289,9 @@ def markdown(res: dict, cpu_isa: str, parts: dict[str, float] | None = None) -> 
              f"- NPU: {r['bw_all_gbs']} GB/s over {r['cores']} cores, {r['bw_core_gbs']} GB/s on one ({SOURCES['bandwidth']}); "
              f"{r['call_us']} us per call ({SOURCES['call']}); {r['macs_per_cycle']} MACs/cycle/core at "
              f"{r['hz'] / 1e9:.1f} GHz ({SOURCES['peak']})",
-             f"- CPU work measured on {cpu_isa}, not scaled to the board's Cortex-A76 cores", "",
+             f"- CPU work measured on {cpu_isa}, not scaled to the board's Cortex-A76 cores"
+             + (f"; {res['cpu']['layers']} layers timed over recorded products (no weight stream through this "
+                "CPU's caches)" if res.get("cpu", {}).get("recorded") else ""), "",
              "| forward | context | NPU ms | CPU ms | ms | predicted tok/s | RKLLM tok/s | vs RKLLM |",
              "|---|---|---|---|---|---|---|---|"]
     for d in res["decode"]:
