@@ -460,8 +460,11 @@ def test_npu_matmul_engine_on_aarch64(board, tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     doc = json.loads(res.stdout.strip().splitlines()[-1])
     bits, dom = doc["bitwise"], doc["domains"]
-    assert bits["checked"] == 5 and bits["mismatches"] == [] and bits["live_after"] == [0, 0], bits
-    assert bits["parts"]["w64x224"] == [[0, 96], [1, 64], [2, 64]] and bits["masks_domains"] == [[1, 1], [2, 1], [4, 1]], bits
+    assert bits["checked"] == 8 and bits["mismatches"] == [] and bits["live_after"] == [0, 0], bits
+    assert bits["parts"]["w64x224"] == [[0, 0, 64, 0, 96], [1, 0, 64, 96, 160], [2, 0, 64, 160, 224]], bits
+    assert bits["parts"]["w128x128"] == [[0, 0, 96, 0, 64], [1, 0, 96, 64, 128], [2, 96, 128, 0, 128]], bits
+    assert bits["parts"]["w192x64"] == [[0, 0, 64, 0, 64], [1, 64, 128, 0, 64], [2, 128, 192, 0, 64]], bits
+    assert bits["masks_domains"] == [[1, 1], [2, 1], [4, 1]], bits
     assert dom["split"] is None and dom["int8_one_domain"] is None, dom
     assert dom["fp16_one_domain"].startswith("rknn_create_mem returned NULL") and dom["live_after"] == [0, 0], dom
 

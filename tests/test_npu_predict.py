@@ -27,8 +27,10 @@ def test_bytes_and_calls_of_the_2b_by_hand():
 
 def test_npu_time_by_hand():
     p, r = Plan.of(ARGS_2B), Rates()
-    # the widest core's columns: N / 32 units shared by 3 cores, rounded up
-    widest = 28 * (2048 * 1376 + 2048 * 704 + 2048 * 4096 + 6144 * 704) + 2048 * 50656
+    # the largest core's part (rknn_mm.split_weight): qkv by N, 43 of 128 blocks of 32 columns; o
+    # mixed, two halves of N over 43 of K's 64 blocks; gate/up by N, a third; down by K, a third;
+    # the head by N, 1583 of 4748 blocks
+    widest = 28 * (2048 * 1376 + 1376 * 1024 + 2048 * 4096 + 2048 * 2048) + 2048 * 50656
     bw_core = 26.6e9 / 3
     decode = (widest / bw_core + 113 * 33e-6) * 1e3
     assert p.npu_ms(1, r) == pytest.approx(decode, rel=1e-12)

@@ -19,7 +19,7 @@ import pytest
 
 from edge_llm.backends import rknn_matmul_api as api
 from edge_llm.backends.int8mm import HostInt8Matmul
-from edge_llm.backends.rknn_mm import M_SHAPES, library_id, open_npu_matmul, shape_for, split_columns
+from edge_llm.backends.rknn_mm import M_SHAPES, library_id, open_npu_matmul, shape_for, split_columns, split_weight
 from edge_llm.errors import ConfigError, RknnMatmulError
 from edge_llm.settings import LIBRKNNRT_ENV
 
@@ -61,14 +61,21 @@ def test_the_fakes_native_layout_is_the_headers(lib, K, N):
 
 
 def test_results_are_the_host_emulations_bitwise(lib):
-    """M = 1, 3, 32, 33, 128, 200 (padded to a dynamic shape, split above 128), N split over the
-    three cores with parts that are not thirds, K up to the 10240 limit, the extremes +-127."""
+    """M = 1, 3, 32, 33, 128, 200 (padded to a dynamic shape, split above 128), weights cut over
+    the three cores by N in parts that are not thirds, by K (partial products summed in int32),
+    by both (two halves of N over part of K, all of N over the rest), K up to the 10240 limit
+    (two native segments), the extremes +-127."""
     res = check.bitwise(lib, cases=((64, 224, (1, 3, 32, 33, 128, 200)), (576, 1536, (1, 33)),
-                                    (10240, 96, (2,)), (8224, 64, (3,))))
-    assert res["checked"] == 10 and res["mismatches"] == [], res
-    assert res["parts"]["w64x224"] == [[0, 96], [1, 64], [2, 64]] and res["parts"]["w8224x64"] == [[0, 32], [1, 32]]
+                                    (10240, 96, (2,)), (8224, 64, (3,)), (2048, 2048, (1, 5)), (128, 128, (2,))))
+    assert res["checked"] == 13 and res["mismatches"] == [], res
+    parts = res["parts"]
+    assert parts["w64x224"] == [[0, 0, 64, 0, 96], [1, 0, 64, 96, 160], [2, 0, 64, 160, 224]]
+    assert parts["w10240x96"] == [[0, 0, 10240, 0, 32], [1, 0, 10240, 32, 64], [2, 0, 10240, 64, 96]]
+    assert parts["w8224x64"] == [[0, 0, 2752, 0, 64], [1, 2752, 5504, 0, 64], [2, 5504, 8224, 0, 64]]  # by K
+    # the 2B's o: 1376 x 1024 tiles on two cores, 672 x 2048 on the third (1376 of 4096 32x32 tiles at most)
+    assert parts["w2048x2048"] == [[0, 0, 1376, 0, 1024], [1, 0, 1376, 1024, 2048], [2, 1376, 2048, 0, 2048]]
     assert res["masks_domains"] == [[1, 1], [2, 1], [4, 1]]  # one core per context, all in domain 1
-    assert res["live_during"] == [3 + 3 + 3 + 2, 3 * 11] and res["live_after"] == [0, 0]
+    assert res["live_during"] == [6 * 3, 3 * 6 * 3] and res["live_after"] == [0, 0]
     assert res["numerics"].startswith("librknnrt-") and res["numerics"].endswith("-cores0,1,2")
 
 
@@ -93,6 +100,18 @@ def test_rows_never_mix_and_the_result_is_the_callers(lib):
 
 
 def test_split_and_shapes():
+    def cut(k, n):
+        return [(b.k0, b.k1, b.n0, b.n1) for b in split_weight(k, n, 3)]
+
+    # Qwen3-VL-2B: qkv, gate/up and the head by N, down by K (thirds exactly), o both ways
+    assert cut(2048, 4096) == [(0, 2048, 0, 1376), (0, 2048, 1376, 2752), (0, 2048, 2752, 4096)]
+    assert cut(2048, 12288) == [(0, 2048, 0, 4096), (0, 2048, 4096, 8192), (0, 2048, 8192, 12288)]
+    assert cut(6144, 2048) == [(0, 2048, 0, 2048), (2048, 4096, 0, 2048), (4096, 6144, 0, 2048)]
+    assert cut(2048, 2048) == [(0, 1376, 0, 1024), (0, 1376, 1024, 2048), (1376, 2048, 0, 2048)]
+    assert max(b.size for b in split_weight(2048, 151936, 3)) == 2048 * 50656
+    assert cut(32, 32) == [(0, 32, 0, 32)]  # one tile: one part
+    # two cores: 64 x 96 by K (32 x 96 each) beats by N (64 x 64 on the first)
+    assert [(b.k0, b.k1, b.n0, b.n1) for b in split_weight(64, 96, 2)] == [(0, 32, 0, 96), (32, 64, 0, 96)]
     assert split_columns(224, 3) == [(0, 96), (96, 160), (160, 224)]
     assert split_columns(64, 3) == [(0, 32), (32, 64)]  # no empty part: two contexts
     assert split_columns(96, 1) == [(0, 96)]

@@ -1,7 +1,8 @@
 """`NpuInt8Matmul`: the `Int8Matmul` engine on the RK3588 NPU through librknnrt's matmul API.
 
-Per weight B (K, N): N split over the NPU cores in parts that are multiples of 32 (one matmul
-context per core: a three-core mask is refused for matmul contexts), each part converted once to
+Per weight B (K, N): cut over the NPU cores in parts that are multiples of 32 (`split_weight`: by
+N, by K with the partial products summed in int32, or both, whichever makes the largest part
+smallest; one matmul context per core: a three-core mask is refused for matmul contexts), each part converted once to
 the native layout (`rknn_B_normal_layout_to_native_layout`) into a buffer of its context,
 `RKNN_INT8_MM_INT8_TO_INT32`, all contexts in one IOMMU domain (the decoder's: 1, leaving
 domain 0 to the vision tower's `.rknn`). M varies per call: each context is created with the
@@ -37,8 +38,8 @@ CORES = (0, 1, 2)  # the RK3588's three NPU cores
 
 
 def split_columns(n: int, parts: int) -> list[tuple[int, int]]:
-    """[n0, n1) column ranges of `n` (a multiple of 32) over at most `parts` cores, each a multiple
-    of 32, as even as 32-column blocks allow (the first ones one block larger); no empty part."""
+    """[n0, n1) ranges of `n` (a multiple of 32) over at most `parts`, each a multiple of 32, as
+    even as 32-wide blocks allow (the first ones one block larger); no empty part."""
     blocks = n // ALIGN
     base, extra = divmod(blocks, parts)
     out, n0 = [], 0
@@ -50,6 +51,39 @@ def split_columns(n: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
+@dataclass(frozen=True)
+class Block:
+    """Rows [k0, k1) of K and columns [n0, n1) of N of a weight: one core's part."""
+
+    k0: int
+    k1: int
+    n0: int
+    n1: int
+
+    @property
+    def size(self) -> int:
+        return (self.k1 - self.k0) * (self.n1 - self.n0)
+
+
+def split_weight(k: int, n: int, parts: int) -> list[Block]:
+    """How a (k, n) weight is cut over `parts` cores. Every core reads its part at its share of the
+    bandwidth, so a linear takes as long as its largest part: of three cuts in 32 x 32 tiles the one
+    with the smallest largest part wins, ties going to the first: N alone (no sum on the CPU), K
+    alone (each core a partial product over its rows of K, summed in int32 on the CPU), or, for
+    three cores, two halves of N over rows [0, k') and all of N over [k', k) on the third. The
+    2B's o (2048 x 2048: 64 x 64 tiles) is 1376 tiles on its largest core mixed, 1408 by N; its
+    down (6144 x 2048) 4096 by K, 4224 by N (docs/npu.md, "The matmul API binding")."""
+    cands = [[Block(0, k, n0, n1) for n0, n1 in split_columns(n, parts)],
+             [Block(k0, k1, 0, n) for k0, k1 in split_columns(k, parts)]]
+    kb = k // ALIGN
+    if parts == 3 and n >= 2 * ALIGN and kb >= 2:
+        (h0, h1), (h2, h3) = split_columns(n, 2)
+        for kc in range(1, kb):
+            k1 = kc * ALIGN
+            cands.append([Block(0, k1, h0, h1), Block(0, k1, h2, h3), Block(k1, k, 0, n)])
+    return min(cands, key=lambda c: max(b.size for b in c))  # min keeps the first of equals
+
+
 def shape_for(rows: int) -> int:
     """The smallest dynamic shape that holds `rows` (<= the largest)."""
     return next(m for m in M_SHAPES if m >= rows)
@@ -57,12 +91,16 @@ def shape_for(rows: int) -> int:
 
 @dataclass
 class _Part:
-    """One context: columns [n0, n1) of a weight on one core."""
+    """One context: rows [k0, k1) of K and columns [n0, n1) of a weight on one core; `adds`: its
+    product is added to columns an earlier part wrote (a cut of K), not written."""
 
     ctx: int
     core: int
+    k0: int
+    k1: int
     n0: int
     n1: int
+    adds: bool
     attrs: list[api.IoAttr] = field(default_factory=list)
     mems: list[ctypes._Pointer] = field(default_factory=list)  # rknn_tensor_mem pointers (A, B, C)
     a: np.ndarray | None = None  # int8 view of the A buffer (largest shape)
@@ -117,27 +155,30 @@ class NpuInt8Matmul:
         check_weight(name, w, self.weights)
         K, N = w.shape
         parts: list[_Part] = []
+        written = np.zeros(N // ALIGN, bool)
         try:
-            for core, (n0, n1) in zip(self.cores, split_columns(N, len(self.cores))):
-                parts.append(self._part(core, n0, n1, w))
+            for core, blk in zip(self.cores, split_weight(K, N, len(self.cores))):
+                adds = bool(written[blk.n0 // ALIGN:blk.n1 // ALIGN].any())
+                written[blk.n0 // ALIGN:blk.n1 // ALIGN] = True
+                parts.append(self._part(core, blk, adds, w))
         except BaseException:
             self._release(parts)
             raise
         self.weights[name], self.k[name], self.n[name] = parts, K, N
 
-    def _part(self, core: int, n0: int, n1: int, w: np.ndarray) -> _Part:
-        K, n = w.shape[0], n1 - n0
+    def _part(self, core: int, blk: Block, adds: bool, w: np.ndarray) -> _Part:
+        K, n = blk.k1 - blk.k0, blk.n1 - blk.n0
         info = api.MatmulInfo(K=K, N=n, type=api.MatmulType.INT8_MM_INT8_TO_INT32, B_layout=api.Layout.NATIVE,
                               AC_layout=api.Layout.NORM, iommu_domain_id=self.domain)
         ctx, attrs = self.lib.create_dynamic_shape(info, [api.Shape(m, K, n) for m in M_SHAPES])
-        part = _Part(ctx, core, n0, n1, attrs)
+        part = _Part(ctx, core, blk.k0, blk.k1, blk.n0, blk.n1, adds, attrs)
         try:
             self.lib.set_core_mask(ctx, api.CORE_MASKS[core])
             big = attrs[-1]
             for size in (big.A.size, big.B.size, big.C.size):
                 part.mems.append(self.lib.create_mem(ctx, size))
             a_mem, b_mem, c_mem = part.mems
-            b = np.ascontiguousarray(w[:, n0:n1])
+            b = np.ascontiguousarray(w[blk.k0:blk.k1, blk.n0:blk.n1])
             self.lib.b_to_native(b.ctypes.data, b_mem.contents.virt_addr, K, n, info)
             self.lib.set_io_mem(ctx, b_mem, big.B)
             part.a = _view(a_mem, np.int8, M_SHAPES[-1] * K)
@@ -152,24 +193,24 @@ class NpuInt8Matmul:
         parts = self.weights.get(name)
         if parts is None:
             raise KeyError(f"int8 matmul weight {name!r} was never added")
-        K = self.k[name]
-        check_rows(name, a, K)
+        check_rows(name, a, self.k[name])
         rows = a.shape[0]
         out = np.empty((rows, self.n[name]), dtype=np.int32)
         step = M_SHAPES[-1]
         for r0 in range(0, rows, step):
-            self._chunk(parts, a[r0:r0 + step], out[r0:r0 + step], K)
+            self._chunk(parts, a[r0:r0 + step], out[r0:r0 + step])
         return out
 
-    def _chunk(self, parts: list[_Part], a: np.ndarray, out: np.ndarray, K: int) -> None:
+    def _chunk(self, parts: list[_Part], a: np.ndarray, out: np.ndarray) -> None:
         m = a.shape[0]
         shape = shape_for(m)
         for p in parts:
             assert p.a is not None
-            p.a[:m * K] = a.reshape(-1)
-            p.a[m * K:shape * K] = 0  # padding rows: zero (they never mix into the real rows)
+            k = p.k1 - p.k0
+            p.a[:m * k].reshape(m, k)[:] = a[:, p.k0:p.k1]
+            p.a[m * k:shape * k] = 0  # padding rows: zero (they never mix into the real rows)
             if p.m != shape:
-                self._set_shape(p, shape, K)
+                self._set_shape(p, shape)
         if self.pool is not None and len(parts) > 1:
             others = [self.pool.submit(self.lib.run, p.ctx) for p in parts[1:]]
             try:
@@ -180,15 +221,19 @@ class NpuInt8Matmul:
         else:
             for p in parts:
                 self.lib.run(p.ctx)
-        for p in parts:
+        for p in parts:  # in order: a part that adds comes after the part that wrote its columns
             assert p.c is not None
             n = p.n1 - p.n0
-            out[:, p.n0:p.n1] = p.c[:m * n].reshape(m, n)
+            c = p.c[:m * n].reshape(m, n)
+            if p.adds:  # exact: |sum| <= 127 * 127 * K < 2**31 (check_weight's K bound)
+                out[:, p.n0:p.n1] += c
+            else:
+                out[:, p.n0:p.n1] = c
 
-    def _set_shape(self, p: _Part, m: int, K: int) -> None:
+    def _set_shape(self, p: _Part, m: int) -> None:
         attrs = p.attrs[M_SHAPES.index(m)]
         p.m = 0  # unusable until both buffers are bound to the new shape
-        self.lib.set_dynamic_shape(p.ctx, api.Shape(m, K, p.n1 - p.n0))
+        self.lib.set_dynamic_shape(p.ctx, api.Shape(m, p.k1 - p.k0, p.n1 - p.n0))
         self.lib.set_io_mem(p.ctx, p.mems[0], attrs.A)
         self.lib.set_io_mem(p.ctx, p.mems[2], attrs.C)
         p.m = m

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edge_llm.backends.int8mm import ALIGN, MAX_K, Int8Matmul
+from edge_llm.backends.rknn_mm import split_weight
 from edge_llm.config import ModelArgs
 from edge_llm.convert.report import NPU_HZ
 
@@ -90,8 +91,8 @@ class Part:
     count: int
     k_parts: int  # K above MAX_K is split into parts, each a call summed on the CPU
     k_part: int  # rows of K per part, padded to ALIGN
-    n: int  # columns, padded to ALIGN, split across the cores in ALIGN units as evenly as they go
-    cores: int  # contexts, one per core
+    n: int  # columns, padded to ALIGN
+    cores: int  # contexts, one per core, each a part of the weight (`rknn_mm.split_weight`)
 
     @property
     def bytes(self) -> int:
@@ -99,9 +100,10 @@ class Part:
         return self.k_parts * self.k_part * self.n
 
     @property
-    def n_core(self) -> int:
-        """The widest core's columns: the core that finishes last."""
-        return math.ceil(self.n // ALIGN / self.cores) * ALIGN
+    def widest(self) -> int:
+        """int8 bytes of the largest core's part of one K part, as the engine cuts the weight
+        (`rknn_mm.split_weight`): the core that finishes last."""
+        return max(b.size for b in split_weight(self.k_part, self.n, self.cores))
 
     @property
     def calls(self) -> int:
@@ -113,7 +115,7 @@ class Part:
     def seconds(self, rows: int, rates: Rates) -> float:
         """The slowest core's time: its share of the bytes at its share of the bandwidth, or its
         multiply-adds at one core's peak rate, whichever is longer."""
-        mine = self.k_parts * self.k_part * self.n_core
+        mine = self.k_parts * self.widest
         bw = rates.bandwidth(self.cores) / self.cores
         return max(mine / bw, rows * mine / (rates.macs_per_cycle * rates.hz))
 

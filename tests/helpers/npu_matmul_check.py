@@ -5,9 +5,9 @@ tests/test_rknn_matmul.py and as a script on the emulated arm64 board by tests/t
     python npu_matmul_check.py --lib PATH/librknnrt.so   # prints one JSON object
 
 bitwise(): `NpuInt8Matmul` results equal `HostInt8Matmul`'s bit for bit (random int8 with the
-extremes +-127, N split over three cores, M padded to a dynamic shape and split above the largest,
-K above 8192 where RK3588's native layout has two segments). domains(): the Qwen3-VL-2B decoder's
-int8 weights as `NpuInt8Matmul` allocates them (same core split, dynamic shapes and io attr sizes;
+extremes +-127, weights cut over three cores by N, by K and both, M padded to a dynamic shape and
+split above the largest, K above 8192 where RK3588's native layout has two segments). domains(): the Qwen3-VL-2B decoder's
+int8 weights as `NpuInt8Matmul` allocates them (same cut over the cores, dynamic shapes and io attr sizes;
 B left unwritten, so nothing is touched) in IOMMU domain 1 beside a vision-tower-sized buffer in
 domain 0; the fp16 graphs' bytes and the tower in one domain are refused (each domain maps 4 GiB).
 """
@@ -22,13 +22,15 @@ import numpy as np
 
 from edge_llm.backends import rknn_matmul_api as api
 from edge_llm.backends.int8mm import HostInt8Matmul
-from edge_llm.backends.rknn_mm import M_SHAPES, open_npu_matmul, split_columns
+from edge_llm.backends.rknn_mm import M_SHAPES, open_npu_matmul, split_weight
 from edge_llm.checkpoints.synth import QWEN3_VL_2B_TEXT
 from edge_llm.config import ModelArgs
 from edge_llm.errors import RknnMatmulError
 
-# (K, N, row counts): N = 224 splits 96 + 64 + 64 over three cores; K = 8224 has two native segments
-SMALL_CASES = ((64, 224, (1, 3, 33, 200)), (8224, 64, (3,)))
+# (K, N, row counts): N = 224 splits 96 + 64 + 64 over three cores; 128 x 128 two halves of N over
+# K's first 96 rows and all of N over the rest; 192 x 64 by K (partial products summed); K = 10240
+# (by N) has two native segments
+SMALL_CASES = ((64, 224, (1, 3, 33, 200)), (128, 128, (1, 3)), (192, 64, (2,)), (10240, 64, (3,)))
 TOWER_BYTES = 850_000_000  # the Qwen3-VL-2B vision tower's fp16 .rknn (docs/vision.md, "NPU memory")
 FP16_GRAPHS_BYTES = 3_490_000_000  # the fp16 decoder's .rknn graphs (docs/npu.md, "Memory budget")
 
@@ -74,7 +76,7 @@ def bitwise(lib_path: str, cases=SMALL_CASES, seed: int = 0) -> dict:
                 checked += 1
                 if got.dtype != np.int32 or not np.array_equal(got, want):
                     mismatches.append([K, N, m])
-        parts = {name: [[p.core, p.n1 - p.n0] for p in ps] for name, ps in npu.weights.items()}
+        parts = {name: [[p.core, p.k0, p.k1, p.n0, p.n1] for p in ps] for name, ps in npu.weights.items()}
         masks = sorted({tuple(context_info(lib_path, p.ctx)) for ps in npu.weights.values() for p in ps})
         during = list(live(lib_path))
     finally:
@@ -113,8 +115,8 @@ class _Held:
 
     def decoder(self, domain: int) -> None:
         for K, N in decoder_shapes():
-            for _, (n0, n1) in zip(range(3), split_columns(N, 3)):
-                ctx, attrs = self.context(K, n1 - n0, domain)
+            for b in split_weight(K, N, 3):
+                ctx, attrs = self.context(b.k1 - b.k0, b.n1 - b.n0, domain)
                 for size in (attrs[-1].A.size, attrs[-1].B.size, attrs[-1].C.size):
                     self.mem(ctx, size)
 
