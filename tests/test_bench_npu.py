@@ -67,7 +67,7 @@ def test_matmul_path_through_the_fake_library(default_mm, fake_librknnrt, tmp_pa
     assert res["path"] == "matmul" and res["npu"] is None
     assert "NO NPU on this machine: the library is a stand-in" in r.stdout
     m = res["micro"]
-    assert m["run_us"] > 0 and m["run3_us"] > 0 and set(m["gbps"]["2048x6144"]) == {"1 core", "3 cores"}
+    assert m["run_us"] > 0 and m["round_us"] > 0 and set(m["gbps"]["2048x6144"]) == {"1 core", "3 cores"}
     assert [d["context"] for d in res["decode"]] == [512, 8192] and all(d["tok_s"] > 0 for d in res["decode"])
     plan = Plan.of(ModelArgs.from_dir(model))
     # the 8K KV cache (30 layers x 2 x 192 floats x 4 B per row) and the int8 weights the fake holds
@@ -75,17 +75,22 @@ def test_matmul_path_through_the_fake_library(default_mm, fake_librknnrt, tmp_pa
     assert [p["rows"] for p in res["prefill"]] == [32, 128] and all(p["tok_s"] > 0 for p in res["prefill"])
     pred = res["predicted"]["decode"][0]
     assert pred["npu_ms"] == pytest.approx(plan.npu_ms(1, Rates()), rel=1e-9)
-    assert pred["ms"] == pytest.approx(pred["npu_ms"] + pred["cpu_ms"]) and pred["cpu_ms"] > 0
+    # the engine's own time per round (a round over the fake minus the fake's run alone) is counted
+    assert m["engine_us"] == pytest.approx(max(m["round_us"] - m["lib_run_us"], 0)) and m["engine_us"] > 0
+    assert pred["engine_ms"] == pytest.approx(plan.rounds * m["engine_us"] / 1e3)
+    assert pred["ms"] == pytest.approx(pred["npu_ms"] + pred["engine_ms"] + pred["cpu_ms"]) and pred["cpu_ms"] > 0
     mes = res["predicted_measured_rates"]["decode"][0]
-    assert mes["cpu_ms"] == pred["cpu_ms"] and mes["npu_ms"] != pred["npu_ms"]
+    assert mes["cpu_ms"] == pred["cpu_ms"] and mes["npu_ms"] != pred["npu_ms"] and mes["engine_ms"] == pred["engine_ms"]
     assert "| decode at 8192 |" in r.stdout and "| prefill, 128-row prompt |" in r.stdout
     assert "RSS with a 8192-token KV cache written" in r.stdout
 
 
 @pytest.mark.timeout(600)
-def test_predict_only_prints_the_prediction(tiny_synth_dir, edge_home, tmp_path):
+def test_predict_only_prints_the_prediction(tiny_synth_dir, edge_home, tmp_path, fake_librknnrt):
     """`--predict-only` on any machine: the CPU work measured here on a conversion, run at
-    --npu-layers, the drafting rows of bench decode's answers (default model, cpu backend)."""
+    --npu-layers, the drafting rows of bench decode's answers (default model, cpu backend), the
+    engine's own time per round measured over --lib (here the tests' fake librknnrt, C on this CPU
+    standing in for Rockchip's library: only the engine's time around its call is used)."""
     from edge_llm.bench.npu_predict import Plan, Rates
     from edge_llm.config import ModelArgs
     from edge_llm.convert.mm8 import convert_mm8
@@ -94,7 +99,8 @@ def test_predict_only_prints_the_prediction(tiny_synth_dir, edge_home, tmp_path)
     env = {**os.environ, "EDGE_LLM_HOME": str(edge_home)}
     r = subprocess.run([sys.executable, "-m", "edge_llm", "bench", "npu", "--model", str(tiny_synth_dir),
                         "--rknn-dir", str(tmp_path / "mm"), "--predict-only", "--npu-layers", "28",
-                        "--drafting-tokens", "16", "--contexts", "256", "--repeats", "1", "--out", str(tmp_path / "res")],
+                        "--drafting-tokens", "16", "--contexts", "256", "--repeats", "1", "--lib", str(fake_librknnrt),
+                        "--out", str(tmp_path / "res")],
                        capture_output=True, text=True, timeout=540, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(next((tmp_path / "res").glob("*-bench-npu/npu.json")).read_text())
@@ -102,8 +108,12 @@ def test_predict_only_prints_the_prediction(tiny_synth_dir, edge_home, tmp_path)
     plan = Plan.of(ModelArgs(**{**args.__dict__, "num_hidden_layers": 28}))
     assert res["layers"] == 28 and res["weight_bytes"] == plan.weight_bytes and res["cpu"]["layers_converted"] == 2
     assert res["cpu"]["layers"] == 28 and res["cpu"]["recorded"] is True
+    engine_us = res["micro"]["engine_us"]
+    assert engine_us > 0 and res["rates"]["engine_us"] == engine_us and "engine: " in r.stdout
     for d in res["decode"]:
         assert d["npu_ms"] == pytest.approx(plan.npu_ms(1, Rates()), rel=1e-9) and d["cpu_ms"] > 0
+        assert d["engine_ms"] == pytest.approx(plan.rounds * engine_us / 1e3)
+        assert d["ms"] == pytest.approx(d["npu_ms"] + d["engine_ms"] + d["cpu_ms"])
     assert [f["family"] for f in res["drafting"]] == ["recall", "code"]
     assert all(f["tokens"] == 15 and f["forwards"] <= 15 for f in res["drafting"])
     assert [d["context"] for d in res["decode"]] == [256]

@@ -76,10 +76,29 @@ def test_prediction_adds_its_parts():
     assert prof(1) == 1.0 and prof(2) == pytest.approx((p.npu_ms(2, r) + 3.5) / (p.npu_ms(1, r) + 3.0))
 
 
+def test_the_engines_time_per_round_is_counted():
+    """Rates.engine_us: the engine's own time per round (copies, hand-off, Python), per round of a
+    forward, once per chunk of 128 rows; None (not measured) counts nothing and the table says so."""
+    from edge_llm.bench.npu_predict import forward_ms, markdown
+
+    p = Plan.of(ARGS_2B)
+    cpu = CpuWork({(1, 512): 3.0}, {128: 100.0}, "x86-64", 2, 28)
+    measured = Rates(engine_us=10.0)
+    one = forward_ms(p, measured, cpu, 1, 512)
+    assert one["engine_ms"] == pytest.approx(113 * 10.0 / 1e3)
+    assert one["ms"] == pytest.approx(p.npu_ms(1, measured) + 1.13 + 3.0)
+    assert forward_ms(p, measured, cpu, 129, 129, prompt=True)["engine_ms"] == pytest.approx(2 * 1.13)
+    assert forward_ms(p, Rates(), cpu, 1, 512)["engine_ms"] == 0.0
+    text = markdown(predict(p, Rates(), cpu, contexts=(512,), prefill_rows=(128,)), "x86-64")
+    assert "NOT measured" in text
+    text = markdown(predict(p, measured, cpu, contexts=(512,), prefill_rows=(128,)), "x86-64")
+    assert "engine: 10.0 us per round" in text and "| decode, 1 row | 512 |" in text and "| 1.1 |" in text
+
+
 def _busy(seconds: float) -> None:
     """CPU time spent (the wrapper counts CPU time, so a sleep would not do)."""
-    t = time.process_time()
-    while time.process_time() - t < seconds:
+    t = time.thread_time()
+    while time.thread_time() - t < seconds:
         pass
 
 
@@ -98,8 +117,8 @@ def test_timed_matmul_counts_only_the_engine():
     _busy(0.03)  # time outside the engine is not counted
     c2 = t.run("w", a)
     assert np.array_equal(c, a.astype(np.int64) @ w.astype(np.int64)) and np.array_equal(c, c2)
-    # the two runs' 0.04 s of CPU time, not the 0.03 s between them (CPU time against CPU time: a
-    # BLAS thread left spinning by an earlier test makes process time run ahead of the wall clock)
+    # the two runs' 0.04 s of this thread's CPU time, not the 0.03 s between them (CPU time against
+    # CPU time: a thread left spinning by an earlier test makes CPU time run ahead of the wall clock)
     assert t.calls == 2 and 0.04 <= t.seconds < 0.065
     assert t.numerics == "host-exact"
     t.reset()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import platform
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from edge_llm.backends import npu_round
 from edge_llm.backends import rknn_matmul_api as api
 from edge_llm.backends.int8mm import HostInt8Matmul
 from edge_llm.backends.rknn_mm import M_SHAPES, library_id, open_npu_matmul, shape_for, split_columns, split_weight
@@ -97,6 +99,48 @@ def test_rows_never_mix_and_the_result_is_the_callers(lib):
         assert [p.core for p in e.weights["w"]] == [0, 2] and e.numerics.endswith("-cores0,2")
     finally:
         e.close()
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.parametrize("c_round", [True, False], ids=["c-round", "python-pool"])
+def test_a_round_runs_every_part_and_reports_the_failing_one(lib, monkeypatch, c_round):
+    """The parts of a round run on the caller and one helper thread per other core: C helpers
+    (npu_round over _npurun.c) or, without the operator library, Python's pool; both give the
+    emulation's bits (three cuts: by N, by K, both), a refused run names rknn_matmul_run and its
+    code (here part 2's A unbound behind the engine's back: the fake refuses with -8), and close()
+    stops the helpers."""
+    if not c_round:
+        monkeypatch.setattr(npu_round, "c_round", lambda addr, helpers: None)
+    rng = np.random.default_rng(5)
+    before = _threads()
+    e = open_npu_matmul(lib)
+    assert (e.round is not None) == c_round and (e.pool is None) == c_round
+    assert _threads() == before + (2 if c_round else 0)  # the pool's threads start on first use
+    host = HostInt8Matmul()
+    try:
+        for K, N in ((64, 224), (192, 64), (128, 128)):
+            w = rng.integers(-127, 128, (K, N), dtype=np.int8)
+            e.add(f"w{K}", w)
+            host.add(f"w{K}", w)
+            for m in (1, 3, 130):
+                a = rng.integers(-127, 128, (m, K), dtype=np.int8)
+                assert np.array_equal(e.run(f"w{K}", a), host.run(f"w{K}", a))
+        p2 = e.weights["w64"][2]
+        a = rng.integers(-127, 128, (p2.m, 64), dtype=np.int8)  # the shape the contexts are at: no rebinding
+        other = next(m for m in M_SHAPES if m != p2.m)  # its shape moved behind the engine: A and C unbound
+        e.lib.set_dynamic_shape(p2.ctx, api.Shape(other, p2.k1 - p2.k0, p2.n1 - p2.n0))
+        with pytest.raises(RknnMatmulError) as exc:
+            e.run("w64", a)
+        _refused(exc, "rknn_matmul_run", -8)
+        if c_round:
+            assert str(exc.value).endswith("part 2 of 3"), exc.value
+    finally:
+        e.close()
+        host.close()
+    assert _threads() == before
 
 
 def test_split_and_shapes():
@@ -223,6 +267,6 @@ def test_the_micro_benchmark_labels_what_it_measured(lib):
 
     res = bench_matmul(lib, reps=3, stream_reps=1, shapes={"64x96": (64, 96)})
     assert res.numerics == f"librknnrt-{library_id(lib)}-cores0" and res.machine.startswith(platform.machine())
-    assert 0 < res.lib_run_us < res.run_us and res.run3_us > 0 and set(res.gbps["64x96"]) == {"1 core", "3 cores"}
+    assert 0 < res.lib_run_us < res.run_us and res.round_us > 0 and res.round_cores >= 1 and set(res.gbps["64x96"]) == {"1 core", "3 cores"}
     text = "\n".join(res.lines())
     assert res.numerics in text and res.machine in text and "GB/s" in text, text

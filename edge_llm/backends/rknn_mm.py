@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from edge_llm.backends import npu_round
 from edge_llm.backends import rknn_matmul_api as api
 from edge_llm.backends.int8mm import ALIGN, check_rows, check_weight
 from edge_llm.errors import ConfigError, RknnMatmulError
@@ -107,6 +108,14 @@ class _Part:
     c: np.ndarray | None = None  # int32 view of the C buffer
     m: int = 0  # the dynamic shape set now (0: none yet)
 
+    @property
+    def a_addr(self) -> int:
+        return self.mems[0].contents.virt_addr
+
+    @property
+    def c_addr(self) -> int:
+        return self.mems[2].contents.virt_addr
+
 
 def _view(mem: ctypes._Pointer, dtype: type, count: int) -> np.ndarray:
     m = mem.contents
@@ -146,8 +155,13 @@ class NpuInt8Matmul:
         self.weights: dict[str, list[_Part]] = {}
         self.k: dict[str, int] = {}
         self.n: dict[str, int] = {}
-        # the first part of a call runs on the caller's thread, the others on one thread per core
-        self.pool = ThreadPoolExecutor(len(self.cores) - 1, thread_name_prefix="npu-mm") if len(self.cores) > 1 else None
+        self.tables: dict[str, ctypes.Array] = {}
+        # the first part of a call runs on the caller's thread, the others on one thread per core: C
+        # helper threads (npu_round), else (no operator library) Python's pool
+        run_addr = ctypes.cast(lib.cdll.rknn_matmul_run, ctypes.c_void_p).value
+        self.round = npu_round.c_round(run_addr, len(self.cores) - 1) if run_addr else None
+        self.pool = (ThreadPoolExecutor(len(self.cores) - 1, thread_name_prefix="npu-mm")
+                     if self.round is None and len(self.cores) > 1 else None)
         self.numerics = f"librknnrt-{library_id(lib.path)}-cores{','.join(map(str, self.cores))}"
 
     # ---- load ------------------------------------------------------------------------------
@@ -165,6 +179,8 @@ class NpuInt8Matmul:
             self._release(parts)
             raise
         self.weights[name], self.k[name], self.n[name] = parts, K, N
+        if self.round is not None:
+            self.tables[name] = self.round.table(parts)
 
     def _part(self, core: int, blk: Block, adds: bool, w: np.ndarray) -> _Part:
         K, n = blk.k1 - blk.k0, blk.n1 - blk.n0
@@ -194,23 +210,28 @@ class NpuInt8Matmul:
         if parts is None:
             raise KeyError(f"int8 matmul weight {name!r} was never added")
         check_rows(name, a, self.k[name])
+        a = np.ascontiguousarray(a)  # the C round reads rows of K bytes
         rows = a.shape[0]
         out = np.empty((rows, self.n[name]), dtype=np.int32)
         step = M_SHAPES[-1]
         for r0 in range(0, rows, step):
-            self._chunk(parts, a[r0:r0 + step], out[r0:r0 + step])
+            self._chunk(name, a[r0:r0 + step], out[r0:r0 + step])
         return out
 
-    def _chunk(self, parts: list[_Part], a: np.ndarray, out: np.ndarray) -> None:
-        m = a.shape[0]
+    def _chunk(self, name: str, a: np.ndarray, out: np.ndarray) -> None:
+        parts, m = self.weights[name], a.shape[0]
         shape = shape_for(m)
+        for p in parts:
+            if p.m != shape:
+                self._set_shape(p, shape)
+        if self.round is not None:  # copies in, runs the parts at once, copies out: _npurun.c
+            self.round.chunk(self.tables[name], a, out, m, shape)
+            return
         for p in parts:
             assert p.a is not None
             k = p.k1 - p.k0
             p.a[:m * k].reshape(m, k)[:] = a[:, p.k0:p.k1]
             p.a[m * k:shape * k] = 0  # padding rows: zero (they never mix into the real rows)
-            if p.m != shape:
-                self._set_shape(p, shape)
         if self.pool is not None and len(parts) > 1:
             others = [self.pool.submit(self.lib.run, p.ctx) for p in parts[1:]]
             try:
@@ -260,6 +281,9 @@ class NpuInt8Matmul:
         for parts in self.weights.values():
             self._release(parts)
         self.weights.clear()
+        self.tables.clear()
+        if self.round is not None:
+            self.round.close()
         if self.pool is not None:
             self.pool.shutdown(wait=True)
             self.pool = None

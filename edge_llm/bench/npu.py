@@ -193,9 +193,10 @@ def run_mm(model_dir: str | Path, mm_dir: str | Path, lib: str | None = None, re
                  "numerics": engine.numerics, "npu": npu_present(), "anchor": RKLLM}
     got = measure(model_dir, mm_dir, engine, contexts=contexts, verify_rows=(), repeats=repeats, step=step)
     stream = micro.gbps[next(iter(STREAM_SHAPES))]  # the first stream shape: the 2B's gate/up
-    measured_rates = Rates(bw_core_gbs=stream["1 core"], bw_all_gbs=stream["3 cores"], call_us=micro.run3_us)
+    measured_rates = Rates(bw_core_gbs=stream["1 core"], bw_all_gbs=stream["3 cores"], call_us=micro.lib_run_us,
+                           engine_us=micro.engine_us)
     plan = Plan.of(ModelArgs.from_dir(model_dir))
-    res["predicted"] = predict(plan, Rates(), got.cpu, contexts)
+    res["predicted"] = predict(plan, Rates(engine_us=micro.engine_us), got.cpu, contexts)
     res["predicted_measured_rates"] = predict(plan, measured_rates, got.cpu, contexts)
     res["decode"] = [{"context": c, "ms": got.decode_ms[(1, c)], "tok_s": 1e3 / got.decode_ms[(1, c)]}
                      for c in contexts]
@@ -217,7 +218,8 @@ def markdown_mm(res: dict) -> str:
              f"- engine `{res['numerics']}` on {m['machine']}; CPU work measured in the same forwards on "
              f"{res['cpu_isa']}",
              f"- per call: run {m['run_us']:.1f} us on one core (rknn_matmul_run {m['lib_run_us']:.1f} us), "
-             f"{m['run3_us']:.1f} us over three cores (prediction: 33 us)"]
+             f"a round over {m['round_cores']} cores {m['round_us']:.1f} us, the engine's own "
+             f"{m['engine_us']:.1f} us of it (prediction: 33 us per call + the engine's)"]
     for shape, by in m["gbps"].items():
         lines.append(f"- stream {shape}: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in by.items())
                      + " (prediction: 11 GB/s on one core, 26.6 over three)")

@@ -1,8 +1,9 @@
 """The CPU work of the NPU matmul path, measured (docs/npu.md, "Prediction").
 
 `measure` loads the real matmul backend (`backends/mm8.MmBackend`) over an engine wrapped by
-`npu_predict.TimedMatmul` and times forwards in CPU time (`time.process_time`, numpy's BLAS held
-to one thread: a shared machine's load does not count, and no thread split flatters it); a
+`npu_predict.TimedMatmul` and times forwards in the calling thread's CPU time (`time.thread_time`,
+numpy's BLAS held to one thread: a shared machine's load does not count, no thread split flatters
+it, and the NPU engine's helper threads spinning between rounds are not the model's work); a
 forward's time minus the time inside the engine's `run` is the CPU's share (quantize rows,
 dequantize, norms, SwiGLU, RoPE, attention, the rotation of new rows, the online Hadamard if
 converted with it, writing the KV rows, Python). `cpu_parts` times the larger of those ops one by
@@ -265,17 +266,32 @@ def replay_families(plan: Plan, rates: Rates, cpu: CpuCost, families: Sequence[s
 
 def run_prediction(model_dir: str | Path, mm_dir: str | Path, layers: int | None = None, rates: Rates = Rates(),
                    drafting_tokens: int = 128, repeats: int = 3, engine: Int8Matmul | None = None,
-                   contexts: Sequence[int] = DECODE_CONTEXTS, step: Callable[[str], None] = lambda _m: None) -> dict:
+                   contexts: Sequence[int] = DECODE_CONTEXTS, lib: str | None = None,
+                   step: Callable[[str], None] = lambda _m: None) -> dict:
     """The prediction for `model_dir`'s geometry at `layers` layers (default: its own), the CPU
-    work measured on `mm_dir` (its conversion) over `engine` (default: the host emulation)."""
+    work measured on `mm_dir` (its conversion) over `engine` (default: the host emulation), the
+    engine's own time per round measured over `lib` (a librknnrt, or a stand-in) when given."""
+    from dataclasses import replace
+
+    from edge_llm.bench.npu_matmul import bench_matmul
+
     args = ModelArgs.from_dir(model_dir)
     layers = layers or args.num_hidden_layers
     plan = Plan.of(ModelArgs(**{**args.__dict__, "num_hidden_layers": layers}), rates.cores)
+    micro = None
+    if lib is not None:
+        step("the engine's time per round")
+        micro = bench_matmul(lib, shapes={})
+        rates = replace(rates, engine_us=micro.engine_us)
     got = measure(model_dir, mm_dir, engine or HostInt8Matmul(), layers, contexts, repeats=repeats,
                   record=engine is None, step=step)
     cpu = got.cpu
     drafting = replay_families(plan, rates, cpu, max_tokens=drafting_tokens, step=step) if drafting_tokens else []
     res = predict(plan, rates, cpu, contexts, drafting=drafting)
+    if micro is not None:
+        res["engine_on"] = (f"{micro.numerics} on {micro.machine}, a round over {micro.round_cores} cores: "
+                            f"{micro.round_us:.1f} us, rknn_matmul_run alone {micro.lib_run_us:.1f} us")
+        res["micro"] = micro.as_dict()
     res["cpu"] = {"isa": cpu.isa, "layers_converted": cpu.layers_converted, "layers": cpu.layers,
                   "recorded": cpu.recorded,
                   "decode_ms": {f"{r}x{c}": v for (r, c), v in cpu.decode.items()}, "prompt_ms": cpu.prompt,

@@ -3,8 +3,10 @@
 A forward of T rows through the w8a8 matmul path (docs/npu.md, "The matmul path") costs
 
     NPU   sum over linears of max(weight bytes / bandwidth, T x multiply-adds / NPU peak)
-  + calls rounds x per-call cost   (one context per core, N split across the cores: the cores'
+  + calls rounds x per-call cost   (one context per core, each a part of the weight: the cores'
                                     calls of one linear overlap, so a linear costs one call's time)
+  + engine rounds x the engine's own time per round (copies in and out, the hand-off to the
+          cores' threads, Python: measured by `npu_matmul.bench_matmul` over a library)
   + CPU   the CPU work of T rows at the context length (measured: `npu_cpu.measure`)
 
 Inputs, each with its source (`Rates`): bandwidth ~11 GB/s on one NPU core and ~26.6 GB/s over
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edge_llm.backends.int8mm import ALIGN, MAX_K, Int8Matmul
-from edge_llm.backends.rknn_mm import split_weight
+from edge_llm.backends.rknn_mm import M_SHAPES, split_weight
 from edge_llm.config import ModelArgs
 from edge_llm.convert.report import NPU_HZ
 
@@ -34,12 +36,16 @@ from edge_llm.convert.report import NPU_HZ
 # 128-token prompt, decode, memory; every NPU benchmark prints its figures next to these
 RKLLM = {"ttft_128_ms": 383.6, "decode_tok_s": 14.98, "memory_mb": 1869.0}
 RKLLM_PREFILL_ROWS = 128
-CLOCK = time.process_time  # the CPU work is CPU time (bench/npu_cpu.py), and so is TimedMatmul's
+M_MAX = M_SHAPES[-1]  # rows per round: the engine cuts larger forwards into chunks of this many
+# the CPU work is the calling thread's CPU time (bench/npu_cpu.py), and so is TimedMatmul's: the NPU
+# engine's helper threads (backends/npu_round.py) spin between rounds, which is not work of the model's
+CLOCK = time.thread_time
 SOURCES = {
     "bandwidth": "community probes (issue 36): ~11 GB/s per NPU core, ~26.6 GB/s over three",
     "call": "reported fixed cost of one rknn_matmul_run (issue 36)",
     "peak": "rknn-toolkit2's cost model: 1024 int8 MACs/cycle/core at 1 GHz (docs/npu.md w8a8 estimate; "
             "3 cores = Rockchip's 6 TOPS)",
+    "engine": "measured: NpuInt8Matmul.run over a round minus rknn_matmul_run alone (bench/npu_matmul.py)",
 }
 
 
@@ -53,6 +59,7 @@ class Rates:
     macs_per_cycle: int = 1024  # int8, per core
     hz: float = NPU_HZ
     cores: int = 3
+    engine_us: float | None = None  # the engine's own time per round (measured; None: not measured)
 
     def bandwidth(self, cores: int) -> float:
         """Bytes per second `cores` cores read together."""
@@ -201,8 +208,9 @@ def forward_ms(plan: Plan, rates: Rates, cpu: CpuCost, rows: int, context: int,
                prompt: bool = False) -> dict:
     """One forward of `rows` rows at `context`: decode rows (logits of every row) or a prompt's."""
     npu = plan.npu_ms(rows, rates, 1 if prompt else None)
+    engine = plan.rounds * math.ceil(rows / M_MAX) * (rates.engine_us or 0.0) / 1e3
     c = cpu(rows, context, prompt)
-    return {"rows": rows, "context": context, "npu_ms": npu, "cpu_ms": c, "ms": npu + c}
+    return {"rows": rows, "context": context, "npu_ms": npu, "engine_ms": engine, "cpu_ms": c, "ms": npu + engine + c}
 
 
 @dataclass(frozen=True)
@@ -291,20 +299,24 @@ def markdown(res: dict, cpu_isa: str, parts: dict[str, float] | None = None) -> 
              f"- NPU: {r['bw_all_gbs']} GB/s over {r['cores']} cores, {r['bw_core_gbs']} GB/s on one ({SOURCES['bandwidth']}); "
              f"{r['call_us']} us per call ({SOURCES['call']}); {r['macs_per_cycle']} MACs/cycle/core at "
              f"{r['hz'] / 1e9:.1f} GHz ({SOURCES['peak']})",
+             (f"- engine: {r['engine_us']:.1f} us per round ({SOURCES['engine']}; {res.get('engine_on', '')})"
+              if r.get("engine_us") is not None else
+              "- engine: its own time per round NOT measured (no library given: --lib) and counted as 0"),
              f"- CPU work measured on {cpu_isa}, not scaled to the board's Cortex-A76 cores"
              + (f"; {res['cpu']['layers']} layers timed over recorded products (no weight stream through this "
                 "CPU's caches)" if res.get("cpu", {}).get("recorded") else ""), "",
-             "| forward | context | NPU ms | CPU ms | ms | predicted tok/s | RKLLM tok/s | vs RKLLM |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| forward | context | NPU ms | engine ms | CPU ms | ms | predicted tok/s | RKLLM tok/s | vs RKLLM |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for d in res["decode"]:
-        lines.append(f"| decode, 1 row | {d['context']} | {_ms(d['npu_ms'])} | {_ms(d['cpu_ms'])} | {_ms(d['ms'])} | "
-                     f"{d['tok_s']:.2f} | {rk} | {d['vs_rkllm']:.2f}x |")
+        lines.append(f"| decode, 1 row | {d['context']} | {_ms(d['npu_ms'])} | {_ms(d['engine_ms'])} | "
+                     f"{_ms(d['cpu_ms'])} | {_ms(d['ms'])} | {d['tok_s']:.2f} | {rk} | {d['vs_rkllm']:.2f}x |")
     for d in res["drafting"]:
         lines.append(f"| decode + drafting, {d['family']} ({d['tokens']} tokens in {d['forwards']} forwards, "
-                     f"{d['verify_rows']} verify rows) | {d['context']} | | | {_ms(d['ms'] / d['forwards'])} per forward | "
+                     f"{d['verify_rows']} verify rows) | {d['context']} | | | | {_ms(d['ms'] / d['forwards'])} per forward | "
                      f"{d['tok_s']:.2f} | {rk} | {d['vs_rkllm']:.2f}x |")
     for p in res["prefill"]:
-        lines.append(f"| prefill, {p['rows']}-row prompt | {p['context']} | {_ms(p['npu_ms'])} | {_ms(p['cpu_ms'])} | "
+        lines.append(f"| prefill, {p['rows']}-row prompt | {p['context']} | {_ms(p['npu_ms'])} | {_ms(p['engine_ms'])} | "
+                     f"{_ms(p['cpu_ms'])} | "
                      f"{_ms(p['ms'])} | {p['tok_s']:.0f} | {res['rkllm_prefill_tok_s']:.0f} (128-token TTFT) | "
                      f"{p['vs_rkllm']:.2f}x |")
     if parts:

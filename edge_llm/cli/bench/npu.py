@@ -18,7 +18,8 @@ from edge_llm.cli.bench.common import bench, out_option, save_results, spinner
               show_default=True, help="Graph path: sim / onnxruntime run the same measurements on a host "
                                       "(not NPU numbers).")
 @click.option("--lib", default=None, metavar="PATH",
-              help="Matmul path: the librknnrt.so to load.  [default: $EDGE_LLM_LIBRKNNRT, else librknnrt.so]")
+              help="Matmul path: the librknnrt.so to load (with --predict-only: to measure the engine's own time "
+                   "per round over it).  [default: $EDGE_LLM_LIBRKNNRT, else librknnrt.so]")
 @click.option("--predict-only", is_flag=True,
               help="Matmul path: no NPU needed; print the prediction for --model's geometry (docs/npu.md, "
                    "\"Prediction\"), the CPU work measured here on --rknn-dir (its npu-mm conversion).")
@@ -78,8 +79,12 @@ def npu_cmd(model, rknn_dir, runner, lib, predict_only, npu_layers, drafting_tok
             if predict_only:
                 from edge_llm.bench.npu_cpu import run_prediction
 
+                from edge_llm.backends.rknn_matmul_api import library_path
+
+                has_lib = lib or os.environ.get(LIBRKNNRT_ENV) or npu_present()
                 res = run_prediction(model, rknn_dir, npu_layers, drafting_tokens=drafting_tokens,
-                                     repeats=min(repeats, 3), step=say, **({"contexts": ctx} if ctx else {}))
+                                     repeats=min(repeats, 3), lib=library_path(lib) if has_lib else None, step=say,
+                                     **({"contexts": ctx} if ctx else {}))
             elif matmul:
                 res = B.run_mm(model, rknn_dir, lib, repeats=min(repeats, 3), step=say,
                                **({"contexts": ctx} if ctx else {}))
