@@ -1,4 +1,4 @@
-"""Build of the operator library, three C files (edge_llm/backends/_attn.c, the attention; _qmatmul.c,
+"""Build of the operator library, the C files (edge_llm/backends/_attn.c, the attention; _qmatmul.c,
 the 4/8-bit weights' matmul; _ortop.h, what both declare to onnxruntime; _mm8ops.c, the matmul path's
 per-row ops, and _npurun.c, the NPU engine's rounds, both called through ctypes only), an onnxruntime custom
 operator library compiled against the vendored C API header in third_party/onnxruntime;

@@ -28,8 +28,8 @@ LAYERS = {
 # package -> its modules low to high: a module imports only modules listed before it
 # (`__init__` is the package's own __init__.py; a subpackage is one entry of its parent)
 ORDER = {
-    "backends": ["wire", "toolkit_worker", "graphs", "manifest", "int8mm", "rknn_matmul_api", "rknn_mm", "cpu", "cpu_side", "cpu_vision", "vision", "__init__",
-                 "runners", "rknnlite", "graph", "attn_kernel", "mm8_ops", "mm8_step", "mm8", "rknn", "onnx_export", "quant", "quant_export",
+    "backends": ["wire", "toolkit_worker", "graphs", "manifest", "int8mm", "rknn_matmul_api", "cpu", "cpu_side", "cpu_vision", "vision", "__init__",
+                 "runners", "rknnlite", "graph", "attn_kernel", "npu_round", "rknn_mm", "mm8_ops", "mm8_step", "mm8", "rknn", "onnx_export", "quant", "quant_export",
                  "vision_export", "decode_export", "decode_step", "cpuq", "vision_graph"],
     "snapshot": ["writer", "layout", "encode", "decode", "format", "inspect", "entries", "chains", "catalog",
                  "chain_read", "saver", "identity", "store", "maintenance", "transfer", "__init__"],
@@ -43,7 +43,7 @@ ORDER = {
     "server": ["errors", "schemas", "metrics", "node", "prefetch", "worker", "budget", "images", "streaming", "ui", "events", "state", "storeview", "app",
                "__init__"],
     "bench": ["disk", "procstat", "prompts", "models", "client", "fleet", "throttle", "restore", "conversation", "ttft",
-              "split", "recovery", "quant", "accuracy", "quant_memory", "npu_predict", "decode", "npu_cpu", "npu_matmul", "npu", "vision",
+              "split", "recovery", "quant", "accuracy", "quant_memory", "npu_predict", "decode", "npu_matmul", "npu_cpu", "npu", "vision",
               "llamacpp_peer",
               "__init__"],
     "cli": ["options", "progress", "bench", "convert", "doctor", "generate", "kv", "kv_transfer", "model", "serve", "__init__"],

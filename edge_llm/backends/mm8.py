@@ -52,9 +52,10 @@ LAYOUT = "row-major-KN"  # B as (K, N) int8 rows; the NPU engine converts to its
 # A bandwidth-bound NPU reads every weight once per forward whatever its row count: a verify
 # forward of T rows costs one decode step plus the CPU's per-row work (norms, quantization,
 # attention) and the NPU's int8 compute. Predicted for Qwen3-VL-2B at 512 rows of context (CPU
-# work measured on x86-64 AVX-512 with the C ops, the NPU at the published rates): 2/4/8 rows cost
-# 1.08/1.14/1.26 one-row steps (docs/npu.md "Prediction (the matmul path)").
-FORWARD_COST = ForwardCost(1.08, 0.03)
+# work measured on x86-64 AVX-512 with the C ops, the engine's time per round measured over the
+# tests' fake library, the NPU at the published rates): 2/4/8 rows cost 1.03/1.08/1.19 one-row
+# steps (docs/npu.md "Prediction (the matmul path)").
+FORWARD_COST = ForwardCost(1.03, 0.03)
 
 
 @dataclass

@@ -9,9 +9,10 @@ domain 0 to the vision tower's `.rknn`). M varies per call: each context is crea
 dynamic shapes `M_SHAPES`; a call pads its rows up to the next shape with zero rows and splits
 above the largest (rows never mix, so padding changes no bit). A, B and C are buffers from
 `rknn_create_mem`, allocated once per context, with numpy views onto them: a call copies the
-int8 rows in and the int32 rows out, nothing else. The parts of one call run concurrently: the
-first on the caller's thread, the others on one pool thread each (ctypes releases the GIL for the
-call). docs/npu.md, "The matmul API binding".
+int8 rows in and the int32 rows out, nothing else. The parts of one call (a round) run
+concurrently, the first on the caller's thread and the others on helper threads: one C call per
+round (`npu_round.CRound` over `_npurun.c`), or Python's thread pool where the operator library is
+not built (ctypes releases the GIL for the calls). docs/npu.md, "The matmul API binding".
 """
 
 from __future__ import annotations

@@ -38,3 +38,11 @@ def build_fake(cache_dir: Path, target: str = "host") -> Path:
                        timeout=120)
         tmp.replace(out)
     return out
+
+
+if __name__ == "__main__":  # python tests/fake_librknnrt/build.py [DIR] [host|aarch64]: prints the path
+    import sys
+
+    default = Path(__file__).resolve().parents[2] / ".pytest_cache" / "d" / "fake_librknnrt"  # pytest's own
+    where = Path(sys.argv[1]) if len(sys.argv) > 1 else default
+    print(build_fake(where, sys.argv[2] if len(sys.argv) > 2 else "host"))
