@@ -173,8 +173,10 @@ class NpuInt8Matmul:
         written = np.zeros(N // ALIGN, bool)
         try:
             for core, blk in zip(self.cores, split_weight(K, N, len(self.cores))):
-                adds = bool(written[blk.n0 // ALIGN:blk.n1 // ALIGN].any())
-                written[blk.n0 // ALIGN:blk.n1 // ALIGN] = True
+                seen = written[blk.n0 // ALIGN:blk.n1 // ALIGN]
+                adds = bool(seen.all())  # a cut of K: every column written before, or none (split_weight)
+                assert adds or not seen.any(), f"part {blk} overlaps earlier parts in part of its columns"
+                seen[:] = True
                 parts.append(self._part(core, blk, adds, w))
         except BaseException:
             self._release(parts)
