@@ -168,14 +168,29 @@ def test_online_hadamard_is_the_folded_matrix(n):
     assert np.array_equal(fwht(x[2:3], block)[0], y[2])
 
 
+def _cut_by_k_or_both(k: int, n: int, parts: int) -> list:
+    """A cut `split_weight` would not pick for the default model (its weights split evenly by N):
+    by K when K > N, else both ways (halves of N over K's first half, all of N over the rest)."""
+    from edge_llm.backends.rknn_mm import Block, split_columns
+
+    if k > n:
+        return [Block(k0, k1, 0, n) for k0, k1 in split_columns(k, parts)]
+    (h0, h1), (h2, h3) = split_columns(n, 2)
+    k1 = k // 64 * 32
+    return [Block(0, k1, h0, h1), Block(0, k1, h2, h3), Block(k1, k, 0, n)]
+
+
 @pytest.mark.timeout(900)
 def test_npu_engine_over_the_fake_is_the_emulation(edge_home, model_dir, mm_dir, fake_librknnrt, accuracy,
-                                                  tmp_path):
-    """The same directory on `NpuInt8Matmul` (native layout, N split over three contexts, dynamic
-    M shapes) over the fake library: teacher-forced logits bitwise the host emulation's, and the
-    served answer (runner librknnrt) the same tokens."""
+                                                  tmp_path, monkeypatch):
+    """The same directory on `NpuInt8Matmul` (native layout, weights cut over three contexts,
+    dynamic M shapes, the round in C) over the fake library: teacher-forced logits bitwise the host
+    emulation's, with the cuts `split_weight` picks (by N for every weight of the default model),
+    with every weight cut by K or both ways (down_proj by K, the rest both: the partial products
+    summed in int32), and on Python's thread pool; the served answer (runner librknnrt) the same
+    tokens."""
+    from edge_llm.backends import rknn_mm
     from edge_llm.backends.int8mm import HostInt8Matmul
-    from edge_llm.backends.rknn_mm import open_npu_matmul
     from edge_llm.bench.quant import teacher_logits
     from edge_llm.models.qwen3 import Model
     from edge_llm.quality_text import QUALITY_TEXT
@@ -183,14 +198,28 @@ def test_npu_engine_over_the_fake_is_the_emulation(edge_home, model_dir, mm_dir,
 
     ids = Tokenizer.from_dir(model_dir).encode(QUALITY_TEXT)[:40]
     m = MmManifest.read(mm_dir)
-    logits = []
-    for engine in (HostInt8Matmul(), open_npu_matmul(str(fake_librknnrt))):
+
+    def logits_of(engine) -> tuple[bytes, dict]:
+        """Teacher-forced logits' bits, and which parts of each kind of weight add (a cut of K)."""
         be = MmBackend(mm_dir, m, engine)
         try:
-            logits.append(teacher_logits(Model.load(model_dir, backend=be), ids, chunk=16))
+            got = teacher_logits(Model.load(model_dir, backend=be), ids, chunk=16).view(np.uint32).tobytes()
+            parts = engine.weights if isinstance(engine, rknn_mm.NpuInt8Matmul) else {}
+            adds = {n.rsplit(".", 1)[-1]: [p.blk.adds for p in ps] for n, ps in parts.items()}
+            return got, adds
         finally:
             be.close()
-    assert logits[0].view(np.uint32).tobytes() == logits[1].view(np.uint32).tobytes()
+
+    want, _ = logits_of(HostInt8Matmul())
+    got, adds = logits_of(rknn_mm.open_npu_matmul(str(fake_librknnrt)))
+    assert got == want and adds == {kind: [False] * 3 for kind in ("qkv", "o", "gu", "down", "head")}  # by N
+    assert logits_of(rknn_mm.open_npu_matmul(str(fake_librknnrt), c_round=False))[0] == want
+    monkeypatch.setattr(rknn_mm, "split_weight", _cut_by_k_or_both)
+    got, adds = logits_of(rknn_mm.open_npu_matmul(str(fake_librknnrt)))
+    assert got == want and adds == {"qkv": [False, False, True], "o": [False, False, True],
+                                    "gu": [False, False, True], "down": [False, True, True],
+                                    "head": [False, False, True]}
+    monkeypatch.undo()
     env = {"EDGE_LLM_LIBRKNNRT": str(fake_librknnrt)}
     with ServerProc(edge_home, tmp_path, "--model", "default", "--backend", "rknn", "--rknn-dir", str(mm_dir),
                     "--rknn-runner", "librknnrt", "--no-disk-kv", env=env).start() as srv:

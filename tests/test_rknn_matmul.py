@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_llm.backends import npu_round
 from edge_llm.backends import rknn_matmul_api as api
 from edge_llm.backends.int8mm import HostInt8Matmul
 from edge_llm.backends.rknn_mm import M_SHAPES, library_id, open_npu_matmul, shape_for, split_columns, split_weight
@@ -109,17 +108,15 @@ def _helpers() -> int:
 
 
 @pytest.mark.parametrize("c_round", [True, False], ids=["c-round", "python-pool"])
-def test_a_round_runs_every_part_and_reports_the_failing_one(lib, monkeypatch, c_round):
+def test_a_round_runs_every_part_and_reports_the_failing_one(lib, c_round):
     """The parts of a round run on the caller and one helper thread per other core: C helpers
     (npu_round over _npurun.c) or, without the operator library, Python's pool; both give the
     emulation's bits (three cuts: by N, by K, both), a refused run names rknn_matmul_run and its
     code (here part 2's A unbound behind the engine's back: the fake refuses with -8), and close()
     stops the helpers."""
-    if not c_round:
-        monkeypatch.setattr(npu_round, "c_round", lambda addr, helpers: None)
     rng = np.random.default_rng(5)
     assert _helpers() == 0
-    e = open_npu_matmul(lib)
+    e = open_npu_matmul(lib, c_round=c_round)
     assert (e.round is not None) == c_round and (e.pool is None) == c_round
     assert _helpers() == (2 if c_round else 0)  # the pool's threads start on first use
     host = HostInt8Matmul()
@@ -134,7 +131,8 @@ def test_a_round_runs_every_part_and_reports_the_failing_one(lib, monkeypatch, c
         p2 = e.weights["w64"][2]
         a = rng.integers(-127, 128, (p2.m, 64), dtype=np.int8)  # the shape the contexts are at: no rebinding
         other = next(m for m in M_SHAPES if m != p2.m)  # its shape moved behind the engine: A and C unbound
-        e.lib.set_dynamic_shape(p2.ctx, api.Shape(other, p2.k1 - p2.k0, p2.n1 - p2.n0))
+        b = p2.blk
+        e.lib.set_dynamic_shape(p2.ctx, api.Shape(other, b.k1 - b.k0, b.n1 - b.n0))
         with pytest.raises(RknnMatmulError) as exc:
             e.run("w64", a)
         _refused(exc, "rknn_matmul_run", -8)
@@ -164,6 +162,19 @@ def test_split_and_shapes():
     assert split_columns(64, 3) == [(0, 32), (32, 64)]  # no empty part: two contexts
     assert split_columns(96, 1) == [(0, 96)]
     assert [shape_for(m) for m in (1, 3, 32, 33, 128)] == [1, 4, 32, 64, 128] and M_SHAPES[-1] == 128
+    # what Block.adds rests on, for every cut split_weight makes: the parts that start at row 0
+    # come first and cover every (k, n) once with the rest; a part that adds only meets columns
+    # those parts wrote
+    for k in range(32, 33 * 32, 96):
+        for n in range(32, 33 * 32, 160):
+            for cores in (1, 2, 3):
+                blocks = split_weight(k, n, cores)
+                seen = np.zeros((k, n), np.int8)
+                for b in blocks:
+                    seen[b.k0:b.k1, b.n0:b.n1] += 1
+                assert (seen == 1).all(), (k, n, cores, blocks)
+                written = [b for b in blocks if not b.adds]
+                assert blocks[:len(written)] == written and sum(b.n1 - b.n0 for b in written) == n
 
 
 def _info(K=64, N=32, **kw) -> api.MatmulInfo:
@@ -271,6 +282,6 @@ def test_the_micro_benchmark_labels_what_it_measured(lib):
 
     res = bench_matmul(lib, reps=3, stream_reps=1, shapes={"64x96": (64, 96)})
     assert res.numerics == f"librknnrt-{library_id(lib)}-cores0" and res.machine.startswith(platform.machine())
-    assert 0 < res.lib_run_us < res.run_us and res.round_us > 0 and res.round_cores >= 1 and set(res.gbps["64x96"]) == {"1 core", "3 cores"}
+    assert 0 < res.lib_run_us < res.run_us and res.round_us > 0 and res.pool_round_us > 0 and res.round_c and res.round_cores >= 1 and set(res.gbps["64x96"]) == {"1 core", "3 cores"}
     text = "\n".join(res.lines())
     assert res.numerics in text and res.machine in text and "GB/s" in text, text

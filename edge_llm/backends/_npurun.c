@@ -5,8 +5,9 @@
  * ctypes (the GIL is released) with rknn_matmul_run's address from the loaded librknnrt.
  *
  * Why by hand: rknn_matmul_run blocks its thread until its core is done, so the three cores of a
- * round need three threads; Python's thread pool hands a call to a thread in ~20 us (a queue, a
- * future, two condition variables), paid 113 times per Qwen3-VL-2B decode token. Here the helper
+ * round need three threads; Python's thread pool (a queue, a future, two condition variables per
+ * call) costs several times a C round's time to hand the calls over (bench/npu_matmul.py measures
+ * both), paid 113 times per Qwen3-VL-2B decode token. Here the helper
  * threads live as long as the engine, wait for a round by spinning for a bounded time (the CPU's
  * work between two rounds of a decode token is tens to hundreds of microseconds) and then on a
  * condition variable, and the caller runs the first part itself. Nothing here computes a value:
@@ -44,6 +45,8 @@ typedef struct {
 enum { IDLE, POSTED, DONE, QUIT };
 #define MAX_HELPERS 7
 
+typedef struct edge_npu_pool edge_npu_pool;
+
 typedef struct {
     pthread_t thread;
     _Atomic int state;
@@ -52,15 +55,15 @@ typedef struct {
     pthread_cond_t cv;
     uint64_t ctx;
     int rc;
-    edge_npu_run_fn run;
-    int64_t spin_ns;
+    const edge_npu_pool *pool;
 } helper;
 
-typedef struct {
+struct edge_npu_pool {
     edge_npu_run_fn run;
+    int64_t spin_ns;
     int n;
     helper h[MAX_HELPERS];
-} edge_npu_pool;
+};
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -74,7 +77,7 @@ static int64_t now_ns(void) {
  * consistent: a setter that reads *sleeping == 0 is seen by the sleeper's check of state under the
  * mutex, and one that reads 1 broadcasts under the mutex. */
 static int wait_state(helper *w, unsigned want, _Atomic int *sleeping) {
-    int64_t end = now_ns() + w->spin_ns;
+    int64_t end = now_ns() + w->pool->spin_ns;
     for (unsigned i = 0;; i++) {
         int s = atomic_load(&w->state);
         if (want >> s & 1) return s;
@@ -105,7 +108,7 @@ static void set_state(helper *w, int state, _Atomic int *sleeping) {
 static void *helper_main(void *arg) {
     helper *w = arg;
     while (wait_state(w, 1u << POSTED | 1u << QUIT, &w->helper_sleeping) == POSTED) {
-        w->rc = w->run(w->ctx);
+        w->rc = w->pool->run(w->ctx);
         set_state(w, DONE, &w->caller_sleeping);
     }
     return NULL;
@@ -119,13 +122,13 @@ edge_npu_pool *edge_npu_pool_new(edge_npu_run_fn run, int helpers, int64_t spin_
     edge_npu_pool *p = calloc(1, sizeof *p);
     if (!p) return NULL;
     p->run = run;
+    p->spin_ns = spin_ns;
     for (int i = 0; i < helpers; i++) {
         helper *w = &p->h[i];
         atomic_init(&w->state, IDLE);
         atomic_init(&w->helper_sleeping, 0);
         atomic_init(&w->caller_sleeping, 0);
-        w->run = run;
-        w->spin_ns = spin_ns;
+        w->pool = p;
         pthread_mutex_init(&w->mu, NULL);
         pthread_cond_init(&w->cv, NULL);
         if (pthread_create(&w->thread, NULL, helper_main, w) != 0) {

@@ -5,8 +5,9 @@ A round is one product of `NpuInt8Matmul`: its parts (one matmul context per NPU
 same time. `rknn_matmul_run` blocks its thread until its core is done, so the parts need a thread
 each; `CRound` keeps helper threads for the engine's lifetime (they spin for `SPIN_NS` after a
 round, then sleep) and does a chunk's copies in and out in the same C call, where Python's
-thread pool took ~40 us per round to hand two calls over (x86-64, measured by `bench npu`'s
-micro-benchmark). The engine falls back to that pool when the operator library is not built.
+thread pool takes several times as long to hand the calls over (`bench npu`'s micro-benchmark
+measures both: docs/npu.md, "A round in C"). The engine falls back to that pool when the
+operator library is not built.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from ctypes import POINTER, Structure, c_int, c_int64, c_uint64, c_void_p
-from typing import Protocol
 
 import numpy as np
 
@@ -26,22 +26,14 @@ SPIN_NS = 200_000  # how long a helper spins for the next round before it sleeps
 # CPU work between two rounds is tens to hundreds of microseconds: docs/npu.md, "Prediction")
 
 
-class PartLike(Protocol):
-    """What a round needs of one part (`rknn_mm._Part`)."""
-
-    ctx: int
-    k0: int
-    k1: int
-    n0: int
-    n1: int
-    adds: bool
-    a_addr: int
-    c_addr: int
-
-
 class CPart(Structure):  # edge_npu_part in _npurun.c
     _fields_ = [("ctx", c_uint64), ("k0", c_int64), ("k1", c_int64), ("n0", c_int64), ("n1", c_int64),
                 ("adds", c_int64), ("a", c_void_p), ("c", c_void_p)]
+
+
+def table(parts: Sequence[CPart]) -> ctypes.Array:
+    """A weight's parts as one C array (made once, at `add`), in the order they are applied."""
+    return (CPart * len(parts))(*parts)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -65,12 +57,6 @@ class CRound:
         if not self.pool:
             raise RunnerError(f"NPU round: could not start {helpers} helper threads")
         self.rcs = (c_int * (helpers + 1))()
-
-    @staticmethod
-    def table(parts: Sequence[PartLike]) -> ctypes.Array:
-        """A weight's parts as the C call reads them (made once, at `add`)."""
-        return (CPart * len(parts))(*[CPart(p.ctx, p.k0, p.k1, p.n0, p.n1, int(p.adds), p.a_addr, p.c_addr)
-                                      for p in parts])
 
     def chunk(self, table: ctypes.Array, a: np.ndarray, out: np.ndarray, m: int, shape: int) -> None:
         """a (m, K) int8 C-contiguous -> out (m, N) int32 C-contiguous, the contexts already at `shape`."""

@@ -66,13 +66,20 @@ class Block:
     def size(self) -> int:
         return (self.k1 - self.k0) * (self.n1 - self.n0)
 
+    @property
+    def adds(self) -> bool:
+        """Its product is added to columns parts starting at row 0 wrote (a cut of K), not written."""
+        return self.k0 > 0
+
 
 def split_weight(k: int, n: int, parts: int) -> list[Block]:
     """How a (k, n) weight is cut over `parts` cores. Every core reads its part at its share of the
     bandwidth, so a linear takes as long as its largest part: of three cuts in 32 x 32 tiles the one
     with the smallest largest part wins, ties going to the first: N alone (no sum on the CPU), K
     alone (each core a partial product over its rows of K, summed in int32 on the CPU), or, for
-    three cores, two halves of N over rows [0, k') and all of N over [k', k) on the third. The
+    three cores, two halves of N over rows [0, k') and all of N over [k', k) on the third. In
+    every cut the parts that start at row 0 come first and tile N once, and the others only add
+    to columns they wrote (`Block.adds`). The
     2B's o (2048 x 2048: 64 x 64 tiles) is 1376 tiles on its largest core mixed, 1408 by N; its
     down (6144 x 2048) 4096 by K, 4224 by N (docs/npu.md, "The matmul API binding")."""
     cands = [[Block(0, k, n0, n1) for n0, n1 in split_columns(n, parts)],
@@ -93,29 +100,22 @@ def shape_for(rows: int) -> int:
 
 @dataclass
 class _Part:
-    """One context: rows [k0, k1) of K and columns [n0, n1) of a weight on one core; `adds`: its
-    product is added to columns an earlier part wrote (a cut of K), not written."""
+    """One context: the block `blk` of a weight on one core."""
 
     ctx: int
     core: int
-    k0: int
-    k1: int
-    n0: int
-    n1: int
-    adds: bool
+    blk: Block
     attrs: list[api.IoAttr] = field(default_factory=list)
     mems: list[ctypes._Pointer] = field(default_factory=list)  # rknn_tensor_mem pointers (A, B, C)
     a: np.ndarray | None = None  # int8 view of the A buffer (largest shape)
     c: np.ndarray | None = None  # int32 view of the C buffer
     m: int = 0  # the dynamic shape set now (0: none yet)
 
-    @property
-    def a_addr(self) -> int:
-        return self.mems[0].contents.virt_addr
-
-    @property
-    def c_addr(self) -> int:
-        return self.mems[2].contents.virt_addr
+    def c_part(self) -> npu_round.CPart:
+        """This part as the C round reads it."""
+        b = self.blk
+        return npu_round.CPart(self.ctx, b.k0, b.k1, b.n0, b.n1, int(b.adds), self.mems[0].contents.virt_addr,
+                               self.mems[2].contents.virt_addr)
 
 
 def _view(mem: ctypes._Pointer, dtype: type, count: int) -> np.ndarray:
@@ -149,7 +149,8 @@ def library_id(path: str) -> str:
 class NpuInt8Matmul:
     """int8 x int8 -> int32 on the NPU: the `Int8Matmul` protocol of `int8mm.py`."""
 
-    def __init__(self, lib: api.MatmulLib, cores: Sequence[int] = CORES, domain: int = DECODER_DOMAIN):
+    def __init__(self, lib: api.MatmulLib, cores: Sequence[int] = CORES, domain: int = DECODER_DOMAIN,
+                 c_round: bool = True):
         if not cores or any(c not in CORES for c in cores) or len(set(cores)) != len(cores):
             raise ConfigError(f"NPU cores {list(cores)}: need distinct cores out of {list(CORES)}")
         self.lib, self.cores, self.domain = lib, tuple(cores), domain
@@ -158,9 +159,9 @@ class NpuInt8Matmul:
         self.n: dict[str, int] = {}
         self.tables: dict[str, ctypes.Array] = {}
         # the first part of a call runs on the caller's thread, the others on one thread per core: C
-        # helper threads (npu_round), else (no operator library) Python's pool
+        # helper threads (npu_round), else (no operator library, or c_round False) Python's pool
         run_addr = ctypes.cast(lib.cdll.rknn_matmul_run, ctypes.c_void_p).value
-        self.round = npu_round.c_round(run_addr, len(self.cores) - 1) if run_addr else None
+        self.round = npu_round.c_round(run_addr, len(self.cores) - 1) if c_round else None
         self.pool = (ThreadPoolExecutor(len(self.cores) - 1, thread_name_prefix="npu-mm")
                      if self.round is None and len(self.cores) > 1 else None)
         self.numerics = f"librknnrt-{library_id(lib.path)}-cores{','.join(map(str, self.cores))}"
@@ -170,27 +171,22 @@ class NpuInt8Matmul:
         check_weight(name, w, self.weights)
         K, N = w.shape
         parts: list[_Part] = []
-        written = np.zeros(N // ALIGN, bool)
         try:
             for core, blk in zip(self.cores, split_weight(K, N, len(self.cores))):
-                seen = written[blk.n0 // ALIGN:blk.n1 // ALIGN]
-                adds = bool(seen.all())  # a cut of K: every column written before, or none (split_weight)
-                assert adds or not seen.any(), f"part {blk} overlaps earlier parts in part of its columns"
-                seen[:] = True
-                parts.append(self._part(core, blk, adds, w))
+                parts.append(self._part(core, blk, w))
         except BaseException:
             self._release(parts)
             raise
         self.weights[name], self.k[name], self.n[name] = parts, K, N
         if self.round is not None:
-            self.tables[name] = self.round.table(parts)
+            self.tables[name] = npu_round.table([p.c_part() for p in parts])
 
-    def _part(self, core: int, blk: Block, adds: bool, w: np.ndarray) -> _Part:
+    def _part(self, core: int, blk: Block, w: np.ndarray) -> _Part:
         K, n = blk.k1 - blk.k0, blk.n1 - blk.n0
         info = api.MatmulInfo(K=K, N=n, type=api.MatmulType.INT8_MM_INT8_TO_INT32, B_layout=api.Layout.NATIVE,
                               AC_layout=api.Layout.NORM, iommu_domain_id=self.domain)
         ctx, attrs = self.lib.create_dynamic_shape(info, [api.Shape(m, K, n) for m in M_SHAPES])
-        part = _Part(ctx, core, blk.k0, blk.k1, blk.n0, blk.n1, adds, attrs)
+        part = _Part(ctx, core, blk, attrs)
         try:
             self.lib.set_core_mask(ctx, api.CORE_MASKS[core])
             big = attrs[-1]
@@ -232,8 +228,8 @@ class NpuInt8Matmul:
             return
         for p in parts:
             assert p.a is not None
-            k = p.k1 - p.k0
-            p.a[:m * k].reshape(m, k)[:] = a[:, p.k0:p.k1]
+            k = p.blk.k1 - p.blk.k0
+            p.a[:m * k].reshape(m, k)[:] = a[:, p.blk.k0:p.blk.k1]
             p.a[m * k:shape * k] = 0  # padding rows: zero (they never mix into the real rows)
         if self.pool is not None and len(parts) > 1:
             others = [self.pool.submit(self.lib.run, p.ctx) for p in parts[1:]]
@@ -245,19 +241,19 @@ class NpuInt8Matmul:
         else:
             for p in parts:
                 self.lib.run(p.ctx)
-        for p in parts:  # in order: a part that adds comes after the part that wrote its columns
+        for p in parts:  # in order: a part that adds comes after the parts that wrote its columns
             assert p.c is not None
-            n = p.n1 - p.n0
-            c = p.c[:m * n].reshape(m, n)
-            if p.adds:  # exact: |sum| <= 127 * 127 * K < 2**31 (check_weight's K bound)
-                out[:, p.n0:p.n1] += c
+            b = p.blk
+            c = p.c[:m * (b.n1 - b.n0)].reshape(m, b.n1 - b.n0)
+            if b.adds:  # exact: |sum| <= 127 * 127 * K < 2**31 (check_weight's K bound)
+                out[:, b.n0:b.n1] += c
             else:
-                out[:, p.n0:p.n1] = c
+                out[:, b.n0:b.n1] = c
 
     def _set_shape(self, p: _Part, m: int) -> None:
         attrs = p.attrs[M_SHAPES.index(m)]
         p.m = 0  # unusable until both buffers are bound to the new shape
-        self.lib.set_dynamic_shape(p.ctx, api.Shape(m, p.k1 - p.k0, p.n1 - p.n0))
+        self.lib.set_dynamic_shape(p.ctx, api.Shape(m, p.blk.k1 - p.blk.k0, p.blk.n1 - p.blk.n0))
         self.lib.set_io_mem(p.ctx, p.mems[0], attrs.A)
         self.lib.set_io_mem(p.ctx, p.mems[2], attrs.C)
         p.m = m
@@ -292,7 +288,8 @@ class NpuInt8Matmul:
             self.pool = None
 
 
-def open_npu_matmul(lib: str | None = None, cores: Sequence[int] = CORES,
-                    domain: int = DECODER_DOMAIN) -> NpuInt8Matmul:
-    """The NPU engine over `lib` (None: `$EDGE_LLM_LIBRKNNRT`, else librknnrt.so from the loader)."""
-    return NpuInt8Matmul(api.load_library(api.library_path(lib)), cores, domain)
+def open_npu_matmul(lib: str | None = None, cores: Sequence[int] = CORES, domain: int = DECODER_DOMAIN,
+                    c_round: bool = True) -> NpuInt8Matmul:
+    """The NPU engine over `lib` (None: `$EDGE_LLM_LIBRKNNRT`, else librknnrt.so from the loader);
+    `c_round` False: its rounds on Python's thread pool even where the C round is built (to compare)."""
+    return NpuInt8Matmul(api.load_library(api.library_path(lib)), cores, domain, c_round)

@@ -219,7 +219,8 @@ def markdown_mm(res: dict) -> str:
              f"{res['cpu_isa']}",
              f"- per call: run {m['run_us']:.1f} us on one core (rknn_matmul_run {m['lib_run_us']:.1f} us), "
              f"a round over {m['round_cores']} cores {m['round_us']:.1f} us, the engine's own "
-             f"{m['engine_us']:.1f} us of it (prediction: 33 us per call + the engine's)"]
+             f"{m['engine_us']:.1f} us of it (prediction: 33 us per call + the engine's; on Python's thread "
+             f"pool {m['pool_round_us']:.1f} us)"]
     for shape, by in m["gbps"].items():
         lines.append(f"- stream {shape}: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in by.items())
                      + " (prediction: 11 GB/s on one core, 26.6 over three)")

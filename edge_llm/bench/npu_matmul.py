@@ -8,7 +8,8 @@
   threads, with a CPU pause between rounds as a decode token has (`ROUND_GAP_US`), over as many
   cores as this machine has CPUs for (a thread each: on a board three of its eight; here maybe
   fewer). `round_us - lib_run_us` is the engine's own time per round, which the prediction counts
-  (`npu_predict.Rates.engine_us`);
+  (`npu_predict.Rates.engine_us`); the same round on Python's thread pool (`pool_round_us`, the
+  fallback without the operator library) for comparison;
 - GB/s: int8 weight bytes / median time of `run` at M = 1, for a 2048 x 6144 weight (the 2B's
   gate/up width) and one core's third of the 2B head (2048 x 50656), on core 0 and over 0, 1, 2.
 
@@ -45,13 +46,16 @@ class MatmulBench:
     lib_run_us: float  # median rknn_matmul_run alone, same context
     round_us: float = 0.0  # median NpuInt8Matmul.run, M = 1, a 32-column part on each of `round_cores`
     round_cores: int = 0
+    round_c: bool = False  # the round above ran in C (npu_round), not on Python's pool
+    pool_round_us: float = 0.0  # the same round on Python's thread pool (the fallback), to compare
     gbps: dict[str, dict[str, float]] = field(default_factory=dict)  # shape -> {"1 core", "3 cores"} -> GB/s
 
     def lines(self) -> list[str]:
         out = [f"NPU matmul engine {self.numerics} on {self.machine}",
                f"  per-call: run {self.run_us:.1f} us (M=1, 32x32, one core), of it rknn_matmul_run "
                f"{self.lib_run_us:.1f} us; a round over {self.round_cores} cores {self.round_us:.1f} us "
-               f"(the engine's own {self.engine_us:.1f} us)"]
+               f"{'in C' if self.round_c else 'on Python threads'} (the engine's own {self.engine_us:.1f} us), "
+               f"on Python's thread pool {self.pool_round_us:.1f} us"]
         for shape, by in self.gbps.items():
             out.append(f"  stream {shape} int8, M=1: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in by.items()))
         return out
@@ -113,13 +117,19 @@ def bench_matmul(lib: str | None = None, reps: int = 200, stream_reps: int = 5,
     finally:
         one.close()
     cores = round_cores()
-    many = open_npu_matmul(lib, cores=cores)
-    try:
-        many.add("round", rng.integers(-127, 128, (TINY[0], TINY[1] * len(cores)), dtype=np.int8))
-        res.round_us = _median_s(lambda: many.run("round", a), reps, ROUND_GAP_US / 1e6) * 1e6
-        res.round_cores = len(cores)
-    finally:
-        many.close()
+    res.round_cores = len(cores)
+    w = rng.integers(-127, 128, (TINY[0], TINY[1] * len(cores)), dtype=np.int8)
+    for c_round in (True, False):  # the engine's round (C where built), then Python's pool to compare
+        many = open_npu_matmul(lib, cores=cores, c_round=c_round)
+        try:
+            many.add("round", w)
+            us = _median_s(lambda: many.run("round", a), reps, ROUND_GAP_US / 1e6) * 1e6
+        finally:
+            many.close()
+        if c_round:
+            res.round_us, res.round_c = us, many.round is not None
+        else:
+            res.pool_round_us = us
     for label, (K, N) in shapes.items():
         w = rng.integers(-127, 128, (K, N), dtype=np.int8)
         a = rng.integers(-127, 128, (1, K), dtype=np.int8)

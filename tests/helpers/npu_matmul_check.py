@@ -76,7 +76,7 @@ def bitwise(lib_path: str, cases=SMALL_CASES, seed: int = 0) -> dict:
                 checked += 1
                 if got.dtype != np.int32 or not np.array_equal(got, want):
                     mismatches.append([K, N, m])
-        parts = {name: [[p.core, p.k0, p.k1, p.n0, p.n1] for p in ps] for name, ps in npu.weights.items()}
+        parts = {name: [[p.core, p.blk.k0, p.blk.k1, p.blk.n0, p.blk.n1] for p in ps] for name, ps in npu.weights.items()}
         masks = sorted({tuple(context_info(lib_path, p.ctx)) for ps in npu.weights.values() for p in ps})
         during = list(live(lib_path))
     finally:
