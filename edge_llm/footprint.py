@@ -1,5 +1,4 @@
-"""Before anything is loaded: which backend runs (`choose_backend`), what the configuration will
-hold in memory (`estimate_memory`), how much memory this process may really use
+"""Before anything is loaded: what the configuration will hold in memory (`estimate_memory`), how much memory this process may really use
 (`available_memory`: MemAvailable and the cgroup's limit), and the refusal when it does not fit
 (`admit`). The server, `edge-llm generate` and `edge-llm doctor` all go through these, so the
 refusal at start-up and doctor's "memory" line print the same numbers (docs/board.md, "Memory").
@@ -37,53 +36,6 @@ ESTIMATE_MARGIN = 1.3
 
 class MemoryRefused(ConfigError):
     """The configuration would not fit the memory this process may use (exit EXIT_REFUSED)."""
-
-
-# ---- backend choice ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class BackendChoice:
-    """The backend that runs and why: `auto`'s reason, or that the configuration names it."""
-
-    name: str  # cpu | cpu-q | rknn
-    reason: str
-    auto: bool
-
-    def describe(self) -> str:
-        return f"backend {'auto -> ' if self.auto else ''}{self.name} ({self.reason})"
-
-
-def quant_runtime() -> str | None:
-    """onnxruntime's version when cpu-q can run here (onnx and onnxruntime installed), else None.
-    Found without importing them (onnxruntime is imported only where a session starts)."""
-    import importlib.metadata as md
-    import importlib.util
-
-    try:
-        if importlib.util.find_spec("onnx") is None or importlib.util.find_spec("onnxruntime") is None:
-            return None
-    except (ImportError, ValueError):  # a finder refuses it, or a broken half-installed package
-        return None
-    try:
-        return md.version("onnxruntime")
-    except md.PackageNotFoundError:  # another distribution of the module (e.g. a GPU build)
-        return "(version unknown)"
-
-
-def choose_backend(s: Settings, model_dir: str | Path, sysroot: str | Path = "/") -> BackendChoice:
-    """`backend = auto` picks rknn (an NPU and a manifest matching this model), else cpu-q
-    (onnxruntime importable), else cpu; an explicit backend is taken as is."""
-    if s.backend != "auto":
-        return BackendChoice(s.backend, "set in the configuration", auto=False)
-    from edge_llm.backends.rknn import npu_usable
-
-    ok, why = npu_usable(s.rknn_dir, model_dir, sysroot)
-    if ok:
-        return BackendChoice("rknn", why, auto=True)
-    ort = quant_runtime()
-    if ort is not None:
-        return BackendChoice("cpu-q", f"{why}; onnxruntime {ort} importable", auto=True)
-    return BackendChoice("cpu", f"{why}; onnxruntime not importable (pip install 'edge-llm[quant]' "
-                         "for the 4-bit backend)", auto=True)
 
 
 # ---- the model's sizes ---------------------------------------------------------------------------
@@ -156,7 +108,7 @@ def _quantized_bytes(model_dir: Path | None, quant: str) -> int | None:
     if model_dir is None:
         return None
     try:
-        from edge_llm.backends.cpuq import built_weight_bytes
+        from edge_llm.backends.cpuq.backend import built_weight_bytes
 
         return built_weight_bytes(model_dir, quant)
     except Exception:  # not built, or unreadable: the estimate falls back to the ratio
@@ -164,8 +116,8 @@ def _quantized_bytes(model_dir: Path | None, quant: str) -> int | None:
 
 
 def _has_npu_tower(rknn_dir: str | Path) -> bool:
-    from edge_llm.backends.manifest import MANIFEST
-    from edge_llm.backends.vision_graph import VISION_DIR
+    from edge_llm.backends.graph.manifest import MANIFEST
+    from edge_llm.backends.tower.graph import VISION_DIR
 
     return (Path(rknn_dir) / VISION_DIR / MANIFEST).is_file()
 

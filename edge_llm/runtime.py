@@ -1,5 +1,5 @@
 """Build a ready Engine from settings: model dir -> backend choice -> memory admission -> model,
-tokenizer, KV cache, snapshot store (edge_llm/footprint.py holds the choice and the estimate).
+tokenizer, KV cache, snapshot store (edge_llm/backends/choice.py holds the choice, edge_llm/footprint.py the estimate).
 
 Shared by `edge-llm generate`, `edge-llm serve`, `edge-llm doctor` and the benchmarks so all load
 (and size) a model the same way. `progress(text)` is called as loading advances (the server turns
@@ -14,7 +14,8 @@ from pathlib import Path
 
 from edge_llm.drafting import DraftConfig
 from edge_llm.engine import Engine
-from edge_llm.footprint import BackendChoice, ModelSizes, admit, choose_backend, estimate_memory
+from edge_llm.backends.choice import BackendChoice, choose_backend
+from edge_llm.footprint import ModelSizes, admit, estimate_memory
 from edge_llm.kvcache import KVCache
 from edge_llm.safetext import printable
 from edge_llm.settings import Settings, resolve
@@ -23,13 +24,13 @@ log = logging.getLogger(__name__)
 
 
 def make_backend(s: Settings, choice: BackendChoice, model_dir: Path, say: Callable[[str], None] = lambda _t: None):
-    """The backend `choice` names (edge_llm/footprint.choose_backend), loaded with the settings."""
+    """The backend `choice` names (edge_llm/backends/choice.py), loaded with the settings."""
     from edge_llm.backends import get_backend
     from edge_llm.errors import ConfigError
 
     name = choice.name
     if name == "cpu-q":
-        from edge_llm.backends.cpuq import open_cpu_q
+        from edge_llm.backends.cpuq.backend import open_cpu_q
         from edge_llm.checkpoints.gguf_blocks import gguf_blocks
 
         return open_cpu_q(model_dir, s.quant, s.threads, progress=say, decode_graph=s.decode_graph,
@@ -38,7 +39,7 @@ def make_backend(s: Settings, choice: BackendChoice, model_dir: Path, say: Calla
         return get_backend(name)
     if not s.rknn_dir:
         raise ConfigError("backend rknn needs rknn_dir (an `edge-llm convert rknn` output directory)")
-    from edge_llm.backends.rknn import open_rknn
+    from edge_llm.backends.npu.backend import open_rknn
 
     return open_rknn(s.rknn_dir, s.rknn_runner, model_dir=model_dir,
                      progress=lambda spec: say(f"loading NPU graph {spec.name}"))
@@ -49,12 +50,12 @@ def make_tower_graph(s: Settings, choice: BackendChoice, model_dir: Path, say: C
     if not s.vision_graph:
         return None
     if choice.name == "cpu-q":
-        from edge_llm.backends.vision_graph import open_ort_tower
+        from edge_llm.backends.tower.graph import open_ort_tower
 
         return open_ort_tower(model_dir, threads=s.threads, progress=say)
     if choice.name == "rknn" and s.rknn_dir:
-        from edge_llm.backends.runners import RunnerError
-        from edge_llm.backends.vision_graph import open_rknn_tower
+        from edge_llm.backends.graph.runners import RunnerError
+        from edge_llm.backends.tower.graph import open_rknn_tower
 
         try:
             # an npu-mm decoder's runners run int8 matmuls; a tower graph beside it runs on the graph runners

@@ -34,10 +34,10 @@ HOME_ENV = "EDGE_LLM_HOME"
 CONFIG_ENV = "EDGE_LLM_CONFIG"
 AUTO = "auto"  # disk_kv / log_file: the default location (resolved by `resolve`)
 BACKEND_NAMES = ("cpu", "cpu-q", "rknn", "auto")  # edge_llm/runtime.make_backend maps these to backends
-QUANT_MODES = ("q4",)  # backend cpu-q; edge_llm/backends/cpuq.MODES defines them
+QUANT_MODES = ("q4",)  # backend cpu-q; edge_llm/backends/cpuq/backend.MODES defines them
 RKNN_RUNNERS = ("auto", "rknnlite", "sim", "onnxruntime", "host", "librknnrt")  # docs/npu.md
 MM_RUNNERS = ("host", "librknnrt")  # the ones of an `edge-llm convert npu-mm` directory (docs/npu.md, "The matmul path")
-# `edge-llm convert npu-mm`'s choices and defaults (convert/mm8.py; measured in docs/npu.md, "The matmul path")
+# `edge-llm convert npu-mm`'s choices and defaults (convert/npu_mm.py; measured in docs/npu.md, "The matmul path")
 MM_ROTATIONS = ("none", "hadamard")
 MM_CLIPS = ("none", "mse")
 MM_ROTATION, MM_DOWN_ROTATION, MM_CLIP, MM_GPTQ_TOKENS = "hadamard", "hadamard", "mse", 2048

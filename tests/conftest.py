@@ -172,7 +172,7 @@ def default_mm_rtn(default_model_dir: Path, tmp_path_factory) -> Path:
     weights (`gptq_tokens=0`: seconds instead of GPTQ's minutes), shared by the tests that compare
     the matmul path's engines and decode paths or time it; the accuracy targets need the default
     conversion, which tests/test_mm8.py makes through the CLI."""
-    from edge_llm.convert.mm8 import convert_mm8
+    from edge_llm.convert.npu_mm import convert_mm8
 
     out = tmp_path_factory.mktemp("default-mm") / "mm"
     convert_mm8(default_model_dir, out, gptq_tokens=0)

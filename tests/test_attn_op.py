@@ -1,4 +1,4 @@
-"""The attention operator `ai.edge_llm.AttnRow` (backends/_attn.c, docs/quantization.md):
+"""The attention operator `ai.edge_llm.AttnRow` (backends/kernels/_attn.c, docs/quantization.md):
 against a float64 numpy reference of GQA softmax attention, across head shapes (the specialized
 D = 64 / 128 bodies and the generic loop), row counts on both sides of its 256-row chunks and
 the empty cache; the same bits on 1, 2 and 3 onnxruntime threads and from the one-thread entry
@@ -13,12 +13,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_llm.backends import attn_kernel
+from edge_llm.backends import kernels
 
 ort = pytest.importorskip("onnxruntime", reason="the quant extra (onnxruntime) is not installed")
 from onnx import TensorProto, helper  # noqa: E402
 
-pytestmark = pytest.mark.skipif(attn_kernel.library_path() is None,
+pytestmark = pytest.mark.skipif(kernels.library_path() is None,
                                 reason="the attention operator was not built (no C compiler at install)")
 
 SHAPES = [(9, 3, 64), (16, 8, 128), (4, 1, 64), (12, 3, 32), (10, 2, 48)]  # last two: generic loop
@@ -27,17 +27,17 @@ ROWS = [0, 1, 255, 256, 257, 1000]
 
 def session(H: int, n_kv: int, D: int, threads: int):
     kv = n_kv * D
-    node = helper.make_node(attn_kernel.ATTN_OP, ["q", "k", "v", "kn", "vn"], ["y"], domain=attn_kernel.ATTN_DOMAIN,
+    node = helper.make_node(kernels.ATTN_OP, ["q", "k", "v", "kn", "vn"], ["y"], domain=kernels.ATTN_DOMAIN,
                             num_heads=H, kv_heads=n_kv)
     ins = [helper.make_tensor_value_info(n, TensorProto.FLOAT, s)
            for n, s in (("q", ["T", H * D]), ("k", ["S", kv]), ("v", ["S", kv]), ("kn", ["T", kv]), ("vn", ["T", kv]))]
     graph = helper.make_graph([node], "attn", ins, [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["T", H * D])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                    helper.make_opsetid(attn_kernel.ATTN_DOMAIN, 1)])
+                                                    helper.make_opsetid(kernels.ATTN_DOMAIN, 1)])
     model.ir_version = 8
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
-    attn_kernel.register(opts)
+    kernels.register(opts)
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
@@ -52,7 +52,7 @@ def reference(q, K, V, H, n_kv, D):
 
 
 def direct(q, K, V, S, H, n_kv, D):
-    lib = attn_kernel.library()
+    lib = kernels.library()
     out = np.full((H, D), np.nan, np.float32)
     work = np.empty(lib.edge_attn_work_size(S, H, D), np.float32)
     assert lib.edge_attn_row(q.ctypes.data, K.ctypes.data, V.ctypes.data, K[S:].ctypes.data, V[S:].ctypes.data,
@@ -84,7 +84,7 @@ def test_matches_reference_and_threads_do_not_change_bits(H, n_kv, D):
 def test_query_rows_are_one_row_calls_over_the_rows_before_them(H, n_kv, D):
     rng = np.random.default_rng(H * 7 + D)
     sessions = [session(H, n_kv, D, t) for t in (1, 2)]
-    lib = attn_kernel.library()
+    lib = kernels.library()
     # S across the chunk edges, T whose new rows cross them (255 + 2, 250 + 9, 500 + 17)
     for S, T in ((0, 2), (1, 5), (250, 9), (255, 2), (256, 9), (500, 17), (1000, 3)):
         K = rng.standard_normal((S + T, n_kv * D), dtype=np.float32)
@@ -116,12 +116,12 @@ def test_bad_shapes_are_refused_by_onnxruntime():
         s.run(None, ok | {"v": np.zeros((4, 192), np.float32)})  # V rows != K rows
     with pytest.raises(Exception, match="k_new, v_new must be"):
         s.run(None, ok | {"q": np.zeros((2, 576), np.float32)})  # 2 query rows, 1 new row
-    lib = attn_kernel.library()
+    lib = kernels.library()
     assert lib.edge_attn_row(None, None, None, None, None, 5, 192, 9, 2, 64, None, None) == -1  # 9 % 2 heads
 
 
 def test_isa_names_the_code_path():
-    isa = attn_kernel.isa()
+    isa = kernels.isa()
     assert isa.endswith("-c256") and isa.split("-")[0] in ("x86_64", "aarch64", "generic")
 
 
@@ -140,8 +140,8 @@ def test_x86_clones_each_built_alone(tmp_path, march, flag):
     exe = tmp_path / "attn_check"
     build = subprocess.run(["gcc", "-O3", "-fopenmp-simd", "-Wno-psabi", "-Wall", "-Werror", f"-march={march}",
                             "-DEDGE_ATTN_ONE_ISA", f"-I{repo / 'third_party/onnxruntime/include'}", "-o", str(exe),
-                            str(repo / "tests/c/attn_check.c"), str(repo / "edge_llm/backends/_attn.c"),
-                            str(repo / "edge_llm/backends/_qmatmul.c"), "-lm"],
+                            str(repo / "tests/c/attn_check.c"), str(repo / "edge_llm/backends/kernels/_attn.c"),
+                            str(repo / "edge_llm/backends/cpuq/_qmatmul.c"), "-lm"],
                            capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
@@ -165,8 +165,8 @@ def test_aarch64_neon_build_under_qemu(tmp_path):
     exe = tmp_path / "attn_check"
     build = subprocess.run([cc, "-O3", "-fopenmp-simd", "-Wno-psabi", "-Wall", "-Werror",
                             f"-I{repo / 'third_party/onnxruntime/include'}", "-o", str(exe),
-                            str(repo / "tests/c/attn_check.c"), str(repo / "edge_llm/backends/_attn.c"),
-                            str(repo / "edge_llm/backends/_qmatmul.c"), "-lm"],
+                            str(repo / "tests/c/attn_check.c"), str(repo / "edge_llm/backends/kernels/_attn.c"),
+                            str(repo / "edge_llm/backends/cpuq/_qmatmul.c"), "-lm"],
                            capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr
     run = subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe)], capture_output=True, text=True,

@@ -6,7 +6,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from edge_llm.backends.manifest import GraphEntry, Manifest
+from edge_llm.backends.graph.manifest import GraphEntry, Manifest
 from edge_llm.bench.decode import npu_forward_ms, npu_prediction, replay
 
 
@@ -18,7 +18,7 @@ def graph(name, kind, rows, cyc):
 def test_replay_runs_the_engines_drafting_on_a_known_answer():
     """The forwards the engine would run for a greedy answer: a free profile drafts the repeated
     text and verifies it in few forwards; a profile where drafts never pay runs one row per token."""
-    from edge_llm.backends.graphs import NEVER_PAYS, ForwardCost
+    from edge_llm.backends.cost import NEVER_PAYS, ForwardCost
 
     text = [5, 6, 7, 8, 9, 10, 11, 12]
     prompt, answer = text * 2, text * 2  # the answer repeats the prompt
@@ -42,9 +42,9 @@ def test_npu_prediction_with_a_one_row_head_runs_it_once_per_row():
 
 
 def test_npu_prediction_with_a_head_that_batches_the_verify_rows():
-    """What `convert rknn` builds now (graphs.head_rows): the head also at the smallest multi-row
+    """What `convert rknn` builds now (schema.head_rows): the head also at the smallest multi-row
     chunk, so a verify forward of up to 32 rows runs it once, and drafting pays."""
-    from edge_llm.backends.graphs import graph_specs, head_rows
+    from edge_llm.backends.graph.schema import graph_specs, head_rows
     from edge_llm.config import ModelArgs
 
     assert head_rows((1, 32, 128)) == (1, 32) and head_rows((1,)) == (1,)

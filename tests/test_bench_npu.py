@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from edge_llm.backends.onnx_export import export_graph_set
-from edge_llm.backends.rknn import npu_present
+from edge_llm.backends.graph.onnx_export import export_graph_set
+from edge_llm.backends.npu.backend import npu_present
 
 
 @pytest.mark.skipif(npu_present() is not None, reason="this machine has an NPU")
@@ -54,7 +54,7 @@ def test_matmul_path_through_the_fake_library(default_mm, fake_librknnrt, tmp_pa
     """`bench npu` on an npu-mm directory end to end, through the binding and the tests' fake
     librknnrt.so (C on this CPU standing in for Rockchip's closed library: no NPU here); the table
     says the figures are the fake's, and the prediction next to them is the model's arithmetic."""
-    from edge_llm.bench.npu_predict import Plan, Rates
+    from edge_llm.bench.npu.predict import Plan, Rates
     from edge_llm.config import ModelArgs
 
     model, mm = default_mm
@@ -91,9 +91,9 @@ def test_predict_only_prints_the_prediction(tiny_synth_dir, edge_home, tmp_path,
     --npu-layers, the drafting rows of bench decode's answers (default model, cpu backend), the
     engine's own time per round measured over --lib (here the tests' fake librknnrt, C on this CPU
     standing in for Rockchip's library: only the engine's time around its call is used)."""
-    from edge_llm.bench.npu_predict import Plan, Rates
+    from edge_llm.bench.npu.predict import Plan, Rates
     from edge_llm.config import ModelArgs
-    from edge_llm.convert.mm8 import convert_mm8
+    from edge_llm.convert.npu_mm import convert_mm8
 
     convert_mm8(tiny_synth_dir, tmp_path / "mm", gptq_tokens=0)
     env = {**os.environ, "EDGE_LLM_HOME": str(edge_home)}

@@ -1,6 +1,6 @@
 """The board as it ships, on an emulated arm64 Debian bookworm with systemd as PID 1.
 
-`tools/board_emu.py` boots the rootfs under qemu-user with systemd-nspawn and installs the
+`tests/board/board_emu.py` boots the rootfs under qemu-user with systemd-nspawn and installs the
 checkout with board/install.sh exactly as docs/board.md says, with a tiny synthetic Qwen3-VL
 model (emulated numpy is ~500x slower than native). The service is then driven only through
 `systemctl`, `journalctl` and HTTP (the board shares this host's network; its port is set in
@@ -37,7 +37,7 @@ from edge_llm.bench.client import (
 from edge_llm.snapshot.layout import SNAPSHOT_GLOB, SNAPSHOT_NAME
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tests" / "board"))
 import board_container  # noqa: E402
 import board_emu  # noqa: E402
 import board_image  # noqa: E402
@@ -322,7 +322,7 @@ def test_npu_backend_without_npu(board, tmp_path):
     """`--backend rknn` on a board without an NPU refuses to start and says why; `--backend auto`
     with a fake NPU node but no NPU graphs falls back to cpu-q and logs the reason. The graph set is a real export of the installed model
     (ONNX + manifest, made on this host); the NPU is what cannot exist here."""
-    from edge_llm.backends.onnx_export import export_graph_set
+    from edge_llm.backends.graph.onnx_export import export_graph_set
 
     b = board
     export_graph_set(b.path(MODEL), tmp_path / "graphs")
@@ -446,7 +446,7 @@ def test_restore_is_a_cold_run_on_aarch64(board):
 
 
 def test_npu_matmul_engine_on_aarch64(board, tmp_path):
-    """rknn_mm.NpuInt8Matmul in the installed venv (arm64 Python and numpy) over the fake
+    """engine.NpuInt8Matmul in the installed venv (arm64 Python and numpy) over the fake
     librknnrt.so built with the aarch64 cross compiler (tests/fake_librknnrt: it stands in for
     Rockchip's closed library, which cannot exist without an NPU): results bitwise the host
     emulation's on the board, and Qwen3-VL-2B's int8 decoder in IOMMU domain 1 beside the vision

@@ -13,11 +13,11 @@ import sys
 import numpy as np
 import pytest
 
-from edge_llm.backends import cpuq
-from edge_llm.backends import quant as Q
-from edge_llm.backends.graphs import DECODE, GraphSpec
-from edge_llm.backends.onnx_export import GraphBuilder, sample_inputs
-from edge_llm.backends.quant_export import write_nbits
+from edge_llm.backends.cpuq import backend as cpuq
+from edge_llm.backends.cpuq import nbits as Q
+from edge_llm.backends.graph.schema import DECODE, GraphSpec
+from edge_llm.backends.graph.onnx_export import GraphBuilder, sample_inputs
+from edge_llm.backends.cpuq.nbits_export import write_nbits
 from edge_llm.checkpoints.gguf_blocks import gguf_blocks, gguf_source
 from modelutil import f32_bits
 
@@ -83,7 +83,7 @@ def test_default_gguf_tensors_are_exact(default_dir):
 
 
 def _run_linear(tmp_path, qw: Q.QuantWeight, x: np.ndarray, accuracy_level: int) -> np.ndarray:
-    from edge_llm.backends.runners import OrtRunner
+    from edge_llm.backends.graph.runners import OrtRunner
 
     spec = GraphSpec("lin", "qkv", 0, (), (("x", qw.K),), (("qkv", qw.N),))
     g = GraphBuilder("lin", tmp_path / "lin.onnx.data")
@@ -116,7 +116,7 @@ def test_matmulnbits_layout(case, tmp_path):
 
 # ---- against the F32 backend -----------------------------------------------------------------
 def test_every_layer_within_tolerance(cpu_q, default_dir, record_property):
-    from edge_llm.backends.cpu import CPUBackend
+    from edge_llm.backends.cpu.backend import CPUBackend
     from edge_llm.config import ModelArgs
     from edge_llm.weights import load_weights
 
@@ -222,8 +222,8 @@ def test_bits_do_not_depend_on_threads_or_neighbours(cpu_q, default_dir, quant, 
     values of the rows computed with it. Whether a row alone equals the same row in a batch is
     ISA-dependent (not on AVX2: another kernel for one row), so it is not asserted: the engine
     never needs it (its chunks are the same in a restored and a cold run)."""
-    from edge_llm.backends.graph import GraphBackend
-    from edge_llm.backends.runners import OrtRunner
+    from edge_llm.backends.graph.backend import GraphBackend
+    from edge_llm.backends.graph.runners import OrtRunner
 
     # q4f: accuracy level 0 (test_npu_accuracy.py builds it too), its one-row kernel differs on every ISA
     monkeypatch.setitem(cpuq.MODES, "q4f", cpuq.QuantMode("q4f", 4, cpuq.BLOCK, 0))

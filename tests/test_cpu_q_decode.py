@@ -1,4 +1,4 @@
-"""cpu-q's one-row decode graph (backends/decode_export.py, decode_step.py; docs/quantization.md):
+"""cpu-q's one-row decode graph (backends/cpuq/decode_export.py, decode_step.py; docs/quantization.md):
 it agrees with the per-layer cpu-q path, reads the cached rows in place without changing them,
 gives the same bits on 1 and 2 threads, and a missing or broken graph file is a clear error.
 Tiny random qwen3_vl model (MRoPE, q/k norm, GQA), re-quantized from BF16. The cross-process
@@ -12,9 +12,9 @@ import shutil
 import numpy as np
 import pytest
 
-from edge_llm.backends import cpuq
-from edge_llm.backends.decode_step import OrtDecodeStep
-from edge_llm.backends.graphs import DECODE
+from edge_llm.backends.cpuq import backend as cpuq
+from edge_llm.backends.cpuq.decode_step import OrtDecodeStep
+from edge_llm.backends.graph.schema import DECODE
 from edge_llm.errors import ConfigError
 from edge_llm.models.qwen3 import Model
 from modelutil import f32_bits
@@ -121,7 +121,7 @@ def test_a_verify_forward_is_the_one_row_steps_in_one_call(which, request, monke
     path), whichever path this CPU would pick. A prompt's rows never take the decode graph (they
     keep a cold prefill's batches), nor more rows than it takes. On the tiny model and on the
     default model's own blocks."""
-    from edge_llm.backends import attn_kernel
+    from edge_llm.backends import kernels
 
     model = request.getfixturevalue(which)
     counted = _Counted(model.backend.row_step)
@@ -137,7 +137,7 @@ def test_a_verify_forward_is_the_one_row_steps_in_one_call(which, request, monke
     assert counted.calls == calls + 1 and rows.shape == (len(toks), model.args.vocab_size)
     assert np.array_equal(f32_bits(rows), f32_bits(np.stack(steps)))
     assert np.array_equal(f32_bits(cache.data[:, :, S:S + len(toks)]), f32_bits(step_rows))
-    lib, native = attn_kernel.library(), attn_kernel.qmatmul_isa()
+    lib, native = kernels.library(), kernels.qmatmul_isa()
     try:
         for isa in ("avx2", "c"):
             if lib.edge_qmatmul_force(isa.encode()) != 0:
@@ -221,7 +221,7 @@ def test_missing_or_broken_decode_graph_is_a_clear_error(model, tiny_synth_dir, 
 def test_decode_graph_setting_off_has_its_own_numerics(model, tiny_synth_dir, home):
     """`decode_graph = false` (a 4 GB board: the graph holds a second copy of the weights) runs
     one-row steps on the per-layer graphs; other bits, so another snapshot namespace."""
-    from edge_llm.footprint import choose_backend
+    from edge_llm.backends.choice import choose_backend
     from edge_llm.runtime import make_backend
     from edge_llm.settings import Settings
 
@@ -236,25 +236,25 @@ def test_decode_graph_setting_off_has_its_own_numerics(model, tiny_synth_dir, ho
 
 def test_attention_and_linears_are_our_operators_and_old_directories_are_rebuilt(model, tiny_synth_dir, home, tmp_path,
                                                                            monkeypatch):
-    """The decode graph's attention is one `ai.edge_llm.AttnRow` node per layer (backends/_attn.c)
+    """The decode graph's attention is one `ai.edge_llm.AttnRow` node per layer (backends/kernels/_attn.c)
     and the numerics names its code path; a graph directory of the previous format (attention
     as onnxruntime matmuls) is rebuilt on first use, not run under the new numerics."""
     import json
 
     import onnx
 
-    from edge_llm.backends import attn_kernel
+    from edge_llm.backends import kernels
 
     root, m = cpuq.ensure_quantized(tiny_synth_dir, cpuq.mode("q4"), blocks=None)
     graph = onnx.load(str(m.onnx_files(root)[DECODE]), load_external_data=False)
     ops = [n.op_type for n in graph.graph.node]
-    assert ops.count(attn_kernel.ATTN_OP) == model.args.num_hidden_layers
+    assert ops.count(kernels.ATTN_OP) == model.args.num_hidden_layers
     assert "Softmax" not in ops and "Tile" not in ops
     # every linear (q/k/v, o, gate/up, down per layer, the head) is MatMulQ; no MatMulNBits and
     # no block-sum term of a float minimum
-    assert ops.count(attn_kernel.QMATMUL_OP) == 4 * model.args.num_hidden_layers + 1
+    assert ops.count(kernels.QMATMUL_OP) == 4 * model.args.num_hidden_layers + 1
     assert "MatMulNBits" not in ops and "ReduceSum" not in ops
-    assert model.numerics.endswith(f":attn-{attn_kernel.isa()}")
+    assert model.numerics.endswith(f":attn-{kernels.isa()}")
 
     old = tmp_path / "home"
     shutil.copytree(home / "quant", old / "quant")
@@ -271,9 +271,9 @@ def test_attention_and_linears_are_our_operators_and_old_directories_are_rebuilt
 def test_without_the_built_operator_one_row_steps_use_the_layer_graphs(model, tiny_synth_dir, monkeypatch, caplog):
     """A package installed without a C compiler has no `_attn` library: cpu-q still runs, one-row
     steps on the per-layer graphs, under their own numerics, and says so in the log."""
-    from edge_llm.backends import attn_kernel
+    from edge_llm.backends import kernels
 
-    monkeypatch.setattr(attn_kernel, "library_path", lambda: None)
+    monkeypatch.setattr(kernels, "library_path", lambda: None)
     with caplog.at_level("WARNING"):
         be = cpuq.open_cpu_q(tiny_synth_dir, "q4", threads=2, blocks=None)
     assert be.row_step is None and be.numerics.endswith(":per-layer-decode")

@@ -1,4 +1,4 @@
-"""Image input through cpu-q's fused graphs (backends/graph.py, models/qwen3.py; docs/quantization.md).
+"""Image input through cpu-q's fused graphs (backends/graph/backend.py, models/qwen3.py; docs/quantization.md).
 
 cpu-q's `step` graph is layer l's post and layer l+1's qkv in one call; Qwen3-VL adds DeepStack
 features to the image rows of h after its first layers, so a qkv fused into those steps would be
@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from edge_llm.backends import cpuq
-from edge_llm.backends.graph import GraphBackend
-from edge_llm.backends.graphs import QKV
-from edge_llm.backends.manifest import Manifest
-from edge_llm.backends.onnx_export import export_graph_set, rms_norm_op
-from edge_llm.backends.quant_export import QuantLinear
-from edge_llm.backends.runners import OrtRunner
+from edge_llm.backends.cpuq import backend as cpuq
+from edge_llm.backends.graph.backend import GraphBackend
+from edge_llm.backends.graph.schema import QKV
+from edge_llm.backends.graph.manifest import Manifest
+from edge_llm.backends.graph.onnx_export import export_graph_set, rms_norm_op
+from edge_llm.backends.cpuq.nbits_export import QuantLinear
+from edge_llm.backends.graph.runners import OrtRunner
 from edge_llm.config import ModelArgs
 from edge_llm.errors import ConfigError
 from edge_llm.models.qwen3 import Model

@@ -103,7 +103,7 @@ def test_hf_model_sizes_and_identity(tmp_path: Path, monkeypatch: pytest.MonkeyP
     from edge_llm.config import ModelArgs
     from edge_llm.snapshot.identity import Identity
 
-    from edge_llm.backends.cpu import cpu_numerics
+    from edge_llm.backends.cpu.backend import cpu_numerics
 
     ns = Identity.for_model(model, ModelArgs.from_dir(model), cpu_numerics()).namespace
     (tmp_path / "kv" / ns).mkdir(parents=True)

@@ -27,7 +27,7 @@ def test_lookup_takes_the_most_recent_longest_match_and_stops_at_image_rows():
 
 
 def test_policy_drafts_only_where_the_cost_profile_says_it_pays():
-    from edge_llm.backends.graphs import NEVER_PAYS, ForwardCost
+    from edge_llm.backends.cost import NEVER_PAYS, ForwardCost
 
     free = ForwardCost(1.0, 0.0)  # a weight-bound forward: T rows cost one
     d = Drafter(DraftConfig(), free, arr(*range(10), *range(10)), max_new=20)
@@ -57,7 +57,7 @@ def test_a_site_where_copying_fails_stops_drafting_there_only():
     """Lines that repeat their structure but not their numbers (the 135M model's answers from a
     log): after a drafting site (the last two tokens) fails, drafts there need its own estimate
     to recover, while the other sites keep the conversation's."""
-    from edge_llm.backends.graphs import ForwardCost
+    from edge_llm.backends.cost import ForwardCost
 
     line = [5, 6, 7, 8]  # "the east warehouse received" ... then a number that changes
     d = Drafter(DraftConfig(), ForwardCost(1.15, 0.17), arr(*line, 100, 9, *line, 101, 9), max_new=40)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from edge_llm import footprint as fp
+from edge_llm.backends.choice import choose_backend
 from edge_llm.settings import Settings
 from serverutil import free_port
 
@@ -31,10 +32,10 @@ def write(root: Path, rel: str, text: str) -> None:
 
 # ---- backend choice ------------------------------------------------------------------------------
 def test_auto_picks_cpu_q_when_onnxruntime_is_installed(tmp_path: Path) -> None:
-    c = fp.choose_backend(Settings(backend="auto"), tmp_path, sysroot=tmp_path)
+    c = choose_backend(Settings(backend="auto"), tmp_path, sysroot=tmp_path)
     assert (c.name, c.auto) == ("cpu-q", True)
     assert c.describe().startswith("backend auto -> cpu-q (no RKNPU device node; onnxruntime ")
-    explicit = fp.choose_backend(Settings(backend="cpu"), tmp_path, sysroot=tmp_path)
+    explicit = choose_backend(Settings(backend="cpu"), tmp_path, sysroot=tmp_path)
     assert (explicit.name, explicit.auto, explicit.reason) == ("cpu", False, "set in the configuration")
 
 
@@ -43,11 +44,11 @@ def test_auto_with_an_npu_node_but_no_manifest_says_why(tmp_path: Path) -> None:
     manifest; both fall back to cpu-q and name the reason."""
     (tmp_path / "dev").mkdir()
     (tmp_path / "dev" / "rknpu").write_text("")
-    c = fp.choose_backend(Settings(backend="auto"), tmp_path, sysroot=tmp_path)
+    c = choose_backend(Settings(backend="auto"), tmp_path, sysroot=tmp_path)
     assert c.name == "cpu-q" and c.reason.startswith("NPU at /dev/rknpu but no rknn_dir configured"), c
     empty = tmp_path / "rknn"
     empty.mkdir()
-    c = fp.choose_backend(Settings(backend="auto", rknn_dir=str(empty)), tmp_path, sysroot=tmp_path)
+    c = choose_backend(Settings(backend="auto", rknn_dir=str(empty)), tmp_path, sysroot=tmp_path)
     assert c.name == "cpu-q" and f"but no manifest.json in {empty}" in c.reason, c
 
 
@@ -56,14 +57,14 @@ def test_auto_with_an_npu_node_runs_what_rknn_dir_holds(tmp_path: Path, tiny_syn
     this model -> rknn, on the matmul path, and the reason says so; the same directory for another
     model -> cpu-q and why; a graph directory goes through the graph checks (one exported without
     the fp16 range check is refused, as before)."""
-    from edge_llm.backends.onnx_export import export_graph_set
-    from edge_llm.convert.mm8 import convert_mm8
+    from edge_llm.backends.graph.onnx_export import export_graph_set
+    from edge_llm.convert.npu_mm import convert_mm8
 
     (tmp_path / "dev").mkdir()
     (tmp_path / "dev" / "rknpu").write_text("")
     mm = tmp_path / "mm"
     convert_mm8(tiny_synth_dir, mm)
-    c = fp.choose_backend(Settings(backend="auto", rknn_dir=str(mm)), tiny_synth_dir, sysroot=tmp_path)
+    c = choose_backend(Settings(backend="auto", rknn_dir=str(mm)), tiny_synth_dir, sysroot=tmp_path)
     assert (c.name, c.auto) == ("rknn", True), c
     assert c.reason == f"NPU at /dev/rknpu and a matching npu-mm manifest.json in {mm} (w8a8 on the matmul API)"
     other = tmp_path / "other"
@@ -73,12 +74,12 @@ def test_auto_with_an_npu_node_runs_what_rknn_dir_holds(tmp_path: Path, tiny_syn
             (other / f.name).write_bytes(f.read_bytes())
     (other / "config.json").write_text((tiny_synth_dir / "config.json").read_text().replace(
         '"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e-05'))
-    c = fp.choose_backend(Settings(backend="auto", rknn_dir=str(mm)), other, sysroot=tmp_path)
+    c = choose_backend(Settings(backend="auto", rknn_dir=str(mm)), other, sysroot=tmp_path)
     assert c.name == "cpu-q" and "does not match the model: npu-mm weights were converted from a different " \
         "model config" in c.reason, c
     graphs = tmp_path / "graphs"
     export_graph_set(tiny_synth_dir, graphs, layers=1)
-    c = fp.choose_backend(Settings(backend="auto", rknn_dir=str(graphs)), tiny_synth_dir, sysroot=tmp_path)
+    c = choose_backend(Settings(backend="auto", rknn_dir=str(graphs)), tiny_synth_dir, sysroot=tmp_path)
     assert c.name == "cpu-q" and "without the fp16 range check" in c.reason, c
 
 
@@ -90,7 +91,7 @@ def test_auto_without_onnxruntime_is_cpu_and_names_the_extra(tmp_path: Path) -> 
             "    def find_spec(self, name, path=None, target=None):\n"
             "        if name.split('.')[0] in ('onnx', 'onnxruntime'): raise ModuleNotFoundError(name)\n"
             "sys.meta_path.insert(0, Hide())\n"
-            "from edge_llm.footprint import choose_backend\nfrom edge_llm.settings import Settings\n"
+            "from edge_llm.backends.choice import choose_backend\nfrom edge_llm.settings import Settings\n"
             f"print(choose_backend(Settings(backend='auto'), '.', sysroot={str(tmp_path)!r}).describe())\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == ("backend auto -> cpu (no RKNPU device node; onnxruntime not importable "
@@ -150,7 +151,7 @@ def test_refusal_names_estimate_available_and_fixes() -> None:
 
 # ---- the estimate against the real process -------------------------------------------------------
 def _build_q4(model: str) -> None:
-    from edge_llm.backends.cpuq import ensure_quantized, mode
+    from edge_llm.backends.cpuq.backend import ensure_quantized, mode
     from edge_llm.checkpoints.default import resolve_model_dir
     from edge_llm.checkpoints.gguf_blocks import gguf_blocks
 

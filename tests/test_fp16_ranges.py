@@ -11,9 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-from edge_llm.backends.cpu import DenseLayer, rms_norm
-from edge_llm.backends.graphs import QKV, GraphSpec, layer_name
-from edge_llm.backends.onnx_export import (
+from edge_llm.backends.cpu.backend import DenseLayer, rms_norm
+from edge_llm.backends.graph.schema import QKV, GraphSpec, layer_name
+from edge_llm.backends.graph.onnx_export import (
     export_one,
     build_qkv,
     f32_linear,
@@ -135,7 +135,7 @@ def default_capture(edge_home):
 def test_range_check_on_the_real_default_model(default_capture, tmp_path, norm):
     """The real weights: the range check refuses the old norm's graphs (36 of 61 leave fp16's range,
     layer 12 on, where row 0's residual carries ~24,900) and passes the fp16-safe norm's."""
-    from edge_llm.backends.onnx_export import export_graph_set
+    from edge_llm.backends.graph.onnx_export import export_graph_set
 
     model, cap = default_capture
     assert "built-in calibration text as a chat user message" in cap.source and cap.tokens > 2000

@@ -8,7 +8,7 @@ cpu-q's ids are pinned per kernel key, not across machines: its int8 activations
 difference into a changed greedy token at a close call, and what decides those bits outside the
 code is onnxruntime's release, the kernel family its MLAS picks on the CPU, numpy's kernels (its
 SIMD dispatch and its BLAS's kernel family: the prompt rows' attention runs in numpy) and
-AttnRow's path; the helper prints that key (`cpuq.kernel_key` + `attn_kernel.isa()`). A key
+AttnRow's path; the helper prints that key (`cpuq.kernel_key` + `kernels.isa()`). A key
 without pinned ids skips the pin with its reason (the key, so it can be added after checking the
 text) and still checks the 1-vs-2-thread equality; it never passes silently. The same runs check
 that `numerics`, the snapshot identity, separates kernels whose ids differ.
@@ -94,7 +94,7 @@ def test_cpu_greedy_ids_are_pinned(default_dir, family):
 def cpu_q_runs(default_dir, edge_home):
     """cpu-q's raw-prompt run on 1 and 2 threads in this environment's kernels, and on 2 threads
     with numpy's BLAS forced to its Haswell kernels and with numpy's X86_V4 loops disabled (x86)."""
-    from edge_llm.backends import cpuq
+    from edge_llm.backends.cpuq import backend as cpuq
     from edge_llm.checkpoints.gguf_blocks import gguf_blocks
 
     mp = pytest.MonkeyPatch()

@@ -7,17 +7,17 @@ import numpy as np
 import pytest
 from modelutil import greedy_run
 
-from edge_llm.backends.cpu import CPUBackend
-from edge_llm.backends.graphs import (
+from edge_llm.backends.cpu.backend import CPUBackend
+from edge_llm.backends.graph.schema import (
     DEFAULT_CHUNKS,
     check_chunks,
     graph_specs,
     head_ranges,
     row_plan,
 )
-from edge_llm.backends.onnx_export import export_graph_set, sample_inputs
-from edge_llm.backends.rknn import npu_usable, open_rknn
-from edge_llm.backends.runners import OrtRunner, RunnerError
+from edge_llm.backends.graph.onnx_export import export_graph_set, sample_inputs
+from edge_llm.backends.npu.backend import npu_usable, open_rknn
+from edge_llm.backends.graph.runners import OrtRunner, RunnerError
 from edge_llm.config import ModelArgs
 from edge_llm.errors import ConfigError
 from edge_llm.models.qwen3 import Model

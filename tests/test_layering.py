@@ -28,9 +28,15 @@ LAYERS = {
 # package -> its modules low to high: a module imports only modules listed before it
 # (`__init__` is the package's own __init__.py; a subpackage is one entry of its parent)
 ORDER = {
-    "backends": ["wire", "toolkit_worker", "graphs", "manifest", "int8mm", "rknn_matmul_api", "cpu", "cpu_side", "cpu_vision", "vision", "__init__",
-                 "runners", "rknnlite", "graph", "attn_kernel", "npu_round", "rknn_mm", "mm8_ops", "mm8_step", "mm8", "rknn", "onnx_export", "quant", "quant_export",
-                 "vision_export", "decode_export", "decode_step", "cpuq", "vision_graph"],
+    "backends": ["cost", "kernels", "cpu", "__init__", "graph", "cpuq", "npu", "tower", "choice"],
+    "backends.cpu": ["backend", "tower", "__init__"],
+    "backends.kernels": ["__init__"],
+    "backends.graph": ["schema", "manifest", "cpu_side", "runners", "backend", "onnx_export", "__init__"],
+    "backends.cpuq": ["nbits", "nbits_export", "decode_export", "decode_step", "backend", "__init__"],
+    "backends.npu": ["graphs", "matmul", "backend", "__init__"],
+    "backends.npu.graphs": ["wire", "toolkit_worker", "sim", "rknnlite", "__init__"],
+    "backends.npu.matmul": ["int8", "binding", "rounds", "engine", "row_ops", "row_step", "decoder", "__init__"],
+    "backends.tower": ["seam", "export", "graph", "__init__"],
     "snapshot": ["writer", "layout", "encode", "decode", "format", "inspect", "entries", "chains", "catalog",
                  "chain_read", "saver", "identity", "store", "maintenance", "transfer", "__init__"],
     "kvcache": ["records", "cache", "__init__"],
@@ -39,13 +45,13 @@ ORDER = {
     "checkpoints": ["packaged", "gguf_header", "safetensors_writer", "gguf_import", "synth", "default",
                     "gguf_blocks", "__init__"],
     "vision": ["preprocess", "positions", "encoder", "model", "__init__"],
-    "convert": ["report", "calibration_text", "hadamard", "gptq", "mm8", "calibration", "w8a8", "rknn", "vision", "__init__"],
+    "convert": ["report", "calibration_text", "hadamard", "gptq", "npu_mm", "calibration", "w8a8", "rknn", "vision", "__init__"],
     "server": ["errors", "schemas", "metrics", "node", "prefetch", "worker", "budget", "images", "streaming", "ui", "events", "state", "storeview", "app",
                "__init__"],
-    "bench": ["disk", "procstat", "prompts", "models", "client", "fleet", "throttle", "restore", "conversation", "ttft",
-              "split", "recovery", "quant", "accuracy", "quant_memory", "npu_predict", "decode", "npu_matmul", "npu_cpu", "npu", "vision",
-              "llamacpp_peer",
+    "bench": ["disk", "procstat", "prompts", "models", "rkllm", "client", "fleet", "throttle", "restore", "conversation", "ttft",
+              "split", "recovery", "quant", "accuracy", "quant_memory", "decode", "npu", "vision", "llamacpp_peer",
               "__init__"],
+    "bench.npu": ["predict", "matmul", "cpu", "run", "__init__"],
     "cli": ["options", "progress", "bench", "convert", "doctor", "generate", "kv", "kv_transfer", "model", "serve", "__init__"],
     "cli.bench": ["common", "accuracy", "compute", "decode", "fleet", "npu", "quant", "recovery", "restore", "vision", "__init__"],
 }
@@ -203,18 +209,21 @@ def test_llama_cpp_is_imported_only_by_the_bench_peer():
 
 
 def test_onnx_only_in_the_exporters_and_onnxruntime_only_lazily():
-    """The `onnx` package builds graphs: only the exporters import it (onnx_export.py, cpu-q's
-    decode_export.py and the vision tower's vision_export.py). onnxruntime is imported inside the functions that start sessions
-    (runners.py, decode_step.py), never at module import time, so the F32 backend runs without it."""
+    """The `onnx` package builds graphs: only the exporters import it (the graph family's
+    onnx_export.py, cpu-q's decode_export.py and the vision tower's export.py). onnxruntime is
+    imported inside the functions that start sessions (graph/runners.py, cpuq/decode_step.py),
+    never at module import time, so the F32 backend runs without it."""
+    exporters = {"backends/graph/onnx_export.py", "backends/cpuq/decode_export.py", "backends/tower/export.py"}
     seen = set()
     for path, n, top in imported_names():
+        rel = path.relative_to(PKG).as_posix()
         if n.split(".")[0] == "onnx":
-            assert path.name in ("onnx_export.py", "decode_export.py", "vision_export.py"), path
-            seen.add(path.name)
+            assert rel in exporters, path
+            seen.add(rel)
         if n.split(".")[0] == "onnxruntime":
             assert not top, path
-            seen.add(path.name)
-    assert {"onnx_export.py", "decode_export.py", "runners.py", "decode_step.py"} <= seen
+            seen.add(rel)
+    assert exporters | {"backends/graph/runners.py", "backends/cpuq/decode_step.py"} <= seen
 
 
 def test_runtime_never_imports_torch():

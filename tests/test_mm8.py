@@ -1,8 +1,8 @@
-"""The w8a8 matmul path (`edge-llm convert npu-mm`, backends/mm8.py) on the default model's real
-weights, in the host emulation (int8mm.HostInt8Matmul: exact integer products, so these are the
+"""The w8a8 matmul path (`edge-llm convert npu-mm`, backends/npu/matmul/decoder.py) on the default model's real
+weights, in the host emulation (int8.HostInt8Matmul: exact integer products, so these are the
 numbers a board gets): the accuracy targets of docs/npu.md ("The matmul path") against the F32
 CPU backend, the chat answer served end to end, restore == recompute bitwise, the manifest
-identity, refusals of a bad directory; and the NPU engine (backends/rknn_mm.py) over the fake
+identity, refusals of a bad directory; and the NPU engine (backends/npu/matmul/engine.py) over the fake
 librknnrt.so (tests/fake_librknnrt: it stands in for Rockchip's closed library, which needs an
 RK3588 NPU) giving bitwise the emulation's logits and answer.
 """
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from serverutil import ServerProc
 
-from edge_llm.backends.mm8 import MmBackend, MmManifest
-from edge_llm.backends.mm8_ops import fwht
+from edge_llm.backends.npu.matmul.decoder import MmBackend, MmManifest
+from edge_llm.backends.npu.matmul.row_ops import fwht
 from edge_llm.convert.hadamard import dense_hadamard
 from edge_llm.errors import ConfigError
 
@@ -51,7 +51,7 @@ def mm_dir(edge_home, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def accuracy(mm_dir, model_dir) -> dict:
     """bench accuracy's measures (bench/accuracy.py `compare`, the full 320-token teacher text)."""
-    from edge_llm.backends.rknn import open_rknn
+    from edge_llm.backends.npu.backend import open_rknn
     from edge_llm.bench.accuracy import compare
     from edge_llm.models.qwen3 import Model
     from edge_llm.tokenizer import Tokenizer
@@ -117,7 +117,7 @@ def test_identity_covers_the_numerics(mm_dir):
     for field, value in changes.items():
         assert dataclasses.replace(m, **{field: value}).identity() != base, field
     assert dataclasses.replace(m, build={"seconds": 1.0}).identity() == base
-    from edge_llm.backends.int8mm import HostInt8Matmul
+    from edge_llm.backends.npu.matmul.int8 import HostInt8Matmul
 
     assert MmBackend(mm_dir, m, HostInt8Matmul()).numerics.startswith(f"rknn-mm:{base}:host-exact:")
 
@@ -125,7 +125,7 @@ def test_identity_covers_the_numerics(mm_dir):
 def test_bad_directories(mm_dir, model_dir, tiny_synth_dir, tmp_path, edge_home):
     """Clear errors, nothing half-loaded: no manifest, a broken one, another model's, a runner
     of compiled graphs, a missing weights file; and the converter refuses a graph directory."""
-    from edge_llm.backends.rknn import open_rknn
+    from edge_llm.backends.npu.backend import open_rknn
     from edge_llm.models.qwen3 import Model
 
     with pytest.raises(ConfigError, match="manifest.json: not found"):
@@ -157,7 +157,7 @@ def test_bad_directories(mm_dir, model_dir, tiny_synth_dir, tmp_path, edge_home)
 def test_online_hadamard_is_the_folded_matrix(n):
     """`fwht` (run time, per row) multiplies by exactly the matrix the converter folds into
     W_down (`dense_hadamard`), an orthogonal one, and a row's bits do not depend on its batch."""
-    from edge_llm.convert.mm8 import down_block
+    from edge_llm.convert.npu_mm import down_block
 
     block = down_block(n)
     h = dense_hadamard(block, n)
@@ -171,7 +171,7 @@ def test_online_hadamard_is_the_folded_matrix(n):
 def _cut_by_k_or_both(k: int, n: int, parts: int) -> list:
     """A cut `split_weight` would not pick for the default model (its weights split evenly by N):
     by K when K > N, else both ways (halves of N over K's first half, all of N over the rest)."""
-    from edge_llm.backends.rknn_mm import Block, split_columns
+    from edge_llm.backends.npu.matmul.engine import Block, split_columns
 
     if k > n:
         return [Block(k0, k1, 0, n) for k0, k1 in split_columns(k, parts)]
@@ -189,8 +189,8 @@ def test_npu_engine_over_the_fake_is_the_emulation(edge_home, model_dir, mm_dir,
     with every weight cut by K or both ways (down_proj by K, the rest both: the partial products
     summed in int32), and on Python's thread pool; the served answer (runner librknnrt) the same
     tokens."""
-    from edge_llm.backends import rknn_mm
-    from edge_llm.backends.int8mm import HostInt8Matmul
+    from edge_llm.backends.npu.matmul import engine as npu_engine
+    from edge_llm.backends.npu.matmul.int8 import HostInt8Matmul
     from edge_llm.bench.quant import teacher_logits
     from edge_llm.models.qwen3 import Model
     from edge_llm.quality_text import QUALITY_TEXT
@@ -204,18 +204,18 @@ def test_npu_engine_over_the_fake_is_the_emulation(edge_home, model_dir, mm_dir,
         be = MmBackend(mm_dir, m, engine)
         try:
             got = teacher_logits(Model.load(model_dir, backend=be), ids, chunk=16).view(np.uint32).tobytes()
-            parts = engine.weights if isinstance(engine, rknn_mm.NpuInt8Matmul) else {}
+            parts = engine.weights if isinstance(engine, npu_engine.NpuInt8Matmul) else {}
             adds = {n.rsplit(".", 1)[-1]: [p.blk.adds for p in ps] for n, ps in parts.items()}
             return got, adds
         finally:
             be.close()
 
     want, _ = logits_of(HostInt8Matmul())
-    got, adds = logits_of(rknn_mm.open_npu_matmul(str(fake_librknnrt)))
+    got, adds = logits_of(npu_engine.open_npu_matmul(str(fake_librknnrt)))
     assert got == want and adds == {kind: [False] * 3 for kind in ("qkv", "o", "gu", "down", "head")}  # by N
-    assert logits_of(rknn_mm.open_npu_matmul(str(fake_librknnrt), c_round=False))[0] == want
-    monkeypatch.setattr(rknn_mm, "split_weight", _cut_by_k_or_both)
-    got, adds = logits_of(rknn_mm.open_npu_matmul(str(fake_librknnrt)))
+    assert logits_of(npu_engine.open_npu_matmul(str(fake_librknnrt), c_round=False))[0] == want
+    monkeypatch.setattr(npu_engine, "split_weight", _cut_by_k_or_both)
+    got, adds = logits_of(npu_engine.open_npu_matmul(str(fake_librknnrt)))
     assert got == want and adds == {"qkv": [False, False, True], "o": [False, False, True],
                                     "gu": [False, False, True], "down": [False, True, True],
                                     "head": [False, False, True]}
@@ -231,12 +231,12 @@ def test_npu_engine_over_the_fake_is_the_emulation(edge_home, model_dir, mm_dir,
 
 
 def test_vo_rotation_keeps_the_attention_output(model_dir):
-    """The V/O rotation (convert/mm8.py `rotate_values`) on the default model's geometry: attention
+    """The V/O rotation (convert/npu_mm.py `rotate_values`) on the default model's geometry: attention
     over the rotated values (each head's probabilities, GQA's head sharing, a v bias) times the
     rotated W_o is the unrotated output, each head's output the unrotated one times G; with the
     converter's G, o's input rows are spread (one large value per head becomes a flat row)."""
     from edge_llm.config import ModelArgs
-    from edge_llm.convert.mm8 import down_block, rotate_values
+    from edge_llm.convert.npu_mm import down_block, rotate_values
 
     args = ModelArgs.from_dir(model_dir)
     hd, nh, a = args.head_dim, args.q_dim // args.head_dim, args.q_dim + args.kv_dim
@@ -266,7 +266,7 @@ def test_vo_rotation_keeps_the_attention_output(model_dir):
 def test_gptq_lowers_the_output_error():
     """GPTQ's int8 weights (same per-channel scales) give a smaller error of X @ W on inputs
     like its calibration rows than round-to-nearest: correlated inputs, as real activations are."""
-    from edge_llm.backends.int8mm import quantize_weight
+    from edge_llm.backends.npu.matmul.int8 import quantize_weight
     from edge_llm.convert.gptq import gptq
 
     rng = np.random.default_rng(5)

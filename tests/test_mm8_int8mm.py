@@ -1,4 +1,4 @@
-"""The int8 matmul seam's host engine and the quantization around it (backends/int8mm.py).
+"""The int8 matmul seam's host engine and the quantization around it (backends/npu/matmul/int8.py).
 
 `HostInt8Matmul` is the reference every board result is compared with, so it is checked against
 int64 numpy arithmetic at the largest K librknnrt takes, with the extreme values: an engine that
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_llm.backends.int8mm import HostInt8Matmul, dequantize, quantize_rows, quantize_weight
+from edge_llm.backends.npu.matmul.int8 import HostInt8Matmul, dequantize, quantize_rows, quantize_weight
 from edge_llm.errors import ConfigError
 
 

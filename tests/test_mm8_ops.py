@@ -1,5 +1,5 @@
-"""The matmul path's per-row ops in C (backends/_mm8ops.c through mm8_ops.COps) against their numpy
-reference (mm8_ops.NumpyOps), on the default model's real activations: the inputs every op got
+"""The matmul path's per-row ops in C (backends/npu/matmul/_row_ops.c through row_ops.COps) against their numpy
+reference (row_ops.NumpyOps), on the default model's real activations: the inputs every op got
 while the matmul path (round-to-nearest conversion, host emulation) ran a prompt of the accuracy
 text, its first row's massive activations included.
 
@@ -39,13 +39,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_llm.backends import mm8_ops
-from edge_llm.backends.cpu import swiglu
-from edge_llm.backends.int8mm import dequantize, quantize_rows
-from edge_llm.backends.mm8_ops import COps, NumpyOps, fwht, rows_matmul
+from edge_llm.backends.npu.matmul import row_ops
+from edge_llm.backends.cpu.backend import swiglu
+from edge_llm.backends.npu.matmul.int8 import dequantize, quantize_rows
+from edge_llm.backends.npu.matmul.row_ops import COps, NumpyOps, fwht, rows_matmul
 from edge_llm.convert.hadamard import orthogonal, orthogonal_factors
 
-pytestmark = pytest.mark.skipif(mm8_ops.c_ops() is None, reason="the operator library is not built")
+pytestmark = pytest.mark.skipif(row_ops.c_ops() is None, reason="the operator library is not built")
 
 ROWS = 40  # prompt rows of the accuracy text: row 0's massive activations and ordinary rows
 
@@ -90,7 +90,7 @@ class Recorder(NumpyOps):
 
 @pytest.fixture(scope="module")
 def model(default_model_dir, default_mm_rtn):
-    from edge_llm.backends.rknn import open_rknn
+    from edge_llm.backends.npu.backend import open_rknn
     from edge_llm.models.qwen3 import Model
 
     m = Model.load(default_model_dir, backend=open_rknn(default_mm_rtn, "host", model_dir=default_model_dir))
@@ -135,7 +135,7 @@ def _near_tie_flips(x_ref: np.ndarray, q_ref: np.ndarray, s_ref: np.ndarray, q: 
 @pytest.mark.timeout(300)
 def test_ops_match_numpy_on_real_rows(model, recorded):
     calls, _ = recorded
-    n, c = NumpyOps(), mm8_ops.c_ops()
+    n, c = NumpyOps(), row_ops.c_ops()
     assert isinstance(c, COps) and model.backend.ops is c  # the backend runs the C ops when built
     for x, in calls["quant"]:
         for a, b in zip(n.quant(x), c.quant(x)):
@@ -171,7 +171,7 @@ def test_ops_match_numpy_on_real_rows(model, recorded):
 @pytest.mark.timeout(120)
 def test_rows_alone_are_bitwise_the_batch(recorded):
     calls, _ = recorded
-    c = mm8_ops.c_ops()
+    c = row_ops.c_ops()
     assert c is not None
 
     def same(batch, one_row, t: int) -> None:
@@ -198,7 +198,7 @@ def test_rows_alone_are_bitwise_the_batch(recorded):
 
 
 def test_round_half_to_even_and_zero_rows():
-    c = mm8_ops.c_ops()
+    c = row_ops.c_ops()
     assert c is not None
     ties = np.array([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 125.5, 126.5, -126.5, 3.49999976, 127.0], np.float32)
     x = np.zeros((3, 64), np.float32)
@@ -221,7 +221,7 @@ def test_round_half_to_even_and_zero_rows():
 
 @pytest.mark.parametrize("n", [576, 2048])
 def test_fast_rotation_is_the_dense_matrix(n):
-    c = mm8_ops.c_ops()
+    c = row_ops.c_ops()
     assert c is not None
     dense, factors = orthogonal(n), orthogonal_factors(n)
     assert factors is not None
@@ -239,7 +239,7 @@ def test_fast_rotation_is_the_dense_matrix(n):
 
 
 def test_bad_input_is_refused():
-    c = mm8_ops.c_ops()
+    c = row_ops.c_ops()
     assert c is not None
     with pytest.raises(ValueError, match="int32"):
         c.dequant(np.zeros((2, 64), np.int64), np.ones(2, np.float32), np.ones(64, np.float32), None)
@@ -256,13 +256,13 @@ def test_bad_input_is_refused():
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("gcc") is None, reason="x86-64 with gcc")
 def test_baseline_build_gives_the_same_bits(recorded, tmp_path):
-    src = Path(mm8_ops.__file__).with_name("_mm8ops.c")
+    src = Path(row_ops.__file__).with_name("_row_ops.c")
     lib = tmp_path / "mm8ops_baseline.so"
     build = subprocess.run(["gcc", "-O3", "-fopenmp-simd", "-Wno-psabi", "-Wall", "-Werror", "-march=x86-64",
                             "-DEDGE_MM8_ONE_ISA", "-shared", "-fPIC", "-o", str(lib), str(src)],
                            capture_output=True, text=True, timeout=240)
     assert build.returncode == 0, build.stderr
-    base, here = COps(ctypes.CDLL(str(lib))), mm8_ops.c_ops()
+    base, here = COps(ctypes.CDLL(str(lib))), row_ops.c_ops()
     assert here is not None
     calls, _ = recorded
 
@@ -288,7 +288,7 @@ def test_numerics_name_the_ops_and_logits_stay_close(model, recorded, prompt):
     assert be.ops.tag == "ops-c1" and be.numerics.endswith(f":ops-c1:rowstep-{be.numerics.rsplit('rowstep-', 1)[1]}")
     assert be.rotation_factors is not None  # the conversion wrote them: the fast transform runs
     assert be.rotation is None  # and the dense matrix, derivable from them, is not kept
-    from edge_llm.backends.mm8 import MmBackend
+    from edge_llm.backends.npu.matmul.decoder import MmBackend
 
     numpy_be = MmBackend(be.root, be.m, be.engine, ops=NumpyOps())
     assert "ops-c1" not in numpy_be.numerics and numpy_be.numerics != be.numerics.rsplit(":rowstep-", 1)[0]
@@ -318,11 +318,11 @@ def test_qk_rope_is_the_models_formula(model, recorded):
     drawn here: Qwen3's per-head norms, real rows) within float32 rounding (the sums of squares in
     the C order); v copied as it is; a row alone bitwise the row in a batch. A swapped sin sign or a
     missing gain moves values by their own size."""
-    from edge_llm.backends.cpu import rms_norm
+    from edge_llm.backends.cpu.backend import rms_norm
     from edge_llm.models.rope import apply_rope
 
     calls, _ = recorded
-    a, c = model.args, mm8_ops.c_ops()
+    a, c = model.args, row_ops.c_ops()
     assert c is not None and not a.qk_norm
     H, n_kv, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim
     layers = [args for args in calls["dequant"] if args[0].shape[1] == a.q_dim + 2 * a.kv_dim]
@@ -360,7 +360,7 @@ def test_qk_rope_is_the_models_formula(model, recorded):
 
 @pytest.mark.timeout(600)
 def test_aarch64_build_under_qemu_gives_the_same_bits(model, recorded, tmp_path):
-    """The board's build: _mm8ops.c cross-compiled for aarch64 (NEON, no clones) with setup.py's
+    """The board's build: _row_ops.c cross-compiled for aarch64 (NEON, no clones) with setup.py's
     flags, run under qemu-user by tests/c/mm8ops_check.c on the default model's real rows (RMSNorm +
     quantize, SwiGLU + Hadamard + quantize, the fast rotation, q/k RMSNorm + RoPE, dequantize +
     residual add + RMSNorm + quantize): bitwise this CPU's clone. A fused multiply-add contracted on
@@ -371,11 +371,11 @@ def test_aarch64_build_under_qemu_gives_the_same_bits(model, recorded, tmp_path)
     repo = Path(__file__).resolve().parents[1]
     exe = tmp_path / "mm8ops_check"
     build = subprocess.run([cc, "-O3", "-fopenmp-simd", "-Wno-psabi", "-Wall", "-Werror", "-o", str(exe),
-                            str(repo / "tests/c/mm8ops_check.c"), str(repo / "edge_llm/backends/_mm8ops.c"), "-lm"],
+                            str(repo / "tests/c/mm8ops_check.c"), str(repo / "edge_llm/backends/npu/matmul/_row_ops.c"), "-lm"],
                            capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr
     calls, _ = recorded
-    a, c = model.args, mm8_ops.c_ops()
+    a, c = model.args, row_ops.c_ops()
     assert c is not None
     x, eps = calls["norm_quant"][0]
     gu, rs, gs, inter, block = calls["swiglu_quant"][0]

@@ -1,4 +1,4 @@
-"""The matmul path's row step (backends/mm8_step.py) on the default model's real weights, converted
+"""The matmul path's row step (backends/npu/matmul/row_step.py) on the default model's real weights, converted
 by `edge-llm convert npu-mm` (numpy only; round to nearest, `--gptq-tokens 0`, to keep the test
 fast: the row step runs the backend's own linears, so the weights' rounding does not matter here)
 over the host emulation.
@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_llm.backends import attn_kernel
-from edge_llm.backends.mm8_step import MmRowStep
+from edge_llm.backends import kernels
+from edge_llm.backends.npu.matmul.row_step import MmRowStep
 
-pytestmark = pytest.mark.skipif(attn_kernel.library() is None, reason="the operator library (_attn.c) is not built")
+pytestmark = pytest.mark.skipif(kernels.library() is None, reason="the operator library (_attn.c) is not built")
 
 # nats per row, row step vs seam: a flipped int8 rounding in an early layer moves the rest by the
 # size of the w8a8 path's own error against F32 (KL 0.003-0.005 on average). Measured up to 0.003
@@ -46,7 +46,7 @@ def mm_dir(default_mm_rtn) -> Path:
 
 @pytest.fixture(scope="module")
 def model(model_dir, mm_dir):
-    from edge_llm.backends.rknn import open_rknn
+    from edge_llm.backends.npu.backend import open_rknn
     from edge_llm.models.qwen3 import Model
 
     m = Model.load(model_dir, backend=open_rknn(mm_dir, "host", model_dir=model_dir))
@@ -87,7 +87,7 @@ def _kl(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
 def test_row_step_is_the_seam_up_to_rounding(model):
     be = model.backend
     assert isinstance(be.row_step, MmRowStep) and be.row_step.max_rows >= len(ROWS)  # MmBackend.load made it
-    assert f"rowstep-{attn_kernel.isa()}" in model.numerics  # restored K/V rows must come from the same kernel
+    assert f"rowstep-{kernels.isa()}" in model.numerics  # restored K/V rows must come from the same kernel
     seam_logits, seam_kv = _run(model, ROWS, step_on=False)
     step_logits, step_kv = _run(model, ROWS, step_on=True)
     p = len(PROMPT)

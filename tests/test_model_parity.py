@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from edge_llm.backends import Backend, get_backend, pick_chunk
-from edge_llm.backends.cpu import CPUBackend
+from edge_llm.backends.cpu.backend import CPUBackend
 from edge_llm.config import ModelArgs
 from edge_llm.errors import ConfigError, KVCacheError
 from edge_llm.models.qwen3 import Model
@@ -206,6 +206,6 @@ def test_forward_rejects_bad_input(tiny_model_dir):
     assert cache.length == 0  # nothing was appended by the failed calls
     with pytest.raises(ConfigError, match="backend"):
         get_backend("npu-that-does-not-exist")
-    from edge_llm.backends.cpu import numpy_kernels
+    from edge_llm.backends.cpu.backend import numpy_kernels
 
     assert CPUBackend().numerics == f"cpu-f32:{numpy_kernels()}"  # numpy's kernels decide the bits

@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
-from edge_llm.backends.manifest import Manifest
-from edge_llm.backends.runners import converter_python
+from edge_llm.backends.graph.manifest import Manifest
+from edge_llm.backends.npu.graphs.sim import converter_python
 from edge_llm.bench import accuracy
 from edge_llm.convert.report import FP16_REL_LIMIT, range_summary, worst
 from edge_llm.errors import ConfigError
@@ -72,7 +72,7 @@ def on_cpu(m: Manifest) -> set[tuple[str, int, str]]:
 
 def verify_head_transposes(m: Manifest) -> set[tuple[str, int, str]]:
     """The one CPU op allowed: the output Transpose of a head part at its multi-row shape (the
-    speculative verify forward's, graphs.head_rows; docs/npu.md)."""
+    speculative verify forward's, schema.head_rows; docs/npu.md)."""
     return {(g.name, max(g.rows), "Transpose") for g in m.graphs if g.kind in ("head", "head_n") and len(g.rows) > 1}
 
 
@@ -141,7 +141,7 @@ def test_cpu_q_agrees_with_cpu_on_the_default_model(default_dir, edge_home, monk
     25.243 'L'); with float activations (level 0, a mode made here only for the check) the same
     graphs give the CPU's answer token for token: the export is right, the flip is the int8
     activations' (docs/quantization.md, "Quality")."""
-    from edge_llm.backends import cpuq
+    from edge_llm.backends.cpuq import backend as cpuq
 
     monkeypatch.setenv("EDGE_LLM_HOME", str(edge_home))  # cpu-q's graph directory: the session's
     res = accuracy.run(str(default_dir), "cpu-q", teacher_tokens=256, greedy_tokens=0)

@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from edge_llm.backends.int8mm import HostInt8Matmul
-from edge_llm.bench.npu_predict import CpuWork, Plan, Rates, Replayed, TimedMatmul, cost_profile, predict
+from edge_llm.backends.npu.matmul.int8 import HostInt8Matmul
+from edge_llm.bench.npu.predict import CpuWork, Plan, Rates, Replayed, TimedMatmul, cost_profile, predict
 from edge_llm.checkpoints.synth import QWEN3_VL_2B_TEXT
 from edge_llm.config import ModelArgs
 
@@ -27,7 +27,7 @@ def test_bytes_and_calls_of_the_2b_by_hand():
 
 def test_npu_time_by_hand():
     p, r = Plan.of(ARGS_2B), Rates()
-    # the largest core's part (rknn_mm.split_weight): qkv by N, 43 of 128 blocks of 32 columns; o
+    # the largest core's part (engine.split_weight): qkv by N, 43 of 128 blocks of 32 columns; o
     # mixed, two halves of N over 43 of K's 64 blocks; gate/up by N, a third; down by K, a third;
     # the head by N, 1583 of 4748 blocks
     widest = 28 * (2048 * 1376 + 1376 * 1024 + 2048 * 4096 + 2048 * 2048) + 2048 * 50656
@@ -79,7 +79,7 @@ def test_prediction_adds_its_parts():
 def test_the_engines_time_per_round_is_counted():
     """Rates.engine_us: the engine's own time per round (copies, hand-off, Python), per round of a
     forward, once per chunk of 128 rows; None (not measured) counts nothing and the table says so."""
-    from edge_llm.bench.npu_predict import forward_ms, markdown
+    from edge_llm.bench.npu.predict import forward_ms, markdown
 
     p = Plan.of(ARGS_2B)
     cpu = CpuWork({(1, 512): 3.0}, {128: 100.0}, "x86-64", 2, 28)
@@ -130,10 +130,10 @@ def test_timed_matmul_counts_only_the_engine():
 
 
 def test_recorded_products_read_no_weights_after_the_first_call():
-    """npu_cpu.RecordedMatmul: the inner engine's exact product on a weight's first call for a row
+    """cpu.RecordedMatmul: the inner engine's exact product on a weight's first call for a row
     count, then that array again without the inner engine (the timed forwards read no weights),
     read-only, and a layer past the conversion computed with layer L % converted's weight."""
-    from edge_llm.bench.npu_cpu import RecordedMatmul
+    from edge_llm.bench.npu.cpu import RecordedMatmul
 
     class Counting(HostInt8Matmul):
         calls: list[str] = []
@@ -161,12 +161,12 @@ def test_recorded_products_read_no_weights_after_the_first_call():
 
 
 def test_a_deepened_model_runs_every_layer_with_its_own_data(tiny_synth_dir, tmp_path):
-    """npu_cpu.deepened: a 2-layer conversion timed as a 5-layer model: the cache, the row step and
+    """cpu.deepened: a 2-layer conversion timed as a 5-layer model: the cache, the row step and
     the per-layer loop run 5 layers, each layer's scales and q/k norm gains its own arrays (the
     CPU side's working set of the deeper model); and deepening needs recorded products."""
-    from edge_llm.backends.mm8 import MmBackend, MmManifest
-    from edge_llm.bench.npu_cpu import RecordedMatmul, deepened, measure
-    from edge_llm.convert.mm8 import convert_mm8
+    from edge_llm.backends.npu.matmul.decoder import MmBackend, MmManifest
+    from edge_llm.bench.npu.cpu import RecordedMatmul, deepened, measure
+    from edge_llm.convert.npu_mm import convert_mm8
     from edge_llm.models.qwen3 import Model
 
     mm = tmp_path / "mm"

@@ -1,4 +1,4 @@
-"""The NPU engine's round in C (edge_llm/backends/_npurun.c; docs/npu.md, "A round in C") under
+"""The NPU engine's round in C (edge_llm/backends/npu/matmul/_rounds.c; docs/npu.md, "A round in C") under
 ThreadSanitizer: tests/c/npurun_check.c drives it with a stand-in for rknn_matmul_run (a C
 function that writes a known pattern; no NPU and no librknnrt are needed to check the threads)
 through thousands of rounds, with the helpers waiting both ways: spinning (rounds back to back)
@@ -25,7 +25,7 @@ def checker(tmp_path_factory) -> Path:
     assert cc, "no C compiler (the operator library needs one too)"
     exe = tmp_path_factory.mktemp("npurun") / "npurun_check"
     build = subprocess.run([cc, "-O1", "-g", "-fsanitize=thread", "-pthread", "-Wall", "-Werror", "-o", str(exe),
-                            str(REPO / "tests/c/npurun_check.c"), str(REPO / "edge_llm/backends/_npurun.c")],
+                            str(REPO / "tests/c/npurun_check.c"), str(REPO / "edge_llm/backends/npu/matmul/_rounds.c")],
                            capture_output=True, text=True, timeout=120)
     assert build.returncode == 0, build.stderr
     return exe

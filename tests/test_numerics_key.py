@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from edge_llm.backends import cpuq
+from edge_llm.backends.cpuq import backend as cpuq
 
 BASE = {"sse2", "avx", "avx2", "fma", "f16c"}
 AVX512_CORE = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"}
@@ -65,7 +65,7 @@ def test_aarch64_family():
 
 
 def test_kernel_key_names_the_onnxruntime_release_and_numpy():
-    from edge_llm.backends.cpu import numpy_kernels
+    from edge_llm.backends.cpu.backend import numpy_kernels
 
     a, b = cpuq.kernel_key("1.32.0"), cpuq.kernel_key("1.31.1")
     assert a != b and a.startswith("onnxruntime-1.32.0:") and b.startswith("onnxruntime-1.31.1:")
@@ -75,7 +75,7 @@ def test_kernel_key_names_the_onnxruntime_release_and_numpy():
 @pytest.mark.skipif(sys.platform != "linux", reason="OpenBLAS kernel families of numpy's Linux wheels")
 def test_numpy_kernels_change_with_the_blas_family_and_the_simd_loops():
     """numpy picks its BLAS kernels and its SIMD loops when it loads: each switch is another key."""
-    code = "from edge_llm.backends.cpu import numpy_kernels; print(numpy_kernels())"
+    code = "from edge_llm.backends.cpu.backend import numpy_kernels; print(numpy_kernels())"
 
     def key(**env) -> str:
         import os
@@ -99,7 +99,7 @@ def test_the_cpu_backends_numerics_name_numpys_kernels():
     (docs/store.md, "Restore and recompute"): its snapshots must not restore across them."""
     import os
 
-    code = ("from edge_llm.backends.cpu import CPUBackend; from edge_llm.backends.cpu_vision import "
+    code = ("from edge_llm.backends.cpu.backend import CPUBackend; from edge_llm.backends.cpu.tower import "
             "CPUVisionBackend; print(CPUBackend().numerics); print(CPUVisionBackend().numerics)")
 
     def numerics(**env) -> list[str]:

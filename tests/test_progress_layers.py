@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from edge_llm.backends import cpuq
-from edge_llm.backends.onnx_export import export_graph_set
-from edge_llm.backends.rknn import open_rknn
+from edge_llm.backends.cpuq import backend as cpuq
+from edge_llm.backends.graph.onnx_export import export_graph_set
+from edge_llm.backends.npu.backend import open_rknn
 from edge_llm.engine import GenerationRequest
 from edge_llm.models.qwen3 import Model
 from edge_llm.progress import LAYER, PREFILL, RESTORE, VISION, Cancelled, Work

@@ -1,4 +1,4 @@
-"""MatMulQ, cpu-q's 4/8-bit weight operator (edge_llm/backends/_qmatmul.c): the record layout, the
+"""MatMulQ, cpu-q's 4/8-bit weight operator (edge_llm/backends/cpuq/_qmatmul.c): the record layout, the
 same bits on every code path (AVX-512 VNNI, AVX-VNNI, AVX2, C here; NEON sdot and C for aarch64
 under qemu), rows independent of each other, the thread count out of the bits, accuracy on the
 default model's own Q4_1 and Q8_0 blocks against float64 and against onnxruntime's MatMulNBits, and bad
@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_llm.backends import attn_kernel
-from edge_llm.backends import quant as Q
-from edge_llm.backends.quant_export import qmatmul_records, write_nbits, write_qmatmul
+from edge_llm.backends import kernels
+from edge_llm.backends.cpuq import nbits as Q
+from edge_llm.backends.cpuq.nbits_export import qmatmul_records, write_nbits, write_qmatmul
 from modelutil import f32_bits
 
 REPO = Path(__file__).resolve().parents[1]
-LIB = attn_kernel.library()
+LIB = kernels.library()
 pytestmark = pytest.mark.skipif(LIB is None, reason="the operator library was not built at install (no C compiler)")
 PATHS = ("avx512vnni", "avxvnni", "avx2", "sdot", "c")
 
@@ -123,7 +123,7 @@ def _session(tmp_path: Path, qw: Q.QuantWeight, threads: int, nbits: bool = True
     alone, x of any width (for the operator's own checks)."""
     import onnxruntime as ort
 
-    from edge_llm.backends.onnx_export import GraphBuilder
+    from edge_llm.backends.graph.onnx_export import GraphBuilder
 
     g = GraphBuilder("q4", tmp_path / "q4.onnx.data")
     write_qmatmul(g, "x", qw, "y_q4")
@@ -134,7 +134,7 @@ def _session(tmp_path: Path, qw: Q.QuantWeight, threads: int, nbits: bool = True
     g.write([("x", ["T", qw.K if nbits else "K"])], outs, tmp_path / "q4.onnx", opset=21)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
-    attn_kernel.register(opts)
+    kernels.register(opts)
     return ort.InferenceSession(str(tmp_path / "q4.onnx"), opts, providers=["CPUExecutionProvider"])
 
 
@@ -179,7 +179,7 @@ def _check_under_qemu(layer0, tmp_path, cc: str, qemu: list[str]) -> list[list[s
     exe = tmp_path / "qmatmul_check"
     build = subprocess.run([cc, "-O3", "-fopenmp-simd", "-Wno-psabi", "-Wall", "-Werror",
                             f"-I{REPO / 'third_party/onnxruntime/include'}", "-o", str(exe),
-                            str(REPO / "tests/c/qmatmul_check.c"), str(REPO / "edge_llm/backends/_qmatmul.c"), "-lm"],
+                            str(REPO / "tests/c/qmatmul_check.c"), str(REPO / "edge_llm/backends/cpuq/_qmatmul.c"), "-lm"],
                            capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr
     ran = []
@@ -234,7 +234,7 @@ def test_the_path_can_be_named_for_a_benchmark(paths):
     it lacks, or an unknown name, leaves the CPU's own choice."""
     import sys
 
-    code = "from edge_llm.backends import attn_kernel; print(attn_kernel.qmatmul_isa())"
+    code = "from edge_llm.backends import kernels; print(kernels.qmatmul_isa())"
 
     def isa(env: str) -> str:
         import os

@@ -111,7 +111,7 @@ def test_cpu_q_restore_is_a_cold_run(default_model, tmp_path, edge_home):
 
 def test_graph_backend_on_onnxruntime(default_model, tmp_path):
     """The rknn graph set run by onnxruntime (F32, static shapes 1/32/128: a short chunk is padded)."""
-    from edge_llm.backends.onnx_export import export_graph_set
+    from edge_llm.backends.graph.onnx_export import export_graph_set
 
     graphs = tmp_path / "graphs"
     export_graph_set(default_model, graphs)

@@ -1,7 +1,7 @@
-"""The NPU matmul engine (`rknn_mm.NpuInt8Matmul`) and its ctypes binding (`rknn_matmul_api`) over a
+"""The NPU matmul engine (`engine.NpuInt8Matmul`) and its ctypes binding (`binding`) over a
 fake librknnrt.so built here from tests/fake_librknnrt/fake_rknnrt.c. The fake stands in for
 Rockchip's closed library, which cannot exist without an RK3588 NPU: it implements the entry
-points the binding calls, on the CPU, with rknn_matmul_api.h's native layout and refusals, and
+points the binding calls, on the CPU, with binding.h's native layout and refusals, and
 counts live contexts and buffers (fake_live_objects). The same checks run on the emulated arm64
 board (tests/test_board_emulated.py) through tests/helpers/npu_matmul_check.py.
 """
@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_llm.backends import rknn_matmul_api as api
-from edge_llm.backends.int8mm import HostInt8Matmul
-from edge_llm.backends.rknn_mm import M_SHAPES, library_id, open_npu_matmul, shape_for, split_columns, split_weight
+from edge_llm.backends.npu.matmul import binding as api
+from edge_llm.backends.npu.matmul.int8 import HostInt8Matmul
+from edge_llm.backends.npu.matmul.engine import M_SHAPES, library_id, open_npu_matmul, shape_for, split_columns, split_weight
 from edge_llm.errors import ConfigError, RknnMatmulError
 from edge_llm.settings import LIBRKNNRT_ENV
 
@@ -41,7 +41,7 @@ def lib(fake_librknnrt):
 
 
 def native_reference(w: np.ndarray) -> np.ndarray:
-    """rknn_matmul_api.h's int8 B native layout on RK3588, from its comment: (N/32, K/32, 32, 32),
+    """binding.h's int8 B native layout on RK3588, from its comment: (N/32, K/32, 32, 32),
     and above K = 8192 ceil(K / 8192) segments of K, each in that layout, one after the other."""
     K, N = w.shape
     segs = [w[k0:k0 + 8192] for k0 in range(0, K, 8192)]
@@ -110,7 +110,7 @@ def _helpers() -> int:
 @pytest.mark.parametrize("c_round", [True, False], ids=["c-round", "python-pool"])
 def test_a_round_runs_every_part_and_reports_the_failing_one(lib, c_round):
     """The parts of a round run on the caller and one helper thread per other core: C helpers
-    (npu_round over _npurun.c) or, without the operator library, Python's pool; both give the
+    (rounds.py over _rounds.c) or, without the operator library, Python's pool; both give the
     emulation's bits (three cuts: by N, by K, both), a refused run names rknn_matmul_run and its
     code (here part 2's A unbound behind the engine's back: the fake refuses with -8), and close()
     stops the helpers."""
@@ -278,7 +278,7 @@ def test_a_missing_library_says_what_to_install(tmp_path, monkeypatch, lib):
 def test_the_micro_benchmark_labels_what_it_measured(lib):
     """bench_matmul over the fake: every figure comes with the engine's numerics (the library's
     hash) and the machine, so the fake's numbers on this CPU are not read as an NPU's."""
-    from edge_llm.bench.npu_matmul import bench_matmul
+    from edge_llm.bench.npu.matmul import bench_matmul
 
     res = bench_matmul(lib, reps=3, stream_reps=1, shapes={"64x96": (64, 96)})
     assert res.numerics == f"librknnrt-{library_id(lib)}-cores0" and res.machine.startswith(platform.machine())

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from modelutil import greedy_run
 
-from edge_llm.backends.rknn import open_rknn
-from edge_llm.backends.runners import converter_python
+from edge_llm.backends.npu.backend import open_rknn
+from edge_llm.backends.npu.graphs.sim import converter_python
 from edge_llm.convert.report import FP16_REL_LIMIT, worst
 from edge_llm.errors import ConfigError
 
@@ -56,7 +56,7 @@ def test_convert_writes_rknn_manifest_and_report(converted, name, record_propert
         assert g["rknn"].startswith(f"rknn/{g['name']}-{g['build_key'][:16]}")
         shapes = sorted(t["rows"] for t in g["cost"])
         assert shapes == sorted(g["rows"]) and all(t["cycles"] > 0 for t in g["cost"])
-    from edge_llm.backends.manifest import Manifest
+    from edge_llm.backends.graph.manifest import Manifest
 
     man = Manifest.read(d)
     errs = {g.name: worst(g) for g in man.graphs}
@@ -107,7 +107,7 @@ def test_engine_on_simulator_agrees_with_cpu(converted, name, record_property):
 
 
 def test_simulator_padding_rows_do_not_change_real_rows(converted):
-    from edge_llm.backends.onnx_export import sample_inputs
+    from edge_llm.backends.graph.onnx_export import sample_inputs
 
     model_dir, d, _ = converted["qwen3"]
     be = open_rknn(d, "sim", model_dir=model_dir)
@@ -127,10 +127,10 @@ def test_simulator_padding_rows_do_not_change_real_rows(converted):
 
 def test_a_verify_forward_runs_the_head_once_at_its_multi_row_shape(converted, monkeypatch):
     """Speculative decoding on the NPU (docs/speculative.md): a verify forward of T rows runs the
-    32-row layer graphs and the head's 32-row shape once (`graphs.head_rows`), not the one-row
+    32-row layer graphs and the head's 32-row shape once (`schema.head_rows`), not the one-row
     head T times; its rows are the one-row steps' up to the simulator's fp16 rounding, and the
     compiler's estimates price it below T one-row steps (the cost profile drafting reads)."""
-    from edge_llm.backends.graphs import HEAD
+    from edge_llm.backends.graph.schema import HEAD
     from edge_llm.models.qwen3 import Model
 
     model_dir, d, _ = converted["qwen3"]
@@ -219,13 +219,13 @@ def test_w8a8_restore_is_a_cold_run_in_the_simulator(tiny_synth_dir, tmp_path):
     assert [r["restored"] for r in rows] == [32, 96]
 
 
-# ---- the vision tower on the simulator (convert/vision.py, backends/vision_graph.py) -----------
+# ---- the vision tower on the simulator (convert/vision.py, backends/tower/graph.py) -----------
 def test_vision_tower_converts_within_fp16(converted, record_property):
     """The tiny Qwen3-VL's tower: one .rknn for the default grids (256 and 784 patches), every
     shape checked in the simulator against the numpy tower on an image of exactly that shape."""
     import hashlib
 
-    from edge_llm.backends.manifest import Manifest
+    from edge_llm.backends.graph.manifest import Manifest
 
     _, d, stdout = converted["qwen3_vl"]
     assert "vision tower at 784 patches: compiler estimate" in stdout
@@ -266,7 +266,7 @@ def _image_request(model_dir, seed: int = 11):
 def test_image_on_simulator_agrees_with_cpu(converted, record_property):
     """Tower and decoder both on the simulator answer an image with the CPU backend's (numpy
     tower) first greedy token; every row's logits close."""
-    from edge_llm.backends.vision_graph import open_rknn_tower
+    from edge_llm.backends.tower.graph import open_rknn_tower
     from edge_llm.models.qwen3 import Model
     from edge_llm.vision.model import VisionModel
 

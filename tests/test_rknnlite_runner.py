@@ -11,17 +11,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_llm.backends.cpu import CPUBackend
-from edge_llm.backends.graph import GraphBackend
-from edge_llm.backends.graphs import graph_specs
-from edge_llm.backends.rknnlite import (
+from edge_llm.backends.cpu.backend import CPUBackend
+from edge_llm.backends.graph.backend import GraphBackend
+from edge_llm.backends.graph.schema import graph_specs
+from edge_llm.backends.npu.graphs.rknnlite import (
     NPU_CORE_0,
     NPU_CORE_0_1_2,
     NPU_CORE_1,
     NPU_CORE_2,
     RKNNLiteRunner,
 )
-from edge_llm.backends.runners import RunnerError
+from edge_llm.backends.graph.runners import RunnerError
 from edge_llm.config import ModelArgs
 from edge_llm.models.qwen3 import Model
 from edge_llm.weights import load_weights
@@ -163,10 +163,10 @@ def test_vision_tower_on_the_board_runner(tiny_synth_dir, tmp_path):
     """The tower's `.rknn` through RKNNLiteRunner (the fake computes the graph in F32 with
     onnxruntime and rounds to fp16, as the NPU hands back): all three cores, a static shape per
     image (an image of 80 patches padded to 256), features close to the numpy tower's."""
-    from edge_llm.backends.graphs import vision_spec
-    from edge_llm.backends.runners import OrtRunner
-    from edge_llm.backends.vision_export import export_tower
-    from edge_llm.backends.vision_graph import TowerGraph
+    from edge_llm.backends.graph.schema import vision_spec
+    from edge_llm.backends.graph.runners import OrtRunner
+    from edge_llm.backends.tower.export import export_tower
+    from edge_llm.backends.tower.graph import TowerGraph
     from edge_llm.convert.vision import sample_image
     from edge_llm.vision.model import VisionModel
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_llm.backends.graphs import ForwardCost
+from edge_llm.backends.cost import ForwardCost
 from edge_llm.drafting import DraftConfig
 from edge_llm.engine import GenerationRequest
 from edge_llm.runtime import load_runtime
@@ -92,10 +92,10 @@ def test_greedy_drafting_is_plain_greedy_in_fewer_forwards(default_model, backen
     assert_same_or_near_tie(eng, ids, off.completion_ids, on.completion_ids, SamplingParams())
     assert "40 crates of copper wire" in text_on
     if backend == "cpu-q":  # a verify row is bitwise a plain step's on every CPU: the same text, exactly
-        from edge_llm.backends import attn_kernel
+        from edge_llm.backends import kernels
 
         assert on.completion_ids == off.completion_ids
-        lib, native = attn_kernel.library(), attn_kernel.qmatmul_isa()
+        lib, native = kernels.library(), kernels.qmatmul_isa()
         try:  # and MatMulQ's AVX2 path (when this CPU has it) gives the very same answer
             if lib.edge_qmatmul_force(b"avx2") == 0:
                 eng.cache.reset()

@@ -1,4 +1,4 @@
-"""The vision tower as one graph (backends/vision_export.py, vision_graph.py; docs/vision.md):
+"""The vision tower as one graph (backends/tower/export.py, tower/graph.py; docs/vision.md):
 onnxruntime's tower against the numpy tower on the tiny synthetic Qwen3-VL (no real Qwen3-VL
 tower exists on this machine; the synthetic one keeps the published patch and merge geometry),
 padding with masked patches, the fallback, the tower path in the image keys, and the grid rule
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from edge_llm.backends.vision_graph import TowerGraph, held_shape, open_ort_tower
+from edge_llm.backends.tower.graph import TowerGraph, held_shape, open_ort_tower
 from edge_llm.config import ModelArgs
 from edge_llm.convert.vision import sample_image
 from edge_llm.engine import Engine, GenerationRequest
@@ -102,8 +102,8 @@ def deep_tower(tmp_path_factory):
 def test_tower_in_segments_equals_one_graph_and_reports_each(deep_tower, tmp_path):
     """onnxruntime runs the tower in segments (progress and the watchdog between them): one block
     a segment gives the one graph's features, and each segment is reported."""
-    from edge_llm.backends.runners import OrtRunner
-    from edge_llm.backends.vision_export import export_tower
+    from edge_llm.backends.graph.runners import OrtRunner
+    from edge_llm.backends.tower.export import export_tower
     from edge_llm.progress import Work
 
     args = ModelArgs.from_dir(deep_tower)
@@ -237,8 +237,8 @@ def test_runtime_picks_the_tower_path_of_its_backend(tiny_synth_dir, home):
 
 # ---- the fp16-safe LayerNorm of the NPU tower -----------------------------------------------------
 def _ln_graph(tmp_path, norm, n: int):
-    from edge_llm.backends.graphs import GraphSpec
-    from edge_llm.backends.onnx_export import GraphBuilder
+    from edge_llm.backends.graph.schema import GraphSpec
+    from edge_llm.backends.graph.onnx_export import GraphBuilder
 
     rng = np.random.default_rng(0)
     w, b = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32), (0.1 * rng.standard_normal(n)).astype(np.float32)
@@ -257,8 +257,8 @@ def test_fp16_safe_layer_norm(tmp_path, big):
     input's range and gives torch's LayerNorm within F32 rounding, zero (padding) row included."""
     import onnxruntime as ort
 
-    from edge_llm.backends.cpu_vision import layer_norm
-    from edge_llm.backends.vision_export import layer_norm_f32, layer_norm_fp16
+    from edge_llm.backends.cpu.tower import layer_norm
+    from edge_llm.backends.tower.export import layer_norm_f32, layer_norm_fp16
     from edge_llm.convert.calibration import FP16_MAX, tensor_ranges, worst_tensor
 
     n = 1024
@@ -282,9 +282,9 @@ def test_fp16_safe_layer_norm(tmp_path, big):
 def test_an_npu_tower_that_does_not_load_leaves_the_numpy_tower(tiny_synth_dir, tmp_path, monkeypatch, caplog):
     """On a board the tower's init_runtime can be refused (the NPU's 4 GiB window full with an fp16
     decoder): the service logs why and serves images on the numpy tower instead of failing."""
-    import edge_llm.backends.vision_graph as vg
-    from edge_llm.backends.runners import RunnerError
-    from edge_llm.footprint import BackendChoice
+    import edge_llm.backends.tower.graph as vg
+    from edge_llm.backends.graph.runners import RunnerError
+    from edge_llm.backends.choice import BackendChoice
     from edge_llm.runtime import make_tower_graph
     from edge_llm.settings import Settings
 

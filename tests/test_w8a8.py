@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_llm.backends.cpu_side import CpuSide
-from edge_llm.backends.graphs import HEAD_N, MLP, QKV_N, O, graph_specs
-from edge_llm.backends.manifest import Manifest
+from edge_llm.backends.graph.cpu_side import CpuSide
+from edge_llm.backends.graph.schema import HEAD_N, MLP, QKV_N, O, graph_specs
+from edge_llm.backends.graph.manifest import Manifest
 from edge_llm.bench import accuracy
 from edge_llm.config import ModelArgs
 from edge_llm.convert import calibration as C
@@ -100,7 +100,7 @@ def test_rotated_graphs_take_image_rows_in_their_basis(tiny_model_dir, tmp_path)
     """Image embeddings and DeepStack features enter the residual stream outside `embed`: rotated
     w8a8 graphs (F32, onnxruntime) must see them rotated too (`Backend.residual`), or the image
     rows' logits are of another input. Tiny random Qwen3-VL: the shape of the path, not accuracy."""
-    from edge_llm.backends.rknn import open_rknn
+    from edge_llm.backends.npu.backend import open_rknn
     from edge_llm.models.qwen3 import Model, VisualRows
 
     model_dir = tiny_model_dir("qwen3_vl")

@@ -48,7 +48,7 @@ def blas() -> str:
 
 
 def isa() -> str:
-    from edge_llm.backends.cpuq import kernel_isa  # the CPU features that pick the kernels
+    from edge_llm.backends.cpuq.backend import kernel_isa  # the CPU features that pick the kernels
 
     return kernel_isa()
 

@@ -111,7 +111,7 @@ def decode(args) -> None:
     import numpy as np
     from threadpoolctl import threadpool_info
 
-    from edge_llm.backends.cpuq import kernel_isa
+    from edge_llm.backends.cpuq.backend import kernel_isa
     from edge_llm.progress import DECODE, NO_WORK, Work
     from edge_llm.runtime import load_runtime
     from edge_llm.sdnotify import Notifier

@@ -1,5 +1,12 @@
 """Backends run the dense per-layer work of the decoder; the model keeps the rest in numpy.
 
+This package is the seam: the protocol below, `get_backend`, the cost profile every backend
+declares (`cost.py`) and the choice `backend = auto` makes (`choice.py`). Each way of running the
+decoder has a folder of its own: `cpu/` (numpy F32, the reference), `cpuq/` (4-bit weights on
+onnxruntime), `npu/` (the RK3588 NPU: compiled graphs or int8 matmuls), with the graph family
+cpu-q and the NPU graphs share in `graph/`, the vision tower's parts in `tower/` and the C
+operator library in `kernels/` (docs/architecture.md, the module map).
+
 The seam: a backend owns the weight matrices and computes norms + projections + MLP + lm_head.
 The model owns everything that touches KV rows or positions (qk-norm, RoPE, attention over the
 F32 cache) and sampling. All arrays crossing the seam are float32, C-contiguous, rows = tokens.
@@ -8,7 +15,7 @@ A layer is two calls: `qkv` (input RMSNorm + fused projections) and `post` (o_pr
 post-attention RMSNorm, SwiGLU MLP, residual), which returns the new residual stream h and, when
 the backend computed it in the same call, the next layer's q/k/v of that h (else None: the model
 then calls `qkv`). The CPU backend runs `post` as its two steps `attn_out` + `mlp` and never
-fuses. A graph backend (`graph.py`: onnxruntime, the rknn simulator, the NPU) runs it as one
+fuses. A graph backend (`graph/backend.py`: onnxruntime, the rknn simulator, the NPU) runs it as one
 graph: a `post` graph returns the two deltas, which it adds to the F32 residual stream; cpu-q's
 fused `step` graph returns h itself (added in F32 inside the graph) and, for most layers, the
 next layer's qkv of it. Fusion is asked for, never inferred: the model passes `fuse_next=False`
@@ -17,13 +24,13 @@ rows), and the backend then returns None. Nothing is kept between calls.
 
 A static-shape backend (an NPU running precompiled graphs) reports the chunk sizes it was built
 for in `chunk_sizes`; the model prefills in one of those sizes and the backend pads a shorter
-final chunk to its graph shape and drops the padded rows (one place: `graphs.row_plan`). Every
+final chunk to its graph shape and drops the padded rows (one place: `schema.row_plan`). Every
 method must be deterministic for identical inputs of identical shape: bit-exact KV restore
 relies on it.
 
 A backend may also offer a `row_step` (`RowStep`): a decode step of the whole decoder + head in
 one call, reading the cached K/V rows in place and returning the new rows for the model to
-write (backend cpu-q: decode_step.py, docs/quantization.md; the matmul path: mm8_step.py,
+write (backend cpu-q: cpuq/decode_step.py, docs/quantization.md; the matmul path: npu/matmul/row_step.py,
 docs/npu.md). The model runs every one-row
 forward with it (decode, and the last prompt token) and every decode forward of up to
 `row_step.max_rows` rows (a speculative verify), and prompt chunks through the seam above; the
@@ -31,7 +38,7 @@ choice depends only on the row count and on whether the rows are a prompt's, so 
 restore still holds.
 
 Every backend states what a forward of T rows costs relative to one row (`forward_cost`, a
-declared profile such as `graphs.ForwardCost`, not a timing): speculative decoding drafts only
+declared profile such as `cost.ForwardCost`, not a timing): speculative decoding drafts only
 where the profile says a verify forward pays (docs/speculative.md), so its choices, and with them the output, never
 depend on how fast this moment happens to be.
 """
@@ -80,7 +87,7 @@ class Backend(Protocol):
     def residual(self, rows: np.ndarray) -> np.ndarray:
         """(T, hidden) rows of the model's hidden space (image embeddings, DeepStack features)
         -> the same rows in the basis of this backend's residual stream (what `embed` returns and
-        `post` keeps). The identity except for rotated w8a8 graphs (backends/cpu_side.py)."""
+        `post` keeps). The identity except for rotated w8a8 graphs (backends/graph/cpu_side.py)."""
 
     def qkv(self, layer: int, x: np.ndarray) -> QKVArrays:
         """input RMSNorm + q/k/v projections (+bias): (T, hidden) -> q (T, q_dim), k, v (T, kv_dim)."""
@@ -110,9 +117,9 @@ def pick_chunk(backend: Backend, requested: int) -> int:
 
 def get_backend(name: str) -> Backend:
     """Instantiate a backend by name ("cpu"); `cpu-q` and `rknn` need a model or graph directory:
-    `cpuq.open_cpu_q`, `rknn.open_rknn` (both built by `runtime.make_backend`)."""
+    `cpuq.backend.open_cpu_q`, `npu.backend.open_rknn` (both built by `runtime.make_backend`)."""
     if name == "cpu":
-        from edge_llm.backends.cpu import CPUBackend
+        from edge_llm.backends.cpu.backend import CPUBackend
 
         return CPUBackend()
     raise ConfigError(f"backend {name!r} is not available (available: cpu)")

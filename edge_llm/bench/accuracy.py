@@ -119,12 +119,12 @@ def run(model: str, backend: str, rknn_dir: str | None = None, runner: str = "si
     if backend == "rknn":
         if not rknn_dir:
             raise ConfigError("backend rknn needs --rknn-dir (an `edge-llm convert rknn` output directory)")
-        from edge_llm.backends.rknn import open_rknn
+        from edge_llm.backends.npu.backend import open_rknn
 
         step(f"starting the {runner} runner")
         be = open_rknn(rknn_dir, runner, model_dir=model_dir, progress=lambda s: step(f"loading graph {s.name}"))
     elif backend == "cpu-q":
-        from edge_llm.backends.cpuq import open_cpu_q
+        from edge_llm.backends.cpuq.backend import open_cpu_q
         from edge_llm.checkpoints.gguf_blocks import gguf_blocks
 
         be = open_cpu_q(model_dir, quant, progress=step, blocks=gguf_blocks(model_dir))

@@ -27,10 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_llm.backends.graphs import HEAD, HEAD_N, ForwardCost
-from edge_llm.backends.manifest import Manifest
-from edge_llm.backends.rknn import compiler_cycles
-from edge_llm.bench.npu_predict import RKLLM
+from edge_llm.backends.cost import ForwardCost
+from edge_llm.backends.graph.schema import HEAD, HEAD_N
+from edge_llm.backends.graph.manifest import Manifest
+from edge_llm.backends.npu.backend import compiler_cycles
+from edge_llm.bench.rkllm import RKLLM
 from edge_llm.convert.report import NPU_HZ
 from edge_llm.drafting import DraftConfig, Drafter
 
@@ -141,7 +142,7 @@ def run(backends=("cpu", "cpu-q"), families=tuple(FAMILIES), max_tokens: int = 1
         step: Callable[[str], None] = lambda _m: None, npu_layers: int | None = None) -> dict:
     from threadpoolctl import threadpool_info
 
-    from edge_llm.backends.cpuq import kernel_isa
+    from edge_llm.backends.cpuq.backend import kernel_isa
     from edge_llm.bench.quant import Peer, peer_python
     from edge_llm.checkpoints.packaged import default_gguf_path
     from edge_llm.runtime import load_runtime

@@ -31,7 +31,7 @@ def kernels() -> dict[str, list[str] | str]:
     onnxruntime's MLAS picks on this CPU: what a speed figure is named with."""
     from threadpoolctl import threadpool_info
 
-    from edge_llm.backends.cpuq import kernel_isa
+    from edge_llm.backends.cpuq.backend import kernel_isa
 
     return {"blas": [f"{i['internal_api']} {i['version']} {i.get('architecture')}, {i['num_threads']} threads"
                      for i in threadpool_info() if i["user_api"] == "blas"],

@@ -164,7 +164,7 @@ def run(lengths=LENGTHS, threads: int = 2, repeats: int = 2, decode: int = 32, t
         per_layer: bool = True) -> dict:
     from threadpoolctl import threadpool_info
 
-    from edge_llm.backends.cpuq import ensure_quantized, mode, open_cpu_q
+    from edge_llm.backends.cpuq.backend import ensure_quantized, mode, open_cpu_q
     from edge_llm.bench.prompts import history
     from edge_llm.checkpoints.default import default_model_dir
     from edge_llm.checkpoints.gguf_blocks import gguf_blocks

@@ -21,7 +21,7 @@ BOARD_BYTES = 8 * 1024**3
 
 
 def _quantize(model_dir: str) -> dict:
-    from edge_llm.backends.cpuq import ensure_quantized, mode
+    from edge_llm.backends.cpuq.backend import ensure_quantized, mode
     from edge_llm.checkpoints.gguf_blocks import gguf_blocks
 
     t0 = time.perf_counter()

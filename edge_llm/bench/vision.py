@@ -109,8 +109,8 @@ def graph_rows(numpy_rows: list[dict], graph_vision, sizes=SIZES, repeats: int =
 def npu_rows(rknn_dir: str | Path, vision, sizes=SIZES) -> list[dict]:
     """The compiler-predicted NPU encode per size from a converted tower (`<rknn_dir>/vision/`):
     the shape the grid rule pads the image to, its estimate, the simulator's accuracy there."""
-    from edge_llm.backends.manifest import Manifest
-    from edge_llm.backends.vision_graph import VISION_DIR, held_shape
+    from edge_llm.backends.graph.manifest import Manifest
+    from edge_llm.backends.tower.graph import VISION_DIR, held_shape
     from edge_llm.convert.vision import tower_rows
     from edge_llm.vision.model import fit_to_graph
     from edge_llm.vision.preprocess import prepare_image

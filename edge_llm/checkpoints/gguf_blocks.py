@@ -1,6 +1,6 @@
 """The GGUF blocks of an imported model, as the quantized CPU backend takes them.
 
-`backends/quant.py` declares what it needs (`BlockSource`: HF tensor name -> stored blocks in
+`backends/cpuq/nbits.py` declares what it needs (`BlockSource`: HF tensor name -> stored blocks in
 HF row order); this module provides it from the GGUF file a model directory was imported from.
 The backend never reads GGUF names or llama.cpp's layouts itself: the name map and the Q/K row
 permutation are the importer's (`gguf_import.py`), and the blocks are handed over with the row
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_llm.backends.quant import SourceTensor
+from edge_llm.backends.cpuq.nbits import SourceTensor
 from edge_llm.checkpoints.default import MARKER as DEFAULT_MARKER
 from edge_llm.checkpoints.gguf_import import IMPORT_RECORD, hf_name, unpermute_qk
 from edge_llm.checkpoints.packaged import default_gguf_path
@@ -40,7 +40,7 @@ def gguf_source(model_dir: str | Path) -> Path | None:
 
 
 class GgufBlocks:
-    """A `quant.BlockSource` over one GGUF file, read on first use (only a build needs it)."""
+    """A `nbits.BlockSource` over one GGUF file, read on first use (only a build needs it)."""
 
     def __init__(self, path: Path):
         self.path = path

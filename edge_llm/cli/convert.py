@@ -188,7 +188,7 @@ def npu_mm_cmd(model_dir, out_dir, rotation, down_rotation, vo_rotation, clip, g
     OUT_DIR/manifest.json, with numpy alone (no rknn-toolkit2; runs on the board too). Serve with
     --backend rknn --rknn-dir OUT_DIR (docs/npu.md, "The matmul path")."""
     from edge_llm.cli.progress import resolve_model_with_bar
-    from edge_llm.convert.mm8 import convert_mm8
+    from edge_llm.convert.npu_mm import convert_mm8
     from edge_llm.errors import EdgeLLMError
 
     setup_cli_logging(logging.INFO if verbose else logging.WARNING)
@@ -229,7 +229,7 @@ def _convert_tower(model_dir, out_dir, grids, converter_python, accuracy, headro
     click.echo(f"vision tower: {(g.rknn_bytes or 0) / 1e6:.0f} MB .rknn in {b['total_seconds']:.0f} s, peak RSS "
                f"{b['peak_rss_mb_export']:.0f} MB (export), {b['peak_rss_mb_toolkit']:.0f} MB (toolkit); "
                f"report: {out_dir}/vision/report.md")
-    from edge_llm.backends.manifest import Manifest
+    from edge_llm.backends.graph.manifest import Manifest
 
     npu_bytes = sum(d.rknn_bytes or 0 for d in Manifest.read(out_dir).graphs) + (g.rknn_bytes or 0)
     if npu_bytes > NPU_WINDOW:

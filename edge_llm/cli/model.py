@@ -142,8 +142,8 @@ def _quant_rows(model_dir, build: str | None) -> list[tuple[str, str]]:
     """One row per cpu-q weight set of this model (built first for `build`)."""
     from collections import Counter
 
-    from edge_llm.backends import cpuq
-    from edge_llm.backends.manifest import Manifest
+    from edge_llm.backends.cpuq import backend as cpuq
+    from edge_llm.backends.graph.manifest import Manifest
     from edge_llm.checkpoints.gguf_blocks import gguf_blocks
 
     if build:
@@ -176,7 +176,7 @@ def _quant_rows(model_dir, build: str | None) -> list[tuple[str, str]]:
 @click.argument("model_dir", default="default")
 def digest_cmd(model_dir: str) -> None:
     """Weight, tokenizer and model_id digests of MODEL_DIR (backend cpu, this machine's numpy kernels)."""
-    from edge_llm.backends.cpu import cpu_numerics
+    from edge_llm.backends.cpu.backend import cpu_numerics
     from edge_llm.config import ModelArgs
     from edge_llm.errors import EdgeLLMError
     from edge_llm.snapshot.identity import Identity

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_llm.backends.cpu import CPUBackend
-from edge_llm.backends.graphs import HEAD, POST, QKV, GraphSpec, capture_key, layer_name
-from edge_llm.backends.manifest import Manifest
-from edge_llm.backends.onnx_export import Samples
+from edge_llm.backends.cpu.backend import CPUBackend
+from edge_llm.backends.graph.schema import HEAD, POST, QKV, GraphSpec, capture_key, layer_name
+from edge_llm.backends.graph.manifest import Manifest
+from edge_llm.backends.graph.onnx_export import Samples
 from edge_llm.config import ModelArgs
 from edge_llm.convert.report import FP16_MAX, worst_tensor
 from edge_llm.errors import ConfigError, EdgeLLMError
@@ -147,8 +147,8 @@ def tensor_ranges(onnx_path: Path, spec: GraphSpec, inputs: Sequence[np.ndarray]
     "intermediates": [[tensor, op, max], ...] largest first}."""
     import onnxruntime as ort
 
-    from edge_llm.backends.onnx_export import write_probe
-    from edge_llm.backends.runners import open_session, session_options
+    from edge_llm.backends.graph.onnx_export import write_probe
+    from edge_llm.backends.graph.runners import open_session, session_options
 
     probe = onnx_path.with_name(f".{onnx_path.stem}.ranges.onnx")
     ops = write_probe(onnx_path, probe)

@@ -12,7 +12,7 @@ board too).
 
 `capture` runs the F32 CPU backend over calibration tokens (`calibration_text.py`, not the
 accuracy text) and keeps, per layer, the rows each int8 matmul will read, unrotated and with
-unit-gain norms: the converter rotates them into its basis (`convert/mm8.py`).
+unit-gain norms: the converter rotates them into its basis (`convert/npu_mm.py`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_llm.backends.cpu import CPUBackend, rms_norm, swiglu
-from edge_llm.backends.int8mm import QMAX
+from edge_llm.backends.cpu.backend import CPUBackend, rms_norm, swiglu
+from edge_llm.backends.npu.matmul.int8 import QMAX
 
 log = logging.getLogger(__name__)
 

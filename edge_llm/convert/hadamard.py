@@ -59,7 +59,7 @@ def orthogonal(n: int, seed: int = ROTATION_SEED) -> np.ndarray:
 
 def orthogonal_factors(n: int, seed: int = ROTATION_SEED) -> tuple[np.ndarray, np.ndarray] | None:
     """`orthogonal(n)` = (H_{2^k} ⊗ block) diag(col_scale) as (block (m, m) of +-1, col_scale (n,) =
-    its random signs / sqrt(n)), both float32: the fast transform's factors (`_mm8ops.c`,
+    its random signs / sqrt(n)), both float32: the fast transform's factors (`_row_ops.c`,
     `edge_mm8_rotate`); None where `orthogonal` is not a Hadamard matrix."""
     factors = hadamard_factors(n)
     if factors is None:
@@ -69,7 +69,7 @@ def orthogonal_factors(n: int, seed: int = ROTATION_SEED) -> tuple[np.ndarray, n
 
 
 def dense_hadamard(block: np.ndarray, n: int) -> np.ndarray:
-    """The (n, n) matrix `backends.mm8_ops.fwht` multiplies by: `block` (normalized, (m, m)) ⊗
+    """The (n, n) matrix `backends.row_ops.fwht` multiplies by: `block` (normalized, (m, m)) ⊗
     Sylvester's H_{n/m} / sqrt(n/m), in float64 for the converter (it folds the transpose into W_down)."""
     s = n // block.shape[0]
     syl = np.ones((1, 1))

@@ -9,8 +9,8 @@ measured time on a board.
 
 from __future__ import annotations
 
-from edge_llm.backends.graphs import HEAD, HEAD_N
-from edge_llm.backends.manifest import GraphEntry, Manifest
+from edge_llm.backends.graph.schema import HEAD, HEAD_N
+from edge_llm.backends.graph.manifest import GraphEntry, Manifest
 
 NPU_HZ = 1.0e9  # RK3588 NPU clock (max), cycles -> seconds
 FP16_REL_LIMIT = 3e-3  # what fp16 graphs are expected to stay within (max relative error)

@@ -24,10 +24,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from edge_llm.backends.graphs import HEAD_N, MLP, QKV_N, O
-from edge_llm.backends.manifest import GraphEntry, Manifest
-from edge_llm.backends.onnx_export import export_graph_set
-from edge_llm.backends.runners import ToolkitWorker, compile_request
+from edge_llm.backends.graph.schema import HEAD_N, MLP, QKV_N, O
+from edge_llm.backends.graph.manifest import GraphEntry, Manifest
+from edge_llm.backends.graph.onnx_export import export_graph_set
+from edge_llm.backends.npu.graphs.sim import ToolkitWorker, compile_request
 from edge_llm.convert import calibration as C
 from edge_llm.convert.report import markdown_report
 from edge_llm.config import ModelArgs
@@ -62,7 +62,7 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-# the most F32 weight bytes of one head graph: the head is built at two shapes (graphs.head_rows),
+# the most F32 weight bytes of one head graph: the head is built at two shapes (schema.head_rows),
 # and rknn-toolkit2 2.5.0's dynamic-shape save failed on Qwen3-VL-2B's whole head (1.24 GB of F32:
 # an onnx checker error inside save_dynamic_shape_onnx) and built its quarters (311 MB each)
 HEAD_PART_BYTES = 320_000_000

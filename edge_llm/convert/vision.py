@@ -1,6 +1,6 @@
 """`edge-llm convert rknn` for the Qwen3-VL vision tower: one fp16 `.rknn` holding every grid.
 
-The tower is exported as one graph (`backends/vision_export.py`, schema `graphs.vision_spec`)
+The tower is exported as one graph (`backends/tower/export.py`, schema `schema.vision_spec`)
 whose inputs carry what depends on the grid alone (position embeddings, rotary tables) and a
 key bias for padding, so one `.rknn` with one shape per patch count (`dynamic_input`: the
 shapes share one copy of the weights) serves every image: the grid rule resizes an image onto at
@@ -24,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_llm.backends.graphs import vision_spec
-from edge_llm.backends.manifest import GraphEntry, Manifest
-from edge_llm.backends.runners import ToolkitWorker
-from edge_llm.backends.vision_export import export_tower
-from edge_llm.backends.vision_graph import VISION_DIR
+from edge_llm.backends.graph.schema import vision_spec
+from edge_llm.backends.graph.manifest import GraphEntry, Manifest
+from edge_llm.backends.npu.graphs.sim import ToolkitWorker
+from edge_llm.backends.tower.export import export_tower
+from edge_llm.backends.tower.graph import VISION_DIR
 from edge_llm.config import ModelArgs, VisionArgs, vision_args_from_dir
 from edge_llm.convert import calibration as C
 from edge_llm.convert.report import NPU_HZ, cycles, worst

@@ -8,7 +8,7 @@ toolkit's hybrid mode would keep the norm in fp16, but its step 2 drops `dynamic
 static shape per file: three weight copies on the board). So:
 
 1. the partition `graph_specs(cpu_norm=True)`: `qkv_n`, `o`, `mlp`, `head_n`, pure matmul graphs
-   whose inputs are normalized rows or attention outputs (`backends/cpu_side.py` computes the
+   whose inputs are normalized rows or attention outputs (`backends/graph/cpu_side.py` computes the
    rest in float32);
 2. per-channel smoothing (SmoothQuant, alpha = 0.5) of every matmul input, from the calibration
    activations: s = max|a|^alpha / max|w|^(1 - alpha) per input channel; the input is divided by
@@ -36,11 +36,11 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_llm.backends.cpu import load_layer, rms_norm
-from edge_llm.backends.cpu_side import CpuSide
-from edge_llm.backends.graphs import HEAD, HEAD_N, MLP, POST, QKV, QKV_N, O, GraphSpec, graph_specs, layer_name
-from edge_llm.backends.manifest import CALIB_DIR, Manifest
-from edge_llm.backends.onnx_export import GraphBuilder, export_one, _head_tensors, f32_linear, manifest_for
+from edge_llm.backends.cpu.backend import load_layer, rms_norm
+from edge_llm.backends.graph.cpu_side import CpuSide
+from edge_llm.backends.graph.schema import HEAD, HEAD_N, MLP, POST, QKV, QKV_N, O, GraphSpec, graph_specs, layer_name
+from edge_llm.backends.graph.manifest import CALIB_DIR, Manifest
+from edge_llm.backends.graph.onnx_export import GraphBuilder, export_one, _head_tensors, f32_linear, manifest_for
 from edge_llm.config import ModelArgs
 from edge_llm.convert.calibration import Capture
 from edge_llm.convert.hadamard import ROTATION_SEED, ROTATIONS, hadamard, orthogonal  # noqa: F401 (re-exported)

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Callable
 import psutil
 
 from edge_llm.config import ModelArgs
-from edge_llm.footprint import BackendChoice, available_memory, choose_backend, estimate_memory, refusal
+from edge_llm.backends.choice import BackendChoice, choose_backend
+from edge_llm.footprint import available_memory, estimate_memory, refusal
 from edge_llm.settings import Settings, models_dir
 from edge_llm.doctor.board import BoardChecks
 from edge_llm.doctor.probe import FAIL, NA, PASS, WARN, Check, ModelSizes
@@ -148,7 +149,7 @@ class Doctor(BoardChecks, StorageChecks):
         if not (d / "tokenizer.json").is_file():
             return Check("model", FAIL, detail + "; tokenizer.json missing", "copy tokenizer.json into the model dir"), sizes
         try:
-            from edge_llm.backends.cpu import cpu_numerics
+            from edge_llm.backends.cpu.backend import cpu_numerics
             from edge_llm.snapshot.identity import (
                 Identity,  # lazy: hashes the weights once (cached)
             )

@@ -129,7 +129,7 @@ class BoardChecks(Probe):
         if not self.o.rknn_dir:
             return Check("rknn-dir", FAIL if self.o.backend == "rknn" else WARN, "no rknn_dir configured",
                          "edge-llm convert rknn MODEL_DIR OUT_DIR on a host, copy OUT_DIR here, set rknn_dir")
-        from edge_llm.backends.manifest import Manifest  # lazy: only for NPU setups
+        from edge_llm.backends.graph.manifest import Manifest  # lazy: only for NPU setups
         from edge_llm.errors import EdgeLLMError
 
         try:

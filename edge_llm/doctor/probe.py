@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 
-from edge_llm.footprint import BackendChoice, ModelSizes  # noqa: F401  (ModelSizes: the checks' shared record)
+from edge_llm.backends.choice import BackendChoice
+from edge_llm.footprint import ModelSizes  # noqa: F401  (ModelSizes: the checks' shared record)
 from edge_llm.settings import Settings, resolve
 
 if TYPE_CHECKING:

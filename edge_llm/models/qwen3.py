@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_llm.backends import Backend, RowStep, get_backend, pick_chunk
-from edge_llm.backends.cpu import rms_norm
+from edge_llm.backends.cpu.backend import rms_norm
 from edge_llm.config import ModelArgs
 from edge_llm.errors import KVCacheError
 from edge_llm.kvcache import KVCache
@@ -107,7 +107,7 @@ class Model:
         weights = load_weights(model_dir, args)  # raises WeightsError before anything is read
         weights.progress = progress
         be = get_backend(backend) if isinstance(backend, str) else backend
-        be.load(args, weights)  # first: a backend's row step may read the q/k norm gains (backends/mm8_step.py)
+        be.load(args, weights)  # first: a backend's row step may read the q/k norm gains (backends/npu/matmul/row_step.py)
         q_norms: list[np.ndarray] = []
         k_norms: list[np.ndarray] = []
         if args.qk_norm:

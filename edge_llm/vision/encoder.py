@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge_llm.backends.graphs import KEY_PAD
-from edge_llm.backends.vision import VisionBackend
-from edge_llm.backends.vision_graph import TowerGraph
+from edge_llm.backends.graph.schema import KEY_PAD
+from edge_llm.backends.tower.seam import VisionBackend
+from edge_llm.backends.tower.graph import TowerGraph
 from edge_llm.config import VisionArgs
 from edge_llm.models.rope import apply_rope
 from edge_llm.progress import NO_WORK, VISION, Work

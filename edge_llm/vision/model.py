@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_llm.backends.vision import VisionBackend, get_vision_backend
-from edge_llm.backends.vision_graph import TowerGraph
+from edge_llm.backends.tower.seam import VisionBackend, get_vision_backend
+from edge_llm.backends.tower.graph import TowerGraph
 from edge_llm.config import ModelArgs, VisionArgs, vision_args_from_dir
 from edge_llm.errors import ConfigError
 from edge_llm.models.qwen3 import VisualRows

@@ -1,4 +1,4 @@
-/* Checks edge_attn_row (edge_llm/backends/_attn.c) against a float64 reference of GQA softmax
+/* Checks edge_attn_row (edge_llm/backends/kernels/_attn.c) against a float64 reference of GQA softmax
  * attention, for head shapes that take the specialized and the generic bodies and row counts on
  * both sides of its 256-row chunks; one head has a peaked softmax. Prints the code path and the
  * worst error; exit 0 if it is below 5e-6 and edge_attn_rows (T query rows, causal among the new

@@ -1,4 +1,4 @@
-/* Runs the matmul path's per-row ops (edge_llm/backends/_mm8ops.c) on inputs from a file and writes
+/* Runs the matmul path's per-row ops (edge_llm/backends/npu/matmul/_row_ops.c) on inputs from a file and writes
  * their outputs to another, for tests/test_mm8_ops.py: built for aarch64 and run under qemu-user, its
  * outputs must be bitwise the x86 library's on the same inputs.
  *

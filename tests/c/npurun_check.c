@@ -1,4 +1,4 @@
-/* A stress check of the NPU engine's round (edge_llm/backends/_npurun.c), built with ThreadSanitizer
+/* A stress check of the NPU engine's round (edge_llm/backends/npu/matmul/_rounds.c), built with ThreadSanitizer
  * by tests/test_npu_round.py. A stand-in run function plays rknn_matmul_run: it spends a few
  * microseconds, writes a pattern of (round, part) into the part's C rows and fails when asked.
  * Every round's output is checked (copies, and the sums of the parts that cut K), every failure

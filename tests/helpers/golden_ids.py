@@ -25,7 +25,7 @@ def main() -> int:
     model_dir, backend, threads, n, prompts = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), \
         json.loads(sys.argv[5])
     if backend == "cpu-q":
-        from edge_llm.backends.cpuq import open_cpu_q
+        from edge_llm.backends.cpuq.backend import open_cpu_q
         from edge_llm.checkpoints.gguf_blocks import gguf_blocks
 
         model = Model.load(model_dir, open_cpu_q(model_dir, "q4", threads=threads, blocks=gguf_blocks(model_dir)))
@@ -46,12 +46,12 @@ def main() -> int:
     if backend == "cpu-q":
         import onnxruntime
 
-        from edge_llm.backends import attn_kernel
-        from edge_llm.backends.cpuq import kernel_key
+        from edge_llm.backends import kernels
+        from edge_llm.backends.cpuq.backend import kernel_key
 
-        key = f"{kernel_key(onnxruntime.__version__)}:attn-{attn_kernel.isa()}"
+        key = f"{kernel_key(onnxruntime.__version__)}:attn-{kernels.isa()}"
     else:
-        from edge_llm.backends.cpu import numpy_kernels
+        from edge_llm.backends.cpu.backend import numpy_kernels
 
         key = numpy_kernels()
     print(json.dumps({"blas": blas[0] if blas else None, "numerics": model.numerics, "key": key, "ids": out}))

@@ -20,9 +20,9 @@ import json
 
 import numpy as np
 
-from edge_llm.backends import rknn_matmul_api as api
-from edge_llm.backends.int8mm import HostInt8Matmul
-from edge_llm.backends.rknn_mm import M_SHAPES, open_npu_matmul, split_weight
+from edge_llm.backends.npu.matmul import binding as api
+from edge_llm.backends.npu.matmul.int8 import HostInt8Matmul
+from edge_llm.backends.npu.matmul.engine import M_SHAPES, open_npu_matmul, split_weight
 from edge_llm.checkpoints.synth import QWEN3_VL_2B_TEXT
 from edge_llm.config import ModelArgs
 from edge_llm.errors import RknnMatmulError

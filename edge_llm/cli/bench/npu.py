@@ -44,8 +44,8 @@ def npu_cmd(model, rknn_dir, runner, lib, predict_only, npu_layers, drafting_tok
     RSS at 8K, vs the prediction (docs/npu.md, "Prediction")."""
     import os
 
-    from edge_llm.backends.mm8 import is_mm_dir
-    from edge_llm.backends.rknn import npu_present
+    from edge_llm.backends.npu.matmul.decoder import is_mm_dir
+    from edge_llm.backends.npu.backend import npu_present
     from edge_llm.bench import npu as B
     from edge_llm.bench.disk import new_results_dir
     from edge_llm.errors import EdgeLLMError
@@ -77,9 +77,9 @@ def npu_cmd(model, rknn_dir, runner, lib, predict_only, npu_layers, drafting_tok
         say = lambda msg: prog.update(task, description=msg)  # noqa: E731
         try:
             if predict_only:
-                from edge_llm.bench.npu_cpu import run_prediction
+                from edge_llm.bench.npu.cpu import run_prediction
 
-                from edge_llm.backends.rknn_matmul_api import library_path
+                from edge_llm.backends.npu.matmul.binding import library_path
 
                 has_lib = lib or os.environ.get(LIBRKNNRT_ENV) or npu_present()
                 res = run_prediction(model, rknn_dir, npu_layers, drafting_tokens=drafting_tokens,
@@ -94,7 +94,7 @@ def npu_cmd(model, rknn_dir, runner, lib, predict_only, npu_layers, drafting_tok
             raise click.ClickException(str(e)) from None
     res["command"] = " ".join(sys.argv)
     if predict_only:
-        from edge_llm.bench.npu_predict import markdown
+        from edge_llm.bench.npu.predict import markdown
 
         md = markdown(res, res["cpu"]["isa"], res["cpu"]["parts_ms"])
     else:

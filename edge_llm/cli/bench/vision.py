@@ -40,7 +40,7 @@ def vision_cmd(synth_layers, sizes, e2e_size, max_tokens, repeats, graph_modes, 
     from edge_llm.config import ModelArgs
     from edge_llm.vision.model import VisionModel
 
-    from edge_llm.backends.vision_graph import TOWER_MODES
+    from edge_llm.backends.tower.graph import TOWER_MODES
 
     modes = [] if graph_modes.strip() == "none" else [m.strip() for m in graph_modes.split(",") if m.strip()]
     if any(m not in TOWER_MODES for m in modes):
@@ -63,10 +63,10 @@ def vision_cmd(synth_layers, sizes, e2e_size, max_tokens, repeats, graph_modes, 
         res["encoder"], res["peak_gflops"] = V.encoder_rows(vision, int_list(sizes), repeats, step)
         if rknn_dir:
             res["npu"], res["npu_dir"] = V.npu_rows(rknn_dir, vision, int_list(sizes)), str(rknn_dir)
-            from edge_llm.backends.rknn import npu_present
+            from edge_llm.backends.npu.backend import npu_present
 
             if npu_present():  # a board: the tower measured on the NPU as well
-                from edge_llm.backends.vision_graph import open_rknn_tower
+                from edge_llm.backends.tower.graph import open_rknn_tower
 
                 npu_vision = VisionModel.load(model_dir, args, graph=open_rknn_tower(rknn_dir, "rknnlite"))
                 rows, _ = V.encoder_rows(npu_vision, int_list(sizes), repeats, lambda m: step(f"NPU tower: {m}"))
@@ -76,7 +76,7 @@ def vision_cmd(synth_layers, sizes, e2e_size, max_tokens, repeats, graph_modes, 
         del vision
         res["encoder_graph"] = {}
         for mode in modes:
-            from edge_llm.backends.vision_graph import open_ort_tower
+            from edge_llm.backends.tower.graph import open_ort_tower
 
             step(f"onnxruntime tower ({mode}): export (first use)")
             graph_vision = VisionModel.load(model_dir, args, graph=open_ort_tower(model_dir, mode))
