@@ -46,7 +46,7 @@ def npu_cmd(model, rknn_dir, runner, lib, predict_only, npu_layers, drafting_tok
 
     from edge_llm.backends.npu.matmul.decoder import is_mm_dir
     from edge_llm.backends.npu.backend import npu_present
-    from edge_llm.bench import npu as B
+    from edge_llm.bench.npu import run as B
     from edge_llm.bench.disk import new_results_dir
     from edge_llm.errors import EdgeLLMError
     from edge_llm.settings import LIBRKNNRT_ENV
