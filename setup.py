@@ -1,6 +1,6 @@
 """Build of the operator library: one shared object from every backend's C sources, each beside the
 Python that loads it: backends/kernels/_attn.c (the attention over the cache's rows) and _ortop.h
-(what the onnxruntime operators declare), backends/cpuq/_qmatmul.c (the 4/8-bit weights' matmul),
+(what the onnxruntime operators declare) and _qmatmul.c (cpu-q's 4/8-bit weights' matmul),
 backends/npu/matmul/_row_ops.c (the matmul path's per-row ops) and _rounds.c (the NPU engine's
 rounds), the last two called through ctypes only. It is an onnxruntime custom operator library
 compiled against the vendored C API header in third_party/onnxruntime; `backends/kernels/` finds
@@ -10,7 +10,7 @@ compiler the package installs, and cpu-q runs one-row steps on its per-layer gra
 
 from setuptools import Extension, setup
 
-SOURCES = ["edge_llm/backends/kernels/_attn.c", "edge_llm/backends/cpuq/_qmatmul.c",
+SOURCES = ["edge_llm/backends/kernels/_attn.c", "edge_llm/backends/kernels/_qmatmul.c",
            "edge_llm/backends/npu/matmul/_row_ops.c", "edge_llm/backends/npu/matmul/_rounds.c"]
 
 setup(ext_modules=[Extension(

@@ -141,7 +141,7 @@ def test_x86_clones_each_built_alone(tmp_path, march, flag):
     build = subprocess.run(["gcc", "-O3", "-fopenmp-simd", "-Wno-psabi", "-Wall", "-Werror", f"-march={march}",
                             "-DEDGE_ATTN_ONE_ISA", f"-I{repo / 'third_party/onnxruntime/include'}", "-o", str(exe),
                             str(repo / "tests/c/attn_check.c"), str(repo / "edge_llm/backends/kernels/_attn.c"),
-                            str(repo / "edge_llm/backends/cpuq/_qmatmul.c"), "-lm"],
+                            str(repo / "edge_llm/backends/kernels/_qmatmul.c"), "-lm"],
                            capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
@@ -166,7 +166,7 @@ def test_aarch64_neon_build_under_qemu(tmp_path):
     build = subprocess.run([cc, "-O3", "-fopenmp-simd", "-Wno-psabi", "-Wall", "-Werror",
                             f"-I{repo / 'third_party/onnxruntime/include'}", "-o", str(exe),
                             str(repo / "tests/c/attn_check.c"), str(repo / "edge_llm/backends/kernels/_attn.c"),
-                            str(repo / "edge_llm/backends/cpuq/_qmatmul.c"), "-lm"],
+                            str(repo / "edge_llm/backends/kernels/_qmatmul.c"), "-lm"],
                            capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr
     run = subprocess.run([qemu, "-L", "/usr/aarch64-linux-gnu", str(exe)], capture_output=True, text=True,

@@ -1,4 +1,4 @@
-"""MatMulQ, cpu-q's 4/8-bit weight operator (edge_llm/backends/cpuq/_qmatmul.c): the record layout, the
+"""MatMulQ, cpu-q's 4/8-bit weight operator (edge_llm/backends/kernels/_qmatmul.c): the record layout, the
 same bits on every code path (AVX-512 VNNI, AVX-VNNI, AVX2, C here; NEON sdot and C for aarch64
 under qemu), rows independent of each other, the thread count out of the bits, accuracy on the
 default model's own Q4_1 and Q8_0 blocks against float64 and against onnxruntime's MatMulNBits, and bad
@@ -179,7 +179,7 @@ def _check_under_qemu(layer0, tmp_path, cc: str, qemu: list[str]) -> list[list[s
     exe = tmp_path / "qmatmul_check"
     build = subprocess.run([cc, "-O3", "-fopenmp-simd", "-Wno-psabi", "-Wall", "-Werror",
                             f"-I{REPO / 'third_party/onnxruntime/include'}", "-o", str(exe),
-                            str(REPO / "tests/c/qmatmul_check.c"), str(REPO / "edge_llm/backends/cpuq/_qmatmul.c"), "-lm"],
+                            str(REPO / "tests/c/qmatmul_check.c"), str(REPO / "edge_llm/backends/kernels/_qmatmul.c"), "-lm"],
                            capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr
     ran = []

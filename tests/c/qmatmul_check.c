@@ -1,4 +1,4 @@
-/* Runs edge_qmatmul (edge_llm/backends/cpuq/_qmatmul.c) on the path this CPU picks, then on every code
+/* Runs edge_qmatmul (edge_llm/backends/kernels/_qmatmul.c) on the path this CPU picks, then on every code
  * path it has, on inputs from a file, and writes each run's output: tests/test_qmatmul_op.py runs
  * it under qemu-user, built for aarch64 (the board's build, on a host without a board) and for
  * x86-64 on CPUs this host is not (AVX2 only, no AVX), and compares the bytes with the library's.

@@ -59,7 +59,7 @@ TARGET = "onnxruntime-cpu"
 # what a quantized graph directory holds; older directories are rebuilt on first use
 # (2: the decode graph's attention is the AttnRow operator, backends/kernels/_attn.c; 3: the decode graph
 # takes T rows, a verify forward of speculative decoding; 4: its 4-bit linears are the MatMulQ
-# operator, backends/cpuq/_qmatmul.c)
+# operator, backends/kernels/_qmatmul.c)
 QUANT_FORMAT = 4
 # onnxruntime's pool threads spin between runs by default; here numpy (attention) runs between
 # every two graph calls and would share its cores with spinning threads

@@ -24,7 +24,7 @@ q/k RMSNorm (Qwen3), `RotaryEmbedding` (rotate-half, cos/sin given per row), GQA
 over the S cached rows and the new ones, o_proj, the SwiGLU MLP; the residual stream stays float32.
 
 The linears are whatever `linear` writes: cpu-q passes `QuantLinear(row_op=True)`, whose nodes
-are `ai.edge_llm.MatMulQ` (C, backends/cpuq/_qmatmul.c: 4/8-bit blocks times int8 activations, the
+are `ai.edge_llm.MatMulQ` (C, backends/kernels/_qmatmul.c: 4/8-bit blocks times int8 activations, the
 same bits on every CPU).
 
 Attention of the query rows over the S cached rows and the new rows is one node of our own,

@@ -11,7 +11,7 @@ are quantized to the mode's bit width ("re-quantized"). `report` lists the decis
 Graph form of one weight: `MatMulNBits(x, B, scales[, zero_points])`, plus
 `ReduceSum(Reshape(x, (T, K/block, block))) @ mins` when the blocks carry a float minimum (Q4_1).
 The decode graph's linears (`QuantLinear(row_op=True)`) are instead one node of our own,
-`ai.edge_llm.MatMulQ` (backends/cpuq/_qmatmul.c), when the weight is 4- or 8-bit in 32-blocks: the same
+`ai.edge_llm.MatMulQ` (backends/kernels/_qmatmul.c), when the weight is 4- or 8-bit in 32-blocks: the same
 blocks, regrouped into its records (`qmatmul_records`), the minimum included. It is faster for the
 few rows of a decode step and gives the same bits on every CPU; prefill keeps `MatMulNBits`
 (docs/quantization.md, "The weight operator").
@@ -127,7 +127,7 @@ def write_nbits(g: GraphBuilder, x: str, qw: QuantWeight, accuracy_level: int, o
     return g.op("Add", [y, g.op("MatMul", [sums, g.const("mins", qw.mins)])], out=out)
 
 
-# ---- MatMulQ's records (the layout is described at the top of backends/cpuq/_qmatmul.c) -----------------
+# ---- MatMulQ's records (the layout is described at the top of backends/kernels/_qmatmul.c) -----------------
 QMATMUL_TILE = 16  # columns per record
 
 

@@ -1,10 +1,10 @@
 """The operator library, shared by cpu-q and the NPU matmul path: where it is, what it runs.
 
 `pip install` builds one shared object (`_ops`, next to this file; setup.py) from every backend's
-C sources, each kept beside the Python that uses it: `_attn.c` here (`ai.edge_llm.AttnRow`,
-attention over the cache's rows: cpu-q's decode graph and the matmul path's row step),
-`backends/cpuq/_qmatmul.c` (`ai.edge_llm.MatMulQ`, cpu-q's 4-bit linears), and the matmul
-path's `backends/npu/matmul/_row_ops.c` and `_rounds.c` (ctypes only, declared by their
+C sources, each kept beside the Python that loads it: the two onnxruntime operators this module
+registers, `_attn.c` (`ai.edge_llm.AttnRow`, attention over the cache's rows: cpu-q's decode
+graph, and the matmul path's row step through ctypes) and `_qmatmul.c` (`ai.edge_llm.MatMulQ`,
+cpu-q's 4-bit linears), with `_ortop.h` (what both declare), and the matmul path's `backends/npu/matmul/_row_ops.c` and `_rounds.c` (ctypes only, declared by their
 modules). It is an onnxruntime custom operator library, registered into the decode graph's
 session options (`register`). It is optional: without a C compiler at install time the package
 installs, and backend cpu-q runs one-row steps on its per-layer graphs instead (`library_path()`

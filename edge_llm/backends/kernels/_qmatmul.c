@@ -32,7 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../kernels/_ortop.h"  /* the declarations shared with _attn.c */
+#include "_ortop.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
