@@ -19,7 +19,7 @@ BOARD_DEBS := qemu-user-static binfmt-support mmdebstrap systemd-container zstd
 # the board's (aarch64) build of the operator library, run under qemu-user (tests/test_attn_op.py, test_qmatmul_op.py)
 CROSS_DEBS := gcc-aarch64-linux-gnu libc6-dev-arm64-cross
 
-.PHONY: venv test-deps converter board-deps board-test serve test bench bench-peer clean
+.PHONY: venv test-deps converter board-deps board-test serve test test-busy bench bench-peer clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -86,6 +86,15 @@ serve: venv $(if $(filter cpu-q auto,$(BACKEND)),$(VENV)/.quant-stamp)
 
 test: test-deps converter board-deps
 	$(BIN)/python -m pytest -q -ra tests
+
+# the whole suite on a busy machine: one CPU hog per core and a disk writer beside it (Debian's
+# stress-ng; tests/busy.sh). Every test must pass here as on a quiet machine (docs/architecture.md,
+# "Tests on a busy machine")
+test-busy: test-deps converter board-deps
+	@command -v stress-ng >/dev/null || \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq stress-ng; \
+		else echo "stress-ng missing and not root: apt-get install stress-ng" >&2; exit 2; fi
+	tests/busy.sh $(BIN)/python -m pytest -q -ra tests
 
 # llama.cpp (llama-cpp-python, compiled: several minutes the first time) in its own venv, the
 # peer of `edge-llm bench quant`; never in the runtime venv

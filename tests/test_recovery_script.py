@@ -70,8 +70,17 @@ def test_restored_from_disk():
     assert any("without a disk read" in f for f in C.check_restored(good, prefill(1), 500, 500, cold))
     assert any("cached_tokens is 0" in f for f in C.check_restored(resp(ttft=300.0), LOADED, 500, 500, cold))
     assert any("snapshot files grew" in f for f in C.check_restored(good, LOADED, 500, 900, cold))
-    assert any("not below the cold" in f for f in C.check_restored(resp(cached=355, source="disk", ttft=1000.0),
-                                                                    LOADED, 500, 500, cold))
+    # the work decides, not the clock: a restore slower than the cold run (a busy machine) passes ...
+    slow = resp(cached=355, source="disk", ttft=1000.0)
+    assert C.check_restored(slow, LOADED, 500, 500, cold) == []
+    # ... unless the time is judged on purpose (--judge-ttft)
+    assert any("not below the cold" in f for f in C.check_restored(slow, LOADED, 500, 500, cold, judge_ttft=True))
+    assert C.check_restored(good, LOADED, 500, 500, cold, judge_ttft=True) == []
+    # rows computed after the restore: the tail only, and fewer than the cold run's
+    assert any("prompt_tokens - cached_tokens" in f
+               for f in C.check_restored(resp(cached=355, source="disk", prefill=356), LOADED, 500, 500, cold))
+    assert any("not fewer than the cold run's" in f
+               for f in C.check_restored(good, LOADED, 500, 500, resp(prefill=1)))
     assert any("expected 'disk'" in f for f in C.check_restored(resp(cached=355, source="ram", ttft=3.0),
                                                                  LOADED, 500, 500, cold))
     assert any("disk read 355 tokens" in f for f in C.check_restored(resp(cached=200, source="disk", ttft=3.0),
@@ -169,7 +178,9 @@ def test_recovery_script_passes_on_default_model(edge_home, tmp_path, prefetch):
     assert summary["pass"] and summary["failures"] == [] and len(summary["repeats"]) == 3
     assert (res / "failures.txt").read_text() == "" and "PASS" in (res / "summary.md").read_text()
     m = summary["medians"]
-    assert m["restored_cached_tokens"] > 0 and m["restored_ttft_ms"] < m["cold_ttft_ms"]
+    # the work is judged (rows computed after the restore vs cold), the times are reported
+    assert m["restored_cached_tokens"] > 0 and m["restored_prefill_tokens"] < m["cold_prefill_tokens"]
+    assert m["restored_ttft_ms"] > 0 and m["cold_ttft_ms"] > 0 and m["speedup_ttft"] > 0
     for rec in summary["repeats"]:
         assert rec["restored"]["text"] == rec["cold"]["text"]
         source = "disk-prefetch" if prefetch else "disk"

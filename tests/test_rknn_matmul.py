@@ -101,10 +101,22 @@ def test_rows_never_mix_and_the_result_is_the_callers(lib):
         e.close()
 
 
+def _task_names() -> list[str]:
+    """The OS names of this process's threads, read once: a thread that ends between the listing
+    and the read of its name (a BLAS or server thread another test left winding down) is skipped,
+    not an error."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            names.append(Path(f"/proc/self/task/{tid}/comm").read_text().strip())
+        except (FileNotFoundError, ProcessLookupError):  # that thread ended mid-count
+            continue
+    return names
+
+
 def _helpers() -> int:
     """The engine's helper threads alive in this process: C ones by their OS name, Python's by theirs."""
-    c = sum(Path(f"/proc/self/task/{t}/comm").read_text().strip() == "npu-round" for t in os.listdir("/proc/self/task"))
-    return c + sum(t.name.startswith("npu-mm") for t in threading.enumerate())
+    return _task_names().count("npu-round") + sum(t.name.startswith("npu-mm") for t in threading.enumerate())
 
 
 @pytest.mark.parametrize("c_round", [True, False], ids=["c-round", "python-pool"])

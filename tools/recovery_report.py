@@ -33,6 +33,8 @@ def medians(repeats: list[dict]) -> dict:
         "same_process_ttft_ms": med(lambda r: _t(r, "warm", "ttft_ms")),
         "restored_ttft_ms": med(lambda r: _t(r, "restored", "ttft_ms")),
         "speedup_ttft": med(lambda r: _t(r, "cold", "ttft_ms") / _t(r, "restored", "ttft_ms")),
+        "cold_prefill_tokens": med(lambda r: _t(r, "cold", "prefill_tokens")),
+        "restored_prefill_tokens": med(lambda r: _t(r, "restored", "prefill_tokens")),
         "restored_cached_tokens": med(lambda r: r["restored"]["cached_tokens"]),
         "restore_ms": med(lambda r: _t(r, "restored", "restore_ms")),
         "restore_bytes": med(lambda r: _t(r, "restored", "restore_bytes")),
