@@ -11,12 +11,15 @@ for `bench fleet --spread`). Standard library only.
 from __future__ import annotations
 
 import collections
+import csv
+import io
 import logging
 import os
 import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -35,8 +38,7 @@ HASH_TYPE = "consistent crc32"  # the shipped `hash-type`
 HASH_TYPES = (*(f"consistent {fn}{mod}" for fn in ("crc32", "sdbm", "djb2", "wt6") for mod in ("", " avalanche")),
               "map-based crc32")
 _FOURTH = re.compile(r"^(\s*)# (server b4 .*)$", re.M)
-# the shipped checks (inter 1s, rise 2 / fall 2) change a board's state within ~2-3 s
-HEALTH_SETTLE_S = 4.0
+BACKEND = "boards"  # the shipped backend's name; its servers are b1..b4
 
 
 class FleetError(RuntimeError):
@@ -69,6 +71,12 @@ class HAProxy:
                     **{f"EDGE_BOARD{i}": addr for i, addr in enumerate(boards, 1)}}
         self.proc: subprocess.Popen | None = None
         self.stderr_path = self.workdir / f"haproxy-{self.port}.stderr"
+        # a second file, read after the config, adds only the stats socket (a `global` section of
+        # its own): the config under test stays the one given, and the boards' UP/DOWN state, as
+        # HAProxy's checks decided it, can be read instead of waited for with a fixed sleep
+        self.stats_port = free_port()
+        self.stats_config = self.workdir / f"haproxy-{self.port}.stats.cfg"
+        self.stats_config.write_text(f"global\n    stats socket ipv4@127.0.0.1:{self.stats_port} level user\n")
 
     @property
     def url(self) -> str:
@@ -78,12 +86,13 @@ class HAProxy:
         exe = shutil.which("haproxy")
         if exe is None:
             raise FleetError("haproxy is not installed (Debian: apt-get install haproxy)")
-        check = subprocess.run([exe, "-c", "-f", str(self.config)], env=self.env, capture_output=True,
+        files = ["-f", str(self.config), "-f", str(self.stats_config)]
+        check = subprocess.run([exe, "-c", *files], env=self.env, capture_output=True,
                                text=True, timeout=timeout)
         if check.returncode != 0:
             raise FleetError(f"haproxy -c refused the config: {check.stderr.strip()[-2000:]}")
         with open(self.stderr_path, "ab") as err:
-            self.proc = subprocess.Popen([exe, "-db", "-f", str(self.config)], env=self.env,
+            self.proc = subprocess.Popen([exe, "-db", *files], env=self.env,
                                          stdin=subprocess.DEVNULL, stdout=err, stderr=err)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -96,16 +105,45 @@ class HAProxy:
                 time.sleep(0.05)
         raise FleetError(f"haproxy not listening on {self.url} within {timeout:.0f} s")
 
-    def wait_boards(self, timeout: float = 30.0) -> "HAProxy":
-        """Until a board answers through the proxy, then HEALTH_SETTLE_S more, so that every board
-        that is up has passed its checks."""
+    def server_states(self) -> dict[str, tuple[str, str]]:
+        """Each server of the backend: (status, last check) from the stats socket, e.g. ("UP", "L7OK"),
+        ("DOWN", "L4CON"); a status with a count ("UP 1/2", "DOWN 1/2") is a board changing state."""
+        with socket.create_connection(("127.0.0.1", self.stats_port), timeout=30) as sock:
+            sock.sendall(b"show stat\n")
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+        rows = csv.DictReader(io.StringIO(data.decode(errors="replace").lstrip("# ")))
+        return {r["svname"]: (r["status"], r["check_status"]) for r in rows
+                if r.get("pxname") == BACKEND and r.get("svname") not in ("FRONTEND", "BACKEND")}
+
+    def wait_servers(self, want: dict[str, str] | None = None, timeout: float = 120.0) -> "HAProxy":
+        """Until HAProxy's checks have put each server in `want` ("UP" or "DOWN"; default: every
+        server UP): "UP" is a board whose latest check passed and that takes new requests, "DOWN"
+        one that takes none. Polled, not slept: how long the checks take (inter 1s, rise/fall 2,
+        a /health answered slowly by a busy board) does not matter, the deadline only bounds a
+        board that never gets there."""
         deadline = time.monotonic() + timeout
-        while post(self.url + "/v1/chat/completions", {"n": 2, "messages": []}).status != 400:
+        states: dict[str, tuple[str, str]] = {}
+        while True:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise FleetError(f"haproxy exited with {self.proc.returncode}: {self.stderr()[-2000:]}")
+            try:
+                states = self.server_states()
+            except OSError:  # the stats socket not listening yet
+                states = {}
+            goal = want if want is not None else {name: "UP" for name in states}
+            if states and all(name in states and (states[name] == ("UP", "L7OK") if state == "UP"
+                                                   else states[name][0].startswith("DOWN"))
+                              for name, state in goal.items()):
+                return self
             if time.monotonic() > deadline:
-                raise FleetError(f"no board up behind haproxy within {timeout:.0f} s")
+                raise FleetError(f"haproxy's servers not {goal or 'listed'} within {timeout:.0f} s: {states}")
             time.sleep(0.2)
-        time.sleep(HEALTH_SETTLE_S)
-        return self
+
+    def wait_boards(self, timeout: float = 120.0) -> "HAProxy":
+        """Until every board of the config is up behind the proxy (its checks passed)."""
+        return self.wait_servers(None, timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
