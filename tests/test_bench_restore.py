@@ -158,9 +158,18 @@ def test_throttled_dir_really_throttles_and_is_undone(tmp_path):
 
     before = open("/proc/self/cgroup").read()
     with TH.throttled_dir(tmp_path, 256 << 20, 40, probe_bytes=24 << 20) as td:
-        assert td.path.is_mount() and td.raw_after.read.mb_s < 1.5 * 40 < td.raw_before.read.mb_s
-        assert td.raw_after.write.mb_s < 1.5 * 40
+        # the limit holds: throttled I/O is below 1.5 x 40 MB/s (a busy disk only slows it further).
+        # The un-throttled baseline is not required to be faster (a disk writer beside the test can
+        # hold it under 60 MB/s); that the slow reads come from the limit is shown by the limit
+        # itself, read back from the blkio group this process is in, on this loop device
+        assert td.path.is_mount() and td.raw_after.read.mb_s < 1.5 * 40 and td.raw_after.write.mb_s < 1.5 * 40
         assert "edge-llm-bench" in open("/proc/self/cgroup").read()
+        group = TH._own_blkio_cgroup()
+        assert group.name.startswith("edge-llm-bench-"), group
+        majmin = open(f"/sys/class/block/{os.path.basename(td.device)}/dev").read().strip()
+        for kind in ("read", "write"):
+            rules = (group / f"blkio.throttle.{kind}_bps_device").read_text().split("\n")
+            assert f"{majmin} {40 * 10**6}" in rules, (kind, rules)
         assert f"| 40 | {td.device} |" in TH.markdown([td.to_dict()])
         dev = td.device
     assert open("/proc/self/cgroup").read() == before and not list(tmp_path.iterdir())

@@ -34,8 +34,10 @@ def test_tokens_truncate_and_limits():
 
 
 def test_allocation_beyond_available_memory_is_refused_clearly():
-    avail = psutil.virtual_memory().available
-    too_many = avail // G.kv_bytes_per_token + 1
+    # more than the machine's total memory: the product reads `available` again, and that moves
+    # with whatever else runs (a busy machine frees memory too); no reading of it can be this large
+    total = psutil.virtual_memory().total
+    too_many = total // G.kv_bytes_per_token + 1
     with pytest.raises(KVCacheError, match=r"needs \d+ MiB .* available.*lower --max-seq"):
         KVCache(G, max_seq=too_many)
 
@@ -47,12 +49,36 @@ def test_lcp(a, b, n):
 
 
 def _blocked(fn, *args, wait=0.2):
+    """Run fn(*args) in a thread; the thread if still running after `wait` s, else None. Only for
+    a call that must block: on a busy machine a call that should have returned may still be running
+    after `wait` (use `_finishes` for those), but one that blocks is always still running."""
     import threading
 
     th = threading.Thread(target=fn, args=args, daemon=True)
     th.start()
     th.join(wait)
     return th if th.is_alive() else None
+
+
+def _finishes(fn, *args, deadline=30.0) -> bool:
+    """Run fn(*args) in a thread; True if it returned (its exception is raised here). For a call
+    that must not block: judged by finishing, the deadline only bounds a hang (never a speed)."""
+    import threading
+
+    err: list[BaseException] = []
+
+    def run():
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            err.append(e)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(deadline)
+    if err:
+        raise err[0]
+    return not th.is_alive()
 
 
 def test_lease_protects_rows_until_each_layer_is_written_out():
@@ -62,17 +88,17 @@ def test_lease_protects_rows_until_each_layer_is_written_out():
     c.append_tokens(range(6))
     lease = c.lease(6)
     z = np.ones((2, G.kv_dim), np.float32)
-    assert _blocked(c.write, 0, 6, z, z) is None  # rows >= 6 are not leased
+    assert _finishes(c.write, 0, 6, z, z)  # rows >= 6 are not leased
     w1 = _blocked(c.write, 1, 4, z, z)
     assert w1 is not None
     lease.layer_done(1)  # layer 0 is in the file
-    assert _blocked(c.write, 0, 0, z, z) is None and w1.is_alive()
+    assert _finishes(c.write, 0, 0, z, z) and w1.is_alive()
     lease.layer_done(2)
-    w1.join(5)
+    w1.join(30)  # bounds a hang only
     assert not w1.is_alive() and np.all(c.data[1, :, 4:6] == 1)
     assert _blocked(c.write, 2, 0, z, z) is not None  # layer 2 still pending
     lease.release()
-    assert _blocked(c.write, 2, 0, z, z) is None
+    assert _finishes(c.write, 2, 0, z, z)
     with pytest.raises(KVCacheError):
         c.lease(7)  # only valid rows can be leased
     with pytest.raises(KVCacheError):
@@ -81,13 +107,25 @@ def test_lease_protects_rows_until_each_layer_is_written_out():
 
 def test_waiting_writer_reports_save_progress_and_honours_cancel():
     import threading
+    import time
 
     from edge_llm.progress import Cancelled, Work
+
+    class Cancel(threading.Event):
+        """A cancel flag that tells when the writer first looked at it: it is in its wait loop."""
+
+        def __init__(self):
+            super().__init__()
+            self.asked = threading.Event()
+
+        def is_set(self):
+            self.asked.set()
+            return super().is_set()
 
     c = KVCache(G, max_seq=10)
     c.append_tokens(range(6))
     lease = c.lease(6)
-    reports, cancel, err = [], threading.Event(), []
+    reports, cancel, err = [], Cancel(), []
     z = np.ones((1, G.kv_dim), np.float32)
 
     def write():
@@ -96,20 +134,24 @@ def test_waiting_writer_reports_save_progress_and_honours_cancel():
         except Cancelled as e:
             err.append(e)
 
-    def until(n):
-        for _ in range(100):
-            if len(reports) >= n:
-                return
+    def until(n):  # the deadline bounds a hang only: each step waits for the writer, not a clock
+        deadline = time.monotonic() + 30
+        while len(reports) < n and time.monotonic() < deadline:
             th.join(0.05)
 
-    th = _blocked(write)
+    th = threading.Thread(target=write, daemon=True)
+    th.start()
+    # each layer is written out only once the writer waits (its first cancel check is in its wait
+    # loop, under the cache's lock, which layer_done takes): a writer a busy machine started late
+    # would otherwise see layer 1 already written and report only layer 2
+    assert cancel.asked.wait(30)
     lease.layer_done(1)
     until(1)
     lease.layer_done(2)
     until(2)
     assert reports == [("save-wait", 1, 3), ("save-wait", 2, 3)]  # each layer the save wrote
     cancel.set()
-    th.join(5)
+    th.join(30)
     assert not th.is_alive() and err and err[0].stage == "save-wait"
     assert not np.any(c.data[2, :, 0])  # nothing was written
 
@@ -157,7 +199,7 @@ def test_a_failed_restore_has_one_channel_finish(pipelined):
     assert reached == ([0] if pipelined else [])  # sequential: nothing computes on a failed read
     c.append_tokens([1])  # the cache is usable again: no restore left blocking it
     z = np.zeros((1, G.kv_dim), np.float32)
-    assert _blocked(c.write, 2, 0, z, z) is None and c.lease(1) is not None
+    assert _finishes(c.write, 2, 0, z, z) and c.lease(1) is not None
 
 
 def test_cancel_during_a_pipelined_restore_resets_unless_every_row_was_read():
@@ -190,7 +232,7 @@ def test_a_restore_waits_for_the_rows_a_pending_save_still_needs():
     restorer = _blocked(lambda: c.restore(src, False).finish())
     assert restorer is not None and src.outcome is None  # layer 0 is still to be saved
     lease.release()
-    restorer.join(5)
+    restorer.join(30)  # bounds a hang only
     assert not restorer.is_alive() and np.array_equal(c.data[:, :, :8], src.data)
 
 

@@ -162,6 +162,9 @@ def test_median():
 
 
 # ---- end to end: the real protocol on the default model -------------------------------------------
+# seven server starts and their requests on a busy machine: the script gets 1800 s (a hang bound),
+# and the test a little more, so the suite's global timeout does not cut it first
+@pytest.mark.timeout(2000)
 @pytest.mark.parametrize("prefetch", [False, True], ids=["on-demand", "prefetch"])
 def test_recovery_script_passes_on_default_model(edge_home, tmp_path, prefetch):
     """With disk_kv_prefetch = "latest" the protocol keeps its meaning: after each restart the

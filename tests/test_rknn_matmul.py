@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import os
 import platform
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +29,6 @@ from edge_llm.settings import LIBRKNNRT_ENV
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 import npu_matmul_check as check  # noqa: E402
-
-pytestmark = pytest.mark.timeout(120)
-
 
 @pytest.fixture
 def lib(fake_librknnrt):
@@ -119,6 +118,17 @@ def _helpers() -> int:
     return _task_names().count("npu-round") + sum(t.name.startswith("npu-mm") for t in threading.enumerate())
 
 
+def _helpers_gone(timeout: float = 30.0) -> int:
+    """_helpers() once it reaches 0, else its count at the deadline. Polled: pthread_join returns
+    once the thread has exited, but the kernel may list the exited task in /proc/self/task (with
+    its name) a moment longer, on a busy machine longer still; a helper that is never stopped
+    still fails at the deadline."""
+    deadline = time.monotonic() + timeout
+    while (n := _helpers()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return n
+
+
 @pytest.mark.parametrize("c_round", [True, False], ids=["c-round", "python-pool"])
 def test_a_round_runs_every_part_and_reports_the_failing_one(lib, c_round):
     """The parts of a round run on the caller and one helper thread per other core: C helpers
@@ -127,10 +137,18 @@ def test_a_round_runs_every_part_and_reports_the_failing_one(lib, c_round):
     code (here part 2's A unbound behind the engine's back: the fake refuses with -8), and close()
     stops the helpers."""
     rng = np.random.default_rng(5)
-    assert _helpers() == 0
+    assert _helpers_gone() == 0  # an earlier test's helpers may still be being reaped
     e = open_npu_matmul(lib, c_round=c_round)
     assert (e.round is not None) == c_round and (e.pool is None) == c_round
     assert _helpers() == (2 if c_round else 0)  # the pool's threads start on first use
+    if not c_round:
+        # the pool starts a thread on a submit only while none of its threads is idle, so rounds
+        # alone may leave it with one thread (a busy scheduler lets the first finish before the
+        # second submit). Two tasks that wait for each other need two threads at once: the pool
+        # starts both, and the count below is exact (a pool of one would fail the barrier)
+        meet = threading.Barrier(2, timeout=120)
+        for f in [e.pool.submit(meet.wait) for _ in range(2)]:
+            f.result()
     host = HostInt8Matmul()
     try:
         for K, N in ((64, 224), (192, 64), (128, 128)):
@@ -154,7 +172,7 @@ def test_a_round_runs_every_part_and_reports_the_failing_one(lib, c_round):
         assert _helpers() == 2
         e.close()
         host.close()
-    assert _helpers() == 0
+    assert _helpers_gone() == 0  # close() joined them; polled only for the kernel's reaping
 
 
 def test_split_and_shapes():
@@ -294,6 +312,9 @@ def test_the_micro_benchmark_labels_what_it_measured(lib):
 
     res = bench_matmul(lib, reps=3, stream_reps=1, shapes={"64x96": (64, 96)})
     assert res.numerics == f"librknnrt-{library_id(lib)}-cores0" and res.machine.startswith(platform.machine())
-    assert 0 < res.lib_run_us < res.run_us and res.round_us > 0 and res.pool_round_us > 0 and res.round_c and res.round_cores >= 1 and set(res.gbps["64x96"]) == {"1 core", "3 cores"}
+    # the figures exist and are real times; their order (rknn_matmul_run under the engine's run)
+    # is not asserted: medians of separate timed loops, which a busy machine's preemption reorders
+    assert all(0 < v < math.inf for v in (res.lib_run_us, res.run_us, res.round_us, res.pool_round_us))
+    assert res.round_c and res.round_cores >= 1 and set(res.gbps["64x96"]) == {"1 core", "3 cores"}
     text = "\n".join(res.lines())
     assert res.numerics in text and res.machine in text and "GB/s" in text, text

@@ -107,11 +107,15 @@ def test_prompt_refused_from_its_bytes_before_tokenizing(edge_home, tmp_path):
         assert r.json()["usage"]["prompt_tokens"] == 1000
 
 
-def _raw_post(port: int, path: str, body: dict) -> socket.socket:
+def _raw_post(port: int, path: str, body: dict, hold_last_byte: bool = False) -> socket.socket:
+    """POST `body` on a plain socket; with `hold_last_byte`, all but the body's last byte (send it
+    with `sock.sendall(b"}")`): the server cannot start on the request before that byte."""
     data = json.dumps(body).encode()
+    assert data.endswith(b"}")
     s = socket.create_connection(("127.0.0.1", port))
     s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-              f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+              f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode()
+              + (data[:-1] if hold_last_byte else data))
     return s
 
 
@@ -131,8 +135,17 @@ def test_health_answers_while_large_prompts_are_tokenized(edge_home, tmp_path):
     prompt = "0123456789" * 65_000
     with ServerProc(edge_home, tmp_path / "srv", "--model", "default").start() as srv:
         pid = srv.proc.pid
+        # All six bodies are in but for their last byte, then the six last bytes go out together:
+        # the six tokenizations (each ~1 CPU-second quiet) start together and share the CPU, so
+        # after the first CPU-second each has most of its work ahead (~5 CPU-seconds in all), far
+        # more than the checks below take even when this process is descheduled. Sent one after
+        # the other, the first prompt could have had that whole CPU-second to itself and be
+        # answered before the check.
+        socks = [_raw_post(srv.port, "/v1/completions", {"prompt": prompt, "max_tokens": 16}, hold_last_byte=True)
+                 for _ in range(6)]
         cpu0 = cpu_seconds(pid)
-        socks = [_raw_post(srv.port, "/v1/completions", {"prompt": prompt, "max_tokens": 16}) for _ in range(6)]
+        for s in socks:
+            s.sendall(b"}")
         wait_for(lambda: cpu_seconds(pid) - cpu0 >= 1.0, what="the server tokenizing")
         assert not select.select(socks, [], [], 0)[0], "a large prompt was answered before /health was asked"
         r = httpx.get(srv.url + "/health", timeout=600)

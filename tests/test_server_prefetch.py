@@ -4,9 +4,10 @@ A restart with prefetch on restores the latest conversation while idle; the foll
 rows from RAM, says so (`cache_source`, the `[KV-DISK] reused ... at start` line naming the file,
 /metrics) and answers bitwise as a server without prefetch that restores on demand. A request for
 another conversation during the read preempts it; the follow-up during the read joins it; a
-corrupt latest snapshot is quarantined and the server serves on. The slow reads of the in-flight
-cases come from tests/helpers/slow_disk_serve.py (a sleep per layer, the real reader): a slow
-device cannot be relied on here.
+corrupt latest snapshot is quarantined and the server serves on. The in-flight cases hold the
+read with tests/helpers/slow_disk_serve.py (the real reader; a read gate the test opens once its
+request is queued, or a sleep per layer): a slow device cannot be relied on here, and neither can
+any fixed time on a busy machine.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import re
 import shutil
 import signal
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -54,11 +56,13 @@ def first_conversation(home: Path, work: Path, kv: Path) -> tuple[str, str]:
     srv = ServerProc(home, work / "s1", *ARGS, kv_dir=kv).start()
     r1 = complete(srv, STORY + QUESTION)
     assert r1["timings"]["cache_source"] == "none"
-    assert srv.stop(signal.SIGTERM) == 0
+    assert srv.stop(signal.SIGTERM, timeout=600) == 0  # the flush waits behind the disk's other writers
     (snap,) = kv.glob("*/" + SNAPSHOT_GLOB)
     return r1["choices"][0]["text"], snap.name
 
 
+# three to four server processes each (model loads): the marks bound a hang on a busy machine
+@pytest.mark.timeout(1800)
 def test_prefetched_follow_up_is_the_on_demand_restore(edge_home, tmp_path):
     kv = tmp_path / "kv"
     answer, snap = first_conversation(edge_home, tmp_path, kv)
@@ -68,8 +72,9 @@ def test_prefetched_follow_up_is_the_on_demand_restore(edge_home, tmp_path):
     # ---- with prefetch: the follow-up arrives after the prefetch finished ----------------------
     with ServerProc(edge_home, tmp_path / "s2", *ARGS, *PREFETCH, kv_dir=kv) as srv:
         srv.start()
-        m = wait_for(lambda: LOADED_IN_RAM.search(srv.log()), what="the prefetch")
+        m = wait_for(lambda: LOADED_IN_RAM.search(srv.log()), 600, what="the prefetch")
         assert m[2] == snap
+        # the prefetch states and counts its outcome before it logs the line (server/prefetch.py)
         assert srv.health().json()["prefetch"] == "loaded"
         assert prefetches(srv) == {"started": 1, "loaded": 1, "joined": 0, "preempted": 0, "failed": 0, "used": 0}
         mark = srv.log_size()  # the request's own marker: its evidence comes after it
@@ -99,11 +104,25 @@ def test_prefetched_follow_up_is_the_on_demand_restore(edge_home, tmp_path):
         assert "[KV-DISK] prefetch" not in srv.log() and set(prefetches(srv).values()) == {0}
 
 
-def slow_server(home: Path, work: Path, kv: Path, layer_s: float = 0.3) -> ServerProc:
-    return ServerProc(home, work, *ARGS, *PREFETCH, kv_dir=kv, env={"SLOW_LAYER_S": str(layer_s)},
+def slow_server(home: Path, work: Path, kv: Path, layer_s: float = 0.3, read_gate: Path | None = None) -> ServerProc:
+    env = {"SLOW_LAYER_S": str(layer_s), **({"READ_GATE": str(read_gate)} if read_gate else {})}
+    return ServerProc(home, work, *ARGS, *PREFETCH, kv_dir=kv, env=env,
                       entry=[sys.executable, str(HELPERS / "slow_disk_serve.py")])
 
 
+def during_the_read(srv: ServerProc, gate: Path, prompt: str) -> dict:
+    """`prompt` sent while the prefetch's read is held after its first layer (the read gate): the
+    gate opens only once /health counts the request in the queue, so the read's next step sees it
+    whatever the machine's speed (no read that ends before the request is admitted)."""
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(complete, srv, prompt)
+        wait_for(lambda: answer.done() or srv.health().json()["queue_depth"] >= 1, 300,
+                 what="the request queued behind the prefetch")
+        gate.touch()
+        return answer.result()
+
+
+@pytest.mark.timeout(1800)
 def test_request_during_the_prefetch_joins_or_preempts(edge_home, tmp_path):
     kv = tmp_path / "kv"
     answer, snap = first_conversation(edge_home, tmp_path, kv)
@@ -115,10 +134,11 @@ def test_request_during_the_prefetch_joins_or_preempts(edge_home, tmp_path):
         cold_follow = complete(ref, follow_up)["choices"][0]["text"]
 
     # ---- another conversation arrives during the read: the prefetch is preempted ----------------
-    with slow_server(edge_home, tmp_path / "s2", kv) as srv:  # 30 layers x 0.3 s: a 9 s read
+    gate = tmp_path / "read-gate-s2"
+    with slow_server(edge_home, tmp_path / "s2", kv, 0.1, gate) as srv:
         srv.start()
-        wait_for(lambda: "[KV-DISK] prefetch: restoring" in srv.log(), what="the prefetch to start")
-        r = complete(srv, OTHER)
+        wait_for(lambda: "[KV-DISK] prefetch: restoring" in srv.log(), 300, what="the prefetch to start")
+        r = during_the_read(srv, gate, OTHER)
         assert r["timings"]["cache_source"] == "none" and r["choices"][0]["text"] == cold_other
         log = srv.log()
         assert re.search(rf"\[KV-DISK\] prefetch of {snap} preempted at layer \d+/30: a request for another", log)
@@ -130,10 +150,11 @@ def test_request_during_the_prefetch_joins_or_preempts(edge_home, tmp_path):
         assert r["timings"]["cache_source"] == "disk" and r["choices"][0]["text"] == cold_follow
 
     # ---- the follow-up arrives during the read: it joins and starts from the rows read ---------
-    with slow_server(edge_home, tmp_path / "s3", tmp_path / "kv-copy") as srv:
+    gate = tmp_path / "read-gate-s3"
+    with slow_server(edge_home, tmp_path / "s3", tmp_path / "kv-copy", 0.1, gate) as srv:
         srv.start()
-        wait_for(lambda: "[KV-DISK] prefetch: restoring" in srv.log(), what="the prefetch to start")
-        r = complete(srv, follow_up)
+        wait_for(lambda: "[KV-DISK] prefetch: restoring" in srv.log(), 300, what="the prefetch to start")
+        r = during_the_read(srv, gate, follow_up)
         assert r["timings"]["cache_source"] == "disk-prefetch" and r["choices"][0]["text"] == cold_follow
         log = srv.log()
         assert re.search(r"a request for this conversation joins the read at layer \d+/30", log)
@@ -141,6 +162,7 @@ def test_request_during_the_prefetch_joins_or_preempts(edge_home, tmp_path):
         assert prefetches(srv) == {"started": 1, "loaded": 1, "joined": 1, "preempted": 0, "failed": 0, "used": 1}
 
 
+@pytest.mark.timeout(1800)
 def test_corrupt_latest_snapshot_is_quarantined_and_the_server_serves(edge_home, tmp_path):
     kv = tmp_path / "kv"
     answer, snap = first_conversation(edge_home, tmp_path, kv)
@@ -151,7 +173,9 @@ def test_corrupt_latest_snapshot_is_quarantined_and_the_server_serves(edge_home,
     follow_up = STORY + QUESTION + answer + FOLLOW_UP
     with ServerProc(edge_home, tmp_path / "s2", *ARGS, *PREFETCH, kv_dir=kv) as srv:
         srv.start()
-        wait_for(lambda: srv.health().json()["prefetch"] == "failed", what="the prefetch to fail")
+        # the outcome is counted before the state is set, and the lines come before both
+        # (server/prefetch.py): once /health says failed, the log and /metrics say it too
+        wait_for(lambda: srv.health().json()["prefetch"] == "failed", 600, what="the prefetch to fail")
         log = srv.log()
         assert re.search(rf"\[KV-DISK\] rejected {snap}: ", log) and f"prefetch of {snap} failed" in log
         assert list((path.parent / "quarantine").glob("*-" + snap)) and not path.exists()
@@ -175,9 +199,21 @@ def test_prefetch_without_disk_kv_is_a_no_op(edge_home, tmp_path, setting):
 def test_sigterm_during_the_prefetch_stops_it_and_exits_cleanly(edge_home, tmp_path):
     kv = tmp_path / "kv"
     _, snap = first_conversation(edge_home, tmp_path, kv)
-    srv = slow_server(edge_home, tmp_path / "s2", kv).start()
-    wait_for(lambda: "[KV-DISK] prefetch: restoring" in srv.log(), what="the prefetch to start")
-    assert srv.stop(signal.SIGTERM) == 0
+    # the read is held after its first layer until the shutdown has begun; then each layer takes
+    # 2 s, so the worker has stopped taking work (right after the "shutdown requested" line) well
+    # before the read's next step looks
+    gate = tmp_path / "read-gate"
+    srv = slow_server(edge_home, tmp_path / "s2", kv, 2.0, gate).start()
+    try:
+        wait_for(lambda: "[KV-DISK] prefetch: restoring" in srv.log(), 300, what="the prefetch to start")
+        mark = srv.log_size()
+        srv.send(signal.SIGTERM)
+        wait_for(lambda: "shutdown requested" in srv.log(mark), 300, what="the shutdown to begin")
+        gate.touch()
+        assert srv.proc.wait(300) == 0  # bounds a hang only
+    finally:
+        if srv.proc.poll() is None:
+            srv.kill()
     log = srv.log()
     assert re.search(rf"\[KV-DISK\] prefetch of {snap} preempted at layer \d+/30: shutdown", log)
     assert "reason=SIGTERM code=0" in log and list(kv.glob("*/" + snap))  # the snapshot stays

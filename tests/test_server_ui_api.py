@@ -51,11 +51,12 @@ def srv(edge_home, tmp_path_factory):
 def srv_no_ui(tiny_synth_dir, tmp_path_factory):
     """ui = false (from the TOML file, as a board sets it), no key, the tiny random Qwen3-VL (no
     number of it is checked: it has a vision tower, the default model has none); ends with the
-    SIGTERM test."""
+    SIGTERM test. The grace period is long (600 s) so that a server that waited for an open stream
+    is told from one that did not by a bound that only a hang reaches on a busy machine."""
     work = tmp_path_factory.mktemp("srv-no-ui")
     (work / "edge-llm.toml").write_text("ui = false\n")
     s = ServerProc(work / "home", work, "--model", str(tiny_synth_dir), "--config", str(work / "edge-llm.toml"),
-                   "--max-seq", "256", "--grace-seconds", "120")
+                   "--max-seq", "256", "--grace-seconds", "600")
     s.start()
     yield s
     s.stop()
@@ -123,8 +124,11 @@ def strings(doc) -> list[str]:
     return []
 
 
+# The tests on the module's servers carry no timeout mark of their own: pytest-timeout counts the
+# fixture's setup (a server start, up to READY_TIMEOUT on a busy machine) in the first test that
+# uses it, so the suite's global timeout bounds them (a hang, not slowness).
+
 # ---- the page's files ----------------------------------------------------------------------------
-@pytest.mark.timeout(120)
 def test_page_files_are_public_with_strict_headers(srv):
     """The files need no key (they hold no data), each comes with the CSP exactly, nosniff and
     no-cache; /ui and / redirect to /ui/; nothing outside the folder is reachable."""
@@ -148,7 +152,6 @@ def test_page_files_are_public_with_strict_headers(srv):
         assert httpx.get(srv.url + path, timeout=30).status_code == 404, path
 
 
-@pytest.mark.timeout(120)
 def test_ui_false_turns_the_page_off(srv_no_ui):
     for path in ("/ui/", "/ui/index.html", "/ui", "/"):
         r = httpx.get(srv_no_ui.url + path, timeout=30)
@@ -158,7 +161,6 @@ def test_ui_false_turns_the_page_off(srv_no_ui):
 
 
 # ---- the key ------------------------------------------------------------------------------------
-@pytest.mark.timeout(120)
 def test_every_data_endpoint_needs_the_key(srv):
     for path in DATA:
         for headers, code in (({}, "missing_api_key"), ({"Authorization": "Bearer nope"}, "invalid_api_key")):
@@ -173,7 +175,6 @@ def test_every_data_endpoint_needs_the_key(srv):
 
 
 # ---- state, store, events -------------------------------------------------------------------------
-@pytest.mark.timeout(120)
 def test_state(srv):
     st = httpx.get(srv.url + "/v1/edge/state", headers=AUTH, timeout=30).json()
     health = srv.health().json()
@@ -200,7 +201,6 @@ def test_messages_shown_to_the_page_name_no_paths():
         "backend auto -> cpu-q (no RKNPU device node; onnxruntime 1.32.0 importable)")
 
 
-@pytest.mark.timeout(300)
 def test_store_and_events_after_a_request(srv):
     """A request with an open event stream: its [PREFILL-TIMING] line and the [KV-DISK] line of
     its save arrive as events with the log file's text; the store then lists the file with its
@@ -209,7 +209,8 @@ def test_store_and_events_after_a_request(srv):
     wait_for(ev.opened, 30, what="the event stream's first line")
     out = chat(srv, PROMPT)
     n_prefill = out["timings"]["prefill_tokens"]  # rows computed: the line's n=
-    saved = wait_for(lambda: [e for e in ev.logs() if e["tag"] == "KV-DISK" and " saved " in e["line"]], 60,
+    # a save's fsyncs wait behind the disk's other writers: the deadlines only bound a hang
+    saved = wait_for(lambda: [e for e in ev.logs() if e["tag"] == "KV-DISK" and " saved " in e["line"]], 300,
                      what="a [KV-DISK] saved event")[0]
     prefill = [e for e in ev.logs() if e["tag"] == "PREFILL-TIMING"]
     assert prefill and f"n={n_prefill} " in prefill[-1]["line"]
@@ -227,7 +228,9 @@ def test_store_and_events_after_a_request(srv):
     assert snap["tokens"] == n_saved and snap["bytes"] == path.stat().st_size
     assert snap["formula_bytes"] == describe(path)["size_formula"]["expected"]
     assert snap["chain_base"] is None and snap["chain_files"] == 1
-    assert abs(snap["last_used"] - path.stat().st_mtime) < 1
+    # the save sets the file's mtime to the entry's LRU time (a scan after a restart reads it back):
+    # the same number, whatever the fsyncs took (up to the float's rounding through nanoseconds)
+    assert snap["last_used"] == pytest.approx(path.stat().st_mtime, abs=1e-3)
     assert snap["first_words"].startswith("Tell me about the old harbour town of Saint-Malo")
     assert len(snap["first_words"]) <= 80 and snap["first_words"].isprintable()
     assert doc["limits"] == {"max_files": 8, "max_bytes": None, "max_tokens": 8192, "max_chain": 8}
@@ -239,7 +242,7 @@ def test_store_and_events_after_a_request(srv):
     chat(srv, "And what should I eat there?", 4,
          [{"role": "user", "content": PROMPT}, out["choices"][0]["message"]])
     delta = wait_for(lambda: [e for e in ev.logs() if e["tag"] == "KV-DISK" and " saved " in e["line"]
-                              and f"-> {name}" not in e["line"]], 60, what="the second turn's save")[0]
+                              and f"-> {name}" not in e["line"]], 300, what="the second turn's save")[0]
     assert f"delta on {name}" in delta["line"]
     dname = re.search(r"-> (kv_[0-9a-f]{16}\.kv)", delta["line"]).group(1)
     doc = httpx.get(srv.url + "/v1/edge/store", headers=AUTH, timeout=30).json()
@@ -250,7 +253,6 @@ def test_store_and_events_after_a_request(srv):
     assert doc["snapshots"][0]["file"] == dname  # most recently used first
 
 
-@pytest.mark.timeout(300)
 def test_a_stalled_client_holds_nothing_up(srv):
     """A stream whose client never reads (a raw socket with a small receive buffer): requests are
     answered, the other streams get their events, and the server counts the client."""
@@ -331,16 +333,13 @@ def test_the_hub_never_waits_and_counts_what_it_drops():
             loop.close()
 
 
-@pytest.mark.timeout(180)
 def test_sigterm_ends_open_streams(srv_no_ui):
-    """With a page's stream open, SIGTERM ends the stream and the server exits 0 promptly: it does
-    not wait for the stream (the grace period here is 120 s, uvicorn waits that long for open
-    responses)."""
+    """With a page's stream open, SIGTERM ends the stream and the server exits 0: it does not wait
+    for the stream (the grace period here is 600 s, uvicorn waits that long for open responses).
+    The 300 s bound only tells that wait from a slow exit on a busy machine; it is not a speed."""
     ev = Events(srv_no_ui.url + "/v1/edge/events", {})
-    wait_for(ev.opened, 30, what="the event stream's first line")
-    t0 = time.monotonic()
+    wait_for(ev.opened, 60, what="the event stream's first line")
     srv_no_ui.send(signal.SIGTERM)
-    assert srv_no_ui.proc.wait(60) == 0
-    took = time.monotonic() - t0
-    assert ev.ended.wait(10) and took < 60, took
+    assert srv_no_ui.proc.wait(300) == 0  # a server waiting for the stream: TimeoutExpired
+    assert ev.ended.wait(60)
     assert "reason=SIGTERM code=0" in srv_no_ui.log()

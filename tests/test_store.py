@@ -49,11 +49,45 @@ def save(store, cache) -> None:
 
 
 def blocks(fn, *args, wait=0.2) -> threading.Thread | None:
-    """Run fn(*args) in a thread; the thread if still blocked after `wait` s, else None."""
+    """Run fn(*args) in a thread; the thread if still blocked after `wait` s, else None. Only for
+    a call that must block: on a busy machine a call that should have returned may still be running
+    after `wait` (use `finishes`), but one that blocks is always still running."""
     th = threading.Thread(target=fn, args=args, daemon=True)
     th.start()
     th.join(wait)
     return th if th.is_alive() else None
+
+
+def finishes(fn, *args, deadline=30.0) -> bool:
+    """Run fn(*args) in a thread; True if it returned (its exception is raised here). For a call
+    that must not block: judged by finishing, the deadline only bounds a hang (never a speed)."""
+    err: list[BaseException] = []
+
+    def run():
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            err.append(e)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(deadline)
+    if err:
+        raise err[0]
+    return not th.is_alive()
+
+
+class Waiting(threading.Event):
+    """A cancel flag (never set by the tests that use it) that tells when a writer first looked at
+    it: a writer waiting for a save checks it in its wait loop, under the cache's lock."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked = threading.Event()
+
+    def is_set(self):
+        self.asked.set()
+        return super().is_set()
 
 
 def seq(n, start=1000):
@@ -316,7 +350,7 @@ def test_writers_wait_only_for_rows_a_pending_save_still_needs(tmp_path, gated):
     s.save_async(cache)
     assert started.wait(60)  # the save holds rows [0, 40) of every layer; nothing is written yet
     z = np.zeros((1, G.kv_dim), np.float32)
-    assert blocks(cache.write, 1, 40, z, z) is None  # rows >= 40 are not being saved
+    assert finishes(cache.write, 1, 40, z, z)  # rows >= 40 are not being saved
     assert s.flush(timeout=0.05) is False
     writer = blocks(cache.write, 1, 39, z, z)
     same_rows = RowsFrom(cache.data.copy(), list(cache.tokens))  # a restore of identical rows
@@ -328,7 +362,7 @@ def test_writers_wait_only_for_rows_a_pending_save_still_needs(tmp_path, gated):
     assert not writer.is_alive() and not restorer.is_alive()
     assert s.flush(timeout=60) and s.stats()["saves"] == 1 and kv_files(s) == [name_of(seq(40))]
     fmt.verify_file(s.ns / name_of(seq(40)), G, ID_A.model_id)  # written before the rows changed
-    assert blocks(cache.write, 0, 0, z, z) is None  # the lease is gone
+    assert finishes(cache.write, 0, 0, z, z)  # the lease is gone
     s.close()
 
 
@@ -341,7 +375,7 @@ def test_queued_save_is_superseded_by_newer(tmp_path, gated):
     s.save_async(superseded)
     s.save_async(make_cache(seq(20, start=300)))
     z = np.zeros((1, G.kv_dim), np.float32)
-    assert blocks(superseded.write, 0, 0, z, z) is None  # a superseded save releases its rows
+    assert finishes(superseded.write, 0, 0, z, z)  # a superseded save releases its rows
     gate.set()
     assert s.flush(timeout=60)
     assert kv_files(s) == sorted([name_of(seq(20, start=100)), name_of(seq(20, start=300))])
@@ -417,12 +451,16 @@ def test_lease_releases_each_layer_as_soon_as_it_is_written(tmp_path, monkeypatc
     s.save_async(cache)
     assert at_layer1.wait(60)
     z = np.zeros((4, G.kv_dim), np.float32)
-    assert blocks(cache.write, 0, 0, z, z) is None  # layer 0's rows are in the file already
+    assert finishes(cache.write, 0, 0, z, z)  # layer 0's rows are in the file already
     assert s.stats()["save_pending"]
     reports = []
-    work = Work(on_progress=lambda *a: reports.append(a))
+    waiting = Waiting()
+    work = Work(cancel=waiting, on_progress=lambda *a: reports.append(a))
     layer1 = blocks(cache.write, 1, 0, z, z, work)  # layer 1 is not written yet: blocked
     assert layer1 is not None
+    # the save goes on only once the writer waits in its loop (a thread a busy machine started
+    # late would otherwise find layer 1 written already and have no progress to report)
+    assert waiting.asked.wait(30)
     gate.set()
     layer1.join(60)
     assert not layer1.is_alive() and ("save-wait", 2, 2) in reports
@@ -454,7 +492,7 @@ def test_cancel_while_waiting_for_a_save(tmp_path, gated):
     th = blocks(write)
     assert th is not None
     cancel.set()
-    th.join(10)
+    th.join(30)  # bounds a hang only
     assert not th.is_alive() and isinstance(err[0], Cancelled) and err[0].stage == "save-wait"
     gate.set()
     assert s.flush(timeout=60)

@@ -60,8 +60,9 @@ def set_viewport(driver, size: tuple[int, int]) -> None:
                            {"width": w, "height": h, "deviceScaleFactor": 1, "mobile": w < 600})
 
 
-def wait_js(driver, script: str, timeout: float = 60, what: str = "condition"):
-    """Poll a JS expression (`return ...`) until truthy; returns its value."""
+def wait_js(driver, script: str, timeout: float = 180, what: str = "condition"):
+    """Poll a JS expression (`return ...`) until truthy; returns its value. The deadline bounds a
+    hang only (a page waiting on a generation, a restore, a reconnect on a busy machine is slow)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         v = driver.execute_script(script)
