@@ -7,6 +7,7 @@ from edge_llm.errors import KVCacheError, SnapshotBlockCRC
 from edge_llm.kvcache import KVCache, lcp
 from edge_llm.progress import Cancelled, Work
 from helpers.rows_source import RowsFrom
+from threadutil import blocked, finishes
 
 G = Geometry(n_layers=3, n_kv_heads=2, head_dim=4)
 
@@ -48,39 +49,6 @@ def test_lcp(a, b, n):
     assert lcp(a, b) == n == lcp(b, a)
 
 
-def _blocked(fn, *args, wait=0.2):
-    """Run fn(*args) in a thread; the thread if still running after `wait` s, else None. Only for
-    a call that must block: on a busy machine a call that should have returned may still be running
-    after `wait` (use `_finishes` for those), but one that blocks is always still running."""
-    import threading
-
-    th = threading.Thread(target=fn, args=args, daemon=True)
-    th.start()
-    th.join(wait)
-    return th if th.is_alive() else None
-
-
-def _finishes(fn, *args, deadline=30.0) -> bool:
-    """Run fn(*args) in a thread; True if it returned (its exception is raised here). For a call
-    that must not block: judged by finishing, the deadline only bounds a hang (never a speed)."""
-    import threading
-
-    err: list[BaseException] = []
-
-    def run():
-        try:
-            fn(*args)
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            err.append(e)
-
-    th = threading.Thread(target=run, daemon=True)
-    th.start()
-    th.join(deadline)
-    if err:
-        raise err[0]
-    return not th.is_alive()
-
-
 def test_lease_protects_rows_until_each_layer_is_written_out():
     """The rule of who may overwrite a row: a writer waits only for rows [0, n) of the layers a
     pending save (the lease) has not written out yet."""
@@ -88,17 +56,17 @@ def test_lease_protects_rows_until_each_layer_is_written_out():
     c.append_tokens(range(6))
     lease = c.lease(6)
     z = np.ones((2, G.kv_dim), np.float32)
-    assert _finishes(c.write, 0, 6, z, z)  # rows >= 6 are not leased
-    w1 = _blocked(c.write, 1, 4, z, z)
+    assert finishes(c.write, 0, 6, z, z)  # rows >= 6 are not leased
+    w1 = blocked(c.write, 1, 4, z, z)
     assert w1 is not None
     lease.layer_done(1)  # layer 0 is in the file
-    assert _finishes(c.write, 0, 0, z, z) and w1.is_alive()
+    assert finishes(c.write, 0, 0, z, z) and w1.is_alive()
     lease.layer_done(2)
     w1.join(30)  # bounds a hang only
     assert not w1.is_alive() and np.all(c.data[1, :, 4:6] == 1)
-    assert _blocked(c.write, 2, 0, z, z) is not None  # layer 2 still pending
+    assert blocked(c.write, 2, 0, z, z) is not None  # layer 2 still pending
     lease.release()
-    assert _finishes(c.write, 2, 0, z, z)
+    assert finishes(c.write, 2, 0, z, z)
     with pytest.raises(KVCacheError):
         c.lease(7)  # only valid rows can be leased
     with pytest.raises(KVCacheError):
@@ -199,7 +167,7 @@ def test_a_failed_restore_has_one_channel_finish(pipelined):
     assert reached == ([0] if pipelined else [])  # sequential: nothing computes on a failed read
     c.append_tokens([1])  # the cache is usable again: no restore left blocking it
     z = np.zeros((1, G.kv_dim), np.float32)
-    assert _finishes(c.write, 2, 0, z, z) and c.lease(1) is not None
+    assert finishes(c.write, 2, 0, z, z) and c.lease(1) is not None
 
 
 def test_cancel_during_a_pipelined_restore_resets_unless_every_row_was_read():
@@ -229,7 +197,7 @@ def test_a_restore_waits_for_the_rows_a_pending_save_still_needs():
     c.append_tokens(range(6))
     lease = c.lease(6)
     src = RowsFrom(_rows(), list(range(8)))
-    restorer = _blocked(lambda: c.restore(src, False).finish())
+    restorer = blocked(lambda: c.restore(src, False).finish())
     assert restorer is not None and src.outcome is None  # layer 0 is still to be saved
     lease.release()
     restorer.join(30)  # bounds a hang only

@@ -22,6 +22,7 @@ from edge_llm.snapshot import saver as saver_mod
 from edge_llm.snapshot.identity import Identity
 from edge_llm.snapshot.store import SnapshotStore
 from helpers.rows_source import RowsFrom
+from threadutil import blocked, finishes
 
 G = Geometry(n_layers=2, n_kv_heads=2, head_dim=8)
 KV_BS = 4
@@ -46,35 +47,6 @@ def new_store(kv_dir, identity=ID_A, **kw) -> SnapshotStore:
 def save(store, cache) -> None:
     store.save_async(cache)
     assert store.flush(timeout=60)
-
-
-def blocks(fn, *args, wait=0.2) -> threading.Thread | None:
-    """Run fn(*args) in a thread; the thread if still blocked after `wait` s, else None. Only for
-    a call that must block: on a busy machine a call that should have returned may still be running
-    after `wait` (use `finishes`), but one that blocks is always still running."""
-    th = threading.Thread(target=fn, args=args, daemon=True)
-    th.start()
-    th.join(wait)
-    return th if th.is_alive() else None
-
-
-def finishes(fn, *args, deadline=30.0) -> bool:
-    """Run fn(*args) in a thread; True if it returned (its exception is raised here). For a call
-    that must not block: judged by finishing, the deadline only bounds a hang (never a speed)."""
-    err: list[BaseException] = []
-
-    def run():
-        try:
-            fn(*args)
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            err.append(e)
-
-    th = threading.Thread(target=run, daemon=True)
-    th.start()
-    th.join(deadline)
-    if err:
-        raise err[0]
-    return not th.is_alive()
 
 
 class Waiting(threading.Event):
@@ -352,9 +324,9 @@ def test_writers_wait_only_for_rows_a_pending_save_still_needs(tmp_path, gated):
     z = np.zeros((1, G.kv_dim), np.float32)
     assert finishes(cache.write, 1, 40, z, z)  # rows >= 40 are not being saved
     assert s.flush(timeout=0.05) is False
-    writer = blocks(cache.write, 1, 39, z, z)
+    writer = blocked(cache.write, 1, 39, z, z)
     same_rows = RowsFrom(cache.data.copy(), list(cache.tokens))  # a restore of identical rows
-    restorer = blocks(lambda: cache.restore(same_rows, False).finish())
+    restorer = blocked(lambda: cache.restore(same_rows, False).finish())
     assert writer is not None and restorer is not None  # both must wait for the file
     gate.set()
     writer.join(60)
@@ -456,7 +428,7 @@ def test_lease_releases_each_layer_as_soon_as_it_is_written(tmp_path, monkeypatc
     reports = []
     waiting = Waiting()
     work = Work(cancel=waiting, on_progress=lambda *a: reports.append(a))
-    layer1 = blocks(cache.write, 1, 0, z, z, work)  # layer 1 is not written yet: blocked
+    layer1 = blocked(cache.write, 1, 0, z, z, work)  # layer 1 is not written yet: blocked
     assert layer1 is not None
     # the save goes on only once the writer waits in its loop (a thread a busy machine started
     # late would otherwise find layer 1 written already and have no progress to report)
@@ -489,7 +461,7 @@ def test_cancel_while_waiting_for_a_save(tmp_path, gated):
         except Cancelled as e:
             err.append(e)
 
-    th = blocks(write)
+    th = blocked(write)
     assert th is not None
     cancel.set()
     th.join(30)  # bounds a hang only
