@@ -66,8 +66,10 @@ class Service:
     def wait(self) -> float:
         proc = self.local.proc if self.local else None
         try:  # a local server that exits (e.g. its port is taken) fails at once, with its stderr's end
+            # with disk_kv_prefetch on, the request goes once the prefetch has settled: the protocol
+            # measures a request that finds the conversation in RAM (docs/evidence.md)
             return S.wait_ready(self.base_url, self.a.ready_timeout, proc, self.api_key,
-                                self.local.stderr_file if self.local else None)
+                                self.local.stderr_file if self.local else None, prefetch_settled=True)
         except (TimeoutError, RuntimeError) as e:
             raise NotReady(str(e)) from None
 

@@ -133,10 +133,17 @@ def http_json(method: str, url: str, body: dict | None = None, timeout: float = 
     return status, parsed
 
 
+# /health `prefetch` states of a start-up prefetch not decided or not finished yet (docs/store.md)
+PREFETCH_UNSETTLED = ("pending", "running")
+
+
 def wait_ready(base_url: str, timeout: float, proc: subprocess.Popen | None = None,
-               api_key: str | None = None, stderr_file: str | os.PathLike | None = None) -> float:
+               api_key: str | None = None, stderr_file: str | os.PathLike | None = None,
+               prefetch_settled: bool = False) -> float:
     """Poll GET /health until 200; return seconds waited. Raises TimeoutError / RuntimeError
-    (with the end of the server's stderr, if it was written to `stderr_file`)."""
+    (with the end of the server's stderr, if it was written to `stderr_file`).
+    `prefetch_settled`: also until its `prefetch` has left PREFETCH_UNSETTLED (`off` with the
+    prefetch off), so a request sent next finds the latest conversation in RAM, or its outcome."""
     t0 = time.monotonic()
     while True:
         if proc is not None and proc.poll() is not None:
@@ -148,8 +155,9 @@ def wait_ready(base_url: str, timeout: float, proc: subprocess.Popen | None = No
                     pass
             raise RuntimeError(f"server process exited with code {proc.returncode} before it was ready{tail}")
         try:
-            status, _ = http_json("GET", base_url.rstrip("/") + "/health", timeout=5, api_key=api_key)
-            if status == 200:
+            status, body = http_json("GET", base_url.rstrip("/") + "/health", timeout=5, api_key=api_key)
+            if status == 200 and not (prefetch_settled and isinstance(body, dict)
+                                      and body.get("prefetch") in PREFETCH_UNSETTLED):
                 return time.monotonic() - t0
         except HTTPFailure:
             pass

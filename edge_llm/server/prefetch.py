@@ -4,9 +4,6 @@ Runs once, on the worker thread, before it takes its first job (so the cache kee
 writer): the indexed snapshot with the newest last-use time (docs/store.md, "Prefetch") is opened
 through the store and restored into the KV cache like a request's restore (the same reader, CRC
 checks and failure channel: a bad file is quarantined, the cache reset, the server serves on).
-The server starts that thread before /health says ok and holds the read until its ready line
-(`hold`, `wait_decided`, `release`: server/state.py): no request can come before the worker has
-decided to prefetch, however late a busy machine runs the thread.
 The rows are then the cache's current rows, as a finished request would leave them, and the next
 request reuses them through the engine's RAM-prefix path; the engine reports that request's
 `cache_source` as `disk-prefetch` and logs the file the rows were read from (docs/logs.md).
@@ -56,30 +53,6 @@ class Prefetch:
                  on_outcome: Callable[[str], None] = lambda _o: None):
         self.engine, self.store, self.on_outcome = engine, store, on_outcome
         self.state = "pending"  # pending | running | loaded | joined | preempted | failed | none | skipped
-        self._begun = threading.Event()  # `run` was called: the worker decided to prefetch
-        self._released = threading.Event()  # the read may start (`hold` / `release`)
-        self._released.set()
-
-    def hold(self) -> None:
-        """Before the worker starts: `run` waits for `release` before it reads anything."""
-        self._released.clear()
-
-    def release(self) -> None:
-        """The server said it is ready (its ready line, READY=1): the held `run` goes on."""
-        self._released.set()
-
-    def wait_decided(self, timeout: float) -> bool:
-        """Wait until the worker thread has decided on the prefetch: `run` began, or it set another
-        state (skipped). The server says it is ready only after this (server/state.py), so a request
-        that comes at once finds the prefetch under way: it is looked at between two layers like any
-        request that arrives during the read. False if `timeout` seconds passed first."""
-        deadline = time.monotonic() + timeout
-        while not self._begun.wait(0.01):
-            if self.state != "pending":
-                return True
-            if time.monotonic() >= deadline:
-                return False
-        return True
 
     def joins(self, req: GenerationRequest, tokens: list[int]) -> bool:
         """Would `req` reuse the prefetched rows? Its longest disk match must be this chain."""
@@ -95,8 +68,6 @@ class Prefetch:
 
     def run(self, waiting: Waiting, on_step: OnProgress) -> None:
         """Restore the latest snapshot into the cache unless a request preempts it (module docstring)."""
-        self._begun.set()
-        self._released.wait()  # held until the ready line (server/state.py)
         entry = latest(self.store)
         if entry is None:
             self.state = "none"

@@ -143,39 +143,20 @@ class AppState:
             engine.close()
             return
         self.engine = engine
-        self.prefetch = prefetch = self._make_prefetch(engine)
+        self.prefetch = self._make_prefetch(engine)
         worker = Worker(engine, self.settings.queue_size, self.notifier, on_finish=self._finished,
-                        prefetch=prefetch)
+                        prefetch=self.prefetch)
         self.worker = worker
-        if prefetch is not None:
-            # The worker decides on the prefetch when its thread starts (a request already waiting:
-            # skipped). That decision is taken before /health says ok, when no request can be
-            # waiting yet, so a ready server always has its prefetch under way and the first
-            # request joins or preempts it (docs/store.md, "Prefetch") rather than finding it
-            # skipped because the thread ran late on a busy machine. The read itself waits for the
-            # ready line and READY=1 (`release` below); the worker's first watchdog ping may come
-            # before READY=1 (a ping only resets the watchdog's timer).
-            prefetch.hold()
-            worker.start()
-            if not prefetch.wait_decided(STARTUP_STEP_TIMEOUT):
-                log.warning("[KV-DISK] the worker did not take up the prefetch within %.0f s", STARTUP_STEP_TIMEOUT)
-        try:
-            if prefetch is not None and self.status == "stopping":  # SIGTERM meanwhile: close() stops the worker
-                return
-            self.status = "ok"
-            snap = self.snapshot_summary()
-            log.info("ready: url=http://%s:%d model=%s backend=%s namespace=%s index=%d checkpoint(s) %d bytes "
-                     "max_seq=%d queue_size=%d load=%.1fs", self.settings.host, self.settings.port, self.model_id,
-                     self.backend,
-                     self.namespace, snap["count"], snap["bytes"], self.settings.max_seq,
-                     self.settings.queue_size, time.monotonic() - t0)
-            if self.notifier is not None:
-                self.notifier.ready(self._status_text())
-        finally:
-            if prefetch is not None:
-                prefetch.release()  # in every case: a held worker would never stop
-        if prefetch is None:
-            worker.start()  # after READY=1: its watchdog pings only count once systemd sees us ready
+        self.status = "ok"
+        snap = self.snapshot_summary()
+        log.info("ready: url=http://%s:%d model=%s backend=%s namespace=%s index=%d checkpoint(s) %d bytes "
+                 "max_seq=%d queue_size=%d load=%.1fs", self.settings.host, self.settings.port, self.model_id,
+                 self.backend,
+                 self.namespace, snap["count"], snap["bytes"], self.settings.max_seq,
+                 self.settings.queue_size, time.monotonic() - t0)
+        if self.notifier is not None:
+            self.notifier.ready(self._status_text())
+        worker.start()  # after READY=1: its watchdog pings only count once systemd sees us ready
 
     def _make_prefetch(self, engine: Engine) -> Prefetch | None:
         if self.settings.disk_kv_prefetch == "off":
