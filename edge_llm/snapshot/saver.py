@@ -138,15 +138,10 @@ class Saver:
             self._save_failed(name, n, e)
             return
         secs = time.monotonic() - t0
-        now = time.time()
-        # the LRU time is mirrored in the file's mtime (as `Catalog.touch` and compaction do): the
-        # mtime is the last write's, before the fsyncs, so on a slow disk it would lag the index's
-        # time by seconds; a scan after a restart and `/v1/edge/store` then tell different times
-        try:
-            os.utime(cat.ns / name, (now, now))
-        except OSError as err:
-            log.warning("[KV-DISK] could not set the time of %s: %s", name, err)
-        entry = Entry(name, cat.ns / name, tokens, written, now, job.spans, ref, trailer_crc)
+        entry = Entry(name, cat.ns / name, tokens, written, time.time(), job.spans, ref, trailer_crc)
+        # its first use, mirrored into the mtime as every later one: the file's own mtime is its last
+        # write's, before the fsyncs, and would lag the index by them on a slow disk
+        cat.touch(entry)
         new_kv = (n - known) * self.geometry.kv_bytes_per_token
         with cat.lock:
             cat.index[name] = entry
