@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import http.server
 import shutil
 import subprocess
+import threading
 import time
 
 import pytest
@@ -212,3 +214,49 @@ def test_bench_fleet_spread_configs_differ_from_the_shipped_file_only_in_hash_ty
             r = subprocess.run(["haproxy", "-c", "-f", str(path)], capture_output=True, text=True, timeout=30)
             assert r.returncode == 0, (hash_type, r.stderr)
 
+
+
+class _Board(http.server.BaseHTTPRequestHandler):
+    """A stub board: `/health` answers 200 after the server's `delay` seconds (a busy board)."""
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        time.sleep(self.server.delay)
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def _stub_boards(delays: list[float]) -> list[http.server.ThreadingHTTPServer]:
+    servers = []
+    for d in delays:
+        s = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Board)
+        s.delay, s.daemon_threads = d, True
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+        servers.append(s)
+    return servers
+
+
+@pytest.mark.parametrize("timeout_check", [True, False], ids=["shipped", "without-timeout-check"])
+def test_a_board_slow_to_answer_health_stays_up(tmp_path, timeout_check):
+    """The shipped `timeout check 10s`: a board whose /health takes 1.5 s (busy generating or writing
+    a snapshot) passes its checks and stays in; without the line a check must finish within
+    `inter` (1 s), and the same board is taken out (L7TOUT). Judged by HAProxy's own server states."""
+    text = fleet_config(SHIPPED_CONFIG.read_text(), 3)
+    assert "    timeout check 10s\n" in text
+    if not timeout_check:
+        text = text.replace("    timeout check 10s\n", "")
+    boards = _stub_boards([0.0, 1.5, 0.0])
+    proxy = HAProxy(text, [f"127.0.0.1:{s.server_address[1]}" for s in boards], tmp_path).start()
+    try:
+        if timeout_check:
+            proxy.wait_servers({"b1": "UP", "b2": "UP", "b3": "UP"})  # b2's last check passed: L7OK
+        else:
+            proxy.wait_servers({"b1": "UP", "b2": "DOWN", "b3": "UP"})
+            assert proxy.server_states()["b2"][1] == "L7TOUT"
+    finally:
+        proxy.stop()
+        for s in boards:
+            s.shutdown()
