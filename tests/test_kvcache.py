@@ -7,7 +7,7 @@ from edge_llm.errors import KVCacheError, SnapshotBlockCRC
 from edge_llm.kvcache import KVCache, lcp
 from edge_llm.progress import Cancelled, Work
 from helpers.rows_source import RowsFrom
-from threadutil import blocked, finishes
+from threadutil import LookedAt, blocked, finishes
 
 G = Geometry(n_layers=3, n_kv_heads=2, head_dim=4)
 
@@ -79,21 +79,10 @@ def test_waiting_writer_reports_save_progress_and_honours_cancel():
 
     from edge_llm.progress import Cancelled, Work
 
-    class Cancel(threading.Event):
-        """A cancel flag that tells when the writer first looked at it: it is in its wait loop."""
-
-        def __init__(self):
-            super().__init__()
-            self.asked = threading.Event()
-
-        def is_set(self):
-            self.asked.set()
-            return super().is_set()
-
     c = KVCache(G, max_seq=10)
     c.append_tokens(range(6))
     lease = c.lease(6)
-    reports, cancel, err = [], Cancel(), []
+    reports, cancel, err = [], LookedAt(), []  # the writer's cancel flag
     z = np.ones((1, G.kv_dim), np.float32)
 
     def write():

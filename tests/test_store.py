@@ -22,7 +22,7 @@ from edge_llm.snapshot import saver as saver_mod
 from edge_llm.snapshot.identity import Identity
 from edge_llm.snapshot.store import SnapshotStore
 from helpers.rows_source import RowsFrom
-from threadutil import blocked, finishes
+from threadutil import LookedAt, blocked, finishes
 
 G = Geometry(n_layers=2, n_kv_heads=2, head_dim=8)
 KV_BS = 4
@@ -47,19 +47,6 @@ def new_store(kv_dir, identity=ID_A, **kw) -> SnapshotStore:
 def save(store, cache) -> None:
     store.save_async(cache)
     assert store.flush(timeout=60)
-
-
-class Waiting(threading.Event):
-    """A cancel flag (never set by the tests that use it) that tells when a writer first looked at
-    it: a writer waiting for a save checks it in its wait loop, under the cache's lock."""
-
-    def __init__(self):
-        super().__init__()
-        self.asked = threading.Event()
-
-    def is_set(self):
-        self.asked.set()
-        return super().is_set()
 
 
 def seq(n, start=1000):
@@ -426,7 +413,7 @@ def test_lease_releases_each_layer_as_soon_as_it_is_written(tmp_path, monkeypatc
     assert finishes(cache.write, 0, 0, z, z)  # layer 0's rows are in the file already
     assert s.stats()["save_pending"]
     reports = []
-    waiting = Waiting()
+    waiting = LookedAt()  # a cancel flag never set: it tells when the writer waits
     work = Work(cancel=waiting, on_progress=lambda *a: reports.append(a))
     layer1 = blocked(cache.write, 1, 0, z, z, work)  # layer 1 is not written yet: blocked
     assert layer1 is not None

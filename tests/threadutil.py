@@ -33,3 +33,16 @@ def finishes(fn, *args, deadline=30.0) -> bool:
     if err:
         raise err[0]
     return not th.is_alive()
+
+
+class LookedAt(threading.Event):
+    """An event that tells when it was first looked at (`asked`): a cancel flag handed to a writer
+    that checks it in its wait loop, so a test knows the writer is waiting before it goes on."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked = threading.Event()
+
+    def is_set(self):
+        self.asked.set()
+        return super().is_set()
