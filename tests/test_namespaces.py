@@ -14,8 +14,6 @@ re-quantization."""
 
 from __future__ import annotations
 
-import os
-
 import onnx
 import pytest
 
@@ -56,20 +54,19 @@ def portable(numerics: str) -> str:
 
 @pytest.fixture(scope="module")
 def namespaces(edge_home, default_model_dir, tmp_path_factory):
-    old = os.environ.get("EDGE_LLM_HOME")
-    os.environ["EDGE_LLM_HOME"] = str(edge_home)  # cpu-q builds (or finds) its graphs in the session's home
-    try:
-        work = tmp_path_factory.mktemp("namespaces")
-        convert_mm8(default_model_dir, work / "mm", rotation="none", down_rotation="none", vo_rotation="none",
-                    clip="none", gptq_tokens=0)
-        export_graph_set(default_model_dir, work / "graphs")
-        backends = {
-            "cpu": lambda: CPUBackend(),
-            "cpu-q": lambda: open_cpu_q(default_model_dir, "q4", blocks=gguf_blocks(default_model_dir)),
-            "rknn-graphs": lambda: open_rknn(work / "graphs", "onnxruntime", model_dir=default_model_dir, threads=1),
-            "rknn-mm": lambda: open_rknn(work / "mm", "host", model_dir=default_model_dir),
-        }
-        out = {}
+    work = tmp_path_factory.mktemp("namespaces")
+    convert_mm8(default_model_dir, work / "mm", rotation="none", down_rotation="none", vo_rotation="none",
+                clip="none", gptq_tokens=0)
+    export_graph_set(default_model_dir, work / "graphs")
+    backends = {
+        "cpu": lambda: CPUBackend(),
+        "cpu-q": lambda: open_cpu_q(default_model_dir, "q4", blocks=gguf_blocks(default_model_dir)),
+        "rknn-graphs": lambda: open_rknn(work / "graphs", "onnxruntime", model_dir=default_model_dir, threads=1),
+        "rknn-mm": lambda: open_rknn(work / "mm", "host", model_dir=default_model_dir),
+    }
+    out = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EDGE_LLM_HOME", str(edge_home))  # cpu-q builds (or finds) its graphs in the session's home
         for name, make in backends.items():
             model = Model.load(default_model_dir, backend=make())
             try:
@@ -79,12 +76,7 @@ def namespaces(edge_home, default_model_dir, tmp_path_factory):
                 out[name] = (numerics, ident.namespace)
             finally:
                 model.close()
-        return out
-    finally:
-        if old is None:
-            del os.environ["EDGE_LLM_HOME"]
-        else:
-            os.environ["EDGE_LLM_HOME"] = old
+    return out
 
 
 @pytest.mark.parametrize("backend", ["cpu", "cpu-q", "rknn-graphs", "rknn-mm"])
