@@ -76,7 +76,9 @@ def test_matmul_path_through_the_fake_library(default_mm, fake_librknnrt, tmp_pa
     pred = res["predicted"]["decode"][0]
     assert pred["npu_ms"] == pytest.approx(plan.npu_ms(1, Rates()), rel=1e-9)
     # the engine's own time per round (a round over the fake minus the fake's run alone) is counted
-    assert m["engine_us"] == pytest.approx(max(m["round_us"] - m["lib_run_us"], 0)) and m["engine_us"] > 0
+    # (a difference of two medians of timed loops: 0 when a busy machine preempts the shorter one,
+    # so its sign is not judged, only that it is the difference and is what the prediction counts)
+    assert m["engine_us"] == pytest.approx(max(m["round_us"] - m["lib_run_us"], 0)) and m["engine_us"] >= 0
     assert pred["engine_ms"] == pytest.approx(plan.rounds * m["engine_us"] / 1e3)
     assert pred["ms"] == pytest.approx(pred["npu_ms"] + pred["engine_ms"] + pred["cpu_ms"]) and pred["cpu_ms"] > 0
     mes = res["predicted_measured_rates"]["decode"][0]
@@ -109,7 +111,7 @@ def test_predict_only_prints_the_prediction(tiny_synth_dir, edge_home, tmp_path,
     assert res["layers"] == 28 and res["weight_bytes"] == plan.weight_bytes and res["cpu"]["layers_converted"] == 2
     assert res["cpu"]["layers"] == 28 and res["cpu"]["recorded"] is True
     engine_us = res["micro"]["engine_us"]
-    assert engine_us > 0 and res["rates"]["engine_us"] == engine_us and "engine: " in r.stdout
+    assert engine_us >= 0 and res["rates"]["engine_us"] == engine_us and "engine: " in r.stdout  # measured, counted
     for d in res["decode"]:
         assert d["npu_ms"] == pytest.approx(plan.npu_ms(1, Rates()), rel=1e-9) and d["cpu_ms"] > 0
         assert d["engine_ms"] == pytest.approx(plan.rounds * engine_us / 1e3)
