@@ -128,12 +128,15 @@ def gnu_sparse_archive(name: str) -> bytes:
 
 
 def tree(root: Path) -> dict[str, tuple[bytes | None, int, int]]:
-    """Every path under `root` (relative) -> (bytes of a file, mode, mtime_ns): what 'the kv dir
-    as it was' means."""
+    """Every path under `root` (relative) -> (bytes, mode, mtime_ns) of a file, (None, mode, 0) of
+    a directory: what 'the kv dir as it was' means (a refused import's temp files came and went,
+    so a directory's mtime may have moved: a server's next lookup miss re-reads it, finds nothing new)."""
     out = {}
     for p in sorted(root.rglob("*")) if root.exists() else ():
         st = p.lstat()
-        out[str(p.relative_to(root))] = (p.read_bytes() if p.is_file() else None, st.st_mode, st.st_mtime_ns)
+        is_file = p.is_file()
+        out[str(p.relative_to(root))] = (p.read_bytes() if is_file else None, st.st_mode,
+                                         st.st_mtime_ns if is_file else 0)
     return out
 
 
