@@ -11,7 +11,10 @@ caller names), stages every file under a temp name of the store's rule (`files.t
 leaves debris the next scan removes), verifies each one fully (header, ids, model id, every block
 CRC, its name = its ids' hash) and every chain (each delta's base in the archive or already on
 disk, and the very file it was written on), and only then publishes them, bases first, each by
-one rename: a reader sees a whole file or none, a bad archive leaves nothing behind. A name
+one rename: a reader sees a whole file or none, a bad archive leaves nothing behind (not even a
+new namespace's identity.json, written only before the first rename). Before a member's first
+byte is written, `archive.py` holds it to the archive's bounds (regular, its declared size the one
+its header implies, the total cap, its time). A name
 already on disk is the same token ids: it is kept, not replaced (deltas resting on it stay valid).
 A running server indexes the published files at its next lookup miss (`SnapshotStore._adopt_new`).
 """
