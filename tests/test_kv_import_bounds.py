@@ -164,3 +164,13 @@ def test_a_last_use_within_a_day_ahead_is_now_and_the_good_archive_imports(store
     assert (store / NS / base).read_bytes() == bdata and (store / NS / delta).read_bytes() == ddata
     assert (store / NS / delta).stat().st_mtime <= time.time()
     assert Identity.from_json((store / NS / "identity.json").read_text()) == IDENTITY
+
+
+def test_max_bytes_on_the_command_line(edge_home, store):
+    archive = tar_bytes(good_members())
+    before = tree(store)
+    r = kv_cli(edge_home, "import", "--kv-dir", str(store), "--max-bytes", "1K", "-", stdin=archive)
+    assert r.returncode == 1 and "over --max-bytes 1024" in r.stderr.decode(), r.stderr
+    assert tree(store) == before
+    r = kv_cli(edge_home, "import", "--kv-dir", str(store), "--max-bytes", "lots", "-", stdin=archive)
+    assert r.returncode == 2 and "'lots' is not a size" in r.stderr.decode(), r.stderr

@@ -59,7 +59,7 @@ def export_cmd(kv_dir: Path | None, namespace: str | None, output: Path, names: 
               help="Files readable by the service's group (as disk_kv_group_read = true).")
 @click.option("--max-bytes", default=None, type=kv_cli.Bytes(), help="Refuse an archive whose snapshots "
               "declare more than this in total (e.g. 2G); the free space of the kv dir's filesystem, less "
-              "5%% of its size, is a cap anyway.")
+              "5% of its size, is a cap anyway.")
 @click.argument("archive", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path))
 def import_cmd(kv_dir: Path | None, namespace: str | None, group_read: bool, max_bytes: int | None,
                archive: Path) -> None:
