@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from helpers.kv_archives import (
     gnu_sparse_archive,
     member,
     pax_sparse,
+    raw_head,
     tar_bytes,
     tree,
     written_bytes,
@@ -104,17 +106,8 @@ def test_the_total_is_capped(store):
     assert hdr.file_size > 1 << 44
     info = tarfile.TarInfo(members[0][0])
     info.size, info.mode, info.mtime = hdr.file_size, 0o600, 1
-    archive = _raw_head() + info.tobuf(tarfile.PAX_FORMAT) + hdr.pack().ljust(64 << 10, b"\0")
+    archive = raw_head() + info.tobuf(tarfile.PAX_FORMAT) + hdr.pack().ljust(64 << 10, b"\0")
     refused(store, archive, "bytes free on the kv dir's filesystem")
-
-
-def _raw_head() -> bytes:
-    out = b""
-    for n, d in (("namespace", NS.encode()), ("identity.json", IDENTITY.to_json().encode())):
-        info = tarfile.TarInfo(n)
-        info.size, info.mode = len(d), 0o600
-        out += info.tobuf(tarfile.PAX_FORMAT) + d.ljust(-(-len(d) // 512) * 512, b"\0")
-    return out
 
 
 def _nested(depth: int) -> bytes:
@@ -155,7 +148,6 @@ def test_crafted_archives_are_one_line_errors_that_leave_nothing(edge_home, stor
 def test_a_last_use_within_a_day_ahead_is_now_and_the_good_archive_imports(store):
     """The bounds refuse nothing real: export's archive (a base and a delta) imports whole; a
     last use a little ahead of this clock (another board's) becomes now."""
-    import time
     (base, bdata), (delta, ddata) = good_members()
     ahead = time.time() + 3600
     archive = tar_bytes([(base, bdata), member(delta, ddata, pax={"mtime": f"{ahead}"})])

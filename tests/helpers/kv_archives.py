@@ -102,6 +102,17 @@ def pax_sparse(version: str, name: str) -> Member:
                                    "GNU.sparse.offset": str(off), "GNU.sparse.numbytes": str(SPARSE_DATA)})
 
 
+def raw_head() -> bytes:
+    """The tar blocks of `namespace` and `identity.json`, to which crafted raw blocks are appended
+    (tarfile would pad and close the stream)."""
+    head = b""
+    for n, d in (("namespace", NS.encode()), ("identity.json", IDENTITY.to_json().encode())):
+        info = tarfile.TarInfo(n)
+        info.size, info.mode, info.mtime = len(d), 0o600, MTIME
+        head += info.tobuf(tarfile.PAX_FORMAT) + d.ljust(-(-len(d) // 512) * 512, b"\0")
+    return head
+
+
 def _octal(n: int, width: int) -> bytes:
     return b"%0*o\0" % (width - 1, n)
 
@@ -110,11 +121,7 @@ def gnu_sparse_archive(name: str) -> bytes:
     """An archive whose snapshot member is an old-style GNU sparse file (type 'S', the sparse map
     in the header): 8 KiB stored, 1 GiB when tarfile reads it. tarfile cannot write one: the
     header is patched by hand (map at 386, real size at 483, checksum at 148)."""
-    head = b""
-    for n, d in (("namespace", NS.encode()), ("identity.json", IDENTITY.to_json().encode())):
-        info = tarfile.TarInfo(n)
-        info.size, info.mode, info.mtime = len(d), 0o600, MTIME
-        head += info.tobuf(tarfile.PAX_FORMAT) + d.ljust(-(-len(d) // 512) * 512, b"\0")
+    head = raw_head()
     data, off = b"\x5a" * SPARSE_DATA, GIB - SPARSE_DATA
     info = tarfile.TarInfo(name)
     info.size, info.mode, info.mtime, info.type = SPARSE_DATA, 0o600, MTIME, tarfile.GNUTYPE_SPARSE
