@@ -38,7 +38,7 @@ ORDER = {
     "backends.npu.matmul": ["int8", "binding", "rounds", "engine", "row_ops", "row_step", "decoder", "__init__"],
     "backends.tower": ["seam", "export", "graph", "__init__"],
     "snapshot": ["writer", "layout", "encode", "decode", "format", "inspect", "entries", "chains", "catalog",
-                 "chain_read", "saver", "identity", "store", "maintenance", "transfer", "__init__"],
+                 "chain_read", "saver", "identity", "store", "maintenance", "archive", "transfer", "__init__"],
     "kvcache": ["records", "cache", "__init__"],
     "doctor": ["probe", "board", "storage", "__init__"],
     "models": ["rope", "qwen3", "__init__"],

@@ -31,7 +31,7 @@ from edge_llm.snapshot.maintenance import snapshot_files
 out = Console(highlight=False, soft_wrap=True)
 
 
-class _Bytes(click.ParamType):
+class Bytes(click.ParamType):
     """A size as the settings spell one (settings.parse_size: 4294967296, 512M, 4GiB)."""
 
     name = "bytes"
@@ -363,7 +363,7 @@ def rm(kv_dir: Path | None, namespace: str | None, all_: bool, names: tuple[str,
 @click.option("--namespace", default=None, help="Only this namespace (16 hex digits).")
 @click.option("--max-files", default=DEFAULTS.disk_kv_max_files, show_default=True, type=click.IntRange(1),
               help="Conversations (a snapshot and its deltas) per namespace.")
-@click.option("--max-bytes", default=None, type=_Bytes(), help="Bytes per namespace (e.g. 4G).")
+@click.option("--max-bytes", default=None, type=Bytes(), help="Bytes per namespace (e.g. 4G).")
 @click.option("--dry-run", is_flag=True, help="Only show what would be removed.")
 def gc(kv_dir: Path | None, namespace: str | None, max_files: int, max_bytes: int | None, dry_run: bool) -> None:
     """Apply the caps: remove least recently used conversations until each namespace fits.

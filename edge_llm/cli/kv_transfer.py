@@ -57,8 +57,12 @@ def export_cmd(kv_dir: Path | None, namespace: str | None, output: Path, names: 
               "digits: the receiving board's, from `kv ls` or /health).")
 @click.option("--group-read", is_flag=True, default=DEFAULTS.disk_kv_group_read,
               help="Files readable by the service's group (as disk_kv_group_read = true).")
+@click.option("--max-bytes", default=None, type=kv_cli.Bytes(), help="Refuse an archive whose snapshots "
+              "declare more than this in total (e.g. 2G); the free space of the kv dir's filesystem, less "
+              "5% of its size, is a cap anyway.")
 @click.argument("archive", type=click.Path(dir_okay=False, allow_dash=True, path_type=Path))
-def import_cmd(kv_dir: Path | None, namespace: str | None, group_read: bool, archive: Path) -> None:
+def import_cmd(kv_dir: Path | None, namespace: str | None, group_read: bool, max_bytes: int | None,
+               archive: Path) -> None:
     """Verify an archive's snapshots fully and publish them into the kv dir, bases first, each
     file whole or not at all; a bad file or a broken chain imports nothing."""
     if namespace is not None and not NAMESPACE_RE.match(namespace):
@@ -66,10 +70,10 @@ def import_cmd(kv_dir: Path | None, namespace: str | None, group_read: bool, arc
     root = resolve_kv_dir(kv_dir)
     try:
         if str(archive) == "-":
-            res = transfer.import_archive(sys.stdin.buffer, root, namespace, Modes(group_read))
+            res = transfer.import_archive(sys.stdin.buffer, root, namespace, Modes(group_read), max_bytes)
         else:
             with open(archive, "rb") as f:
-                res = transfer.import_archive(f, root, namespace, Modes(group_read))
+                res = transfer.import_archive(f, root, namespace, Modes(group_read), max_bytes)
     except (transfer.TransferError, OSError) as e:
         raise click.ClickException(str(e)) from None
     for name in res.published:

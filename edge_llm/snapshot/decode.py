@@ -51,6 +51,7 @@ from edge_llm.snapshot.layout import (
     n_blocks,
     pread_into,
     read_exact,
+    snapshot_size,
 )
 from edge_llm.snapshot.layout import (
     file_size as size_of,
@@ -74,6 +75,40 @@ def read_header(f: BinaryIO, geometry: Geometry | None, model_id: int | None,
     if size < HEADER.size:
         raise SnapshotTooShort(f"file is {size} bytes, shorter than the {HEADER.size}-byte header")
     raw = bytes(read_exact(f, 0, HEADER.size))
+    hdr = _check_fields(raw, geometry, max_tokens)
+    n_tokens, reserved, mid, tokens_fnv = hdr.n_tokens, hdr.ext_size, hdr.model_id, hdr.tokens_fnv
+    # step 9: the exact size when the layout is known from the header alone (no extension section);
+    # with one, the ids + section must lie inside the file now and the exact size (which depends
+    # on a base record's row0) is checked as soon as the section is decoded
+    if not reserved and size != hdr.file_size:
+        raise SnapshotSize(f"file is {size} bytes, header implies {hdr.file_size}")
+    if reserved and size < hdr.payload_offset:
+        raise SnapshotSize(f"file is {size} bytes, shorter than its header + ids + extension "
+                           f"({hdr.payload_offset})")
+    if model_id is not None and mid != model_id:
+        raise SnapshotModelID(f"model_id {mid:016x} != loaded model {model_id:016x}")
+    token_bytes = read_exact(f, HEADER.size, 4 * n_tokens)
+    spans, base, ext_err = (), None, None
+    if reserved:
+        try:
+            spans, base = decode_extension(bytes(read_exact(f, hdr.ext_offset, reserved)), n_tokens)
+        except SnapshotExtension as e:  # reported after the token check, in the documented order
+            ext_err = e
+    _check_tokens(token_bytes, tokens_fnv, base, known_tokens)
+    if ext_err is not None:
+        raise ext_err
+    hdr = SnapshotHeader(**{**hdr.__dict__, "spans": spans, "base": base})
+    if size != hdr.file_size:
+        raise SnapshotSize(f"file is {size} bytes, header + extension imply {hdr.file_size}")
+    trailer = bytes(read_exact(f, hdr.trailer_offset, hdr.trailer_size))
+    if crc32c.crc32c(trailer) != hdr.trailer_crc:
+        raise SnapshotTrailerCRC(f"trailer CRC32C {crc32c.crc32c(trailer):08x} != stored {hdr.trailer_crc:08x}")
+    tokens = np.frombuffer(token_bytes, dtype="<u4").astype(np.uint32)
+    return SnapshotHeader(**{**hdr.__dict__, "trailer": trailer}), tokens
+
+
+def _check_fields(raw: bytes, geometry: Geometry | None, max_tokens: int | None) -> SnapshotHeader:
+    """Steps 1-8 of the documented order, on the 64 header bytes alone."""
     (magic, version, n_layers, n_kv_heads, head_dim, kv_bs, n_tokens, kv_dim, tokens_fnv, mid, flags,
      reserved, trailer_crc, header_crc) = HEADER.unpack(raw)
     if magic != MAGIC:
@@ -100,36 +135,29 @@ def read_header(f: BinaryIO, geometry: Geometry | None, model_id: int | None,
         raise SnapshotKVDim(f"kv_dim {kv_dim} != n_kv_heads * head_dim = {n_kv_heads * head_dim}")
     if n_tokens < 1 or (max_tokens is not None and n_tokens > max_tokens):
         raise SnapshotTokenCount(f"n_tokens {n_tokens} outside 1..{max_tokens}")
-    hdr = SnapshotHeader(n_layers, n_kv_heads, head_dim, kv_bs, n_tokens, kv_dim, tokens_fnv, mid, flags,
-                         trailer_crc, header_crc, ext_size=reserved)
-    # step 9: the exact size when the layout is known from the header alone (no extension section);
-    # with one, the ids + section must lie inside the file now and the exact size (which depends
-    # on a base record's row0) is checked as soon as the section is decoded
-    if not reserved and size != hdr.file_size:
-        raise SnapshotSize(f"file is {size} bytes, header implies {hdr.file_size}")
-    if reserved and size < hdr.payload_offset:
-        raise SnapshotSize(f"file is {size} bytes, shorter than its header + ids + extension "
-                           f"({hdr.payload_offset})")
-    if model_id is not None and mid != model_id:
-        raise SnapshotModelID(f"model_id {mid:016x} != loaded model {model_id:016x}")
-    token_bytes = read_exact(f, HEADER.size, 4 * n_tokens)
-    spans, base, ext_err = (), None, None
-    if reserved:
-        try:
-            spans, base = decode_extension(bytes(read_exact(f, hdr.ext_offset, reserved)), n_tokens)
-        except SnapshotExtension as e:  # reported after the token check, in the documented order
-            ext_err = e
-    _check_tokens(token_bytes, tokens_fnv, base, known_tokens)
-    if ext_err is not None:
-        raise ext_err
-    hdr = SnapshotHeader(**{**hdr.__dict__, "spans": spans, "base": base})
-    if size != hdr.file_size:
-        raise SnapshotSize(f"file is {size} bytes, header + extension imply {hdr.file_size}")
-    trailer = bytes(read_exact(f, hdr.trailer_offset, hdr.trailer_size))
-    if crc32c.crc32c(trailer) != trailer_crc:
-        raise SnapshotTrailerCRC(f"trailer CRC32C {crc32c.crc32c(trailer):08x} != stored {trailer_crc:08x}")
-    tokens = np.frombuffer(token_bytes, dtype="<u4").astype(np.uint32)
-    return SnapshotHeader(**{**hdr.__dict__, "trailer": trailer}), tokens
+    return SnapshotHeader(n_layers, n_kv_heads, head_dim, kv_bs, n_tokens, kv_dim, tokens_fnv, mid, flags,
+                          trailer_crc, header_crc, ext_size=reserved)
+
+
+def size_from_head(read: Callable[[int], bytes], max_tokens: int) -> tuple[int, bytes]:
+    """The exact size a file must have, from its first bytes: the header checked as read_header
+    checks it (steps 1-8) and, with an extension section, the ids and the section read and its
+    base record decoded (a delta's size depends on it). `read(n)` returns the next n bytes of a
+    stream (fewer at its end). Returns (size, every byte read): `kv import` compares a tar
+    member's declared size with it before it copies the rest (docs/fleet.md)."""
+    raw = read(HEADER.size)
+    if len(raw) < HEADER.size:
+        raise SnapshotTooShort(f"file is {len(raw)} bytes, shorter than the {HEADER.size}-byte header")
+    hdr = _check_fields(raw, None, max_tokens)
+    if not hdr.ext_size:
+        return hdr.file_size, raw
+    rest = read(hdr.payload_offset - HEADER.size)  # <= 4 * max_tokens + EXT_MAX bytes
+    if len(rest) < hdr.payload_offset - HEADER.size:
+        raise SnapshotTooShort(f"file ends at {HEADER.size + len(rest)}, inside its ids and extension "
+                               f"({hdr.payload_offset})")
+    _, base = decode_extension(rest[4 * hdr.n_tokens:], hdr.n_tokens)
+    return snapshot_size(hdr.n_layers, hdr.n_tokens, hdr.kv_dim, hdr.kv_bs, hdr.ext_size,
+                         0 if base is None else base.n_tokens), raw + rest
 
 
 def _check_tokens(token_bytes: bytearray, tokens_fnv: int, base: BaseRef | None,

@@ -11,6 +11,7 @@ from edge_llm.snapshot.decode import (  # noqa: F401
     read_layer_into,
     read_rows_into,
     rows_needed,
+    size_from_head,
     verify_file,
 )
 from edge_llm.snapshot.encode import SnapshotWriter, write_snapshot  # noqa: F401

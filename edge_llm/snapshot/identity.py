@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 from collections.abc import Callable
@@ -43,6 +44,53 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
     return value
+
+
+IDENTITY_MAX_DEPTH = 16  # a model config nests a few levels (rope_scaling); identity.json no deeper
+_KIND_NAMES = {dict: "an object", str: "a string", int: "an integer"}
+# identity.json key -> (Identity field, type, default when absent)
+_FIELDS: dict[str, tuple[str, type, Any]] = {
+    "config": ("config", dict, None),
+    "weights_sha256": ("weights_digest", str, None),
+    "tokenizer_sha256": ("tokenizer_digest", str, NO_TOKENIZER),
+    "layout": ("layout", str, LAYOUT_VERSION),
+    "backend_numerics": ("backend_numerics", str, "cpu-f32"),
+    "prefill_chunk": ("prefill_chunk", int, DEFAULTS.prefill_chunk),
+    "model_dir": ("model_dir", str, ""),
+}
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 parses to inf, which no canonical JSON can hold
+        raise ValueError(f"{text[:20]} is out of range")
+    return value
+
+
+def parse_identity_json(text: str) -> dict[str, Any]:
+    """identity.json as a dict: strict JSON (NaN, Infinity refused), at most IDENTITY_MAX_DEPTH
+    levels of objects and arrays, `config` and `weights_sha256` present. ValueError otherwise."""
+    try:
+        doc = json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"a JSON {type(doc).__name__}, not an object")
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    while stack:  # iterative: the depth being checked cannot exhaust the interpreter's stack
+        value, depth = stack.pop()
+        if depth > IDENTITY_MAX_DEPTH:
+            raise ValueError(f"nested deeper than {IDENTITY_MAX_DEPTH} levels")
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((v, depth + 1) for v in children if isinstance(v, (dict, list)))
+    for key in ("config", "weights_sha256"):
+        if key not in doc:
+            raise ValueError(f"no {key!r}")
+    return doc
 
 
 @dataclass(frozen=True)
@@ -95,16 +143,17 @@ class Identity:
 
     @classmethod
     def from_json(cls, text: str) -> "Identity":
-        doc = json.loads(text)
-        return cls(
-            config=doc["config"],
-            weights_digest=doc["weights_sha256"],
-            tokenizer_digest=doc.get("tokenizer_sha256", NO_TOKENIZER),
-            layout=doc.get("layout", LAYOUT_VERSION),
-            backend_numerics=doc.get("backend_numerics", "cpu-f32"),
-            prefill_chunk=doc.get("prefill_chunk", DEFAULTS.prefill_chunk),
-            model_dir=doc.get("model_dir", ""),
-        )
+        """Parse identity.json strictly (docs/identity.md): JSON without NaN/Infinity, nested at
+        most IDENTITY_MAX_DEPTH deep, each field of its type. ValueError says what is wrong."""
+        doc = parse_identity_json(text)
+        fields = {name: doc[key] if key in doc else default for key, (name, _, default) in _FIELDS.items()}
+        for key, (name, kind, _) in _FIELDS.items():
+            value = fields[name]
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f"{key} is {type(value).__name__}, not {_KIND_NAMES[kind]}")
+        if fields["prefill_chunk"] < 1:
+            raise ValueError(f"prefill_chunk {fields['prefill_chunk']} is not a positive integer")
+        return cls(**fields)
 
     @classmethod
     def for_model(cls, model_dir: str | Path, args: ModelArgs, backend_numerics: str = "cpu-f32",

@@ -11,16 +11,19 @@ caller names), stages every file under a temp name of the store's rule (`files.t
 leaves debris the next scan removes), verifies each one fully (header, ids, model id, every block
 CRC, its name = its ids' hash) and every chain (each delta's base in the archive or already on
 disk, and the very file it was written on), and only then publishes them, bases first, each by
-one rename: a reader sees a whole file or none, a bad archive leaves nothing behind. A name
+one rename: a reader sees a whole file or none, a bad archive leaves nothing behind (not even a
+new namespace's identity.json, written only before the first rename). Before a member's first
+byte is written, `archive.py` holds it to the archive's bounds (regular, its declared size the one
+its header implies, the total cap, its time). A name
 already on disk is the same token ids: it is kept, not replaced (deltas resting on it stay valid).
 A running server indexes the published files at its next lookup miss (`SnapshotStore._adopt_new`).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-import shutil
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +32,18 @@ from typing import BinaryIO
 from edge_llm.errors import SnapshotChainError, SnapshotError, SnapshotNotRegular
 from edge_llm.files import fsync_dir, open_regular, read_regular, temp_name
 from edge_llm.snapshot import chains
+from edge_llm.snapshot.archive import (
+    IDENTITY_MAX,
+    NAMESPACE_MAX,
+    ImportCap,
+    TransferError,
+    check_regular,
+    last_use,
+    next_member,
+    open_stream,
+    small_member,
+    stage_member,
+)
 from edge_llm.snapshot.decode import verify_file
 from edge_llm.snapshot.entries import Entry
 from edge_llm.snapshot.identity import IDENTITY_FILE, NAMESPACE_RE, Identity, ensure_namespace
@@ -40,11 +55,7 @@ from edge_llm.snapshot.writer import Modes
 log = logging.getLogger(__name__)
 
 NAMESPACE_MEMBER = "namespace"
-_COPY = 1 << 20
-
-
-class TransferError(SnapshotError):
-    reason = "transfer"
+__all__ = ["TransferError", "Imported", "export", "import_archive"]
 
 
 @dataclass(frozen=True)
@@ -121,62 +132,68 @@ class _Bytes:
         return chunk
 
 
-def _small(tar: tarfile.TarFile, info: tarfile.TarInfo | None, name: str, limit: int = 1 << 20) -> bytes:
-    if info is None or info.name != name or not info.isfile() or info.size > limit:
-        raise TransferError(f"not an edge-llm kv archive: expected {name!r} next, "
-                            f"found {info.name if info else 'the end'!r}")
-    f = tar.extractfile(info)
-    assert f is not None
-    return f.read()
-
-
 def import_archive(src: BinaryIO, kv_dir: Path, expect_namespace: str | None = None,
-                   modes: Modes | None = None) -> Imported:
-    """Verify and publish an archive's snapshots into `kv_dir` (see the module docstring)."""
+                   modes: Modes | None = None, max_bytes: int | None = None) -> Imported:
+    """Verify and publish an archive's snapshots into `kv_dir` (see the module docstring); any
+    refusal is a TransferError and leaves the kv dir as it was (`archive.py`: the bounds)."""
     modes = modes or Modes()
     staged: list[tuple[Path, Path]] = []  # (temp, final), in archive order
+    created: list[Path] = []  # directories this import made, deepest first: removed on failure
     try:
-        with tarfile.open(fileobj=src, mode="r|") as tar:
-            ns_name = _small(tar, tar.next(), NAMESPACE_MEMBER).decode(errors="replace").strip()
-            ident_text = _small(tar, tar.next(), IDENTITY_FILE).decode(errors="replace")
-            try:
-                identity = Identity.from_json(ident_text)
-            except (ValueError, KeyError, TypeError) as e:
-                raise TransferError(f"the archive's {IDENTITY_FILE} is not an identity: {e}") from None
-            if not NAMESPACE_RE.match(ns_name) or identity.namespace != ns_name:
-                raise TransferError(f"the archive's namespace {ns_name!r} is not its identity's "
-                                    f"({identity.namespace})")
-            if expect_namespace is not None and expect_namespace != ns_name:
-                raise TransferError(f"the archive holds namespace {ns_name} ({identity.backend_numerics}), not "
-                                    f"{expect_namespace}: snapshots are portable only between boards of the "
-                                    f"same identity (model, backend numerics, geometry, prefill chunk)")
-            ns = kv_dir / ns_name
-            if ns.exists():
+        with open_stream(src) as tar:
+            identity = _read_identity(tar, expect_namespace)
+            ns = kv_dir / identity.namespace
+            fresh = not os.path.lexists(ns / IDENTITY_FILE)  # (a killed import's empty directory too)
+            if not fresh:
                 here = Identity.from_json(_identity_text(ns))
                 if here.canonical_json() != identity.canonical_json():
                     raise TransferError(f"{ns} holds another identity than the archive's")
-            ensure_namespace(kv_dir, identity, modes)
-            while (info := tar.next()) is not None:  # (iterating would start again at the first member)
-                if not (info.isfile() and is_snapshot_name(info.name)):
+            cap = ImportCap.for_dir(kv_dir, max_bytes)
+            created = list(itertools.takewhile(lambda p: not p.exists(), (ns, kv_dir, *kv_dir.parents)))
+            modes.mkdir(ns)
+            while (info := next_member(tar)) is not None:  # (iterating would start again at the first member)
+                check_regular(info)
+                if not is_snapshot_name(info.name):
                     raise TransferError(f"unexpected archive member {info.name!r}")
+                mtime = last_use(info)
                 final = ns / info.name
                 tmp = ns / temp_name(info.name)
                 staged.append((tmp, final))
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, modes.file)
                 with os.fdopen(fd, "wb") as f:
                     os.fchmod(f.fileno(), modes.file)
-                    data = tar.extractfile(info)
-                    assert data is not None
-                    shutil.copyfileobj(data, f, _COPY)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.utime(tmp, (info.mtime, info.mtime))  # its last use on the old board: the LRU order moves along
-        return _verify_and_publish(ns, staged)
+                    stage_member(tar, info, f, cap)
+                os.utime(tmp, (mtime, mtime))  # its last use on the old board: the LRU order moves along
+        result = _verify_and_publish(ns, staged, identity if fresh else None, modes)
+        created = []
+        return result
     except tarfile.TarError as e:
         raise TransferError(f"not a readable archive: {e}") from None
     finally:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
+        for d in created:  # only if still empty: nothing of anyone else's is removed
+            try:
+                d.rmdir()
+            except OSError:
+                break
+
+
+def _read_identity(tar: tarfile.TarFile, expect_namespace: str | None) -> Identity:
+    """The archive's first two members, `namespace` and `identity.json`, checked strictly."""
+    ns_name = small_member(tar, NAMESPACE_MEMBER, NAMESPACE_MAX).decode(errors="replace").strip()
+    try:
+        identity = Identity.from_json(small_member(tar, IDENTITY_FILE, IDENTITY_MAX).decode())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise TransferError(f"the archive's {IDENTITY_FILE} is not an identity: {e}") from None
+    if not NAMESPACE_RE.match(ns_name) or identity.namespace != ns_name:
+        raise TransferError(f"the archive's namespace {ns_name!r} is not its identity's "
+                            f"({identity.namespace})")
+    if expect_namespace is not None and expect_namespace != ns_name:
+        raise TransferError(f"the archive holds namespace {ns_name} ({identity.backend_numerics}), not "
+                            f"{expect_namespace}: snapshots are portable only between boards of the "
+                            f"same identity (model, backend numerics, geometry, prefill chunk)")
+    return identity
 
 
 def _staged_entry(tmp: Path, final: Path, model_id: int) -> Entry:
@@ -187,7 +204,10 @@ def _staged_entry(tmp: Path, final: Path, model_id: int) -> Entry:
     return read_entry(tmp, None, model_id, name=final.name)
 
 
-def _verify_and_publish(ns: Path, staged: list[tuple[Path, Path]]) -> Imported:
+def _verify_and_publish(ns: Path, staged: list[tuple[Path, Path]], new: Identity | None,
+                        modes: Modes) -> Imported:
+    """Verify every staged file and chain, then publish (`new`: the identity of a namespace this
+    import created, whose identity.json is written only now: a refused archive leaves none)."""
     model_id = int(ns.name, 16)
     incoming: dict[str, Entry] = {}
     for tmp, final in staged:
@@ -211,6 +231,8 @@ def _verify_and_publish(ns: Path, staged: list[tuple[Path, Path]]) -> Imported:
             chains.chain_of(index, index[name])
         except SnapshotChainError as err:
             raise TransferError(f"{name}: {err.reason}: {err}; nothing imported") from None
+    if new is not None:
+        ensure_namespace(ns.parent, new, modes)
     published = []
     for tmp, final in staged:  # archive order: bases first
         if final.name in kept:
