@@ -43,9 +43,10 @@ function memoryRows(mem) {
   if (!mem) return [["memory", "Estimate", "known once the model is loaded"]];
   return [
     ["memory.estimate_bytes", "Estimated at start", bytes(mem.estimate_bytes)],
-    ...Object.entries(mem.parts || {}).map(([part, n]) => ["memory.parts." + part, "· " + part, bytes(n)]),
+    ...Object.entries(mem.parts || {}).map(([part, n]) => ["memory.parts." + part, "· " + part.replace(/_/g, " "), bytes(n)]),
     ["memory.rss_bytes", "In use by the server now", bytes(mem.rss_bytes)],
-    ["memory.available_bytes", `Available (${mem.available_source || "MemAvailable"})`, bytes(mem.available_bytes)],
+    ["memory.available_bytes", /^cgroup/.test(mem.available_source || "") ? "Available (cgroup limit)"
+      : "Available", bytes(mem.available_bytes)],
   ];
 }
 
