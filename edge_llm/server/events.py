@@ -73,7 +73,7 @@ class EventHub(logging.Handler):
         self.tags, self.queue_events = frozenset(tags), queue_events
         self._clients: set[Client] = set()
         self._clients_lock = threading.Lock()  # guards the clients, the backlog and the count
-        self._backlog: deque[dict] = deque(maxlen=backlog_events)
+        self._backlog: deque[tuple[int, dict]] = deque(maxlen=backlog_events)  # (number, event)
         self._seq = 0  # events numbered in this process (the SSE id's second part)
         self.token = secrets.token_hex(4)  # the SSE id's first part: tells this process from the last
         self.dropped = 0  # events dropped for slow clients, all clients, since start
@@ -97,17 +97,12 @@ class EventHub(logging.Handler):
         if m is None or m.group(1) not in self.tags:
             return
         event = {"ts": record.created, "tag": m.group(1), "line": one_line(message)}
-        with self._clients_lock:  # numbered, kept and handed out in one order
+        with self._clients_lock:  # numbered, kept and handed out in one order (`offer` never waits)
             self._seq += 1
             event["id"] = f"{self.token}-{self._seq}"
-            self._backlog.append(event)
-            clients = list(self._clients)
-        for c in clients:
-            c.offer(event)
-
-    def backlog(self) -> list[dict]:
-        with self._clients_lock:
-            return list(self._backlog)
+            self._backlog.append((self._seq, event))
+            for c in self._clients:
+                c.offer(event)
 
     def subscribe(self, last_event_id: str | None = None) -> tuple[Client, list[dict]]:
         """A new client and the backlog it is sent first: the events after `last_event_id` when
@@ -116,7 +111,7 @@ class EventHub(logging.Handler):
         c = Client(self, asyncio.get_running_loop(), self.queue_events)
         after = self._seq_of(last_event_id)
         with self._clients_lock:
-            backlog = [e for e in self._backlog if int(e["id"].rsplit("-", 1)[1]) > after]
+            backlog = [e for n, e in self._backlog if n > after]
             self._clients.add(c)
         return c, backlog
 
