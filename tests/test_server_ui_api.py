@@ -289,6 +289,8 @@ def test_the_hub_never_waits_and_counts_what_it_drops():
     chunks: list[str] = []
 
     class FakeRequest:  # the stream only asks it for the disconnect: this client stays
+        headers: dict[str, str] = {}
+
         async def receive(self):
             await asyncio.sleep(3600)
 
@@ -323,7 +325,7 @@ def test_the_hub_never_waits_and_counts_what_it_drops():
         assert hub.dropped == n - QUEUE_EVENTS
         assert chunks[1] == f'event: dropped\ndata: {{"dropped": {n - QUEUE_EVENTS}}}\n\n'
         first = json.loads(chunks[2].split("data: ", 1)[1])
-        assert chunks[2].startswith("event: log\n") and first["line"] == "[KV-DISK] line 0"
+        assert chunks[2].startswith(f"id: {hub.token}-1\nevent: log\n") and first["line"] == "[KV-DISK] line 0"
         assert first["tag"] == "KV-DISK" and hub.clients == 0
     finally:
         logger.removeHandler(hub)

@@ -3,8 +3,10 @@
 One server's life and restart, as the lab runs it with the page (docs/lab-a.md): a streamed chat
 turn is a cold row in the turns table; SIGTERM, start again on the same kv dir; "Resend
 conversation" restores the prefix from disk (cached_tokens > 0, source disk), the store view lists
-the snapshot, the chart has a cold and a restored point, the live events show the restore. The
-layout holds at 360 and 1280 CSS pixels. A second server with `api_key_file`: the page asks for the
+the snapshot, the chart has a cold and a restored point, the live events show the restore and the new
+process's start-up (the stream's backlog). The layout holds at 360 and 1280 CSS pixels, and reads
+as a product there: labels, not API field names; sizes in KiB/MiB/GiB; the store's first words
+whole; a cold turn without a realignment figure; the chat as high as a desktop window. A second server with `api_key_file`: the page asks for the
 key, a wrong key is refused and shows nothing, the right one shows the state.
 
 Browser: Debian's chromium + chromedriver (make test-deps); skipped, saying so, where they are absent.
@@ -14,6 +16,7 @@ EDGE_LLM_UI_SCREENSHOT=<png> also writes the desktop screenshot there (docs/ui.p
 from __future__ import annotations
 
 import os
+import re
 import signal
 import struct
 import time
@@ -32,6 +35,13 @@ SYSTEM = ("You are the lab assistant of a class that runs a small language model
           "last conversation in RAM and writes a snapshot of it to the disk after every request, so that "
           "a restarted server reads the prefix back instead of computing it again. ") * 3
 QUESTION = "Where does the server write its snapshots?"
+# shares its first words with SYSTEM, fewer than a prefill chunk: a cold turn whose matched rows
+# were given up (timings.align_rows > 0), which the page does not show as a realignment
+OTHER_SYSTEM = "You are the lab assistant of a class that runs a small language model. It is late."
+UNIT = r"^\d+(\.\d)? (B|KiB|MiB|GiB|TiB)$"
+# the API's field names as the page used to print them (docs/ui.md "Words and units")
+RAW = ("memory.", "settings.", "events.", "cost gate mode", "cost gate decisions", "limit max", "restored bytes",
+       "backend_reason", "max_seq", "queue_depth", "formula")
 
 
 @pytest.fixture
@@ -72,6 +82,48 @@ def check_layout(driver, size: tuple[int, int]) -> dict:
     return boxes
 
 
+def check_words(driver, size: tuple[int, int]) -> None:
+    """What a user reads at this width: labels (no API names), sizes in units, the store's first
+    words whole and in view (wrapped, not cut by its scroll box), and at desktop size the chat
+    filling the window's height."""
+    ub.set_viewport(driver, size)
+    driver.execute_script("scrollTo(0, 0)")
+    panels = "#panel-state, #panel-store, #panel-turns"
+    labels = driver.execute_script(
+        "return [...document.querySelectorAll(arguments[0].split(', ').map(p => p + ' dt, ' + p + ' th')"
+        ".join(', '))].map(e => e.textContent)", panels)
+    assert len(labels) > 30, labels
+    assert not [x for x in labels if "_" in x or "." in x], labels
+    shown = driver.execute_script("return [...document.querySelectorAll(arguments[0])].map(e => e.innerText)"
+                                  ".join('\\n')", panels)
+    assert not [r for r in RAW if r in shown], [r for r in RAW if r in shown]
+    sizes = driver.execute_script(
+        "return [...document.querySelectorAll('#state dd, #store-summary dd')].filter(dd => "
+        "/bytes|^memory\\.parts\\./.test(dd.dataset.key)).map(dd => [dd.dataset.key, dd.textContent])"
+        ".concat([...document.querySelectorAll('#snapshots td[data-col=bytes], #snapshots td[data-col=formula]')]"
+        ".map(td => [td.dataset.col, td.textContent]))")
+    assert len(sizes) >= 6, sizes
+    assert all(re.match(UNIT, v[:-2] if k.endswith("_per_s") else v) or v in ("no limit", "unknown", "not measured yet")
+               for k, v in sizes), sizes
+    words = driver.execute_script("""return [...document.querySelectorAll('#snapshots td[data-col=words]')].map(td => {
+        const r = td.getBoundingClientRect(), box = td.closest('.scroll').getBoundingClientRect();
+        return {text: td.textContent, title: td.title, sw: td.scrollWidth, cw: td.clientWidth,
+                left: r.left - box.left, right: box.right - r.right, w: r.width}; })""")
+    assert words, "no first-words cell"
+    for w in words:
+        assert w["text"] and w["title"] == w["text"], (size, w)
+        assert w["sw"] <= w["cw"] + 1 and w["left"] >= -1 and w["right"] >= -1 and w["w"] > 100, (size, w)
+    if size[0] >= 800:
+        chat = driver.execute_script("const r = document.getElementById('panel-chat').getBoundingClientRect(), "
+                                     "m = document.getElementById('messages').getBoundingClientRect(), "
+                                     "f = document.getElementById('chat-form').getBoundingClientRect(); "
+                                     "return {bottom: r.bottom, messages: m.height, form: f.bottom, h: innerHeight}")
+        # the chat reaches the window's bottom edge (within the grid's padding) with its input there:
+        # the messages take the height between, no empty region under the chat
+        assert chat["h"] - 40 <= chat["bottom"] <= chat["h"] + 1, chat
+        assert chat["form"] >= chat["bottom"] - 30 and chat["messages"] >= 120, chat
+
+
 def png_size(data: bytes) -> tuple[int, int]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     return struct.unpack(">II", data[16:24])
@@ -98,10 +150,11 @@ def test_chat_restart_resend_restores_from_disk(edge_home, tmp_path, browser):
         d.find_element("id", "send").click()
         ub.wait_js(d, "return document.querySelectorAll('#turns tbody tr').length === 1", what="the first turn")
         (cold,) = turn_rows(d)
-        assert cold["source"] == "none" and cold["cached"] == "0" and int(cold["prompt"]) > 256, cold
+        assert cold["source"] == "cold" and cold["cached"] == "0" and int(cold["prompt"]) > 256, cold
         answer = text(d, "#messages .msg.assistant .body")
         assert answer.strip(), "no streamed answer"
-        assert float(cold["ttft"]) > 0 and float(cold["prefill"]) > 0 and cold["draft"] == "0 / 0", cold
+        assert re.match(r"^\d+ ms$", cold["ttft"]) and re.match(r"^\d+ ms$", cold["prefill"]), cold
+        assert cold["draft"] == "0 / 0" and cold["aligned"] == "" and cold["restored"] == "", cold
 
         # the snapshot is written after the answer: wait for its line, then restart on the same kv dir
         ub.wait_js(d, "return [...document.querySelectorAll('#events li')].some(li => /\\[KV-DISK\\] saved/"
@@ -118,7 +171,8 @@ def test_chat_restart_resend_restores_from_disk(edge_home, tmp_path, browser):
         ub.wait_js(d, "return document.querySelectorAll('#turns tbody tr').length === 2", what="the resent turn")
         restored = turn_rows(d)[1]
         assert restored["source"] == "disk" and int(restored["cached"]) > 0, restored
-        assert restored["prompt"] == cold["prompt"] and int(restored["restored"]) > 0, restored
+        assert restored["prompt"] == cold["prompt"] and re.match(UNIT, restored["restored"]), restored
+        assert restored["restored"] != "0 B" and re.match(r"^\d+$", restored["aligned"]), restored
         assert len(d.find_elements("css selector", "#messages .msg.assistant")) == 1  # the answer was replaced
         assert text(d, "#messages .msg.assistant .body") == answer  # greedy: the cold run's answer
 
@@ -130,6 +184,10 @@ def test_chat_restart_resend_restores_from_disk(edge_home, tmp_path, browser):
         assert all(f.startswith("kv_") and f.endswith(".kv") for f in files), files
         ub.wait_js(d, "return [...document.querySelectorAll('#events li')].some(li => /\\[KV-DISK\\] loaded/"
                       ".test(li.textContent))", what="the live [KV-DISK] loaded event")
+        # the new process's start-up scan, logged before the page reconnected: from the backlog, once
+        index = d.execute_script("return [...document.querySelectorAll('#events li')].map(li => li.textContent)"
+                                 ".filter(t => /\\[KV-DISK\\] index: 1 checkpoint/.test(t))")
+        assert len(index) == 1, index
         chart = d.find_element("id", "chart")
         assert (chart.get_attribute("data-cold"), chart.get_attribute("data-restored")) == ("1", "1")
         colours = canvas_colours(d)
@@ -145,8 +203,28 @@ def test_chat_restart_resend_restores_from_disk(edge_home, tmp_path, browser):
         png = _wait_file(tmp_path / "downloads" / "edge-llm-ttft.png")
         assert png_size(png) == (int(chart.get_attribute("width")), int(chart.get_attribute("height")))
 
+        # another conversation whose first words match the last one's: cold, its matched rows given
+        # up (align_rows > 0 in the response), and the row does not call that a realignment
+        d.find_element("id", "conv-new").click()
+        d.execute_script("document.querySelector('details.opts').open = true")
+        d.find_element("id", "opt-system").send_keys(OTHER_SYSTEM)
+        d.find_element("id", "chat-input").send_keys("Who are you?")
+        d.find_element("id", "send").click()
+        ub.wait_js(d, "return document.querySelectorAll('#turns tbody tr').length === 1", what="the other turn")
+        (other,) = turn_rows(d)
+        stored = d.execute_script("const db = JSON.parse(localStorage.getItem('edge-llm.conversations')); "
+                                  "return db.list.find(c => c.id === db.current).turns[0]")
+        assert stored["cache_source"] == "none" and stored["align_rows"] > 0, stored
+        assert other["source"] == "cold" and other["aligned"] == "" and other["cached"] == "0", other
+        from selenium.webdriver.support.select import Select
+
+        Select(d.find_element("id", "conv-select")).select_by_visible_text(QUESTION[:40])  # back to the first
+        ub.wait_js(d, "return document.querySelectorAll('#turns tbody tr').length === 2", what="the first conversation")
+
         for size in (ub.PHONE, ub.DESKTOP):
             check_layout(d, size)
+        for size in (ub.PHONE, (1280, 800)):
+            check_words(d, size)
         refused = [m for m in ub.console(d) if "Content Security Policy" in m or "Refused to" in m]
         assert not refused, refused  # the page runs under its CSP without a violation
         phone = tmp_path / "ui-360.png"

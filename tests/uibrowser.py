@@ -103,6 +103,11 @@ def full_screenshot(driver, path: Path, width: int) -> None:
     """The whole page at `width` CSS pixels, as one PNG."""
     set_viewport(driver, (width, DESKTOP[1]))  # the height at this width, then all of it
     height = driver.execute_script("return document.documentElement.scrollHeight")
-    set_viewport(driver, (width, height))
+    for _ in range(5):  # a panel sized by the window's height (the desktop chat) changes it: again
+        set_viewport(driver, (width, height))
+        now = driver.execute_script("return document.documentElement.scrollHeight")
+        if now == height:
+            break
+        height = now
     time.sleep(0.3)
     path.write_bytes(driver.get_screenshot_as_png())

@@ -77,13 +77,14 @@ export async function getJSON(path) {
 }
 
 // Server-sent events from a fetch response (EventSource cannot send the Authorization header).
-// Calls onEvent(name, data) per event; resolves when the stream ends. Comment lines (": keep-alive")
-// are skipped, as the SSE format says.
+// Calls onEvent(name, data, id) per event (id: the event's `id:` field, "" if none); resolves when
+// the stream ends. Comment lines (": keep-alive") are skipped, as the SSE format says.
 export async function readSSE(response, onEvent) {
   const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
   let buf = "";
   let name = "message";
   let data = [];
+  let id = "";
   for (;;) {
     const { value, done } = await reader.read();
     if (done) return;
@@ -93,9 +94,10 @@ export async function readSSE(response, onEvent) {
       const line = buf.slice(0, nl);
       buf = buf.slice(nl + (buf.startsWith("\r\n", nl) ? 2 : 1));
       if (line === "") {
-        if (data.length) onEvent(name, data.join("\n"));
+        if (data.length) onEvent(name, data.join("\n"), id);
         name = "message";
         data = [];
+        id = "";
       } else if (!line.startsWith(":")) {
         const colon = line.indexOf(":");
         const field = colon < 0 ? line : line.slice(0, colon);
@@ -103,6 +105,7 @@ export async function readSSE(response, onEvent) {
         if (val.startsWith(" ")) val = val.slice(1);
         if (field === "event") name = val;
         else if (field === "data") data.push(val);
+        else if (field === "id") id = val;
       }
     }
   }

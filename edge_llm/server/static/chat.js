@@ -3,6 +3,7 @@
 // (docs/ui.md, "Chat" and "Turns"; the fields: docs/api.md, "Response fields").
 
 import { apiFetch, errorText, readSSE } from "./api.js";
+import { SOURCE, bytes, ms } from "./labels.js";
 
 const STORE_ITEM = "edge-llm.conversations";
 const $ = (id) => document.getElementById(id);
@@ -94,21 +95,27 @@ function renderConversations() {
   $("opt-max").value = c.max_tokens ?? "64";
 }
 
-const fmt = (x, digits = 0) => (x === undefined || x === null ? "" : Number(x).toFixed(digits));
+const COLS = ["n", "prompt", "cached", "source", "aligned", "restored", "prefill", "ttft", "tps", "draft", "image"];
+
+// One turn's cells in words and units (docs/ui.md, "Turns"). "recomputed to align" is shown only
+// for a turn that reused a prefix: on a cold turn the rows the engine gave up were never reused.
+function turnCells(t, i) {
+  const reused = (t.cached_tokens || 0) > 0;
+  return [i + 1, t.prompt_tokens ?? "", t.cached_tokens, SOURCE[t.cache_source] || t.cache_source,
+          reused ? t.align_rows : "", t.restore_bytes ? bytes(t.restore_bytes) : "",
+          ms(t.prefill_ms), ms(t.ttft_ms), t.decode_tps == null ? "" : `${t.decode_tps.toFixed(1)} tok/s`,
+          `${t.drafted_tokens} / ${t.accepted_tokens}`, t.image_tokens || 0];
+}
 
 export function renderTurns() {
   const body = $("turns").tBodies[0];
   body.replaceChildren(...conversation().turns.map((t, i) => {
     const tr = document.createElement("tr");
     tr.className = "turn source-" + t.cache_source;
-    const cells = [i + 1, t.prompt_tokens, t.cached_tokens, t.cache_source, t.align_rows, t.restore_bytes,
-                   fmt(t.prefill_ms), fmt(t.ttft_ms), fmt(t.decode_tps, 1),
-                   `${t.drafted_tokens} / ${t.accepted_tokens}`, t.image_tokens || 0];
-    tr.replaceChildren(...cells.map((v, k) => {
+    tr.replaceChildren(...turnCells(t, i).map((v, k) => {
       const td = document.createElement("td");
       td.textContent = String(v);
-      td.dataset.col = ["n", "prompt", "cached", "source", "aligned", "restored", "prefill", "ttft", "tps",
-                        "draft", "image"][k];
+      td.dataset.col = COLS[k];
       return td;
     }));
     return tr;
