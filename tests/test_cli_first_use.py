@@ -95,3 +95,25 @@ def test_generate_stats_are_short_lines_not_wrapped(edge_home):
     prefill = r"prefill \d+ tok in [\d.]+ ms \([\d.]+ tok/s\), cache none \(0 tok\)"
     for pattern in (prefill, r"decode \d+ tok in [\d.]+ ms \([\d.]+ tok/s\)", r"TTFT [\d.]+ ms; finish (length|stop)"):
         assert any(re.fullmatch(pattern, ln.strip()) for ln in lines), (pattern, r.stderr)
+
+
+def test_bench_npu_predict_only_runs_with_the_runtime_dependencies(edge_home, tiny_synth_dir, tmp_path):
+    """`bench npu --predict-only` in the venv `make serve` builds (no onnx, no onnxruntime, no
+    torch: every module of a distribution outside the runtime dependencies fails to import, as if
+    not installed): the conversion it reads (`convert npu-mm`, numpy only) and the prediction both
+    run. It once died importing onnx (bench/npu/run.py took its sample inputs from the exporter)."""
+    from helpers.runtime_deps import not_runtime_modules, runtime_only_env
+
+    assert {"onnx", "onnxruntime", "torch"} <= not_runtime_modules()
+    env = runtime_only_env(EDGE_LLM_HOME=str(edge_home))
+    probe = subprocess.run([sys.executable, "-c", "import onnx"], env=env, capture_output=True, text=True, timeout=60)
+    assert probe.returncode != 0 and "not a runtime dependency" in probe.stderr, probe.stderr  # the blocker works
+    run = lambda *a: subprocess.run([sys.executable, "-m", "edge_llm", *a], env=env, capture_output=True,  # noqa: E731
+                                    text=True, timeout=600)
+    conv = run("convert", "npu-mm", str(tiny_synth_dir), str(tmp_path / "mm"), "--gptq-tokens", "16")
+    assert conv.returncode == 0, conv.stderr[-3000:]
+    r = run("bench", "npu", "--model", str(tiny_synth_dir), "--rknn-dir", str(tmp_path / "mm"), "--predict-only",
+            "--drafting-tokens", "4", "--contexts", "128", "--repeats", "1", "--out", str(tmp_path / "res"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "## Prediction: the matmul path" in r.stdout and "No module named" not in r.stderr
+    assert next((tmp_path / "res").glob("*-bench-npu/npu.json")).is_file()
