@@ -1,6 +1,7 @@
 """A new user's first minutes with the CLI, as real processes: what `kv ls` says on a fresh home,
-`convert rknn default`, the `generate` stats lines on an 80-column terminal, and the recovery
-script's port in local mode."""
+`convert rknn default`, the `generate` stats lines on an 80-column terminal and its backend line,
+the backend's reason in `serve`'s /health, `bench npu --predict-only` with the runtime dependencies
+only, and the recovery script's port in local mode."""
 
 from __future__ import annotations
 
@@ -117,3 +118,48 @@ def test_bench_npu_predict_only_runs_with_the_runtime_dependencies(edge_home, ti
     assert r.returncode == 0, r.stderr[-3000:]
     assert "## Prediction: the matmul path" in r.stdout and "No module named" not in r.stderr
     assert next((tmp_path / "res").glob("*-bench-npu/npu.json")).is_file()
+
+
+def test_generate_says_which_backend_ran_and_why(edge_home, tmp_path):
+    """One stderr line names the backend and why: the flag, the configuration file (named), the
+    environment variable, or auto's reason. A flag once read "set in the configuration"."""
+    conf = tmp_path / "edge-llm.toml"
+    conf.write_text('backend = "cpu"\n')
+    args = ("generate", "--model", "default", "--no-disk-kv", "--temperature", "0", "--max-tokens", "2", "-p", "Hi")
+    cases = {"backend cpu, set on the command line (--backend)": ((*args, "--backend", "cpu"), {}),
+             f"backend cpu, set in the configuration ({conf})": ((*args, "--config", str(conf)), {}),
+             "backend cpu, set in the environment (EDGE_LLM_BACKEND)": (args, {"EDGE_LLM_BACKEND": "cpu"})}
+
+    def run(*argv: str, **env: str) -> subprocess.CompletedProcess:  # the suite's own EDGE_LLM_BACKEND unset
+        base = {k: v for k, v in os.environ.items() if k != "EDGE_LLM_BACKEND"}
+        return subprocess.run([sys.executable, "-m", "edge_llm", *argv], capture_output=True, text=True, timeout=300,
+                              env={**base, "EDGE_LLM_HOME": str(edge_home), "COLUMNS": "80", **env})
+
+    for line, (argv, env) in cases.items():
+        r = run(*argv, **env)
+        assert r.returncode == 0, r.stderr
+        assert line in r.stderr.splitlines(), (line, r.stderr)
+    # the flag wins over the file, and says so
+    r = run(*args, "--config", str(conf), "--backend", "cpu")
+    assert "backend cpu, set on the command line (--backend)" in r.stderr.splitlines(), r.stderr
+    auto = run(*args)
+    assert auto.returncode == 0, auto.stderr
+    assert re.search(r"^backend auto -> (cpu|cpu-q) \(no RKNPU device node; onnxruntime", auto.stderr, re.M), auto.stderr
+
+
+def test_serve_health_says_where_the_backend_was_set(edge_home, tmp_path):
+    """`serve --backend cpu`: /health's backend_reason (and the start-up log line) name the flag;
+    the same backend from a configuration file names the file."""
+    from serverutil import ServerProc
+
+    conf = tmp_path / "edge-llm.toml"
+    conf.write_text('backend = "cpu"\n')
+    for argv, reason in ((("--backend", "cpu"), "backend cpu, set on the command line (--backend)"),
+                         (("--config", str(conf)), f"backend cpu, set in the configuration ({conf})")):
+        with ServerProc(edge_home, tmp_path / argv[0].strip("-"), "--model", "default", "--no-disk-kv",
+                        *argv) as srv:
+            srv.env.pop("EDGE_LLM_BACKEND", None)  # the suite's own
+            srv.start()
+            health = srv.health().json()
+            assert (health["backend"], health["backend_reason"]) == ("cpu", reason), health
+            assert reason in srv.log(), srv.log()[-2000:]

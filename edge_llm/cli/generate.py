@@ -49,6 +49,8 @@ def generate(settings: Settings, prompt, chat, system, max_tokens, temperature, 
         resolve_model_with_bar(settings.model)  # a first-use import of the default model: a bar
         with err.status("loading model..."):
             engine = load_runtime(settings)
+        # which backend runs and why, as the server logs it and /health shows it (docs/configuration.md)
+        err.print(engine.backend_reason, style="dim", markup=False, soft_wrap=True)
         prepared, shown = [], ""
         if images:
             if engine.vision is None:
