@@ -78,7 +78,11 @@ class Settings:
                         "a matching rknn_dir exist, else cpu-q when onnxruntime is installed, else cpu; "
                         "the choice and its reason are logged and shown in /health), cpu (numpy F32, the "
                         "exact reference), cpu-q (4-bit weights on onnxruntime, see `quant`), rknn (the "
-                        "RK3588 NPU, graphs from `edge-llm convert rknn`).", str, choices=BACKEND_NAMES)
+                        "RK3588 NPU, from rknn_dir, whose manifest says which of two paths: the graphs "
+                        "`edge-llm convert rknn` compiles, fp16 or w8a8, run by rknn-toolkit-lite2; or the "
+                        "matmul path of `edge-llm convert npu-mm`, every linear an int8 matmul through "
+                        "librknnrt's matmul API with norms and attention on the CPU).", str,
+                        choices=BACKEND_NAMES)
     quant: str = _opt("q4", "Weight format of backend cpu-q: q4 (4-bit blocks of 32 with int8 activations; "
                       "GGUF Q4_0/Q4_1/Q8_0 blocks kept exactly); built on first use under "
                       "$EDGE_LLM_HOME/quant.", str, choices=QUANT_MODES)

@@ -163,3 +163,36 @@ def test_serve_health_says_where_the_backend_was_set(edge_home, tmp_path):
             health = srv.health().json()
             assert (health["backend"], health["backend_reason"]) == ("cpu", reason), health
             assert reason in srv.log(), srv.log()[-2000:]
+
+
+def test_every_option_of_every_command_has_help_text():
+    """`--help` of every command explains each of its options (convert's -v, generate's --seed,
+    the benchmarks' --repeats once showed nothing but the flag)."""
+    import click
+
+    from edge_llm.cli import cli
+
+    def commands(cmd: click.Command, path: tuple[str, ...]):
+        if isinstance(cmd, click.Group):
+            for name, sub in cmd.commands.items():
+                yield from commands(sub, (*path, name))
+        else:
+            yield path, cmd
+
+    found = list(commands(cli, ()))
+    assert len(found) > 20 and (("convert", "npu-mm") in dict(found))
+    bare = [f"{' '.join(path)} {'/'.join(p.opts)}" for path, cmd in found for p in cmd.params
+            if isinstance(p, click.Option) and not p.hidden and not (p.help or "").strip()]
+    assert bare == [], bare
+
+
+def test_generate_help_describes_both_npu_paths(tmp_path):
+    """`generate --help` says what --backend rknn runs: the compiled graphs of `convert rknn` or
+    the int8 matmul path of `convert npu-mm` (it named the graphs only)."""
+    r = edge_llm("generate", "--help", home=tmp_path, COLUMNS="200")
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    backend = text[text.index("--backend"):text.index("--quant")]
+    for words in ("`edge-llm convert rknn`", "`edge-llm convert npu-mm`", "int8 matmul", "librknnrt",
+                  "manifest says which"):
+        assert words in backend, (words, backend)
