@@ -191,14 +191,19 @@ def npu_mm_cmd(model_dir, out_dir, rotation, down_rotation, vo_rotation, clip, g
     per-channel int8 weights, their scales and rotations in OUT_DIR/weights.npz and
     OUT_DIR/manifest.json, with numpy alone (no rknn-toolkit2; runs on the board too). Serve with
     --backend rknn --rknn-dir OUT_DIR (docs/npu.md, "The matmul path")."""
-    from edge_llm.cli.progress import resolve_model_with_bar
-    from edge_llm.convert.npu_mm import convert_mm8
+    from edge_llm.cli.progress import phase_progress, resolve_model_with_bar
+    from edge_llm.convert.npu_mm import CAPTURE, QUANTIZE, WRITE, convert_mm8
     from edge_llm.errors import EdgeLLMError
 
     setup_cli_logging(logging.INFO if verbose else logging.WARNING)
+    phases = {CAPTURE: f"GPTQ calibration: the F32 model on {gptq_tokens} tokens, layers",
+              QUANTIZE: "quantize: layers + head" + (" (GPTQ)" if gptq_tokens else " (round to nearest)"),
+              WRITE: "write weights.npz and its digest"}
     try:
         model_dir = str(resolve_model_with_bar(model_dir))
-        m = convert_mm8(model_dir, out_dir, rotation, down_rotation, clip, gptq_tokens, vo_rotation)
+        with phase_progress(phases) as progress:
+            m = convert_mm8(model_dir, out_dir, rotation, down_rotation, clip, gptq_tokens, vo_rotation,
+                            progress=progress)
     except EdgeLLMError as e:
         raise click.ClickException(str(e)) from None
     b = m.build
