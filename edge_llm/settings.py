@@ -67,6 +67,10 @@ def _opt(default: Any, help: str, kind: type | str = int, commands: tuple[str, .
 
 @dataclass(frozen=True)
 class Settings:
+    # not a setting: where each value that was given came from, (key, "on the command line
+    # (--backend)" | "in the configuration (FILE)" | "in the environment (EDGE_LLM_BACKEND)"),
+    # filled by `load_settings`, so a message can say why a value is what it is (`source`)
+    sources: tuple[tuple[str, str], ...] = field(default=(), compare=False, repr=False)
     # ---- model and compute ----------------------------------------------------------------------
     model: str = _opt("default", "HF model directory, or 'default' for the embedded SmolLM2-135M.", str,
                       metavar="DIR")
@@ -74,7 +78,11 @@ class Settings:
                         "a matching rknn_dir exist, else cpu-q when onnxruntime is installed, else cpu; "
                         "the choice and its reason are logged and shown in /health), cpu (numpy F32, the "
                         "exact reference), cpu-q (4-bit weights on onnxruntime, see `quant`), rknn (the "
-                        "RK3588 NPU, graphs from `edge-llm convert rknn`).", str, choices=BACKEND_NAMES)
+                        "RK3588 NPU, from rknn_dir, whose manifest says which of two paths: the graphs "
+                        "`edge-llm convert rknn` compiles, fp16 or w8a8, run by rknn-toolkit-lite2; or the "
+                        "matmul path of `edge-llm convert npu-mm`, every linear an int8 matmul through "
+                        "librknnrt's matmul API with norms and attention on the CPU).", str,
+                        choices=BACKEND_NAMES)
     quant: str = _opt("q4", "Weight format of backend cpu-q: q4 (4-bit blocks of 32 with int8 activations; "
                       "GGUF Q4_0/Q4_1/Q8_0 blocks kept exactly); built on first use under "
                       "$EDGE_LLM_HOME/quant.", str, choices=QUANT_MODES)
@@ -214,9 +222,14 @@ class Settings:
     def disk_kv_enabled(self) -> bool:
         return self.disk_kv is not None
 
+    def source(self, key: str) -> str | None:
+        """Where `key`'s value was given ("on the command line (--backend)", "in the configuration
+        (FILE)", "in the environment (EDGE_LLM_BACKEND)"); None: its default, or set by code."""
+        return dict(self.sources).get(key)
+
 
 DEFAULTS = Settings()
-FIELDS = {f.name: f for f in fields(Settings)}
+FIELDS = {f.name: f for f in fields(Settings) if f.metadata}  # the settings (`sources` is not one)
 
 
 def env_name(key: str) -> str:
@@ -375,14 +388,20 @@ def load_settings(flags: Mapping[str, Any] | None = None, config_file: str | Pat
     env = os.environ if env is None else env
     config_file = config_file or env.get(CONFIG_ENV) or None
     merged: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     if config_file:
         merged.update(read_toml(config_file))
-    merged.update(read_env(env))
+        sources.update(dict.fromkeys(merged, f"in the configuration ({config_file})"))
+    from_env = read_env(env)
+    merged.update(from_env)
+    sources.update({k: f"in the environment ({env_name(k)})" for k in from_env})
     for k, v in (flags or {}).items():
         if k not in FIELDS:
             raise ConfigError(f"unknown setting {k!r}")
-        merged[k] = convert(k, v, f"--{k.replace('_', '-')}")
-    return resolve(replace(DEFAULTS, **merged), env)
+        flag = f"--{k.replace('_', '-')}"
+        merged[k] = convert(k, v, flag)
+        sources[k] = f"on the command line ({flag})"
+    return resolve(replace(DEFAULTS, **merged, sources=tuple(sorted(sources.items()))), env)
 
 
 def describe_default(key: str) -> str:

@@ -1,6 +1,7 @@
 """A new user's first minutes with the CLI, as real processes: what `kv ls` says on a fresh home,
-`convert rknn default`, the `generate` stats lines on an 80-column terminal, and the recovery
-script's port in local mode."""
+`convert rknn default`, the `generate` stats lines on an 80-column terminal and its backend line,
+the backend's reason in `serve`'s /health, `bench npu --predict-only` with the runtime dependencies
+only, and the recovery script's port in local mode."""
 
 from __future__ import annotations
 
@@ -95,3 +96,122 @@ def test_generate_stats_are_short_lines_not_wrapped(edge_home):
     prefill = r"prefill \d+ tok in [\d.]+ ms \([\d.]+ tok/s\), cache none \(0 tok\)"
     for pattern in (prefill, r"decode \d+ tok in [\d.]+ ms \([\d.]+ tok/s\)", r"TTFT [\d.]+ ms; finish (length|stop)"):
         assert any(re.fullmatch(pattern, ln.strip()) for ln in lines), (pattern, r.stderr)
+
+
+def test_bench_npu_predict_only_runs_with_the_runtime_dependencies(edge_home, tiny_synth_dir, tmp_path):
+    """`bench npu --predict-only` in the venv `make serve` builds (no onnx, no onnxruntime, no
+    torch: every module of a distribution outside the runtime dependencies fails to import, as if
+    not installed): the conversion it reads (`convert npu-mm`, numpy only) and the prediction both
+    run. It once died importing onnx (bench/npu/run.py took its sample inputs from the exporter)."""
+    from helpers.runtime_deps import not_runtime_modules, runtime_only_env
+
+    assert {"onnx", "onnxruntime", "torch"} <= not_runtime_modules()
+    env = runtime_only_env(EDGE_LLM_HOME=str(edge_home))
+    probe = subprocess.run([sys.executable, "-c", "import onnx"], env=env, capture_output=True, text=True, timeout=60)
+    assert probe.returncode != 0 and "not a runtime dependency" in probe.stderr, probe.stderr  # the blocker works
+    run = lambda *a: subprocess.run([sys.executable, "-m", "edge_llm", *a], env=env, capture_output=True,  # noqa: E731
+                                    text=True, timeout=600)
+    conv = run("convert", "npu-mm", str(tiny_synth_dir), str(tmp_path / "mm"), "--gptq-tokens", "16")
+    assert conv.returncode == 0, conv.stderr[-3000:]
+    r = run("bench", "npu", "--model", str(tiny_synth_dir), "--rknn-dir", str(tmp_path / "mm"), "--predict-only",
+            "--drafting-tokens", "4", "--contexts", "128", "--repeats", "1", "--out", str(tmp_path / "res"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "## Prediction: the matmul path" in r.stdout and "No module named" not in r.stderr
+    assert next((tmp_path / "res").glob("*-bench-npu/npu.json")).is_file()
+
+
+def test_generate_says_which_backend_ran_and_why(edge_home, tmp_path):
+    """One stderr line names the backend and why: the flag, the configuration file (named), the
+    environment variable, or auto's reason. A flag once read "set in the configuration"."""
+    conf = tmp_path / "edge-llm.toml"
+    conf.write_text('backend = "cpu"\n')
+    args = ("generate", "--model", "default", "--no-disk-kv", "--temperature", "0", "--max-tokens", "2", "-p", "Hi")
+    cases = {"backend cpu, set on the command line (--backend)": ((*args, "--backend", "cpu"), {}),
+             f"backend cpu, set in the configuration ({conf})": ((*args, "--config", str(conf)), {}),
+             "backend cpu, set in the environment (EDGE_LLM_BACKEND)": (args, {"EDGE_LLM_BACKEND": "cpu"})}
+
+    def run(*argv: str, **env: str) -> subprocess.CompletedProcess:  # the suite's own EDGE_LLM_BACKEND unset
+        base = {k: v for k, v in os.environ.items() if k != "EDGE_LLM_BACKEND"}
+        return subprocess.run([sys.executable, "-m", "edge_llm", *argv], capture_output=True, text=True, timeout=300,
+                              env={**base, "EDGE_LLM_HOME": str(edge_home), "COLUMNS": "80", **env})
+
+    for line, (argv, env) in cases.items():
+        r = run(*argv, **env)
+        assert r.returncode == 0, r.stderr
+        assert line in r.stderr.splitlines(), (line, r.stderr)
+    # the flag wins over the file, and says so
+    r = run(*args, "--config", str(conf), "--backend", "cpu")
+    assert "backend cpu, set on the command line (--backend)" in r.stderr.splitlines(), r.stderr
+    auto = run(*args)
+    assert auto.returncode == 0, auto.stderr
+    assert re.search(r"^backend auto -> (cpu|cpu-q) \(no RKNPU device node; onnxruntime", auto.stderr, re.M), auto.stderr
+
+
+def test_serve_health_says_where_the_backend_was_set(edge_home, tmp_path):
+    """`serve --backend cpu`: /health's backend_reason (and the start-up log line) name the flag;
+    the same backend from a configuration file names the file."""
+    from serverutil import ServerProc
+
+    conf = tmp_path / "edge-llm.toml"
+    conf.write_text('backend = "cpu"\n')
+    for argv, reason in ((("--backend", "cpu"), "backend cpu, set on the command line (--backend)"),
+                         (("--config", str(conf)), f"backend cpu, set in the configuration ({conf})")):
+        with ServerProc(edge_home, tmp_path / argv[0].strip("-"), "--model", "default", "--no-disk-kv",
+                        *argv) as srv:
+            srv.env.pop("EDGE_LLM_BACKEND", None)  # the suite's own
+            srv.start()
+            health = srv.health().json()
+            assert (health["backend"], health["backend_reason"]) == ("cpu", reason), health
+            assert reason in srv.log(), srv.log()[-2000:]
+
+
+def test_every_option_of_every_command_has_help_text():
+    """`--help` of every command explains each of its options (convert's -v, generate's --seed,
+    the benchmarks' --repeats once showed nothing but the flag)."""
+    import click
+
+    from edge_llm.cli import cli
+
+    def commands(cmd: click.Command, path: tuple[str, ...]):
+        if isinstance(cmd, click.Group):
+            for name, sub in cmd.commands.items():
+                yield from commands(sub, (*path, name))
+        else:
+            yield path, cmd
+
+    found = list(commands(cli, ()))
+    assert len(found) > 20 and (("convert", "npu-mm") in dict(found))
+    bare = [f"{' '.join(path)} {'/'.join(p.opts)}" for path, cmd in found for p in cmd.params
+            if isinstance(p, click.Option) and not p.hidden and not (p.help or "").strip()]
+    assert bare == [], bare
+
+
+def test_generate_help_describes_both_npu_paths(tmp_path):
+    """`generate --help` says what --backend rknn runs: the compiled graphs of `convert rknn` or
+    the int8 matmul path of `convert npu-mm` (it named the graphs only)."""
+    r = edge_llm("generate", "--help", home=tmp_path, COLUMNS="200")
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    backend = text[text.index("--backend"):text.index("--quant")]
+    for words in ("`edge-llm convert rknn`", "`edge-llm convert npu-mm`", "int8 matmul", "librknnrt",
+                  "manifest says which"):
+        assert words in backend, (words, backend)
+
+
+def test_convert_npu_mm_reports_progress_when_piped(tiny_synth_dir, tmp_path):
+    """`convert npu-mm` is never silent (it once said nothing for minutes): with stderr not a
+    terminal it prints one line per step, in order: each layer of the F32 model's run over the GPTQ
+    calibration tokens, each layer quantized and the head, weights.npz written and hashed (on a
+    terminal the same phases are rich bars)."""
+    r = edge_llm("convert", "npu-mm", str(tiny_synth_dir), str(tmp_path / "mm"), "--gptq-tokens", "16",
+                 home=tmp_path)
+    assert r.returncode == 0, r.stderr
+    layers = json.loads((tiny_synth_dir / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    steps = [re.fullmatch(r"(.+): (\d+)/(\d+) \(\d+ s\)", ln) for ln in r.stderr.splitlines()]
+    assert all(steps), r.stderr
+    got = [(m[1], int(m[2]), int(m[3])) for m in steps]
+    want = ([("GPTQ calibration: the F32 model on 16 tokens, layers", i, layers) for i in range(1, layers + 1)]
+            + [("quantize: layers + head (GPTQ)", i, layers + 1) for i in range(1, layers + 2)]
+            + [("write weights.npz and its digest", i, 2) for i in (1, 2)])
+    assert got == want, r.stderr
+    assert f"{layers} layers -> " in r.stdout

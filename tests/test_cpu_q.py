@@ -15,8 +15,8 @@ import pytest
 
 from edge_llm.backends.cpuq import backend as cpuq
 from edge_llm.backends.cpuq import nbits as Q
-from edge_llm.backends.graph.schema import DECODE, GraphSpec
-from edge_llm.backends.graph.onnx_export import GraphBuilder, sample_inputs
+from edge_llm.backends.graph.schema import DECODE, GraphSpec, sample_inputs
+from edge_llm.backends.graph.onnx_export import GraphBuilder
 from edge_llm.backends.cpuq.nbits_export import write_nbits
 from edge_llm.checkpoints.gguf_blocks import gguf_blocks, gguf_source
 from modelutil import f32_bits

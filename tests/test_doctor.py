@@ -330,3 +330,56 @@ def test_table_shows_bracketed_text_as_written(tmp_path: Path) -> None:
     assert re.search(r"warn\s+│ backend\s+│ backend auto -> cpu .*pip install 'edge-llm\[quant\]'", table), table
     assert "pip install 'edge-llm[board,quant]' in the service venv" in table, table
     assert f"{bad}/config.json: invalid JSON" in table, table
+
+
+def test_piped_table_keeps_each_check_on_one_line(tmp_path: Path) -> None:
+    """Piped (not a terminal) and without $COLUMNS, the table is not folded to 80 columns: one line
+    per check, each text whole, so `doctor | grep` finds a check with its detail. $COLUMNS, when
+    set, still bounds it."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    env["EDGE_LLM_HOME"] = str(tmp_path)
+    args = [sys.executable, "-m", "edge_llm", "doctor", "--model", "default", "--disk-kv", str(tmp_path / "kv")]
+    res = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    doc = json.loads(subprocess.run([*args, "--json"], capture_output=True, text=True, timeout=300, env=env).stdout)
+    rows = [ln for ln in res.stdout.splitlines() if ln.startswith("│")]
+    assert len(rows) == len(doc["checks"]), res.stdout
+
+    def text(t: str) -> str:  # the text whole, its figures (free memory, free space) as any number
+        return r"[\d.]+".join(re.escape(part) for part in re.split(r"\d+(?:\.\d+)?", t))
+
+    for check, row in zip(doc["checks"], rows):
+        assert re.match(rf"│ {text(check['status'])}\s+│ {text(check['name'])}\s+│ "
+                        rf"{text(check['detail'])}\s+│ {text(check['fix'])}\s+│$", row), (check, row)
+    assert max(len(ln) for ln in res.stdout.splitlines()) > 120  # the memory line alone is longer
+    narrow = subprocess.run(args, capture_output=True, text=True, timeout=300, env={**env, "COLUMNS": "100"})
+    assert max(len(ln) for ln in narrow.stdout.splitlines()) <= 100, narrow.stdout
+
+
+def test_missing_cpu_q_is_a_warning_only_when_auto_was_asked_for(tmp_path: Path) -> None:
+    """In a venv without the quant extra (onnx, onnxruntime unimportable, as `make serve` builds
+    it): a named `cpu` passes and says cpu-q is not installed, as information; the default `auto`
+    that nobody set passes with auto's reason (it names the extra); `auto` set by a flag, the
+    environment or the configuration warns, with the fix."""
+    from helpers.runtime_deps import runtime_only_env
+
+    env = runtime_only_env(EDGE_LLM_HOME=str(tmp_path))
+    env.pop("EDGE_LLM_BACKEND", None)  # the suite's own
+    conf = tmp_path / "edge-llm.toml"
+    conf.write_text('backend = "auto"\n')
+
+    def backend(*argv: str, **extra: str) -> dict:
+        r = subprocess.run([sys.executable, "-m", "edge_llm", "doctor", "--json", "--model", "",
+                            "--disk-kv", str(tmp_path / "kv"), *argv], capture_output=True, text=True, timeout=300,
+                           env={**env, **extra})
+        assert r.stdout, r.stderr
+        return {c["name"]: c for c in json.loads(r.stdout)["checks"]}["backend"]
+
+    named = backend("--backend", "cpu")
+    assert named["status"] == PASS and named["fix"] == "", named
+    assert named["detail"] == ("backend cpu, set on the command line (--backend); cpu-q is not installed here "
+                               "(onnxruntime not importable), not needed for backend cpu"), named
+    default = backend()
+    assert default["status"] == PASS and default["detail"].startswith("backend auto -> cpu ("), default
+    assert "pip install 'edge-llm[quant]'" in default["detail"], default
+    for asked in (backend("--backend", "auto"), backend(EDGE_LLM_BACKEND="auto"), backend("--config", str(conf))):
+        assert asked["status"] == WARN and "edge-llm[board,quant]" in asked["fix"], asked

@@ -36,7 +36,7 @@ def test_auto_picks_cpu_q_when_onnxruntime_is_installed(tmp_path: Path) -> None:
     assert (c.name, c.auto) == ("cpu-q", True)
     assert c.describe().startswith("backend auto -> cpu-q (no RKNPU device node; onnxruntime ")
     explicit = choose_backend(Settings(backend="cpu"), tmp_path, sysroot=tmp_path)
-    assert (explicit.name, explicit.auto, explicit.reason) == ("cpu", False, "set in the configuration")
+    assert (explicit.name, explicit.auto, explicit.reason) == ("cpu", False, "set by the program that loaded it")
 
 
 def test_auto_with_an_npu_node_but_no_manifest_says_why(tmp_path: Path) -> None:

@@ -14,8 +14,9 @@ from edge_llm.backends.graph.schema import (
     graph_specs,
     head_ranges,
     row_plan,
+    sample_inputs,
 )
-from edge_llm.backends.graph.onnx_export import export_graph_set, sample_inputs
+from edge_llm.backends.graph.onnx_export import export_graph_set
 from edge_llm.backends.npu.backend import npu_usable, open_rknn
 from edge_llm.backends.graph.runners import OrtRunner, RunnerError
 from edge_llm.config import ModelArgs

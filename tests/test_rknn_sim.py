@@ -107,7 +107,7 @@ def test_engine_on_simulator_agrees_with_cpu(converted, name, record_property):
 
 
 def test_simulator_padding_rows_do_not_change_real_rows(converted):
-    from edge_llm.backends.graph.onnx_export import sample_inputs
+    from edge_llm.backends.graph.schema import sample_inputs
 
     model_dir, d, _ = converted["qwen3"]
     be = open_rknn(d, "sim", model_dir=model_dir)

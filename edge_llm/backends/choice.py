@@ -19,7 +19,11 @@ class BackendChoice:
     auto: bool
 
     def describe(self) -> str:
-        return f"backend {'auto -> ' if self.auto else ''}{self.name} ({self.reason})"
+        """'backend auto -> cpu-q (no RKNPU device node; ...)', 'backend cpu, set on the command line
+        (--backend)': the start-up log line, /health's `backend_reason`, generate's and doctor's line."""
+        if self.auto:
+            return f"backend auto -> {self.name} ({self.reason})"
+        return f"backend {self.name}, {self.reason}"
 
 
 def quant_runtime() -> str | None:
@@ -41,9 +45,12 @@ def quant_runtime() -> str | None:
 
 def choose_backend(s: Settings, model_dir: str | Path, sysroot: str | Path = "/") -> BackendChoice:
     """`backend = auto` picks rknn (an NPU and a manifest matching this model), else cpu-q
-    (onnxruntime importable), else cpu; an explicit backend is taken as is."""
+    (onnxruntime importable), else cpu; an explicit backend is taken as is, its reason where it
+    was set (`Settings.source`: the command line, the configuration file, the environment)."""
     if s.backend != "auto":
-        return BackendChoice(s.backend, "set in the configuration", auto=False)
+        where = s.source("backend")
+        return BackendChoice(s.backend, f"set {where}" if where else "set by the program that loaded it",
+                             auto=False)
     from edge_llm.backends.npu.backend import npu_usable
 
     ok, why = npu_usable(s.rknn_dir, model_dir, sysroot)

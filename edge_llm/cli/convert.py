@@ -65,7 +65,9 @@ def convert() -> None:
               help="A model with a vision tower: the image sizes its one tower graph holds (an image is "
                    "resized onto at most the largest one's patches and padded up to the smallest that "
                    "holds it; docs/vision.md 'Grids on the NPU'); none: no tower graph.")
-@click.option("-v", "--verbose", is_flag=True)
+@click.option("-v", "--verbose", is_flag=True,
+              help="Also print the converter's log lines (INFO): the calibration capture, w8a8 graphs built "
+                   "fp16 and why, the graphs built and reused.")
 def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, no_accuracy, calib_text,
              calib_tokens, fp16_headroom, dtype, quant_algorithm, quant_method, w8a8_min_cosine, w8a8_rotation,
              w8a8_fp16, vision_grids, verbose) -> None:
@@ -181,20 +183,27 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
 @click.option("--gptq-tokens", type=click.IntRange(0), default=MM_GPTQ_TOKENS, show_default=True,
               help="GPTQ error compensation on this many tokens of the built-in calibration text (0: round "
                    "to nearest; the F32 model runs on them first).")
-@click.option("-v", "--verbose", is_flag=True)
+@click.option("-v", "--verbose", is_flag=True,
+              help="Also print the converter's log lines (INFO): GPTQ's calibration capture, the whole "
+                   "conversion's time.")
 def npu_mm_cmd(model_dir, out_dir, rotation, down_rotation, vo_rotation, clip, gptq_tokens, verbose) -> None:
     """Quantize MODEL_DIR (an HF model directory, or 'default') for the NPU's int8 matmul API:
     per-channel int8 weights, their scales and rotations in OUT_DIR/weights.npz and
     OUT_DIR/manifest.json, with numpy alone (no rknn-toolkit2; runs on the board too). Serve with
     --backend rknn --rknn-dir OUT_DIR (docs/npu.md, "The matmul path")."""
-    from edge_llm.cli.progress import resolve_model_with_bar
-    from edge_llm.convert.npu_mm import convert_mm8
+    from edge_llm.cli.progress import phase_progress, resolve_model_with_bar
+    from edge_llm.convert.npu_mm import CAPTURE, QUANTIZE, WRITE, convert_mm8
     from edge_llm.errors import EdgeLLMError
 
     setup_cli_logging(logging.INFO if verbose else logging.WARNING)
+    phases = {CAPTURE: f"GPTQ calibration: the F32 model on {gptq_tokens} tokens, layers",
+              QUANTIZE: "quantize: layers + head" + (" (GPTQ)" if gptq_tokens else " (round to nearest)"),
+              WRITE: "write weights.npz and its digest"}
     try:
         model_dir = str(resolve_model_with_bar(model_dir))
-        m = convert_mm8(model_dir, out_dir, rotation, down_rotation, clip, gptq_tokens, vo_rotation)
+        with phase_progress(phases) as progress:
+            m = convert_mm8(model_dir, out_dir, rotation, down_rotation, clip, gptq_tokens, vo_rotation,
+                            progress=progress)
     except EdgeLLMError as e:
         raise click.ClickException(str(e)) from None
     b = m.build

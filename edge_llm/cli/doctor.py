@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 from pathlib import Path
 
@@ -49,6 +50,11 @@ def doctor(settings: Settings, as_json: bool, sysroot: str) -> None:
             # the texts are plain: a path or `pip install 'edge-llm[quant]'` is not markup
             table.add_row(f"[{_STYLE[c.status]}]{c.status}[/]", escape(c.name), escape(c.detail), escape(c.fix))
         console = Console()
+        if not console.is_terminal and "COLUMNS" not in os.environ:
+            # piped or redirected: each row on one line, as wide as its longest text (rich would
+            # fold every cell to fit 80 columns; docs/board.md, "Troubleshooting")
+            console = Console(width=max(80, Console(width=100_000).measure(table).maximum))
+            table.title_justify = "left"
         console.print(table)
         counts = {k: sum(c.status == k for c in checks) for k in _STYLE}
         console.print(", ".join(f"{n} {k}" for k, n in counts.items()))

@@ -17,14 +17,17 @@ from edge_llm.settings import Settings
 @click.option("--prompt", "-p", default=None, help="Prompt text (default: read stdin).")
 @click.option("--chat/--raw", default=True, show_default=True, help="Wrap the prompt in the chat template.")
 @click.option("--system", default=None, help="System message (with --chat).")
-@click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(1))
+@click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(1),
+              help="Most tokens generated (fewer when the model ends its turn or a --stop string appears).")
 @click.option("--temperature", default=None, type=click.FloatRange(0),
               help="0 = greedy.  [default: the model's generation_config.json, else 1.0]")
 @click.option("--top-k", default=None, type=click.IntRange(0),
               help="0 = off.  [default: the model's generation_config.json, else 0]")
 @click.option("--top-p", default=None, type=click.FloatRange(0, 1, min_open=True),
               help="[default: the model's generation_config.json, else 1.0]")
-@click.option("--seed", default=None, type=int)
+@click.option("--seed", default=None, type=int,
+              help="Sampling seed: the same seed, prompt and settings give the same text.  [default: a fresh "
+                   "one per run]")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--image", "images", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="Image file (PNG, JPEG, WebP) shown before the prompt (repeatable; Qwen3-VL).")
@@ -49,6 +52,8 @@ def generate(settings: Settings, prompt, chat, system, max_tokens, temperature, 
         resolve_model_with_bar(settings.model)  # a first-use import of the default model: a bar
         with err.status("loading model..."):
             engine = load_runtime(settings)
+        # which backend runs and why, as the server logs it and /health shows it (docs/configuration.md)
+        err.print(engine.backend_reason, style="dim", markup=False, soft_wrap=True)
         prepared, shown = [], ""
         if images:
             if engine.vision is None:

@@ -39,9 +39,11 @@ def import_gguf_cmd(gguf_file: str, out_dir: str) -> None:
 
 
 @model.command("synth")
-@click.option("--preset", type=click.Choice(["qwen3-vl-2b", "tiny"]), default="qwen3-vl-2b", show_default=True)
+@click.option("--preset", type=click.Choice(["qwen3-vl-2b", "tiny"]), default="qwen3-vl-2b", show_default=True,
+              help="Geometry: Qwen3-VL-2B's published one, or a tiny one for fast tests.")
 @click.option("--layers", type=click.IntRange(1), default=None, help="Number of decoder layers (default: preset's).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seed of the random weights (each tensor seeded by it and its name).")
 @click.option("--vision/--no-vision", default=True, show_default=True,
               help="Write the vision tower (published Qwen3-VL-2B vision geometry for qwen3-vl-2b).")
 @click.argument("out_dir", type=click.Path(file_okay=False))

@@ -30,6 +30,38 @@ def progress_bar(label: str) -> Iterator[Callable[[int, int, str], None]]:
         yield update
 
 
+@contextlib.contextmanager
+def phase_progress(phases: dict[str, str]) -> Iterator[Callable[[str, int, int], None]]:
+    """Progress of work in phases (`phases`: name -> label, in order), driven by the library's
+    `progress(phase, done, total)`: on a terminal one rich bar per phase with its count and time; on
+    stderr that is not a terminal (a log, a pipe) one line per step, `label: done/total (N s)`, so a
+    slow command is never silent there either."""
+    import time
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = _err()
+    if not console.is_terminal:
+        t0 = time.monotonic()
+
+        def line(phase: str, done: int, total: int) -> None:
+            print(f"{phases.get(phase, phase)}: {done}/{total} ({time.monotonic() - t0:.0f} s)",
+                  file=sys.stderr, flush=True)
+
+        yield line
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as bar:
+        tasks: dict[str, object] = {}
+
+        def update(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(phases.get(phase, phase), total=total)
+            bar.update(tasks[phase], completed=done, total=total)
+
+        yield update
+
+
 def _err():
     from rich.console import Console
 

@@ -18,6 +18,7 @@ unit-gain norms: the converter rotates them into its basis (`convert/npu_mm.py`)
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -84,16 +85,21 @@ def calibration_ids(model_dir: str | Path, tokens: int) -> list[int]:
     return ids[:tokens]
 
 
-def capture(model_dir: str | Path, ids: list[int]) -> dict[tuple[int, str], np.ndarray]:
+def capture(model_dir: str | Path, ids: list[int],
+            layers_done: Callable[[int, int], None] | None = None) -> dict[tuple[int, str], np.ndarray]:
     """Every int8 matmul's input rows on `ids` ((layer, kind) -> (T, K); the head under layer -1).
-    Holds the F32 model while it runs (4 bytes per weight)."""
+    Holds the F32 model while it runs (4 bytes per weight). `layers_done(done, total)`: after each
+    decoder layer of the run (one forward of every row)."""
     from edge_llm.models.qwen3 import Model
+    from edge_llm.progress import LAYER, Work
 
     rec = _Recorder()
     model = Model.load(model_dir, backend=rec)
+    work = Work(on_progress=lambda stage, done, total: layers_done(done, total) if layers_done and stage == LAYER
+                else None)
     # the last row's logits only: the head's inputs are kept from the last layer's output (all rows),
     # so the capture does not multiply every row by the head (1.3 TFLOP for 2048 rows of the 2B)
-    model.forward(np.asarray(ids, dtype=np.int64), model.new_cache(len(ids), check_memory=False))
+    model.forward(np.asarray(ids, dtype=np.int64), model.new_cache(len(ids), check_memory=False), work=work)
     rec.layers = []
     log.info("gptq: inputs of %d matmuls captured on %d tokens", len(rec.seen), len(ids))
     return {k: np.concatenate(v) for k, v in rec.seen.items()}

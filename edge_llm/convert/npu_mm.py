@@ -48,6 +48,11 @@ from edge_llm.weights import load_weights, sha256_file, weight_digest
 
 log = logging.getLogger(__name__)
 
+# the phases `convert_mm8` reports to its `progress(phase, done, total)`, in order: the F32 model's
+# run over the GPTQ calibration tokens (its layers), the layers quantized (+1: the head), weights.npz
+# written and hashed (2 steps)
+CAPTURE, QUANTIZE, WRITE = "capture", "quantize", "write"
+Progress = Callable[[str, int, int], None]
 HEAD_COLUMNS = 16384  # the head is rotated and quantized in parts of this many vocab columns (peak RAM)
 CLIP_RATIOS = np.round(np.arange(0.80, 1.0001, 0.02), 2).astype(np.float32)
 
@@ -99,9 +104,11 @@ def _check_dims(args: ModelArgs) -> None:
 def convert_mm8(model_dir: str | Path, out_dir: str | Path, rotation: str = MM_ROTATION,
                 down_rotation: str = MM_DOWN_ROTATION, clip: str = MM_CLIP,
                 gptq_tokens: int = MM_GPTQ_TOKENS, vo_rotation: str = MM_VO_ROTATION,
-                progress: Callable[[int, int], None] | None = None) -> MmManifest:
+                progress: Progress | None = None) -> MmManifest:
     """Quantize MODEL_DIR's decoder into OUT_DIR (see the module docstring); the manifest.
-    `gptq_tokens`: GPTQ on that many calibration tokens (`convert/gptq.py`); 0: round to nearest."""
+    `gptq_tokens`: GPTQ on that many calibration tokens (`convert/gptq.py`); 0: round to nearest.
+    `progress(phase, done, total)`: CAPTURE layers, QUANTIZE layers + head, WRITE steps, as each ends."""
+    say = progress or (lambda _phase, _done, _total: None)
     if {rotation, down_rotation, vo_rotation} - set(MM_ROTATIONS) or clip not in MM_CLIPS:
         raise ConfigError(f"rotation, down_rotation, vo_rotation: one of {MM_ROTATIONS}; clip: one of {MM_CLIPS}")
     t0 = time.perf_counter()
@@ -112,7 +119,8 @@ def convert_mm8(model_dir: str | Path, out_dir: str | Path, rotation: str = MM_R
     root.mkdir(parents=True, exist_ok=True)
     args = ModelArgs.from_dir(model_dir)
     _check_dims(args)
-    seen = capture(model_dir, calibration_ids(model_dir, gptq_tokens)) if gptq_tokens else {}
+    seen = capture(model_dir, calibration_ids(model_dir, gptq_tokens),
+                   lambda done, total: say(CAPTURE, done, total)) if gptq_tokens else {}
     weights = load_weights(model_dir, args)
     n = args.num_hidden_layers
     r = orthogonal(args.hidden_size) if rotation == "hadamard" else None
@@ -157,8 +165,7 @@ def convert_mm8(model_dir: str | Path, out_dir: str | Path, rotation: str = MM_R
         down = L.w_down if h_down is None else h_down.T @ L.w_down
         put(f"layer.{i}.down", writes(down), rows(i, "down", h_down))
         del L
-        if progress:
-            progress(i + 1, n + 1)
+        say(QUANTIZE, i + 1, n + 1)
     final = weights.pop(f"{p}norm.weight")
     head = weights.pop(f"{p}embed_tokens.weight" if args.tie_word_embeddings else args.lm_head_name)
     x_head, parts = rows(-1, "head", r), []
@@ -176,8 +183,7 @@ def convert_mm8(model_dir: str | Path, out_dir: str | Path, rotation: str = MM_R
             out["rotation_block"], out["rotation_scale"] = factors
     if block is not None:
         out["down_block"] = block
-    if progress:
-        progress(n + 1, n + 1)
+    say(QUANTIZE, n + 1, n + 1)
     tmp = root / f".{WEIGHTS}.tmp"
     with open(tmp, "wb") as f:
         np.savez(f, **out)
@@ -185,6 +191,7 @@ def convert_mm8(model_dir: str | Path, out_dir: str | Path, rotation: str = MM_R
         os.fsync(f.fileno())
     os.replace(tmp, root / WEIGHTS)
     del out
+    say(WRITE, 1, 2)
     m = MmManifest(model={"name": Path(model_dir).resolve().name, "model_type": args.model_type,
                           "weights_sha256": weight_digest(model_dir),
                           "config": json.loads(json.dumps(args.identity_fields()))},
@@ -194,5 +201,6 @@ def convert_mm8(model_dir: str | Path, out_dir: str | Path, rotation: str = MM_R
     m.build = {"seconds": round(time.perf_counter() - t0, 2), "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                "bytes": (root / WEIGHTS).stat().st_size}
     m.write(root)
+    say(WRITE, 2, 2)
     log.info("npu-mm: %d layers -> %s in %.1f s", n, root, m.build["seconds"])
     return m

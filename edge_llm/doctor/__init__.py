@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable
 import psutil
 
 from edge_llm.config import ModelArgs
-from edge_llm.backends.choice import BackendChoice, choose_backend
+from edge_llm.backends.choice import BackendChoice, choose_backend, quant_runtime
 from edge_llm.footprint import available_memory, estimate_memory, refusal
 from edge_llm.settings import Settings, models_dir
 from edge_llm.doctor.board import BoardChecks
@@ -190,11 +190,19 @@ class Doctor(BoardChecks, StorageChecks):
         return self._choice
 
     def backend(self) -> Check:
-        """The backend the server would run: `auto`'s choice and its reason (as logged at start)."""
+        """The backend the server would run: `auto`'s choice and its reason (as logged at start).
+
+        cpu-q missing is a warning only when something asks for the fastest backend: `auto` named
+        by the configuration, the environment or a flag (the service's configuration does). A
+        named `cpu` (`make serve`'s default) and the built-in default `auto` that nobody set get it
+        as information (docs/board.md, "Which backend runs")."""
         c = self.choice()
-        if c.name == "cpu" and c.auto:
-            return Check("backend", WARN, c.describe(), "pip install 'edge-llm[board,quant]' in the service "
-                         "venv for the 4-bit backend (board/install.sh does)")
+        fix = "pip install 'edge-llm[board,quant]' in the service venv for the 4-bit backend (board/install.sh does)"
+        if c.name == "cpu" and c.auto and self.o.source("backend") is not None:
+            return Check("backend", WARN, c.describe(), fix)
+        if c.name == "cpu" and not c.auto and quant_runtime() is None:
+            return Check("backend", PASS, c.describe() + "; cpu-q is not installed here (onnxruntime not "
+                         "importable), not needed for backend cpu")
         return Check("backend", PASS, c.describe())
 
     def memory(self, sizes: ModelSizes | None) -> Check:

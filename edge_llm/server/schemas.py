@@ -307,7 +307,7 @@ class ModelCard(BaseModel):
                                            "without max_tokens (null: the rest of the context window).")
     backend: str | None = Field(default=None, description="The backend that runs the model (cpu, cpu-q, rknn).")
     backend_reason: str | None = Field(default=None, description="Why: `auto`'s choice and its reason, or "
-                                       "that the configuration names it.")
+                                       "where it was named (the command line, the configuration file, the environment).")
 
 
 class ModelList(BaseModel):

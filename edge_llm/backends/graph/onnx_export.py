@@ -36,7 +36,6 @@ from edge_llm.backends.cpu.backend import CPUBackend, DenseLayer, load_layer, rm
 from edge_llm.backends.graph.schema import (
     DEFAULT_CHUNKS,
     HEAD,
-    INPUTS,
     OPSET,
     OUTPUTS,
     POST,
@@ -53,7 +52,6 @@ log = logging.getLogger(__name__)
 
 EXTERNAL_MIN_BYTES = 1024  # smaller constants stay inside the .onnx file
 _ALIGN = 4096  # external tensors start page-aligned (lets a runtime mmap them)
-SAMPLE_SEED = 1234
 MS_DOMAIN = "com.microsoft"
 
 
@@ -277,13 +275,6 @@ def write_probe(onnx_path: Path, probe: Path) -> dict[str, str]:
 
 # samples(spec) -> the graph's inputs (float32, rows x width each) for the accuracy check
 Samples = Callable[[GraphSpec], list[np.ndarray]]
-
-
-def sample_inputs(spec: GraphSpec, rows: int, seed: int = SAMPLE_SEED) -> list[np.ndarray]:
-    """Deterministic N(0, 1) inputs for one graph (tests, benchmarks of speed; the converter's
-    accuracy check uses real activations instead: `convert/calibration.py`)."""
-    rng = np.random.default_rng([seed, spec.index, list(INPUTS).index(spec.kind)])
-    return [rng.standard_normal((rows, w), dtype=np.float32) for _, w in spec.inputs]
 
 
 def export_model(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, ...] | None = DEFAULT_CHUNKS,

@@ -45,6 +45,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from edge_llm.config import ModelArgs, VisionArgs
 from edge_llm.errors import ConfigError
 
@@ -65,6 +67,7 @@ def head_rows(chunks: tuple[int, ...]) -> tuple[int, ...]:
     return (1, min(multi)) if multi else (1,)
 OPSET = 13
 KEY_PAD = -30000.0  # kbias of a padding patch: exp() of it is 0 in F32 and fp16 alike
+SAMPLE_SEED = 1234
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,14 @@ class GraphSpec:
     inputs: tuple[tuple[str, int], ...]  # (tensor name, width) in call order
     outputs: tuple[tuple[str, int], ...]
     vocab: tuple[int, int] = (0, 0)  # head part: logits columns [lo, hi)
+
+
+def sample_inputs(spec: GraphSpec, rows: int, seed: int = SAMPLE_SEED) -> list[np.ndarray]:
+    """Deterministic N(0, 1) inputs for one graph (tests, benchmarks of speed; the converter's
+    accuracy check uses real activations instead: `convert/calibration.py`). Here, not in the
+    exporter, so `bench npu` on a board runs without the `onnx` package (docs/npu.md)."""
+    rng = np.random.default_rng([seed, spec.index, list(INPUTS).index(spec.kind)])
+    return [rng.standard_normal((rows, w), dtype=np.float32) for _, w in spec.inputs]
 
 
 def layer_name(layer: int, kind: str) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_llm.backends.graph.manifest import Manifest
-from edge_llm.backends.graph.onnx_export import sample_inputs
+from edge_llm.backends.graph.schema import sample_inputs
 from edge_llm.backends.npu.backend import npu_present, open_rknn
 from edge_llm.bench.rkllm import RKLLM
 from edge_llm.bench.procstat import proc_status

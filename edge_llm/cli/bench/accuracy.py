@@ -13,7 +13,8 @@ from edge_llm.settings import RKNN_RUNNERS
 
 @bench.command("accuracy")
 @click.option("--model", default="default", show_default=True, help="Model directory, or `default`.")
-@click.option("--backend", type=click.Choice(["rknn", "cpu-q"]), required=True)
+@click.option("--backend", type=click.Choice(["rknn", "cpu-q"]), required=True,
+              help="The backend compared with cpu (F32) on the same checkpoint.")
 @click.option("--rknn-dir", default=None, metavar="DIR", help="`edge-llm convert rknn` or `convert npu-mm` output (backend rknn).")
 @click.option("--rknn-runner", type=click.Choice([r for r in RKNN_RUNNERS if r != "auto"]), default="sim",
               show_default=True, help="sim: the toolkit's fp16 simulator (converter venv); rknnlite: the board; an "

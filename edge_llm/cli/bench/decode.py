@@ -17,7 +17,8 @@ from edge_llm.cli.bench.common import bench, out_option, save_results, spinner
               help="Prompt families (edge_llm/bench/decode.py): recall, code, chat.")
 @click.option("--max-tokens", type=click.IntRange(2), default=128, show_default=True, help="Greedy tokens per answer.")
 @click.option("--threads", type=click.IntRange(1), default=2, show_default=True, help="Threads of cpu-q and llama.cpp.")
-@click.option("--repeats", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--repeats", type=click.IntRange(1), default=2, show_default=True,
+              help="Runs of each answer, plain and speculative alternately; the best speed is reported.")
 @click.option("--llamacpp-python", default=None, metavar="PATH",
               help="Python of the llama.cpp venv.  [default: $EDGE_LLM_LLAMACPP_PYTHON, else .venv-llamacpp; "
                    "without one, no llama.cpp column]")

@@ -20,12 +20,16 @@ BOARDS = 3
 @bench.command("fleet")
 @click.option("--model", default=DEFAULTS.model, show_default=True, help="HF model dir or 'default'.")
 @click.option("--backend", default="cpu", show_default=True, help="Backend of every board.")
-@click.option("--conversations", type=click.IntRange(BOARDS), default=10, show_default=True)
-@click.option("--turns", type=click.IntRange(2), default=4, show_default=True)
+@click.option("--conversations", type=click.IntRange(BOARDS), default=10, show_default=True,
+              help="Conversations sent through HAProxy, each with its own chat key.")
+@click.option("--turns", type=click.IntRange(2), default=4, show_default=True,
+              help="Turns per conversation (the first is cold; the follow-ups are measured).")
 @click.option("--history-tokens", type=click.IntRange(1), default=400, show_default=True,
               help="About this many tokens of history in each conversation's first message.")
-@click.option("--max-tokens", type=click.IntRange(1), default=8, show_default=True)
-@click.option("--ready-timeout", type=float, default=600.0, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(1), default=8, show_default=True,
+              help="Greedy tokens per answer.")
+@click.option("--ready-timeout", type=float, default=600.0, show_default=True,
+              help="Seconds a board may take to answer /health before the run fails.")
 @click.option("--spread", is_flag=True, help="Instead: how each of HAProxy's hash types spreads --keys chat "
               "keys over 3 boards and how many move when a 4th joins (no generation).")
 @click.option("--keys", type=click.IntRange(1), default=300, show_default=True, help="Chat keys for --spread.")

@@ -32,9 +32,12 @@ from edge_llm.cli.bench.common import bench, out_option, save_results, spinner
 @click.option("--contexts", default=None, metavar="N,N,...",
               help="Matmul path: decode measured (or predicted) at these context lengths.  [default: 512,8192 "
                    "measured; 128,512,2048,8192 with --predict-only]")
-@click.option("--repeats", type=click.IntRange(1), default=10, show_default=True)
-@click.option("--prefill-tokens", type=click.IntRange(1), default=256, show_default=True)
-@click.option("--decode-steps", type=click.IntRange(1), default=32, show_default=True)
+@click.option("--repeats", type=click.IntRange(1), default=10, show_default=True,
+              help="Timed runs per measurement, the median reported (the matmul path: at most 3).")
+@click.option("--prefill-tokens", type=click.IntRange(1), default=256, show_default=True,
+              help="Graph path: prompt tokens of the prefill measured at each chunk size.")
+@click.option("--decode-steps", type=click.IntRange(1), default=32, show_default=True,
+              help="Graph path: decode steps timed after the prefill.")
 @out_option
 def npu_cmd(model, rknn_dir, runner, lib, predict_only, npu_layers, drafting_tokens, contexts, repeats,
             prefill_tokens, decode_steps, out) -> None:

@@ -16,7 +16,8 @@ QUANT_LENGTHS = (512, 2048, 4000)
 @click.option("--lengths", default="512,2048,4000", show_default=True, help="Context lengths in tokens.")
 @click.option("--threads", type=click.IntRange(1), default=2, show_default=True,
               help="Threads of cpu-q and of llama.cpp (the F32 backend uses the BLAS default).")
-@click.option("--repeats", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--repeats", type=click.IntRange(1), default=2, show_default=True,
+              help="Runs per context and engine, alternating; the best is reported.")
 @click.option("--decode", type=click.IntRange(1), default=32, show_default=True, help="Decode steps per context.")
 @click.option("--tail", type=click.IntRange(1), default=32, show_default=True, help="Tokens after a restore.")
 @click.option("--no-f32", is_flag=True, help="Leave the F32 backend out of the speed table (faster).")
@@ -54,8 +55,10 @@ def run_quant(lengths, threads=2, repeats=2, decode=32, tail=32, f32=True, llama
 @bench.command("quant-memory")
 @click.option("--model", "model_dir", default=None, metavar="DIR",
               help="Model directory.  [default: a synthetic qwen3-vl-2b checkpoint with --layers layers]")
-@click.option("--layers", type=click.IntRange(1), default=28, show_default=True)
-@click.option("--max-seq", type=click.IntRange(1), default=8192, show_default=True)
+@click.option("--layers", type=click.IntRange(1), default=28, show_default=True,
+              help="Decoder layers of the synthetic checkpoint (28: the whole Qwen3-VL-2B).")
+@click.option("--max-seq", type=click.IntRange(1), default=8192, show_default=True,
+              help="Context window: the KV cache allocated and written, in tokens.")
 @click.option("--backend", type=click.Choice(["cpu-q", "cpu"]), default="cpu-q", show_default=True,
               help="cpu: the F32 path (its weights are 4x the checkpoint's BF16).")
 @out_option

@@ -25,8 +25,10 @@ from edge_llm.settings import DEFAULTS
 @click.option("--synth-layers", type=click.IntRange(1), default=None,
               help="Use a synthetic qwen3-vl-2b-geometry model with this many layers (made on first use).")
 @click.option("--contexts", default="512,2048", show_default=True, help="Context sizes in tokens.")
-@click.option("--max-tokens", type=click.IntRange(1), default=8, show_default=True)
-@click.option("--ready-timeout", type=float, default=600.0, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(1), default=8, show_default=True,
+              help="Greedy tokens per answer.")
+@click.option("--ready-timeout", type=float, default=600.0, show_default=True,
+              help="Seconds a server may take to become ready before the run fails.")
 @click.option("--restore-modes", default="sequential,pipelined", show_default=True,
               help="One S2 per mode on the same files (the last one fills the main table).")
 @click.option("--prefetch", is_flag=True,
@@ -116,11 +118,13 @@ def run_recovery(model, synth_layers, contexts, max_tokens=8, ready_timeout=600.
 @bench.command("split")
 @click.option("--models", default="tiny,default", show_default=True,
               help="'tiny', 'default', 'synth' (--synth-layers) or model dirs, comma-separated.")
-@click.option("--synth-layers", type=click.IntRange(1), default=4, show_default=True)
+@click.option("--synth-layers", type=click.IntRange(1), default=4, show_default=True,
+              help="Decoder layers of the 'synth' model (Qwen3-VL-2B geometry).")
 @click.option("--contexts", default="512,2048", show_default=True, help="History sizes in tokens.")
 @click.option("--max-tokens", type=click.IntRange(1), default=32, show_default=True,
               help="Greedy tokens compared with the bitwise path.")
-@click.option("--kv-bs", type=click.IntRange(1), default=DEFAULTS.kv_bs, show_default=True)
+@click.option("--kv-bs", type=click.IntRange(1), default=DEFAULTS.kv_bs, show_default=True,
+              help="KV rows per snapshot block (the unit split mode loads or recomputes).")
 @out_option
 def split_cmd(models, synth_layers, contexts, max_tokens, kv_bs, out) -> None:
     """Split mode's distance from the bitwise path: logit differences and greedy agreement when only

@@ -19,12 +19,15 @@ from edge_llm.settings import DEFAULTS
 @click.option("--dir", "data_dir", default=None, metavar="DIR",
               help="Where snapshots are written (the kv filesystem).  [default: $EDGE_LLM_HOME/bench]")
 @click.option("--contexts", default="2048,8192", show_default=True, help="Snapshot sizes in tokens.")
-@click.option("--preset", type=click.Choice(["qwen3-vl-2b"]), default="qwen3-vl-2b", show_default=True)
+@click.option("--preset", type=click.Choice(["qwen3-vl-2b"]), default="qwen3-vl-2b", show_default=True,
+              help="The KV geometry of the snapshots written.")
 @click.option("--layers", type=click.IntRange(1), default=None, help="Fewer layers than the preset's.")
-@click.option("--kv-bs", type=click.IntRange(1), default=DEFAULTS.kv_bs, show_default=True)
+@click.option("--kv-bs", type=click.IntRange(1), default=DEFAULTS.kv_bs, show_default=True,
+              help="KV rows per snapshot block (the unit of CRC checks and partial restore).")
 @click.option("--repeats", type=click.IntRange(0), default=3, show_default=True,
               help="Save/restore repeats per context (0: only the write budget).")
-@click.option("--scan-files", type=click.IntRange(1), default=DEFAULTS.disk_kv_max_files, show_default=True)
+@click.option("--scan-files", type=click.IntRange(1), default=DEFAULTS.disk_kv_max_files, show_default=True,
+              help="Snapshots written for the start-up scan's timing (the store's file cap by default).")
 @click.option("--scan-tokens", type=click.IntRange(1), default=None, help="[default: smallest context]")
 @click.option("--turns", type=click.IntRange(0), default=6, show_default=True,
               help="Write budget: a conversation growing from the smallest to the largest context over this "
@@ -38,7 +41,8 @@ from edge_llm.settings import DEFAULTS
 @click.option("--ttft-contexts", default="2048,8192", show_default=True, help="Restored prefix sizes in tokens.")
 @click.option("--tail", type=click.IntRange(1), default=64, show_default=True,
               help="New tokens after the restored prefix (computed behind the restore).")
-@click.option("--ttft-repeats", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--ttft-repeats", type=click.IntRange(1), default=2, show_default=True,
+              help="Restores per mode and context for the TTFT table, in rotation.")
 @click.option("--throttle-mbps", default="", metavar="MBPS[,MBPS]",
               help="Also run on a loop-mounted directory throttled to this many MB/s (reads and writes, a "
                    "cgroup v1 blkio limit), e.g. 200 for an eMMC. Needs root.")

@@ -18,8 +18,10 @@ from edge_llm.cli.bench.common import bench, int_list, out_option, show_results,
 @click.option("--sizes", default="224,448,896", show_default=True, help="Square image sides for the encoder table.")
 @click.option("--e2e-size", type=click.IntRange(0), default=448, show_default=True,
               help="Image side of the end-to-end conversation, at least 32 (0 skips it).")
-@click.option("--max-tokens", type=click.IntRange(1), default=8, show_default=True)
-@click.option("--repeats", type=click.IntRange(1), default=2, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(1), default=8, show_default=True,
+              help="Greedy tokens per answer of the end-to-end conversation.")
+@click.option("--repeats", type=click.IntRange(1), default=2, show_default=True,
+              help="Encodes per image size for the encoder table (the largest size once).")
 @click.option("--graph-modes", default="f32", show_default=True, metavar="f32,q8,q4|none",
               help="The onnxruntime tower (cpu-q's path) in these weight formats: f32 (what cpu-q runs), "
                    "q8 / q4 (weight-only MatMulNBits, measured and not kept: docs/vision.md); none skips it.")
