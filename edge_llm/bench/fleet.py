@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge_llm.bench.client import HTTPFailure, free_port, http_call
+from edge_llm.bench.keepalive import call
 
 log = logging.getLogger(__name__)
 
@@ -183,9 +184,10 @@ class Reply:
 
 
 def post(url: str, body: dict, timeout: float = 120.0) -> Reply:
-    """POST JSON; any HTTP status is a Reply. Connection errors raise HTTPFailure."""
+    """POST JSON on this thread's kept-alive connection (bench/keepalive.py); any HTTP status is a
+    Reply. Connection errors raise HTTPFailure."""
     t0 = time.perf_counter()
-    status, headers, parsed = http_call("POST", url, body, timeout)
+    status, headers, parsed = call("POST", url, body, timeout=timeout)
     return Reply(status, headers.get(NODE_HEADER), parsed, (time.perf_counter() - t0) * 1e3)
 
 

@@ -20,11 +20,11 @@ import re
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge_llm.bench.fleet import NODE_HEADER, FleetError, HAProxy, fleet_config
+from edge_llm.bench.keepalive import call
 
 log = logging.getLogger(__name__)
 
@@ -164,17 +164,9 @@ class Routed:
 
 def send(url: str, path: str = CHAT_PATH, body: dict | None = None, headers: dict[str, str] | None = None,
          timeout: float = 120.0) -> Routed:
-    """One request through the proxy: which board answered and which rule routed it."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, method="POST" if data is not None else "GET",
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, hdrs = r.status, r.headers
-            r.read()
-    except urllib.error.HTTPError as e:
-        status, hdrs = e.code, e.headers
-        e.read()
+    """One request through the proxy, on this thread's kept-alive connection: which board
+    answered and which rule routed it."""
+    status, hdrs, _ = call("POST" if body is not None else "GET", url + path, body, headers, timeout)
     return Routed(status, hdrs.get(NODE_HEADER), hdrs.get(ROUTE_HEADER), {k.lower(): v for k, v in hdrs.items()})
 
 
