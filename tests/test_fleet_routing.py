@@ -273,3 +273,24 @@ def _wait_total(boards, n: int) -> None:
     while sum(len(b.requests()) for b in boards) < n:
         assert time.monotonic() < deadline, [len(b.requests()) for b in boards]
         time.sleep(0.01)
+
+
+def test_bench_fleet_bounded_cli(tmp_path):
+    """`edge-llm bench fleet --bounded` end to end: its results file has each factor's affinity and
+    balance (unbounded: every turn at home, b1's hot share as max/mean); a bad --factors is a usage
+    error that names the option."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "edge_llm", "bench", "fleet", "--bounded", "--conversations", "8", "--turns", "2",
+           "--clients", "3", "--hold-ms", "5", "--hot-share", "0.5", "--out", str(tmp_path)]
+    r = subprocess.run([*cmd, "--factors", "0,200"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(next(tmp_path.glob("*-bench-fleet-bounded/fleet-bounded.json")).read_text())
+    assert set(res["factors"]) == {"0", "200"}
+    off = res["factors"]["0"]
+    assert off["turns"] == 16 and off["turns_on_home"] == 1.0
+    assert off["turns_per_board"] == {"b1": 8, "b2": 4, "b3": 4} and off["max_over_mean"] == 1.5
+    assert 0 < res["factors"]["200"]["turns_on_home"] <= 1.0
+    bad = subprocess.run([*cmd, "--factors", "0,90"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--factors" in bad.stderr, bad.stderr
