@@ -3,7 +3,7 @@ multi-turn chats that remember which board answered (docs/fleet.md).
 
 Used by `edge-llm bench fleet` and by tests/test_fleet.py, both with the config the repo ships
 (`board/haproxy.cfg.example`) and only its documented knobs: the EDGE_FLEET_BIND / EDGE_BOARD<n>
-environment variables HAProxy expands itself, the commented fourth server line uncommented to add
+environment variables HAProxy expands itself, the commented fourth board's server lines uncommented to add
 a board, and `balance roundrobin` in place of the hash for the comparison (or another `hash-type`
 for `bench fleet --spread`). Standard library only.
 """
