@@ -3,7 +3,7 @@ multi-turn chats that remember which board answered (docs/fleet.md).
 
 Used by `edge-llm bench fleet` and by tests/test_fleet.py, both with the config the repo ships
 (`board/haproxy.cfg.example`) and only its documented knobs: the EDGE_FLEET_BIND / EDGE_BOARD<n>
-environment variables HAProxy expands itself, the commented fourth server line uncommented to add
+environment variables HAProxy expands itself, the commented fourth board's server lines uncommented to add
 a board, and `balance roundrobin` in place of the hash for the comparison (or another `hash-type`
 for `bench fleet --spread`). Standard library only.
 """
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge_llm.bench.client import HTTPFailure, free_port, http_call
+from edge_llm.bench.keepalive import call
 
 log = logging.getLogger(__name__)
 
@@ -183,9 +184,10 @@ class Reply:
 
 
 def post(url: str, body: dict, timeout: float = 120.0) -> Reply:
-    """POST JSON; any HTTP status is a Reply. Connection errors raise HTTPFailure."""
+    """POST JSON on this thread's kept-alive connection (bench/keepalive.py); any HTTP status is a
+    Reply. Connection errors raise HTTPFailure."""
     t0 = time.perf_counter()
-    status, headers, parsed = http_call("POST", url, body, timeout)
+    status, headers, parsed = call("POST", url, body, timeout=timeout)
     return Reply(status, headers.get(NODE_HEADER), parsed, (time.perf_counter() - t0) * 1e3)
 
 

@@ -1,6 +1,7 @@
 """`edge-llm bench fleet`: three boards behind the shipped HAProxy config, the same conversations
 routed by consistent hashing and by round-robin; with --spread, how HAProxy's hash types
-spread chat keys over 3 boards and move them to a 4th (docs/fleet.md)."""
+spread chat keys over 3 boards and move them to a 4th; with --bounded, what bounded loads
+(`hash-balance-factor`) cost in affinity and gain in balance under a hot key range (docs/fleet.md)."""
 
 from __future__ import annotations
 
@@ -33,9 +34,19 @@ BOARDS = 3
 @click.option("--spread", is_flag=True, help="Instead: how each of HAProxy's hash types spreads --keys chat "
               "keys over 3 boards and how many move when a 4th joins (no generation).")
 @click.option("--keys", type=click.IntRange(1), default=300, show_default=True, help="Chat keys for --spread.")
+@click.option("--bounded", is_flag=True, help="Instead: each --factors value of hash-balance-factor with stand-in "
+              "boards (no model) and --conversations keys, --hot-share of them on one board, --clients at once.")
+@click.option("--factors", default="0,125,150,200,300", show_default=True,
+              help="hash-balance-factor values for --bounded (0: unbounded).")
+@click.option("--clients", type=click.IntRange(1), default=6, show_default=True,
+              help="Conversations in flight at once for --bounded.")
+@click.option("--hold-ms", type=click.FloatRange(0), default=50.0, show_default=True,
+              help="How long a stand-in board takes per request for --bounded (one at a time).")
+@click.option("--hot-share", type=click.FloatRange(0, 1), default=0.6, show_default=True,
+              help="Share of the --bounded conversations whose key maps to b1.")
 @out_option
 def fleet_cmd(model, backend, conversations, turns, history_tokens, max_tokens, ready_timeout, spread, keys,
-              out) -> None:
+              bounded, factors, clients, hold_ms, hot_share, out) -> None:
     """Follow-up TTFT and RAM/disk hit rate over 3 boards: `balance hash` (the shipped config) vs
     `balance roundrobin`, the same conversations in the same run, each policy on fresh boards."""
     from edge_llm.bench import fleet as F
@@ -48,6 +59,14 @@ def fleet_cmd(model, backend, conversations, turns, history_tokens, max_tokens, 
     text = F.SHIPPED_CONFIG.read_text()
     if spread:
         return spread_cmd(text, model, backend, keys, ready_timeout, out)
+    if bounded:
+        try:
+            levels = tuple(int(f) for f in factors.split(","))
+        except ValueError:
+            raise click.BadParameter(f"not a comma-separated list of integers: {factors!r}", param_hint="--factors")
+        if any(f != 0 and f <= 100 for f in levels):
+            raise click.BadParameter("each factor is 0 (off) or above 100 (percent of the mean)", param_hint="--factors")
+        return bounded_cmd(text, levels, conversations, turns, clients, hold_ms / 1e3, hot_share, out)
     res_dir = new_results_dir(out, "bench-fleet")
     res: dict = {"command": " ".join(sys.argv), "model": model, "backend": backend, "boards": BOARDS,
                  "conversations": conversations, "turns": turns, "history_tokens": history_tokens,
@@ -126,3 +145,28 @@ def spread_cmd(text: str, model: str, backend: str, keys: int, ready_timeout: fl
                  f"# bench fleet --spread\n\n{keys} chat keys sharing a system prompt, the shipped config with "
                  f"each hash-type (shipped: {F.HASH_TYPE}): 3 boards, then 4.\n\n" + "\n".join(rows) + f"\n\n`{res['command']}`\n")
 
+
+
+def bounded_cmd(text: str, factors: tuple[int, ...], conversations: int, turns: int, clients: int, hold: float,
+                hot_share: float, out: str) -> None:
+    from edge_llm.bench import fleet_load as L
+    from edge_llm.bench.disk import new_results_dir
+
+    res_dir = new_results_dir(out, "bench-fleet-bounded")
+    res: dict = {"command": " ".join(sys.argv), "conversations": conversations, "turns": turns, "clients": clients,
+                 "hold_s": hold, "hot_share": hot_share}
+    with spinner() as prog:
+        task = prog.add_task("fleet bounded loads")
+        res["factors"] = L.bounded_loads(text, res_dir, factors, conversations, turns, clients, hold, hot_share,
+                                         step=lambda m: prog.update(task, description=m))
+    rows = ["| hash-balance-factor | turns on their key's board | conversations never moved | turns b1 / b2 / b3 "
+            "| max / mean | peak in flight b1 / b2 / b3 | wall s |", "|---|---|---|---|---|---|---|"]
+    for f, s in res["factors"].items():
+        rows.append(f"| {f or 'off'} | {s['turns_on_home']:.0%} | {s['conversations_on_home']:.0%} | "
+                    f"{' / '.join(str(v) for v in s['turns_per_board'].values())} | {s['max_over_mean']:.2f} | "
+                    f"{' / '.join(str(v) for v in s['peak_in_flight'].values())} | {s['wall_s']:.1f} |")
+    table = "\n".join(rows)
+    save_results(res_dir, "fleet-bounded", res,
+                 f"# bench fleet --bounded\n\n{conversations} conversations x {turns} turns, {hot_share:.0%} of the "
+                 f"keys on b1, {clients} at once; stand-in boards (one request at a time, {hold * 1e3:.0f} ms each), "
+                 f"the shipped config with each hash-balance-factor.\n\n{table}\n\n`{res['command']}`\n")
