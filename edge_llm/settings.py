@@ -162,8 +162,8 @@ class Settings:
         "through a name of its own); a request without Host (HTTP/1.0, HAProxy's health check) passes; "
         "localhost, 127.0.0.1 and ::1 are always allowed. auto: the bind address and the addresses it "
         "resolves to (with host 0.0.0.0 or ::, the machine's hostname, <hostname>.local and every "
-        "interface address). Behind a proxy, list the name clients use for the proxy.", "hosts", commands=(SERVE,), nullable=True,
-        metavar="NAMES", shown_default="auto", null_word="auto")
+        "interface address). Behind a proxy, list the name clients use for the proxy.", "hosts",
+        commands=(SERVE,), nullable=True, metavar="NAMES", shown_default="auto", null_word="auto")
     node_name: str = _opt(socket.gethostname(), "This board's name in the X-Edge-LLM-Node header of "
                           "every response: which board of a fleet answered (docs/fleet.md); 1-64 letters, digits, "
                           "'.', '_', ':' or '-'.", "name",

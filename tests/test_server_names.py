@@ -91,6 +91,8 @@ def test_a_rebinding_name_is_refused_before_anything(open_srv):
         for method, path, body in targets:
             err = refused(*request(open_srv, method, path, {"Host": host}, body))
             assert "allowed_hosts" in err["message"] and "--allowed-hosts" in err["message"], err
+    status, headers, body = request(open_srv, "HEAD", "/ui/", {"Host": "evil.example"})
+    assert status == 421 and body == b"" and headers["content-security-policy"] == HEADERS["Content-Security-Policy"]
     status, _, body = request(open_srv, "GET", "/metrics", {"Host": "127.0.0.1"})
     assert status == 200
     counts = dict(re.findall(r'edge_llm_requests_total\{endpoint="/v1/chat/completions",status="(\d+)"\} (\S+)',
