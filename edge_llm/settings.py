@@ -13,6 +13,7 @@ which `load_settings`/`resolve` turn into a directory below systemd's `STATE_DIR
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
@@ -162,6 +163,15 @@ class Settings:
     # ---- server ---------------------------------------------------------------------------------
     host: str = _opt("127.0.0.1", "Bind address of the HTTP API.", str, commands=(SERVE,))
     port: int = _opt(8080, "TCP port of the HTTP API.", commands=(SERVE,), minimum=1, maximum=65535)
+    allowed_hosts: tuple[str, ...] | None = _opt(
+        None, "Names and addresses a request's Host header may carry (any port; case and a trailing dot "
+        "ignored), comma-separated; '*.example.com' allows its subdomains, '*' any name. Any other Host is "
+        "refused with 421 before anything else (DNS rebinding: a web page must not reach the server "
+        "through a name of its own); a request without Host (HTTP/1.0, HAProxy's health check) passes; "
+        "localhost, 127.0.0.1 and ::1 are always allowed. auto: the bind address and the addresses it "
+        "resolves to (with host 0.0.0.0 or ::, the machine's hostname, <hostname>.local and every "
+        "interface address). Behind a proxy, list the name clients use for the proxy.", "hosts",
+        commands=(SERVE,), nullable=True, metavar="NAMES", shown_default="auto", null_word="auto")
     node_name: str = _opt(socket.gethostname(), "This board's name in the X-Edge-LLM-Node header of "
                           "every response: which board of a fleet answered (docs/fleet.md); 1-64 letters, digits, "
                           "'.', '_', ':' or '-'.", "name",
@@ -291,7 +301,40 @@ def resolve(s: Settings, env: Mapping[str, str] | None = None) -> Settings:
 # ---- reading values -------------------------------------------------------------------------------
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*", re.IGNORECASE)
 _NAME = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+_HOST_NAME = re.compile(r"[a-z0-9_-]{1,63}(\.[a-z0-9_-]{1,63})*")  # labels; 253 characters at most
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def normal_host(text: str) -> str | None:
+    """A host name or IP address as compared with a Host header: lower case, without a trailing
+    dot, an IPv6 address without brackets and in its compressed form; None if `text` is neither
+    (a name is letters, digits, '-', '_' and dots)."""
+    text = text.strip().lower()
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+        try:
+            return str(ipaddress.IPv6Address(text))
+        except ValueError:
+            return None
+    if ":" in text:  # only an IPv6 address holds a colon (a port is not part of an entry)
+        try:
+            return str(ipaddress.IPv6Address(text))
+        except ValueError:
+            return None
+    if text.endswith("."):
+        text = text[:-1]
+    return text if len(text) <= 253 and _HOST_NAME.fullmatch(text) else None
+
+
+def host_pattern(text: str) -> str | None:
+    """An `allowed_hosts` entry, normalised: '*', '*.<domain>' or a `normal_host`; None if invalid."""
+    text = text.strip()
+    if text == "*":
+        return text
+    if text.startswith("*."):
+        rest = normal_host(text[2:])
+        return "*." + rest if rest is not None and ":" not in rest else None
+    return normal_host(text)
 
 
 def parse_size(text: str) -> int:
@@ -330,6 +373,21 @@ def convert(key: str, value: Any, source: str) -> Any:
         if text is not None and text.lower() in _OFF | _ON - {AUTO}:
             return text.lower() in _ON
         raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
+    if kind == "hosts":
+        items = value if isinstance(value, (list, tuple)) else text.split(",") if text is not None else None
+        if items is None or not all(isinstance(i, str) for i in items):
+            raise ConfigError(f"{source}: {key} must be a list of host names or addresses, got {value!r}")
+        entries = [i.strip() for i in items if i.strip()]
+        if not entries:
+            raise ConfigError(f"{source}: {key} names no host (use '*' to allow any, 'auto' for the default)")
+        out = []
+        for entry in entries:
+            pattern = host_pattern(entry)
+            if pattern is None:
+                raise ConfigError(f"{source}: {key}: {entry!r} is not a host name, an IP address, "
+                                  "'*.<domain>' or '*'")
+            out.append(pattern)
+        return tuple(dict.fromkeys(out))
     if kind == "name":  # sent in a response header: a plain token, never a control byte
         if text is None or not _NAME.fullmatch(text):
             raise ConfigError(f"{source}: {key} must be 1-64 letters, digits, '.', '_', ':' or '-', "

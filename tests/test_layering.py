@@ -46,7 +46,7 @@ ORDER = {
                     "gguf_blocks", "__init__"],
     "vision": ["preprocess", "positions", "encoder", "model", "__init__"],
     "convert": ["report", "calibration_text", "hadamard", "gptq", "npu_mm", "calibration", "w8a8", "rknn", "vision", "__init__"],
-    "server": ["errors", "schemas", "metrics", "node", "prefetch", "worker", "budget", "images", "streaming", "ui", "events", "state", "storeview", "app",
+    "server": ["errors", "hosts", "schemas", "metrics", "node", "prefetch", "worker", "budget", "images", "streaming", "ui", "events", "state", "storeview", "app",
                "__init__"],
     "bench": ["disk", "procstat", "prompts", "models", "rkllm", "client", "keepalive", "fleet", "fleet_load", "throttle", "restore", "conversation", "ttft",
               "split", "recovery", "quant", "accuracy", "quant_memory", "decode", "npu", "vision", "llamacpp_peer",

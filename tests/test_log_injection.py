@@ -123,7 +123,7 @@ def test_server_log_has_one_line_per_record_and_no_escape_bytes(edge_home, tmp_p
     with srv.start():
         for target in (b"/v1/models?\x9b31m", b"/v1/\x9b[2J", b"/v1/\x1b[31m"):  # raw request targets
             with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
-                sock.sendall(b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                sock.sendall(b"GET " + target + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
                 while sock.recv(65536):
                     pass
     raw = log_file.read_bytes()[mark:]

@@ -307,7 +307,7 @@ def _content_length(response: bytes) -> int:
 
 def head(path: str, key: str | None, *lines: str) -> bytes:
     auth = [f"Authorization: Bearer {key}"] if key else []
-    return "\r\n".join([f"POST {path} HTTP/1.1", "Host: x", "Content-Type: application/json", *auth, *lines,
+    return "\r\n".join([f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json", *auth, *lines,
                         "", ""]).encode()
 
 

@@ -152,6 +152,20 @@ def test_page_files_are_public_with_strict_headers(srv):
         assert httpx.get(srv.url + path, timeout=30).status_code == 404, path
 
 
+def test_errors_carry_the_page_headers(srv):
+    """A /ui/ path that is no file is answered outside the page's mount (the router's 404): it and
+    every other error (401, 404, 405, the Host check's 421) carry the page's headers too."""
+    for method, path, headers, status in (
+            ("GET", "/ui/nothing.js", {}, 404), ("GET", "/ui/%2e%2e/ui.py", {}, 404), ("HEAD", "/ui/nothing", {}, 404),
+            ("GET", "/v1/nothing-here", {}, 404), ("GET", "/v1/chat/completions", AUTH, 405),
+            ("GET", "/v1/edge/store", {}, 401), ("GET", "/ui/", {"Host": "evil.example"}, 421)):
+        r = httpx.request(method, srv.url + path, headers=headers, timeout=30)
+        assert r.status_code == status, (path, r.status_code, r.text)
+        assert r.headers.get("content-security-policy") == CSP, (path, r.headers)
+        assert r.headers.get("x-content-type-options") == "nosniff", (path, r.headers)
+        assert r.headers.get("referrer-policy") == "no-referrer", (path, r.headers)
+
+
 def test_ui_false_turns_the_page_off(srv_no_ui):
     for path in ("/ui/", "/ui/index.html", "/ui", "/"):
         r = httpx.get(srv_no_ui.url + path, timeout=30)
@@ -259,7 +273,7 @@ def test_a_stalled_client_holds_nothing_up(srv):
     raw = socket.socket()
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
     raw.connect(("127.0.0.1", srv.port))
-    raw.sendall(f"GET /v1/edge/events HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode())
+    raw.sendall(f"GET /v1/edge/events HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode())
     try:
         ev = Events(srv.url + "/v1/edge/events", AUTH)
         wait_for(ev.opened, 30, what="the event stream's first line")

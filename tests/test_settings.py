@@ -251,3 +251,26 @@ def test_byte_sizes_take_binary_units_in_every_channel(tmp_path):
         load_settings({"disk_kv_max_bytes": "lots"}, env=env)
     with pytest.raises(ValueError):
         parse_size("4 parsecs")
+
+
+def test_allowed_hosts_read_alike_in_every_channel(tmp_path):
+    """allowed_hosts: a TOML list or a comma-separated string (flag, environment), each entry
+    normalised (case, trailing dot, IPv6 brackets and spelling); `auto` is the default (None); an
+    entry that is no name, address or `*.` pattern is a ConfigError naming it."""
+    env = {"EDGE_LLM_HOME": str(tmp_path)}
+    want = ("fleet.example", "*.lan", "::1", "192.168.1.11")
+    assert load_settings({}, env=env).allowed_hosts is None
+    assert load_settings({"allowed_hosts": "Fleet.Example., *.lan,[0:0::1] ,192.168.1.11"}, env=env).allowed_hosts == want
+    got = load_settings({}, env={**env, "EDGE_LLM_ALLOWED_HOSTS": "fleet.example,*.LAN,::1,192.168.1.11"})
+    assert got.allowed_hosts == want
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('allowed_hosts = ["fleet.example", "*.lan", "[::1]", "192.168.1.11", "fleet.example."]\n')
+    assert load_settings({}, config_file=cfg, env=env).allowed_hosts == want
+    assert load_settings({"allowed_hosts": "auto"}, env=env).allowed_hosts is None
+    assert load_settings({"allowed_hosts": "*"}, env=env).allowed_hosts == ("*",)
+    for bad in ("evil.example:8080", "a b", "*.[::1]", "x*.lan", "[::1", "caf\u00e9.example", ","):
+        with pytest.raises(ConfigError, match="allowed_hosts"):
+            load_settings({"allowed_hosts": bad}, env=env)
+    cfg.write_text("allowed_hosts = [1, 2]\n")
+    with pytest.raises(ConfigError, match="allowed_hosts must be a list"):
+        load_settings({}, config_file=cfg, env=env)

@@ -35,13 +35,14 @@ from edge_llm.server.errors import (
 )
 from edge_llm.server.budget import Budget, encode_within
 from edge_llm.server.events import EventHub
+from edge_llm.server.hosts import HostCheck, allowed_hosts
 from edge_llm.server.images import ChatOptions, decode_images, render_chat
 from edge_llm.server.metrics import StatusCountMiddleware
 from edge_llm.server.node import NodeHeaderMiddleware
 from edge_llm.server.state import AppState
 from edge_llm.server.storeview import EdgeState, EdgeStore, StoreView
 from edge_llm.server.streaming import collect, sse_chat, sse_completion
-from edge_llm.server.ui import mount_ui
+from edge_llm.server.ui import SecurityHeaders, mount_ui
 from edge_llm.server.worker import Job, QueueFull, ShuttingDown
 from edge_llm.settings import Settings
 
@@ -86,7 +87,7 @@ def create_app(settings: Settings, notifier: Notifier | None = None, loader: Cal
 
     def auth(request: Request) -> None:
         if state.keys is not None:
-            state.keys.check(request.headers.get("authorization"))
+            state.keys.check(next((v for n, v in request.scope["headers"] if n == b"authorization"), None))
 
     def require_ready(model: str | None) -> None:
         if state.status == "stopping":
@@ -241,9 +242,16 @@ def create_app(settings: Settings, notifier: Notifier | None = None, loader: Cal
     keyed_paths = frozenset(r.path for r in app.routes
                             if isinstance(r, APIRoute) and any(d.dependency is auth for d in r.dependencies))
     app.add_middleware(RequestGate, limit=settings.max_body_bytes, keys=state.keys, keyed=keyed_paths)
-    # outermost: counts every status, including the gate's 400, 401 and 413
+    # before the gate and every route: a request for a name that is not this server's (docs/api.md
+    # "Allowed host names")
+    allowed = allowed_hosts(settings.allowed_hosts, settings.host)
+    log.info("allowed host names (setting allowed_hosts%s): %s", "" if settings.allowed_hosts else " = auto",
+             ", ".join(allowed))
+    app.add_middleware(HostCheck, allowed=allowed)
+    # counts every status, including the Host check's 421 and the gate's 400, 401 and 413
     app.add_middleware(StatusCountMiddleware, metrics=state.metrics)
     app.add_middleware(NodeHeaderMiddleware, node_name=settings.node_name)  # docs/fleet.md
+    app.add_middleware(SecurityHeaders)  # the page's headers, also on every error (docs/api.md)
     return app
 
 

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from edge_llm.errors import ConfigError
+from edge_llm.safetext import printable
 
 log = logging.getLogger(__name__)
 
@@ -142,17 +143,17 @@ class RequestGate:
         lengths = [value for name, value in headers if name == b"content-length"]
         if lengths and any(name == b"transfer-encoding" for name, _ in headers):
             log.warning("refused a request with both Content-Length and Transfer-Encoding")
-            return await _answer(send, bad_request(
+            return await answer_from_head(send, bad_request(
                 "a request must not carry both Content-Length and Transfer-Encoding (RFC 9112)", code="bad_framing"))
         if self.keys is not None and scope["path"] in self.keyed:
             authorization = next((v for n, v in headers if n == b"authorization"), None)
             try:
-                self.keys.check(authorization.decode("latin-1") if authorization is not None else None)
+                self.keys.check(authorization)
             except APIError as e:
-                return await _answer(send, e, receive)
+                return await answer_from_head(send, e, receive)
         # the HTTP parser enforces Content-Length (one value, digits only): checking it suffices
         if lengths and int(lengths[0]) > self.limit:
-            return await _answer(send, self._too_large(), receive)
+            return await answer_from_head(send, self._too_large(), receive)
         if lengths:
             return await self.app(scope, receive, send)
         # chunked (or no) body: read it here, so a too-large one is refused before the app sees it
@@ -166,7 +167,8 @@ class RequestGate:
             seen += len(msg.get("body", b""))
             if seen > self.limit:
                 # the body is complete when more_body is false: nothing left to discard
-                return await _answer(send, self._too_large(), receive if msg.get("more_body", False) else None)
+                unread = receive if msg.get("more_body", False) else None
+                return await answer_from_head(send, self._too_large(), unread)
             if not msg.get("more_body", False):
                 break
 
@@ -180,7 +182,7 @@ class RequestGate:
                         "an image sent as a data: URL takes 4/3 of its size)", code="body_too_large")
 
 
-async def _answer(send: Send, err: APIError, unread: Receive | None = None) -> None:
+async def answer_from_head(send: Send, err: APIError, unread: Receive | None = None) -> None:
     """Send `err` whole, then (with `unread`: a body may still come) discard the rest of the
     request for a while; the connection closes after the answer."""
     body = json.dumps(err.body()).encode()
@@ -217,7 +219,9 @@ async def _linger(receive: Receive) -> None:
 
 
 class APIKeys:
-    """Keys from --api-key-file (one per line, '#' comments); compared in constant time."""
+    """Keys from `api_key_file` (docs/api.md "API keys"): one per line, UTF-8, `#` comments, spaces
+    and tabs around a key ignored. A key is compared as bytes with the bytes the client sent after
+    `Bearer ` (its UTF-8, for a key that is not ASCII), in constant time."""
 
     def __init__(self, keys: list[bytes]):
         self.keys = keys
@@ -227,24 +231,57 @@ class APIKeys:
         if not path:
             return None
         try:
-            lines = Path(path).read_text().splitlines()
+            data = Path(path).read_bytes()
         except OSError as e:
             raise ConfigError(f"api_key_file {path}: {e}") from None
-        keys = [ln.strip().encode() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+        keys = []
+        for number, line in enumerate(data.removeprefix(_BOM).splitlines(), 1):
+            key = line.strip(_OWS)
+            if not key or key.startswith(b"#"):
+                continue
+            for problem in unsendable(key):
+                log.warning("api_key_file %s, line %d: the key %s", printable(str(path)), number, problem)
+            keys.append(key)
         if not keys:
             raise ConfigError(f"api_key_file {path}: no key in the file")
         return cls(keys)
 
-    def check(self, authorization: str | None) -> None:
-        """Raise a 401 APIError unless `Authorization: Bearer <key>` names a configured key."""
+    def check(self, authorization: bytes | None) -> None:
+        """Raise a 401 APIError unless `Authorization: Bearer <key>` (the header's bytes as
+        received) names a configured key."""
         if not authorization:
             raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'",
                            "authentication_error", code="missing_api_key")
-        scheme, _, token = authorization.partition(" ")
-        given = token.strip().encode()
+        scheme, _, token = authorization.partition(b" ")
+        given = token.strip(_OWS)
         # compare against every key, always, so timing reveals neither which key nor how much matched
         ok = False
         for key in self.keys:
             ok |= hmac.compare_digest(given, key)
-        if scheme.lower() != "bearer" or not ok:
+        if scheme.lower() != b"bearer" or not ok:
             raise APIError(401, "invalid API key", "authentication_error", code="invalid_api_key")
+
+
+_OWS = b" \t"  # what HTTP strips around a header value, and the key file around a key
+_BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark some editors write first: not part of a key
+
+
+def unsendable(key: bytes) -> list[str]:
+    """Why clients cannot send `key` in `Authorization: Bearer <key>` (empty: they can)."""
+    try:
+        text = key.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return [f"is not UTF-8 text (byte {e.start + 1}): clients send a key as text, none sends these bytes"]
+    problems = []
+    controls = sorted({f"U+{ord(c):04X}" for c in text if (ord(c) < 0x20 and c != "\t") or ord(c) == 0x7F})
+    if controls:
+        problems.append(f"holds control characters ({', '.join(controls)}), which an HTTP header value "
+                        "cannot carry: no client can send it")
+    if text != text.strip():
+        problems.append("starts or ends with a whitespace character that is not a space or tab (those "
+                        "are stripped from the file's lines): easily lost when the key is copied or typed")
+    if not text.isascii():
+        problems.append("holds characters that are not ASCII: the server accepts their UTF-8 bytes (curl "
+                        "sends them as typed), but most clients cannot send them (browsers and the page send "
+                        "Latin-1 at most, the openai and httpx clients ASCII only); use an ASCII key")
+    return problems

@@ -2,8 +2,9 @@
 keep them to themselves (docs/api.md, "The page and its endpoints").
 
 The files are public (they hold no data); what the page shows comes from the keyed API. Starlette's
-`StaticFiles` serves them (path checks, ETag / Last-Modified revalidation, HEAD); this module adds
-the security headers to every answer under `/ui/` and the two redirects.
+`StaticFiles` serves them (path checks, ETag / Last-Modified revalidation, HEAD); this module's
+`SecurityHeaders` middleware adds the security headers to every answer under `/ui/`, the two
+redirects and every error response of the server.
 """
 
 from __future__ import annotations
@@ -28,15 +29,24 @@ HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", 
            "Referrer-Policy": "no-referrer"}
 
 
-class _WithHeaders:
-    """ASGI wrapper: `HEADERS` on every response of the wrapped app (files, 304s and 404s alike)."""
+class SecurityHeaders:
+    """ASGI middleware: `HEADERS` on every response under `/ui` (files, 304s), on `/` (the redirect)
+    and on every error response of the server (any status from 400 on, whichever layer answered:
+    the Host check, the request gate, a route or Starlette's 404/405). Added outermost, so an
+    error answered before the page's mount (a `/ui/` 404 is answered by the router's exception
+    handler, outside the mount) carries them too."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        page = path == "/" or path == PREFIX or path.startswith(PREFIX + "/")
+
         async def send_with_headers(message: Message) -> None:
-            if message["type"] == "http.response.start":
+            if message["type"] == "http.response.start" and (page or message["status"] >= 400):
                 headers = MutableHeaders(scope=message)
                 for name, value in HEADERS.items():
                     headers[name] = value
@@ -56,5 +66,4 @@ def mount_ui(app: FastAPI, static_dir: Path = STATIC_DIR) -> None:
     def to_ui() -> RedirectResponse:
         return RedirectResponse(PREFIX + "/", status_code=307)
 
-    app.mount(PREFIX, _WithHeaders(StaticFiles(directory=static_dir, html=True, check_dir=False)),
-              name="ui")
+    app.mount(PREFIX, StaticFiles(directory=static_dir, html=True, check_dir=False), name="ui")
