@@ -23,7 +23,6 @@ from serverutil import free_port
 
 from edge_llm.backends.npu.backend import open_rknn
 from edge_llm.backends.npu.matmul.decoder import MANIFEST, WEIGHTS, MmManifest
-from edge_llm.config import ModelArgs
 from edge_llm.convert.npu_mm import convert_mm8
 from edge_llm.errors import ConfigError
 from edge_llm.models.qwen3 import Model

@@ -62,7 +62,17 @@ class CpuSide:
         return digest(root)
 
     @classmethod
-    def load(cls, root: Path, layers: int) -> "CpuSide":
+    def load(cls, root: Path, layers: int, sha256: str | None = None) -> "CpuSide":
+        """The CPU side of a w8a8 directory; `sha256`: the manifest's `cpu_side_sha256`, checked first."""
+        if sha256 is not None:
+            try:
+                actual = digest(root)
+            except OSError as e:
+                raise ConfigError(f"{root / FILE}: unreadable ({e}): re-run `edge-llm convert rknn --dtype w8a8`") from None
+            if actual != sha256:
+                raise ConfigError(f"{root / FILE}: sha256 {actual[:16]}... is not the manifest.json's cpu_side_sha256 "
+                                  f"{sha256[:16]}...: changed, truncated or replaced after the conversion wrote it; "
+                                  "re-run `edge-llm convert rknn --dtype w8a8`")
         try:
             with np.load(root / FILE) as z:
                 fields = {k: [np.array(z[f"{k}.{i:02d}"], np.float32) for i in range(layers)] for k in _FIELDS}
