@@ -20,9 +20,10 @@ head), their scales, and the rotations folded in:
 
 Writes OUT_DIR/weights.npz (`layer.L.{qkv,o,gu,down}.{w,s}`, `layer.L.qkv.b` for a model with
 q/k/v biases, `head.{w,s}`, `rotation` (and its factors `rotation_block`, `rotation_scale`
-when it is a Hadamard matrix), `down_block`) and OUT_DIR/manifest.json (`decoder.MmManifest`), published whole: both written into a
-new directory beside OUT_DIR, fsynced, and renamed over it (`files.publish_dir`; docs/npu.md,
-"Publication"), so a killed conversion leaves the old OUT_DIR or none, never a mix.
+when it is a Hadamard matrix), `down_block`) and OUT_DIR/manifest.json (`decoder.MmManifest`),
+published whole: both written into a new directory beside OUT_DIR, fsynced, and renamed over it
+(`files.publish_dir`; docs/npu.md, "Publication"), so a killed conversion leaves the old OUT_DIR
+or none, never a mix.
 """
 
 from __future__ import annotations
@@ -197,7 +198,7 @@ def convert_mm8(model_dir: str | Path, out_dir: str | Path, rotation: str = MM_R
     return m
 
 
-OWN_FILES = (MANIFEST, WEIGHTS, f".{WEIGHTS}.tmp")  # the last: an interrupted conversion before publication
+OWN_FILES = (MANIFEST, WEIGHTS, f".{WEIGHTS}.tmp")  # the last: an older converter's temp file
 
 
 def _check_target(root: Path) -> None:

@@ -68,7 +68,8 @@ class CpuSide:
             try:
                 actual = digest(root)
             except OSError as e:
-                raise ConfigError(f"{root / FILE}: unreadable ({e}): re-run `edge-llm convert rknn --dtype w8a8`") from None
+                raise ConfigError(f"{root / FILE}: unreadable ({e}): re-run "
+                                  "`edge-llm convert rknn --dtype w8a8`") from None
             if actual != sha256:
                 raise ConfigError(f"{root / FILE}: sha256 {actual[:16]}... is not the manifest.json's cpu_side_sha256 "
                                   f"{sha256[:16]}...: changed, truncated or replaced after the conversion wrote it; "
