@@ -155,6 +155,16 @@ def test_bad_values_are_refused(default_mm_rtn, default_model_dir, tmp_path, cha
     assert f"{d / WEIGHTS}: {expect}" in msg, msg
 
 
+
+def test_matching_digest_over_a_broken_archive_is_unreadable(default_mm_rtn, default_model_dir, tmp_path):
+    """A weights.npz that is not an npz archive, under a manifest whose digest names exactly those
+    bytes: refused as unreadable (a ConfigError naming the file), not a raw zipfile error."""
+    d = tmp_path / "mm"
+    d.mkdir()
+    (d / WEIGHTS).write_bytes(b"PK\x03\x04" + b"not an npz archive" * 100)  # a zip's magic, then junk
+    dataclasses.replace(MmManifest.read(default_mm_rtn), weights_sha256=sha256_file(d / WEIGHTS)).write(d)
+    assert f"{d / WEIGHTS}: unreadable (" in refusal(d, default_model_dir)
+
 # ---- publication -------------------------------------------------------------------------------
 def _files(d: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(d.iterdir())}

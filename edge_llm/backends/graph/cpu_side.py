@@ -30,6 +30,7 @@ the graphs are made together by the converter (`convert/w8a8.py`) and stored tog
 from __future__ import annotations
 
 import hashlib
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,7 +80,7 @@ class CpuSide:
                 fields = {k: [np.array(z[f"{k}.{i:02d}"], np.float32) for i in range(layers)] for k in _FIELDS}
                 rot = np.array(z["rotation"], np.float32) if "rotation" in z.files else None
                 return cls(**fields, final_gain=np.array(z["final_gain"], np.float32), rotation=rot)
-        except (OSError, KeyError, ValueError) as e:
+        except (OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
             raise ConfigError(f"{root / FILE}: unreadable ({e}): re-run `edge-llm convert rknn --dtype w8a8`") from None
 
 

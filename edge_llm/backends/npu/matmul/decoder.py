@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import zipfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -203,7 +204,7 @@ class MmBackend:
                         self.down_block = np.array(arr, np.float32)
                     elif key in ("rotation_block", "rotation_scale"):
                         factors[key] = np.array(arr, np.float32)
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
             raise ConfigError(f"{path}: unreadable ({e}): re-run `edge-llm convert npu-mm`") from None
         self.m = replace(self.m, weights_sha256=digest)
         self.numerics = self._numerics(self.m)
