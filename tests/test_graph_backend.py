@@ -215,3 +215,50 @@ def test_convert_without_the_convert_extra_says_which_extra(tiny_qwen3, tmp_path
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "needs the Python package onnx" in r.stderr and "edge-llm[convert]" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_changed_graph_files_are_refused(tiny_qwen3, graphs, tmp_path):
+    """docs/npu.md "Verification at load": a graph's .onnx.data with one byte changed, or
+    truncated, is refused before a runner starts, naming the files and both digests; so is a
+    `.rknn` whose bytes are not the manifest's `rknn_sha256` (checked before the board runner is
+    imported)."""
+    import json
+    import os
+    import shutil
+
+    from edge_llm.backends.graph.manifest import Manifest, sha256_files
+
+    d = tmp_path / "graphs"
+    shutil.copytree(graphs(tiny_qwen3), d)
+    m = Manifest.read(d)
+    g = m.graphs[1]
+    data = d / (g.onnx + ".data")
+    with open(data, "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 1]))
+    actual = sha256_files(d / g.onnx, data)
+    want = f"{d / g.onnx} + {data}: sha256 {actual[:16]}... is not the manifest.json's input_key {g.input_key[:16]}"
+    with pytest.raises(ConfigError) as e:
+        open_rknn(d, "onnxruntime", model_dir=tiny_qwen3)
+    assert want in str(e.value) and f"of graph {g.name}" in str(e.value), e.value
+    os.truncate(data, 100)
+    with pytest.raises(ConfigError, match=f"of graph {g.name}"):
+        open_rknn(d, "onnxruntime", model_dir=tiny_qwen3)
+    # .rknn builds recorded in the manifest (as the converter does), one of them changed afterwards
+    shutil.rmtree(d)
+    shutil.copytree(graphs(tiny_qwen3), d)
+    doc = json.loads((d / "manifest.json").read_text())
+    (d / "rknn").mkdir()
+    for i, entry in enumerate(doc["graphs"]):
+        rel = f"rknn/{entry['name']}.rknn"
+        (d / rel).write_bytes(bytes([i]) * 64)
+        entry["rknn"], entry["rknn_sha256"] = rel, sha256_files(d / rel)
+    doc["calibration"] = {"source": "test", "tokens": 1, "fp16_max": 65504.0, "headroom": 2.0}
+    (d / "manifest.json").write_text(json.dumps(doc))
+    bad = d / doc["graphs"][2]["rknn"]
+    bad.write_bytes(b"\x00" * 63)
+    with pytest.raises(ConfigError, match=rf"{bad}: sha256 [0-9a-f]{{16}}\.\.\. is not the manifest.json's "
+                                          rf"rknn_sha256 {doc['graphs'][2]['rknn_sha256'][:16]}"):
+        open_rknn(d, "rknnlite", model_dir=tiny_qwen3)

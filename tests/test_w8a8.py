@@ -84,6 +84,26 @@ def test_cpu_side_is_part_of_the_identity_and_required(exported):
         assert widest < 10 and m.quant["rotation"] == "hadamard"
 
 
+
+def test_changed_cpu_side_is_refused(exported, tmp_path):
+    """docs/npu.md "Verification at load": a cpu_side.npz whose bytes are not the manifest's
+    `cpu_side_sha256` (one byte changed) is refused when the directory is opened."""
+    import shutil
+
+    from edge_llm.backends.npu.backend import open_rknn
+
+    model_dir, out, _ = exported
+    d = tmp_path / "w8a8"
+    shutil.copytree(out, d)
+    side = d / "cpu_side.npz"
+    data = bytearray(side.read_bytes())
+    data[len(data) // 2] ^= 1
+    side.write_bytes(bytes(data))
+    claimed = Manifest.read(d).quant["cpu_side_sha256"]
+    with pytest.raises(ConfigError, match=rf"{side}: sha256 [0-9a-f]{{16}}\.\.\. is not the manifest.json's "
+                                          rf"cpu_side_sha256 {claimed[:16]}"):
+        open_rknn(d, "onnxruntime", model_dir=model_dir)
+
 def test_hadamard_is_orthogonal_at_model_widths():
     """The rotation is exact up to float32 (576 = 8 x Paley 72, 2048 = Sylvester, 960 = 16 x 60)
     and spreads one massive channel evenly: what takes the attention-sink row out of the int8

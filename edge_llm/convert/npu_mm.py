@@ -20,7 +20,10 @@ head), their scales, and the rotations folded in:
 
 Writes OUT_DIR/weights.npz (`layer.L.{qkv,o,gu,down}.{w,s}`, `layer.L.qkv.b` for a model with
 q/k/v biases, `head.{w,s}`, `rotation` (and its factors `rotation_block`, `rotation_scale`
-when it is a Hadamard matrix), `down_block`) and OUT_DIR/manifest.json (`decoder.MmManifest`).
+when it is a Hadamard matrix), `down_block`) and OUT_DIR/manifest.json (`decoder.MmManifest`),
+published whole: both written into a new directory beside OUT_DIR, fsynced, and renamed over it
+(`files.publish_dir`; docs/npu.md, "Publication"), so a killed conversion leaves the old OUT_DIR
+or none, never a mix.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from edge_llm.config import ModelArgs
 from edge_llm.convert.gptq import calibration_ids, capture, gptq
 from edge_llm.convert.hadamard import dense_hadamard, hadamard, orthogonal, orthogonal_factors
 from edge_llm.errors import ConfigError
+from edge_llm.files import atomic_file, publish_dir
 from edge_llm.settings import (MM_CLIP, MM_CLIPS, MM_DOWN_ROTATION, MM_GPTQ_TOKENS, MM_ROTATION, MM_ROTATIONS,
                                MM_VO_ROTATION)
 from edge_llm.weights import load_weights, sha256_file, weight_digest
@@ -113,10 +117,7 @@ def convert_mm8(model_dir: str | Path, out_dir: str | Path, rotation: str = MM_R
         raise ConfigError(f"rotation, down_rotation, vo_rotation: one of {MM_ROTATIONS}; clip: one of {MM_CLIPS}")
     t0 = time.perf_counter()
     root = Path(out_dir)
-    if (root / MANIFEST).exists() and read_doc(root / MANIFEST).get("format") != MmManifest.format:
-        raise ConfigError(f"{root} holds another conversion (its {MANIFEST} is not an npu-mm one): choose "
-                          "an empty directory")
-    root.mkdir(parents=True, exist_ok=True)
+    _check_target(root)
     args = ModelArgs.from_dir(model_dir)
     _check_dims(args)
     seen = capture(model_dir, calibration_ids(model_dir, gptq_tokens),
@@ -184,23 +185,41 @@ def convert_mm8(model_dir: str | Path, out_dir: str | Path, rotation: str = MM_R
     if block is not None:
         out["down_block"] = block
     say(QUANTIZE, n + 1, n + 1)
-    tmp = root / f".{WEIGHTS}.tmp"
-    with open(tmp, "wb") as f:
-        np.savez(f, **out)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / WEIGHTS)
-    del out
-    say(WRITE, 1, 2)
-    m = MmManifest(model={"name": Path(model_dir).resolve().name, "model_type": args.model_type,
-                          "weights_sha256": weight_digest(model_dir),
-                          "config": json.loads(json.dumps(args.identity_fields()))},
-                   layers=n, rotation=rotation, down_rotation=down_rotation, clip=clip, gptq_tokens=gptq_tokens,
-                   vo_rotation=vo_rotation,
-                   weights_sha256=sha256_file(root / WEIGHTS))
-    m.build = {"seconds": round(time.perf_counter() - t0, 2), "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-               "bytes": (root / WEIGHTS).stat().st_size}
-    m.write(root)
+    source = {"name": Path(model_dir).resolve().name, "model_type": args.model_type,
+              "weights_sha256": weight_digest(model_dir), "config": json.loads(json.dumps(args.identity_fields()))}
+
+    def build(tmp: Path) -> MmManifest:  # the new directory beside the target; files.publish_dir renames it in
+        with atomic_file(tmp / WEIGHTS) as f:  # fsynced, and the directory after its rename
+            np.savez(f, **out)
+        say(WRITE, 1, 2)
+        m = MmManifest(model=source, layers=n, rotation=rotation, down_rotation=down_rotation, clip=clip,
+                       gptq_tokens=gptq_tokens, vo_rotation=vo_rotation, weights_sha256=sha256_file(tmp / WEIGHTS))
+        m.build = {"seconds": round(time.perf_counter() - t0, 2),
+                   "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                   "bytes": (tmp / WEIGHTS).stat().st_size}
+        m.write(tmp)  # write_atomic: fsynced, with the directory
+        return m
+
+    m = publish_dir(root, build, lambda _target: None)
     say(WRITE, 2, 2)
     log.info("npu-mm: %d layers -> %s in %.1f s", n, root, m.build["seconds"])
     return m
+
+
+OWN_FILES = (MANIFEST, WEIGHTS, f".{WEIGHTS}.tmp")  # the last: an older converter's temp file
+
+
+def _check_target(root: Path) -> None:
+    """OUT_DIR may be absent, empty or an earlier npu-mm conversion: publishing replaces the whole
+    directory, so one holding anything else is refused before any work."""
+    if not root.exists():
+        return
+    if not root.is_dir():
+        raise ConfigError(f"{root} is not a directory: choose a directory (it is replaced as a whole)")
+    if (root / MANIFEST).exists() and read_doc(root / MANIFEST).get("format") != MmManifest.format:
+        raise ConfigError(f"{root} holds another conversion (its {MANIFEST} is not an npu-mm one): choose "
+                          "an empty directory")
+    other = sorted(set(os.listdir(root)) - set(OWN_FILES))
+    if other:
+        raise ConfigError(f"{root} holds {len(other)} file(s) that are not an npu-mm conversion's ({other[0]}, ...): "
+                          "the directory is replaced as a whole; choose an empty directory or move them")

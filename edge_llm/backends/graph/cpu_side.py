@@ -30,6 +30,7 @@ the graphs are made together by the converter (`convert/w8a8.py`) and stored tog
 from __future__ import annotations
 
 import hashlib
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,13 +63,24 @@ class CpuSide:
         return digest(root)
 
     @classmethod
-    def load(cls, root: Path, layers: int) -> "CpuSide":
+    def load(cls, root: Path, layers: int, sha256: str | None = None) -> "CpuSide":
+        """The CPU side of a w8a8 directory; `sha256`: the manifest's `cpu_side_sha256`, checked first."""
+        if sha256 is not None:
+            try:
+                actual = digest(root)
+            except OSError as e:
+                raise ConfigError(f"{root / FILE}: unreadable ({e}): re-run "
+                                  "`edge-llm convert rknn --dtype w8a8`") from None
+            if actual != sha256:
+                raise ConfigError(f"{root / FILE}: sha256 {actual[:16]}... is not the manifest.json's cpu_side_sha256 "
+                                  f"{sha256[:16]}...: changed, truncated or replaced after the conversion wrote it; "
+                                  "re-run `edge-llm convert rknn --dtype w8a8`")
         try:
             with np.load(root / FILE) as z:
                 fields = {k: [np.array(z[f"{k}.{i:02d}"], np.float32) for i in range(layers)] for k in _FIELDS}
                 rot = np.array(z["rotation"], np.float32) if "rotation" in z.files else None
                 return cls(**fields, final_gain=np.array(z["final_gain"], np.float32), rotation=rot)
-        except (OSError, KeyError, ValueError) as e:
+        except (OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
             raise ConfigError(f"{root / FILE}: unreadable ({e}): re-run `edge-llm convert rknn --dtype w8a8`") from None
 
 

@@ -24,7 +24,7 @@ from typing import Any
 from edge_llm.backends.graph.schema import GraphSpec
 from edge_llm.config import ModelArgs
 from edge_llm.errors import ConfigError
-from edge_llm.files import write_atomic
+from edge_llm.files import open_regular, write_atomic
 
 FORMAT = "edge-llm-graphs/1"
 MANIFEST = "manifest.json"
@@ -32,6 +32,16 @@ TARGET = "rk3588"
 
 
 CALIB_DIR = "calib"  # int8 builds: every graph's calibration inputs, <graph>.npz
+
+
+def sha256_files(*paths: Path) -> str:
+    """sha256 over the files' bytes one after the other (a graph's `input_key`: .onnx + .onnx.data)."""
+    h = hashlib.sha256()
+    for p in paths:
+        with open_regular(p, ConfigError, buffering=0) as f:
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+    return h.hexdigest()
 
 
 @dataclass
@@ -114,6 +124,25 @@ class Manifest:
             raise ConfigError(f"{root}: no .rknn build for {len(missing)} graph(s) ({missing[0]}, ...): "
                               "run `edge-llm convert rknn` to the end")
         return {g.name: root / g.rknn for g in self.graphs}
+
+    def verify(self, root: Path, kind: str) -> None:
+        """ConfigError unless the files a runner reads have the digests the conversion recorded
+        (docs/npu.md, "Verification at load"): kind "rknn", each graph's `.rknn` (`rknn_sha256`);
+        "onnx", each graph's `.onnx` + `.onnx.data` (`input_key`, which the identity hashes)."""
+        for g in self.graphs:
+            if kind == "rknn":
+                paths, claimed, what = [root / str(g.rknn)], g.rknn_sha256, "rknn_sha256"
+            else:
+                onnx = root / g.onnx
+                paths, claimed, what = [onnx, onnx.with_name(onnx.name + ".data")], g.input_key, "input_key"
+            try:
+                actual = sha256_files(*paths)
+            except OSError as e:
+                raise ConfigError(f"{paths[0]}: unreadable ({e}): re-run `edge-llm convert rknn`") from None
+            if actual != claimed:
+                raise ConfigError(f"{' + '.join(map(str, paths))}: sha256 {actual[:16]}... is not the manifest.json's "
+                                  f"{what} {str(claimed)[:16]}... of graph {g.name}: changed, truncated or replaced "
+                                  "after the conversion wrote it; re-run `edge-llm convert rknn`")
 
     def check_model(self, args: ModelArgs, weights_sha256: str | None) -> None:
         """ConfigError unless these graphs were made from this model (config + weight bytes)."""

@@ -21,7 +21,6 @@ unless it exports graphs.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from collections.abc import Callable
@@ -44,7 +43,7 @@ from edge_llm.backends.graph.schema import (
     GraphSpec,
     graph_specs,
 )
-from edge_llm.backends.graph.manifest import GraphEntry, Manifest
+from edge_llm.backends.graph.manifest import GraphEntry, Manifest, sha256_files
 from edge_llm.config import ModelArgs
 from edge_llm.weights import Weights, load_weights
 
@@ -239,22 +238,13 @@ class Exported:
         return self.onnx.stat().st_size + self.data.stat().st_size
 
 
-def _digest(*paths: Path) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        with open(p, "rb") as f:
-            while chunk := f.read(8 << 20):
-                h.update(chunk)
-    return h.hexdigest()
-
-
 def export_one(spec: GraphSpec, out_dir: Path, build: Callable[[GraphBuilder], None]) -> Exported:
     path = out_dir / f"{spec.name}.onnx"
     data = out_dir / f"{spec.name}.onnx.data"
     g = GraphBuilder(spec.name, data)
     build(g)
     g.finish(spec, path)
-    return Exported(spec, path, data, _digest(path, data))
+    return Exported(spec, path, data, sha256_files(path, data))
 
 
 def write_probe(onnx_path: Path, probe: Path) -> dict[str, str]:

@@ -83,17 +83,20 @@ def open_rknn(rknn_dir: str | Path, runner: str = "auto", model_dir: str | Path 
 
         files = m.rknn_files(root)
         m.check_fp16(root)
+        m.verify(root, "rknn")
         r = RKNNLiteRunner(specs, files, layer_masks=layer_masks or LAYER_CORES, progress=progress)
     elif runner == "sim":
         from edge_llm.backends.npu.graphs.sim import SimRunner
 
         m.check_fp16(root)
+        m.verify(root, "onnx")
         quant = {g.name: m.quant_request(root, g) for g in m.graphs}
         r = SimRunner(specs, m.onnx_files(root), python=converter_python, progress=progress, quant=quant,
                       dtype="fp16" if m.dtype == "float16" else m.dtype)
     elif runner == "onnxruntime":
         from edge_llm.backends.graph.runners import OrtRunner
 
+        m.verify(root, "onnx")
         r = OrtRunner(m.onnx_files(root), threads=threads)
     else:
         raise ConfigError(f"unknown rknn runner {runner!r} (choose from {', '.join(RUNNERS)})")
@@ -101,7 +104,7 @@ def open_rknn(rknn_dir: str | Path, runner: str = "auto", model_dir: str | Path 
     if m.dtype != "float16":
         from edge_llm.backends.graph.cpu_side import CpuSide
 
-        side = CpuSide.load(root, m.layers)
+        side = CpuSide.load(root, m.layers, m.quant.get("cpu_side_sha256"))
     return GraphBackend("rknn", specs, r, f"rknn:{m.identity()}:{r.numerics}", forward_cost=compiler_cost(m),
                         cpu_side=side)
 

@@ -28,7 +28,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+import zipfile
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from edge_llm.backends import QKVArrays, RowStep
 from edge_llm.backends import kernels
 from edge_llm.backends.npu.matmul import row_ops
 from edge_llm.backends.npu.matmul import row_step
+from edge_llm.backends.npu.matmul import verify
 from edge_llm.backends.cpu.backend import numpy_kernels
 from edge_llm.backends.cost import ForwardCost
 from edge_llm.backends.npu.matmul.int8 import Int8Matmul
@@ -141,9 +143,7 @@ class MmBackend:
                  ops: row_ops.RowOps | None = None):
         self.root, self.m, self.engine = Path(root), manifest, engine
         self.ops = row_ops.ops() if ops is None else ops  # the C ops when built (their bits: the tag)
-        self.numerics = f"rknn-mm:{manifest.identity()}:{engine.numerics}:{numpy_kernels()}"
-        if self.ops.tag:
-            self.numerics = f"{self.numerics}:{self.ops.tag}"
+        self.numerics = self._numerics(manifest)  # until `load`: what the manifest claims
         self.scales: dict[str, np.ndarray] = {}
         self.bias: dict[int, np.ndarray] = {}
         self.rotation: np.ndarray | None = None
@@ -177,12 +177,20 @@ class MmBackend:
                  self.engine.numerics, self.m.rotation, self.m.down_rotation,
                  "on" if self.row_step is not None else "off (the operator library is not built)")
 
+    def _numerics(self, m: MmManifest) -> str:
+        tag = f":{self.ops.tag}" if self.ops.tag else ""
+        return f"rknn-mm:{m.identity()}:{self.engine.numerics}:{numpy_kernels()}{tag}"
+
     def _load_weights(self, path: Path) -> None:
+        """The arrays of weights.npz, read from the descriptor its digest was checked on
+        (verify.py); the numerics (and so the snapshot namespace) from the verified digest."""
         factors: dict[str, np.ndarray] = {}
+        f, digest = verify.open_weights(path, self.m.weights_sha256)
         try:
-            with np.load(path) as z:
+            with f, np.load(f) as z:
                 for key in z.files:
                     arr = z[key]
+                    verify.check_array(path, key, arr)
                     kind = key.rsplit(".", 1)[-1]
                     if kind == "w":
                         self.engine.add(key[:-2], np.ascontiguousarray(arr))
@@ -196,8 +204,10 @@ class MmBackend:
                         self.down_block = np.array(arr, np.float32)
                     elif key in ("rotation_block", "rotation_scale"):
                         factors[key] = np.array(arr, np.float32)
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
             raise ConfigError(f"{path}: unreadable ({e}): re-run `edge-llm convert npu-mm`") from None
+        self.m = replace(self.m, weights_sha256=digest)
+        self.numerics = self._numerics(self.m)
         if self.rotation is not None and len(factors) == 2:
             self.rotation_factors = (factors["rotation_block"], factors["rotation_scale"])
             if self.ops.uses_factors:  # derivable from the factors: not kept (16 MB for the 2B)
