@@ -228,6 +228,7 @@ def test_allocations_are_page_rounded_per_domain(L, lib):
     whose limit is reached gives NULL, another domain still allocates."""
     fake = ctypes.CDLL(lib)
     c0, c1 = Ctx(L, domain=0), Ctx(L, domain=1)
+    threads: list[threading.Thread] = []
     try:
         before = check.domain_bytes(lib, 0), check.domain_bytes(lib, 1)
         c0.mem(1)
@@ -265,6 +266,7 @@ def test_one_domain_at_a_time_waits_then_switches(L, lib):
     get_and_switch); when the domain-0 run completes, the NPU switches and the waiting run runs."""
     fake = _hooks(lib)
     c0, c1 = Ctx(L, domain=0), Ctx(L, domain=1)
+    threads: list[threading.Thread] = []
     try:
         c0.demo_order()
         c1.demo_order()
@@ -272,9 +274,11 @@ def test_one_domain_at_a_time_waits_then_switches(L, lib):
         assert _switches(fake)[0] == 0
         fake.fake_hold_runs(1)
         t0, r0 = _run_in_thread(L, c0.ctx)
+        threads.append(t0)
         assert fake.fake_wait_for(1, 0, WAIT_MS) == 1  # the domain-0 run holds its reference
         _, n = _switches(fake)
         t1, r1 = _run_in_thread(L, c1.ctx)
+        threads.append(t1)
         assert fake.fake_wait_for(1, 1, WAIT_MS) == 1  # the domain-1 run waits for the switch
         assert _switches(fake) == (0, n) and not r1
         fake.fake_hold_runs(0)
@@ -283,6 +287,8 @@ def test_one_domain_at_a_time_waits_then_switches(L, lib):
         assert r0 == [None] and r1 == [None] and _switches(fake) == (1, n + 1)
     finally:
         fake.fake_hold_runs(0)
+        for t in threads:  # a run still going must finish before its buffers go
+            t.join()
         c0.close()
         c1.close()
 
@@ -293,6 +299,7 @@ def test_a_switch_that_waits_past_the_timeout_is_refused(L, lib):
     domain 1; nothing switched; once the run completes, domain 1 is usable."""
     fake = _hooks(lib)
     c0, c1 = Ctx(L, domain=0), Ctx(L, domain=1)
+    threads: list[threading.Thread] = []
     try:
         c0.demo_order()
         c1.demo_order()
@@ -300,6 +307,7 @@ def test_a_switch_that_waits_past_the_timeout_is_refused(L, lib):
         fake.fake_set_switch_timeout_ms(200)
         fake.fake_hold_runs(1)
         t0, r0 = _run_in_thread(L, c0.ctx)
+        threads.append(t0)
         assert fake.fake_wait_for(1, 0, WAIT_MS) == 1
         n = _switches(fake)
         with pytest.raises(RknnMatmulError) as exc:
@@ -316,6 +324,44 @@ def test_a_switch_that_waits_past_the_timeout_is_refused(L, lib):
         assert _switches(fake)[0] == 1
     finally:
         fake.fake_hold_runs(0)
+        for t in threads:  # a run still going must finish before its buffers go
+            t.join()
+        c0.close()
+        c1.close()
+
+
+def test_a_free_in_a_busy_other_domain_leaves_the_pages_mapped(L, lib):
+    """The driver frees a buffer in its own domain: with a run outstanding in domain 0 past three
+    switch timeouts, destroying a domain-1 buffer gives up, and its pages stay counted in domain
+    1 (the buffer itself is gone); with the NPU idle, a free gives its pages back."""
+    fake = _hooks(lib)
+    c0, c1 = Ctx(L, domain=0), Ctx(L, domain=1)
+    threads: list[threading.Thread] = []
+    try:
+        c0.demo_order()
+        L.run(c0.ctx)
+        c1.mem(4096)  # stays until close()
+        lost = c1.mem(4096)
+        before = check.domain_bytes(lib, 1)
+        fake.fake_set_switch_timeout_ms(100)
+        fake.fake_hold_runs(1)
+        t0, r0 = _run_in_thread(L, c0.ctx)
+        threads.append(t0)
+        assert fake.fake_wait_for(1, 0, WAIT_MS) == 1
+        L.destroy_mem(c1.ctx, c1.mems.pop())  # lost
+        assert check.domain_bytes(lib, 1) == before  # still mapped
+        fake.fake_hold_runs(0)
+        t0.join()
+        assert r0 == [None]
+        c1.mem(4096)
+        assert check.domain_bytes(lib, 1) == before + 4096
+        L.destroy_mem(c1.ctx, c1.mems.pop())  # an idle NPU: its page is given back
+        assert check.domain_bytes(lib, 1) == before
+    finally:
+        fake.fake_hold_runs(0)
+        for t in threads:  # a run still going must finish before its buffers go
+            t.join()
+        fake.fake_set_switch_timeout_ms(6000)
         c0.close()
         c1.close()
 

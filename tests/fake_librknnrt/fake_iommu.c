@@ -11,7 +11,8 @@
  *   - A job holds its reference from its commit to its completion (rknpu_job.c: get_and_switch in
  *     the commit, rknpu_iommu_domain_put when the job is done), so a matmul run in one domain
  *     keeps a run in another waiting; an allocation takes and drops one around the mapping
- *     (rknpu_gem.c, rknpu_gem_object_create).
+ *     (rknpu_gem.c, rknpu_gem_object_create), and so does a free (rknpu_gem_object_destroy,
+ *     which gives up after 3 timed-out tries and leaves the pages mapped).
  *   - Allocations are page-rounded (rknpu_gem_object_create: round_up(size, PAGE_SIZE)) and each
  *     domain maps 4 GiB (rknn_matmul_info's comment "each domain has 4GB of space"; the driver's
  *     dma_limit 1ULL << 32 for a new domain).

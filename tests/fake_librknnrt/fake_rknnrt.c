@@ -281,26 +281,36 @@ rknn_tensor_mem *rknn_create_mem(rknn_context ctx, uint32_t size) {
 }
 
 /* rule (rknn_api.h, rknn_destroy_mem(ctx, mem), and the demo's release order: the buffers, then
- * the context): a buffer is destroyed with the context that created it, while that context lives */
+ * the context): a buffer is destroyed with the context that created it, while that context lives.
+ * rule (driver, rknpu_gem_object_destroy): the free switches to the buffer's domain first, trying
+ * get_and_switch 3 times; if all time out it gives up and the buffer's pages stay mapped (the
+ * fake keeps them counted in the domain); the caller is told nothing (fake: RKNN_SUCC) */
 int rknn_destroy_mem(rknn_context ctx, rknn_tensor_mem *m) {
     pthread_mutex_lock(&lock);
+    mem_rec *r = NULL;
     int ret = RKNN_ERR_CTX_INVALID;
     if (find_ctx(ctx)) {
         ret = RKNN_ERR_PARAM_INVALID;
         for (mem_rec **p = &mems; *p; p = &(*p)->next)
             if (&(*p)->mem == m) {
-                mem_rec *r = *p;
-                if (r->owner != ctx) break; /* another context's buffer */
+                if ((*p)->owner != ctx) break; /* another context's buffer */
+                r = *p;
                 *p = r->next;
-                fake_domain_release(r->domain, r->mem.size);
-                free(r->mem.virt_addr);
-                free(r);
                 ret = RKNN_SUCC;
                 break;
             }
     }
     pthread_mutex_unlock(&lock);
-    return ret ? refuse(ret) : ret;
+    if (!r) return refuse(ret);
+    int got = -1;
+    for (int i = 0; i < 3 && got; i++) got = fake_domain_get(r->domain);
+    if (got == 0) {
+        fake_domain_release(r->domain, r->mem.size);
+        fake_domain_put();
+    }
+    free(r->mem.virt_addr);
+    free(r);
+    return RKNN_SUCC;
 }
 
 int rknn_matmul_set_io_mem(rknn_context ctx, rknn_tensor_mem *m, rknn_matmul_tensor_attr *attr) {
