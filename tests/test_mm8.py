@@ -9,6 +9,8 @@ RK3588 NPU) giving bitwise the emulation's logits and answer.
 
 from __future__ import annotations
 
+import ctypes
+
 import dataclasses
 import json
 import os
@@ -187,8 +189,9 @@ def test_npu_engine_over_the_fake_is_the_emulation(edge_home, model_dir, mm_dir,
     dynamic M shapes, the round in C) over the fake library: teacher-forced logits bitwise the host
     emulation's, with the cuts `split_weight` picks (by N for every weight of the default model),
     with every weight cut by K or both ways (down_proj by K, the rest both: the partial products
-    summed in int32), and on Python's thread pool; the served answer (runner librknnrt) the same
-    tokens."""
+    summed in int32), and on Python's thread pool, with not one call refused by the fake (which
+    enforces the vendor demo's call order: tests/test_fake_librknnrt_rules.py); the served answer
+    (runner librknnrt) the same tokens."""
     from edge_llm.backends.npu.matmul import engine as npu_engine
     from edge_llm.backends.npu.matmul.int8 import HostInt8Matmul
     from edge_llm.bench.quant import teacher_logits
@@ -210,6 +213,9 @@ def test_npu_engine_over_the_fake_is_the_emulation(edge_home, model_dir, mm_dir,
         finally:
             be.close()
 
+    fake = ctypes.CDLL(str(fake_librknnrt))
+    fake.fake_refusals.restype = ctypes.c_int64
+    refused = fake.fake_refusals()
     want, _ = logits_of(HostInt8Matmul())
     got, adds = logits_of(npu_engine.open_npu_matmul(str(fake_librknnrt)))
     assert got == want and adds == {kind: [False] * 3 for kind in ("qkv", "o", "gu", "down", "head")}  # by N
@@ -219,6 +225,7 @@ def test_npu_engine_over_the_fake_is_the_emulation(edge_home, model_dir, mm_dir,
     assert got == want and adds == {"qkv": [False, False, True], "o": [False, False, True],
                                     "gu": [False, False, True], "down": [False, True, True],
                                     "head": [False, False, True]}
+    assert fake.fake_refusals() == refused
     monkeypatch.undo()
     env = {"EDGE_LLM_LIBRKNNRT": str(fake_librknnrt)}
     with ServerProc(edge_home, tmp_path, "--model", "default", "--backend", "rknn", "--rknn-dir", str(mm_dir),

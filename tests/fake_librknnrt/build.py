@@ -1,9 +1,9 @@
-"""Build the fake librknnrt.so (fake_rknnrt.c beside this file) for the host or for the arm64 board.
+"""Build the fake librknnrt.so (the C files beside this file) for the host or for the arm64 board.
 
 The fake stands in for Rockchip's closed librknnrt, which cannot exist without an RK3588 NPU
-(what it implements and refuses: the comment at the top of fake_rknnrt.c). Builds are cached by
-the hash of the source, the compiler and its flags, in the directory the caller gives (the tests
-pass pytest's cache directory), so a test session compiles each target once.
+(what it implements and refuses: the comments at the top of fake_rknnrt.c and fake_iommu.c).
+Builds are cached by the hash of the sources, the compiler and its flags, in the directory the
+caller gives (the tests pass pytest's cache directory), so a test session compiles each target once.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("fake_rknnrt.c")
+HERE = Path(__file__).parent
+SOURCES = [HERE / n for n in ("fake_rknnrt.c", "fake_iommu.c", "fake_matmul.c")]
+HEADERS = [HERE / n for n in ("fake_iommu.h", "fake_matmul.h")]
 COMPILERS = {"host": "cc", "aarch64": "aarch64-linux-gnu-gcc"}
 FLAGS = ["-O2", "-shared", "-fPIC", "-pthread", "-Wall", "-Werror"]
 
@@ -25,17 +27,18 @@ def compiler(target: str) -> str | None:
 
 
 def build_fake(cache_dir: Path, target: str = "host") -> Path:
-    """The path of librknnrt.so built from fake_rknnrt.c for `target` (compiled once per source)."""
+    """The path of librknnrt.so built from the fake's sources for `target` (compiled once per source)."""
     cc = compiler(target)
     if cc is None:
         raise FileNotFoundError(f"no {COMPILERS[target]} to build the fake librknnrt for {target}")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    text = b"".join(f.read_bytes() for f in [*SOURCES, *HEADERS])
+    key = hashlib.sha256(text + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
     out = cache_dir / f"{target}-{key}" / "librknnrt.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f".librknnrt.so.{os.getpid()}")
-        subprocess.run([cc, *FLAGS, "-o", str(tmp), str(SOURCE)], check=True, capture_output=True, text=True,
-                       timeout=120)
+        subprocess.run([cc, *FLAGS, "-o", str(tmp), *map(str, SOURCES)], check=True, capture_output=True,
+                       text=True, timeout=120)
         tmp.replace(out)
     return out
 

@@ -1,32 +1,27 @@
 /* A fake librknnrt.so for the tests: the matmul API entry points edge-llm calls, computed on the CPU.
  *
  * It stands in for Rockchip's closed librknnrt (RKNN runtime), which cannot exist on a machine
- * without an RK3588 NPU. It follows rknn_matmul_api.h of RKNN runtime 2.x (2.1 onwards: the
- * iommu_domain_id field, rknn_matmul_create_dynamic_shape / rknn_matmul_set_dynamic_shape, the
- * 5-argument rknn_B_normal_layout_to_native_layout) and rknn_api.h's rknn_tensor_mem and error
- * codes. The structs are declared here from the header's field lists (written for edge-llm).
+ * without an RK3588 NPU, and refuses what Rockchip says the library refuses. Sources (rknn-toolkit2
+ * 2.3.2; docs/npu.md, "The fake library", has them line by line): rknn_matmul_api.h ("header"),
+ * rknn_api.h, the dynamic-shape demo rknpu2/examples/rknn_matmul_api_demo/src/
+ * rknn_matmul_api_dynshape_demo.cpp ("demo"), board reports in rknn-toolkit2's issues, and the NPU
+ * driver (fake_iommu.c). The structs are declared here from the header's field lists.
  *
- * What it does like the header says (RK3588):
- *   - int8 B native layout (N/32, K/32, 32, 32); above K = 8192, B is split into ceil(K/8192)
- *     segments of K, each in that layout, one after the other;
- *   - A (M, K) and C (M, N) in the normal layout; C = A @ B exactly (int32 accumulation);
- *   - refusals: K or N not a multiple of 32 for int8, K > 10240, a type that is not a
- *     rknn_matmul_type (RKNN_ERR_PARAM_INVALID), a buffer smaller than the io attr's size, an M
- *     that is not one of the context's dynamic shapes, a three-core mask on a matmul context
- *     (reported rejected on boards), more than 4 GiB of rknn_create_mem in one IOMMU domain
- *     (rknn_create_mem returns NULL, as the driver's allocation fails).
- * What is the fake's own choice (marked "fake:" below): only RKNN_INT8_MM_INT8_TO_INT32 and AC in
- * the normal layout are implemented (others are refused); after rknn_matmul_set_dynamic_shape, A
- * and C must be bound again with that shape's attrs before a run (stricter than may be needed:
- * the engine does it either way); destroying a context frees nothing of its buffers (they must be destroyed first).
- * Test hooks (not in the header): fake_live_objects, fake_context_info, fake_domain_bytes,
- * fake_set_domain_limit.
+ * Each rule below is marked where it is enforced: "rule:" with its source; "fake:" marks the
+ * fake's own choices (a return code no source documents, or a check stricter than stated).
+ * Implemented: RKNN_INT8_MM_INT8_TO_INT32 with A and C in the normal layout, B normal or native
+ * (RK3588's int8 native layout, K > 8192 in segments), C = A @ B exactly (int32). Test hooks (not
+ * in the library): fake_live_objects, fake_context_info, fake_refusals, and fake_iommu.c's.
  */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "fake_iommu.h"
+#include "fake_matmul.h"
+
+/* rknn_api.h, "Error code returned by the RKNN API" */
 #define RKNN_SUCC 0
 #define RKNN_ERR_FAIL -1
 #define RKNN_ERR_MALLOC_FAIL -4
@@ -38,15 +33,12 @@
 #define MAX_NAME_LEN 256
 #define MAX_DIMS 16
 #define MAX_SHAPES 512 /* RKNN_MAX_DYNAMIC_SHAPE_NUM */
-#define MAX_DOMAINS 16 /* fake: the domain ids it accepts */
-#define K_MAX 10240
-#define K_SEGMENT 8192
+#define K_MAX 10240    /* header, rknn_matmul_set_io_mem: "K max: k <= 10240" */
 #define TYPE_INT8 2
 #define TYPE_INT32 6
 #define INT8_MM_INT8_TO_INT32 2
-#define LAST_MATMUL_TYPE 12
-#define CORE_0_1_2 7
-#define CORE_ALL 0xffff
+#define LAST_MATMUL_TYPE 15 /* header, rknn_matmul_type: RKNN_INT8_MM_INT4_TO_FLOAT16 = 15; 13, 14 unused */
+#define LAST_QUANT_TYPE 5   /* header, rknn_matmul_quant_type: PER_LAYER_SYM 0 .. PER_GROUP_ASYM 5 */
 
 typedef uint64_t rknn_context;
 
@@ -87,12 +79,14 @@ typedef struct {
 
 typedef struct mem_rec {
     rknn_tensor_mem mem;
+    rknn_context owner; /* the context rknn_create_mem was given */
     int domain;
     struct mem_rec *next;
 } mem_rec;
 
 typedef struct ctx_rec {
     rknn_matmul_info info;
+    int dynamic; /* made by rknn_matmul_create_dynamic_shape */
     int n_shapes;
     int32_t shapes[MAX_SHAPES]; /* the M values */
     int32_t cur_m;              /* 0: no shape set yet (dynamic contexts) */
@@ -105,8 +99,17 @@ typedef struct ctx_rec {
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static ctx_rec *contexts;
 static mem_rec *mems;
-static uint64_t domain_bytes[MAX_DOMAINS];
-static uint64_t domain_limit = 1ULL << 32; /* 4 GiB per IOMMU domain */
+static int64_t refusals; /* every non-success return and NULL buffer (fake_refusals) */
+
+static int refuse(int code) {
+    __atomic_fetch_add(&refusals, 1, __ATOMIC_RELAXED);
+    return code;
+}
+
+static rknn_tensor_mem *no_mem(void) {
+    refuse(0);
+    return NULL;
+}
 
 static ctx_rec *find_ctx(rknn_context h) {
     for (ctx_rec *c = contexts; c; c = c->next)
@@ -147,24 +150,42 @@ static void fill_io(const rknn_matmul_info *info, int32_t m, rknn_matmul_io_attr
     set_attr(&io->C, "C", TYPE_INT32, (uint32_t)m * N * 4, 2, dc);
 }
 
+/* rule (header, rknn_matmul_info's K and N, and rknn_matmul_set_io_mem's "limit"): on RK3588 K is
+ * aligned to 32 for every type, N to 32 for int8, 16 for float16, 64 for int4 (here: B's type) */
+static int n_align(int type) {
+    switch (type) {
+    case 1: case 4: return 16;                            /* B float16 */
+    case 7: case 8: case 10: case 11: case 12: case 15: return 64; /* B int4 */
+    default: return 32;                                   /* B int8 */
+    }
+}
+
 static int check_info(const rknn_matmul_info *info) {
-    if (info->type < 1 || info->type > LAST_MATMUL_TYPE) return RKNN_ERR_PARAM_INVALID; /* not a rknn_matmul_type */
-    if (info->type != INT8_MM_INT8_TO_INT32) return RKNN_ERR_PARAM_INVALID;              /* fake: only this one */
-    if (info->K <= 0 || info->N <= 0 || info->K % 32 || info->N % 32) return RKNN_ERR_PARAM_INVALID;
-    if (info->K > K_MAX) return RKNN_ERR_PARAM_INVALID;
-    if (info->AC_layout != 0) return RKNN_ERR_PARAM_INVALID; /* fake: normal A and C only */
-    if (info->B_layout != 0 && info->B_layout != 1) return RKNN_ERR_PARAM_INVALID;
-    if (info->iommu_domain_id < 0 || info->iommu_domain_id >= MAX_DOMAINS) return RKNN_ERR_PARAM_INVALID;
+    /* rule (header, rknn_matmul_type): 1..12 and 15 */
+    if (info->type < 1 || info->type > LAST_MATMUL_TYPE || info->type == 13 || info->type == 14)
+        return RKNN_ERR_PARAM_INVALID;
+    if (info->K <= 0 || info->N <= 0 || info->K % 32 || info->N % n_align(info->type))
+        return RKNN_ERR_PARAM_INVALID; /* rule: n_align */
+    if (info->K > K_MAX) return RKNN_ERR_PARAM_INVALID;                       /* rule (header): K <= 10240 */
+    if (info->B_quant_type < 0 || info->B_quant_type > LAST_QUANT_TYPE) return RKNN_ERR_PARAM_INVALID; /* rule */
+    if (info->AC_quant_type != 0) return RKNN_ERR_PARAM_INVALID; /* rule (header): "A and C only support 0" */
+    if (info->B_layout < 0 || info->B_layout > 2 || info->AC_layout < 0 || info->AC_layout > 1)
+        return RKNN_ERR_PARAM_INVALID; /* rule (header, rknn_matmul_layout) */
+    /* rule (driver: rknpu_iommu_switch_domain refuses ids outside 0..RKNPU_MAX_IOMMU_DOMAIN_NUM - 1) */
+    if (info->iommu_domain_id < 0 || info->iommu_domain_id >= FAKE_DOMAINS) return RKNN_ERR_PARAM_INVALID;
+    /* fake: only int8 x int8 -> int32, B normal or native, A and C normal are implemented */
+    if (info->type != INT8_MM_INT8_TO_INT32 || info->B_layout == 2 || info->AC_layout != 0) return RKNN_ERR_PARAM_INVALID;
     return RKNN_SUCC;
 }
 
-static int new_ctx(rknn_context *out, const rknn_matmul_info *info, int n, const int32_t *ms) {
+static int new_ctx(rknn_context *out, const rknn_matmul_info *info, int dynamic, int n, const int32_t *ms) {
     ctx_rec *c = calloc(1, sizeof *c);
     if (!c) return RKNN_ERR_MALLOC_FAIL;
     c->info = *info;
+    c->dynamic = dynamic;
     c->n_shapes = n;
     for (int i = 0; i < n; i++) c->shapes[i] = ms[i];
-    c->cur_m = n == 1 ? ms[0] : 0;
+    c->cur_m = dynamic ? 0 : ms[0]; /* a dynamic context has no shape until set_dynamic_shape */
     pthread_mutex_lock(&lock);
     c->next = contexts;
     contexts = c;
@@ -174,118 +195,150 @@ static int new_ctx(rknn_context *out, const rknn_matmul_info *info, int n, const
 }
 
 int rknn_matmul_create(rknn_context *ctx, rknn_matmul_info *info, rknn_matmul_io_attr *io) {
-    if (!ctx || !info || !io) return RKNN_ERR_PARAM_INVALID;
+    if (!ctx || !info || !io) return refuse(RKNN_ERR_PARAM_INVALID);
     int ret = check_info(info);
-    if (ret) return ret;
-    if (info->M <= 0) return RKNN_ERR_PARAM_INVALID;
+    if (ret) return refuse(ret);
+    if (info->M <= 0) return refuse(RKNN_ERR_PARAM_INVALID);
     fill_io(info, info->M, io);
-    return new_ctx(ctx, info, 1, &info->M);
+    return new_ctx(ctx, info, 0, 1, &info->M);
 }
 
+/* rule (header, rknn_matmul_create_dynamic_shape: "the original info.M, K, N are invalid"): the
+ * shapes give K and N; rule (header, rknn_matmul_set_dynamic_shape: "only support M dynamicly"):
+ * every shape has the same K and N */
 int rknn_matmul_create_dynamic_shape(rknn_context *ctx, rknn_matmul_info *info, int shape_num,
                                      rknn_matmul_shape shapes[], rknn_matmul_io_attr io_attrs[]) {
-    if (!ctx || !info || !shapes || !io_attrs || shape_num < 1 || shape_num > MAX_SHAPES) return RKNN_ERR_PARAM_INVALID;
+    if (!ctx || !info || !shapes || !io_attrs || shape_num < 1 || shape_num > MAX_SHAPES)
+        return refuse(RKNN_ERR_PARAM_INVALID);
     int32_t ms[MAX_SHAPES];
     rknn_matmul_info i2 = *info;
     i2.K = shapes[0].K;
     i2.N = shapes[0].N;
     int ret = check_info(&i2);
-    if (ret) return ret;
+    if (ret) return refuse(ret);
     for (int i = 0; i < shape_num; i++) {
-        if (shapes[i].K != i2.K || shapes[i].N != i2.N || shapes[i].M <= 0) return RKNN_ERR_PARAM_INVALID;
+        if (shapes[i].K != i2.K || shapes[i].N != i2.N || shapes[i].M <= 0) return refuse(RKNN_ERR_PARAM_INVALID);
         ms[i] = shapes[i].M;
     }
     for (int i = 0; i < shape_num; i++) fill_io(&i2, ms[i], &io_attrs[i]);
-    return new_ctx(ctx, &i2, shape_num, ms);
+    return new_ctx(ctx, &i2, 1, shape_num, ms);
 }
 
 int rknn_matmul_set_dynamic_shape(rknn_context ctx, rknn_matmul_shape *shape) {
     ctx_rec *c = lookup(ctx);
-    if (!c) return RKNN_ERR_CTX_INVALID;
-    if (!shape || shape->K != c->info.K || shape->N != c->info.N) return RKNN_ERR_PARAM_INVALID;
+    if (!c) return refuse(RKNN_ERR_CTX_INVALID);
+    if (!shape || shape->K != c->info.K || shape->N != c->info.N) return refuse(RKNN_ERR_PARAM_INVALID);
     for (int i = 0; i < c->n_shapes; i++)
         if (c->shapes[i] == shape->M) {
             c->cur_m = shape->M;
             return RKNN_SUCC;
         }
-    return RKNN_ERR_PARAM_INVALID; /* M outside the dynamic shapes */
+    return refuse(RKNN_ERR_PARAM_INVALID); /* rule: an M the context was not created with */
 }
 
+/* rule (header, rknn_matmul_set_core_mask, lists AUTO, 0, 1, 2, 0_1, 0_1_2; boards answer -1 with
+ * "Not support core mask: 3" for 0_1 (rknn-toolkit2 issue #7) and "Not support core mask: 7" for
+ * 0_1_2 (rknpu2 issue #105; rknn-toolkit2 #253)): a matmul context takes AUTO or one core; any
+ * other mask is RKNN_ERR_FAIL, as boards report it */
 int rknn_matmul_set_core_mask(rknn_context ctx, int mask) {
     ctx_rec *c = lookup(ctx);
-    if (!c) return RKNN_ERR_CTX_INVALID;
-    if (mask == CORE_0_1_2 || mask == CORE_ALL) return RKNN_ERR_PARAM_INVALID; /* three cores: refused for matmul */
-    if (mask != 0 && mask != 1 && mask != 2 && mask != 4 && mask != 3) return RKNN_ERR_PARAM_INVALID;
+    if (!c) return refuse(RKNN_ERR_CTX_INVALID);
+    if (mask != 0 && mask != 1 && mask != 2 && mask != 4) return refuse(RKNN_ERR_FAIL);
     c->core_mask = mask;
     return RKNN_SUCC;
 }
 
+/* rule (driver): the allocation switches to the context's domain (waiting as fake_iommu.c says)
+ * and is page-rounded against the domain's 4 GiB; NULL, as the driver's allocation fails */
 rknn_tensor_mem *rknn_create_mem(rknn_context ctx, uint32_t size) {
-    pthread_mutex_lock(&lock);
-    ctx_rec *c = find_ctx(ctx);
+    ctx_rec *c = lookup(ctx);
+    if (!c || size == 0) return no_mem();
+    int d = c->info.iommu_domain_id;
+    if (fake_domain_get(d)) return no_mem();
     mem_rec *r = NULL;
-    if (c && size > 0) {
-        int d = c->info.iommu_domain_id;
-        if (domain_bytes[d] + size <= domain_limit && (r = calloc(1, sizeof *r)) != NULL) {
-            r->mem.virt_addr = calloc(1, size);
-            if (!r->mem.virt_addr) {
-                free(r);
-                r = NULL;
-            } else {
-                r->mem.phys_addr = (uint64_t)(uintptr_t)r->mem.virt_addr;
-                r->mem.fd = -1;
-                r->mem.size = size;
-                r->mem.priv_data = r;
-                r->domain = d;
-                domain_bytes[d] += size;
-                r->next = mems;
-                mems = r;
-            }
+    if (fake_domain_reserve(d, size) == 0) {
+        r = calloc(1, sizeof *r);
+        if (r) r->mem.virt_addr = calloc(1, size);
+        if (!r || !r->mem.virt_addr) {
+            free(r);
+            r = NULL;
+            fake_domain_release(d, size);
         }
     }
+    fake_domain_put();
+    if (!r) return no_mem();
+    r->mem.phys_addr = (uint64_t)(uintptr_t)r->mem.virt_addr;
+    r->mem.fd = -1;
+    r->mem.size = size;
+    r->mem.priv_data = r;
+    r->owner = ctx;
+    r->domain = d;
+    pthread_mutex_lock(&lock);
+    r->next = mems;
+    mems = r;
     pthread_mutex_unlock(&lock);
-    return r ? &r->mem : NULL;
+    return &r->mem;
 }
 
+/* rule (rknn_api.h, rknn_destroy_mem(ctx, mem), and the demo's release order: the buffers, then
+ * the context): a buffer is destroyed with the context that created it, while that context lives.
+ * rule (driver, rknpu_gem_object_destroy): the free switches to the buffer's domain first, trying
+ * get_and_switch 3 times; if all time out it gives up and the buffer's pages stay mapped (the
+ * fake keeps them counted in the domain); the caller is told nothing (fake: RKNN_SUCC) */
 int rknn_destroy_mem(rknn_context ctx, rknn_tensor_mem *m) {
     pthread_mutex_lock(&lock);
+    mem_rec *r = NULL;
     int ret = RKNN_ERR_CTX_INVALID;
     if (find_ctx(ctx)) {
         ret = RKNN_ERR_PARAM_INVALID;
         for (mem_rec **p = &mems; *p; p = &(*p)->next)
             if (&(*p)->mem == m) {
-                mem_rec *r = *p;
+                if ((*p)->owner != ctx) break; /* another context's buffer */
+                r = *p;
                 *p = r->next;
-                domain_bytes[r->domain] -= r->mem.size;
-                free(r->mem.virt_addr);
-                free(r);
                 ret = RKNN_SUCC;
                 break;
             }
     }
     pthread_mutex_unlock(&lock);
-    return ret;
+    if (!r) return refuse(ret);
+    int got = -1;
+    for (int i = 0; i < 3 && got; i++) got = fake_domain_get(r->domain);
+    if (got == 0) {
+        fake_domain_release(r->domain, r->mem.size);
+        fake_domain_put();
+    }
+    free(r->mem.virt_addr);
+    free(r);
+    return RKNN_SUCC;
 }
 
 int rknn_matmul_set_io_mem(rknn_context ctx, rknn_tensor_mem *m, rknn_matmul_tensor_attr *attr) {
     pthread_mutex_lock(&lock);
     ctx_rec *c = find_ctx(ctx);
-    int known = find_mem(m) != NULL;
+    mem_rec *r = find_mem(m);
     pthread_mutex_unlock(&lock);
-    if (!c) return RKNN_ERR_CTX_INVALID;
-    if (!attr || !m || !known) return RKNN_ERR_PARAM_INVALID;
-    if (m->size < attr->size) return RKNN_ERR_PARAM_INVALID; /* buffer too small for the tensor */
+    if (!c) return refuse(RKNN_ERR_CTX_INVALID);
+    if (!attr || !m || !r) return refuse(RKNN_ERR_PARAM_INVALID);
+    if (r->owner != ctx) return refuse(RKNN_ERR_PARAM_INVALID); /* rule: buffers of the context that made them */
+    /* rule (demo, before binding B: "rknn_matmul_set_io_mem must call after
+     * rknn_matmul_set_dynamic_shape"); fake: the code, RKNN_ERR_FAIL (the demo only checks ret < 0) */
+    if (c->dynamic && c->cur_m == 0) return refuse(RKNN_ERR_FAIL);
+    if (m->size < attr->size) return refuse(RKNN_ERR_PARAM_INVALID); /* rule: a buffer too small for the tensor */
     uint32_t K = (uint32_t)c->info.K, N = (uint32_t)c->info.N;
     if (strcmp(attr->name, "B") == 0) {
-        if (attr->size != K * N) return RKNN_ERR_PARAM_INVALID;
-        c->b = m;
+        if (attr->size != K * N) return refuse(RKNN_ERR_PARAM_INVALID);
+        c->b = m; /* demo: "B can not be dynamic, only call set_io_mem once" */
         return RKNN_SUCC;
     }
     int is_a = strcmp(attr->name, "A") == 0;
-    if (!is_a && strcmp(attr->name, "C") != 0) return RKNN_ERR_PARAM_INVALID;
+    if (!is_a && strcmp(attr->name, "C") != 0) return refuse(RKNN_ERR_PARAM_INVALID);
     int32_t mm = (int32_t)attr->dims[0];
     if (attr->n_dims != 2 || attr->dims[1] != (is_a ? K : N) || attr->size != (uint32_t)mm * (is_a ? K : N * 4))
-        return RKNN_ERR_PARAM_INVALID;
+        return refuse(RKNN_ERR_PARAM_INVALID);
+    /* fake: A and C are bound with the attrs of the shape set now (the demo binds them so, after
+     * each rknn_matmul_set_dynamic_shape; whether the library insists is a board question) */
+    if (mm != c->cur_m) return refuse(RKNN_ERR_PARAM_INVALID);
     if (is_a) {
         c->a = m;
         c->a_m = mm;
@@ -296,58 +349,31 @@ int rknn_matmul_set_io_mem(rknn_context ctx, rknn_tensor_mem *m, rknn_matmul_ten
     return RKNN_SUCC;
 }
 
-/* offset of B[k][n] in the int8 native layout (RK3588): segments of 8192 rows of K, each (N/32, Ks/32, 32, 32) */
-static size_t native_offset(int k, int n, int K, int N) {
-    int seg = k / K_SEGMENT, ks = K - seg * K_SEGMENT;
-    if (ks > K_SEGMENT) ks = K_SEGMENT;
-    int kk = k - seg * K_SEGMENT;
-    size_t base = (size_t)seg * K_SEGMENT * (size_t)N;
-    return base + (((size_t)(n / 32) * (size_t)(ks / 32) + (size_t)(kk / 32)) * 1024) + (size_t)(n % 32) * 32 + kk % 32;
-}
-
+/* rule (header): B (K, N) as declared by info; fake: info.M must be set (the demo sets it to the
+ * largest M before converting; what the library makes of M = 0 is a board question) */
 int rknn_B_normal_layout_to_native_layout(void *b_in, void *b_out, int K, int N, rknn_matmul_info *info) {
-    if (!b_in || !b_out || !info) return RKNN_ERR_PARAM_INVALID;
-    if (info->type != INT8_MM_INT8_TO_INT32) return RKNN_ERR_PARAM_INVALID; /* fake: int8 only */
-    if (K <= 0 || N <= 0 || K % 32 || N % 32 || K > K_MAX) return RKNN_ERR_PARAM_INVALID;
-    const int8_t *src = b_in;
-    int8_t *dst = b_out;
-    for (int k = 0; k < K; k++)
-        for (int n = 0; n < N; n++) dst[native_offset(k, n, K, N)] = src[(size_t)k * N + n];
+    if (!b_in || !b_out || !info) return refuse(RKNN_ERR_PARAM_INVALID);
+    if (info->type != INT8_MM_INT8_TO_INT32) return refuse(RKNN_ERR_PARAM_INVALID); /* fake: int8 only */
+    if (K <= 0 || N <= 0 || K % 32 || N % 32 || K > K_MAX) return refuse(RKNN_ERR_PARAM_INVALID);
+    if (info->K != K || info->N != N || info->M <= 0) return refuse(RKNN_ERR_PARAM_INVALID);
+    fake_to_native(b_in, b_out, K, N);
     return RKNN_SUCC;
 }
 
 int rknn_matmul_run(rknn_context ctx) {
     ctx_rec *c = lookup(ctx);
-    if (!c) return RKNN_ERR_CTX_INVALID;
+    if (!c) return refuse(RKNN_ERR_CTX_INVALID);
     int M = c->cur_m, K = c->info.K, N = c->info.N;
-    if (M == 0 || !c->b) return RKNN_ERR_INPUT_INVALID;
-    if (!c->a || c->a_m != M) return RKNN_ERR_INPUT_INVALID;
-    if (!c->c || c->c_m != M) return RKNN_ERR_OUTPUT_INVALID;
-    const int8_t *A = c->a->virt_addr, *B = c->b->virt_addr;
-    int32_t *C = c->c->virt_addr;
-    int native = c->info.B_layout == 1;
-    /* one 32-column block of C at a time, its 32 sums of a row in acc: the block's B (K x 32) is
-       read once per row from cache; int32 accumulation is exact (|sum| <= 128 * 128 * 10240) */
-    for (int nb = 0; nb < N; nb += 32)
-        for (int m = 0; m < M; m++) {
-            int32_t acc[32] = {0};
-            const int8_t *arow = A + (size_t)m * K;
-            for (int k0 = 0; k0 < K; k0 += 32) {
-                const int8_t *a = arow + k0;
-                if (native) {
-                    const int8_t *blk = B + native_offset(k0, nb, K, N);
-                    for (int j = 0; j < 32; j++) {
-                        int32_t s = 0;
-                        for (int t = 0; t < 32; t++) s += (int32_t)a[t] * (int32_t)blk[j * 32 + t];
-                        acc[j] += s;
-                    }
-                } else {
-                    for (int t = 0; t < 32; t++)
-                        for (int j = 0; j < 32; j++) acc[j] += (int32_t)a[t] * (int32_t)B[(size_t)(k0 + t) * N + nb + j];
-                }
-            }
-            memcpy(C + (size_t)m * N + nb, acc, sizeof acc);
-        }
+    if (M == 0 || !c->b) return refuse(RKNN_ERR_INPUT_INVALID);
+    if (!c->a || c->a_m != M) return refuse(RKNN_ERR_INPUT_INVALID);
+    if (!c->c || c->c_m != M) return refuse(RKNN_ERR_OUTPUT_INVALID);
+    /* rule (driver): the job holds a reference on its domain from commit to completion; a run in
+     * another domain waits, up to the switch timeout; fake: the code, RKNN_ERR_FAIL (the driver's
+     * -EINVAL as the library reports it is undocumented) */
+    if (fake_domain_get(c->info.iommu_domain_id)) return refuse(RKNN_ERR_FAIL);
+    fake_run_gate();
+    fake_multiply(c->a->virt_addr, c->b->virt_addr, c->c->virt_addr, M, K, N, c->info.B_layout == 1);
+    fake_domain_put();
     return RKNN_SUCC;
 }
 
@@ -358,12 +384,12 @@ int rknn_matmul_destroy(rknn_context ctx) {
         if ((rknn_context)(uintptr_t)*p == ctx) {
             ctx_rec *c = *p;
             *p = c->next;
-            free(c);
+            free(c); /* fake: its buffers stay (the demo destroys them first; they can no longer be) */
             ret = RKNN_SUCC;
             break;
         }
     pthread_mutex_unlock(&lock);
-    return ret;
+    return ret ? refuse(ret) : ret;
 }
 
 /* ---- test hooks (not part of librknnrt) ---- */
@@ -386,6 +412,5 @@ int fake_context_info(rknn_context ctx, int *core_mask, int *domain) {
     return 0;
 }
 
-uint64_t fake_domain_bytes(int domain) { return domain >= 0 && domain < MAX_DOMAINS ? domain_bytes[domain] : 0; }
-
-void fake_set_domain_limit(uint64_t bytes) { domain_limit = bytes; }
+/* how many calls the fake has refused since it was loaded */
+int64_t fake_refusals(void) { return __atomic_load_n(&refusals, __ATOMIC_RELAXED); }

@@ -52,7 +52,8 @@ class TensorType(IntEnum):  # rknn_tensor_type
     BFLOAT16 = 11
 
 
-class CoreMask(IntEnum):  # rknn_core_mask
+class CoreMask(IntEnum):  # rknn_core_mask (rknn_api.h). A matmul context takes AUTO or one core:
+    # boards answer -1 ("Not support core mask") for 0_1 and 0_1_2 (docs/npu.md, "Core masks")
     AUTO = 0
     CORE_0 = 1
     CORE_1 = 2
@@ -65,10 +66,23 @@ class CoreMask(IntEnum):  # rknn_core_mask
 CORE_MASKS = (CoreMask.CORE_0, CoreMask.CORE_1, CoreMask.CORE_2)  # NPU core i -> its one-core mask
 
 
-class MatmulType(IntEnum):  # rknn_matmul_type (the ones this project names)
+class MatmulType(IntEnum):  # rknn_matmul_type (rknn_matmul_api.h of runtime 2.3.2; 13 and 14 are unused)
     FLOAT16_MM_FLOAT16_TO_FLOAT32 = 1
     INT8_MM_INT8_TO_INT32 = 2
     INT8_MM_INT8_TO_INT8 = 3
+    FLOAT16_MM_FLOAT16_TO_FLOAT16 = 4
+    FLOAT16_MM_INT8_TO_FLOAT32 = 5
+    FLOAT16_MM_INT8_TO_FLOAT16 = 6
+    FLOAT16_MM_INT4_TO_FLOAT32 = 7
+    FLOAT16_MM_INT4_TO_FLOAT16 = 8
+    INT8_MM_INT8_TO_FLOAT32 = 9
+    INT4_MM_INT4_TO_INT16 = 10
+    INT8_MM_INT4_TO_INT32 = 11
+    FLOAT16_MM_INT4_TO_BFLOAT16 = 12
+    INT8_MM_INT4_TO_FLOAT16 = 15
+
+
+LAST_MATMUL_TYPE = max(MatmulType)  # 15
 
 
 class Layout(IntEnum):  # rknn_matmul_layout
@@ -77,10 +91,14 @@ class Layout(IntEnum):  # rknn_matmul_layout
     TP_NORM = 2
 
 
-class QuantType(IntEnum):  # rknn_matmul_info.B_quant_type
-    PER_LAYER = 0
-    PER_CHANNEL = 1
-    PER_GROUP = 2
+class QuantType(IntEnum):  # rknn_matmul_quant_type, the values of rknn_matmul_info.B_quant_type
+    # (the enum and the demos' use; the struct's comment "1: per channel, 2: per group" is older)
+    PER_LAYER_SYM = 0
+    PER_LAYER_ASYM = 1
+    PER_CHANNEL_SYM = 2
+    PER_CHANNEL_ASYM = 3
+    PER_GROUP_SYM = 4
+    PER_GROUP_ASYM = 5
 
 
 class TensorMem(Structure):  # rknn_tensor_mem (rknn_api.h)

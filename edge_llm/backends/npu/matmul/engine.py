@@ -2,17 +2,21 @@
 
 Per weight B (K, N): cut over the NPU cores in parts that are multiples of 32 (`split_weight`: by
 N, by K with the partial products summed in int32, or both, whichever makes the largest part
-smallest; one matmul context per core: a three-core mask is refused for matmul contexts), each part converted once to
-the native layout (`rknn_B_normal_layout_to_native_layout`) into a buffer of its context,
-`RKNN_INT8_MM_INT8_TO_INT32`, all contexts in one IOMMU domain (the decoder's: 1, leaving
-domain 0 to the vision tower's `.rknn`). M varies per call: each context is created with the
-dynamic shapes `M_SHAPES`; a call pads its rows up to the next shape with zero rows and splits
-above the largest (rows never mix, so padding changes no bit). A, B and C are buffers from
-`rknn_create_mem`, allocated once per context, with numpy views onto them: a call copies the
-int8 rows in and the int32 rows out, nothing else. The parts of one call (a round) run
-concurrently, the first on the caller's thread and the others on helper threads: one C call per
-round (`rounds.CRound` over `_rounds.c`), or Python's thread pool where the operator library is
-not built (ctypes releases the GIL for the calls). docs/npu.md, "The matmul API binding".
+smallest; one matmul context per core: boards refuse multi-core masks for matmul contexts).
+Each context follows the order of Rockchip's dynamic-shape demo: created with the dynamic shapes
+`M_SHAPES` (info.M/K/N set to the largest shape), its core mask, its A, B and C buffers from
+`rknn_create_mem` sized for the largest shape, B converted once to the native layout
+(`rknn_B_normal_layout_to_native_layout` with that info), the first shape set, then B bound (once:
+B is not dynamic), then A and C bound for that shape; at every shape change the shape is set
+before A and C are bound again; release is the buffers, then the context.
+`RKNN_INT8_MM_INT8_TO_INT32`, all contexts in IOMMU domain 0 (the driver attaches one domain at a
+time: the vision tower's `.rknn` is there too, and both fit). A call pads its rows up to the next
+shape with zero rows and splits above the largest (rows never mix, so padding changes no bit);
+numpy views onto the buffers: a call copies the int8 rows in and the int32 rows out, nothing else.
+The parts of one call (a round) run concurrently, the first on the caller's thread and the others
+on helper threads: one C call per round (`rounds.CRound` over `_rounds.c`), or Python's thread
+pool where the operator library is not built (ctypes releases the GIL for the calls).
+docs/npu.md, "The matmul API binding".
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from edge_llm.weights import sha256_file
 log = logging.getLogger(__name__)
 
 M_SHAPES = (1, 2, 4, 8, 16, 32, 64, 128)  # the dynamic shapes of every context (rows per call)
-DECODER_DOMAIN = 1  # the decoder's IOMMU domain; the vision tower's .rknn stays in domain 0
+DECODER_DOMAIN = 0  # the decoder's IOMMU domain: the tower's too (one is attached at a time; docs/npu.md)
 CORES = (0, 1, 2)  # the RK3588's three NPU cores
 
 
@@ -182,20 +186,24 @@ class NpuInt8Matmul:
             self.tables[name] = rounds.table([p.c_part() for p in parts])
 
     def _part(self, core: int, blk: Block, w: np.ndarray) -> _Part:
+        """One context for `blk`, in the dynamic-shape demo's order (docs/npu.md, "Call sequence")."""
         K, n = blk.k1 - blk.k0, blk.n1 - blk.n0
-        info = api.MatmulInfo(K=K, N=n, type=api.MatmulType.INT8_MM_INT8_TO_INT32, B_layout=api.Layout.NATIVE,
+        info = api.MatmulInfo(M=M_SHAPES[-1], K=K, N=n, type=api.MatmulType.INT8_MM_INT8_TO_INT32,
+                              B_layout=api.Layout.NATIVE, B_quant_type=api.QuantType.PER_LAYER_SYM,
                               AC_layout=api.Layout.NORM, iommu_domain_id=self.domain)
         ctx, attrs = self.lib.create_dynamic_shape(info, [api.Shape(m, K, n) for m in M_SHAPES])
         part = _Part(ctx, core, blk, attrs)
         try:
             self.lib.set_core_mask(ctx, api.CORE_MASKS[core])
-            big = attrs[-1]
-            for size in (big.A.size, big.B.size, big.C.size):
-                part.mems.append(self.lib.create_mem(ctx, size))
+            for t in "ABC":  # each sized for the largest shape; kept one by one, so a failure releases them
+                part.mems.append(self.lib.create_mem(ctx, max(getattr(a, t).size for a in attrs)))
             a_mem, b_mem, c_mem = part.mems
             b = np.ascontiguousarray(w[blk.k0:blk.k1, blk.n0:blk.n1])
             self.lib.b_to_native(b.ctypes.data, b_mem.contents.virt_addr, K, n, info)
-            self.lib.set_io_mem(ctx, b_mem, big.B)
+            first = M_SHAPES[0]
+            self.lib.set_dynamic_shape(ctx, api.Shape(first, K, n))  # a shape before any binding
+            self.lib.set_io_mem(ctx, b_mem, attrs[0].B)  # B is not dynamic: bound once
+            self._bind_ac(part, first)
             part.a = _view(a_mem, np.int8, M_SHAPES[-1] * K)
             part.c = _view(c_mem, np.int32, M_SHAPES[-1] * n)
         except BaseException:
@@ -251,9 +259,13 @@ class NpuInt8Matmul:
                 out[:, b.n0:b.n1] = c
 
     def _set_shape(self, p: _Part, m: int) -> None:
-        attrs = p.attrs[M_SHAPES.index(m)]
         p.m = 0  # unusable until both buffers are bound to the new shape
         self.lib.set_dynamic_shape(p.ctx, api.Shape(m, p.blk.k1 - p.blk.k0, p.blk.n1 - p.blk.n0))
+        self._bind_ac(p, m)
+
+    def _bind_ac(self, p: _Part, m: int) -> None:
+        """Bind A and C with the attrs of shape `m`, the shape just set."""
+        attrs = p.attrs[M_SHAPES.index(m)]
         self.lib.set_io_mem(p.ctx, p.mems[0], attrs.A)
         self.lib.set_io_mem(p.ctx, p.mems[2], attrs.C)
         p.m = m
