@@ -51,8 +51,8 @@ from edge_llm.backends.graph.onnx_export import (
     GraphBuilder,
     Linear,
     WeightKey,
-    _digest,
 )
+from edge_llm.backends.graph.manifest import sha256_files
 from edge_llm.config import ModelArgs
 from edge_llm.weights import load_weights
 
@@ -159,4 +159,4 @@ def export_decode(model_dir: str | Path, out_dir: Path, linear: Linear,
         ins += [(kp, ["S", kv]), (vp, ["S", kv])]
         outs += [(kn_, ["T", kv]), (vn, ["T", kv])]
     g.write(ins, outs, path, opset=DECODE_OPSET)
-    return Exported(spec, path, data, _digest(path, data))
+    return Exported(spec, path, data, sha256_files(path, data))
