@@ -15,37 +15,18 @@ from __future__ import annotations
 
 import ctypes
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from edge_llm.backends.npu.matmul import binding as api
 from edge_llm.backends.npu.matmul.engine import open_npu_matmul
 from edge_llm.errors import RknnMatmulError
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 import fake_calls as fc  # noqa: E402
+from fake_calls import L, lib  # noqa: E402,F401  (the fixtures)
 import npu_matmul_check as check  # noqa: E402
-
-
-@pytest.fixture
-def lib(fake_librknnrt):
-    """The fake's path, nothing alive before or after, its knobs back to the driver's after."""
-    path = str(fake_librknnrt)
-    fake = ctypes.CDLL(path)
-    assert check.live(path) == (0, 0)
-    yield path
-    fake.fake_hold_runs(0)
-    fake.fake_set_switch_timeout_ms(6000)
-    fake.fake_set_domain_limit(ctypes.c_uint64(1 << 32))
-    assert check.live(path) == (0, 0)
-
-
-@pytest.fixture
-def L(lib):
-    return api.load_library(lib)
 
 
 def test_allocations_are_page_rounded_per_domain(L, lib):
@@ -73,10 +54,7 @@ def test_allocations_are_page_rounded_per_domain(L, lib):
 def test_one_domain_at_a_time_waits_then_switches(L, lib):
     """A run in domain 1 while a run in domain 0 is outstanding waits (the driver's
     get_and_switch); when the domain-0 run completes, the NPU switches and the waiting run runs."""
-    fake = fc.hooks(lib)
-    c0, c1 = fc.Ctx(L, domain=0), fc.Ctx(L, domain=1)
-    threads: list[threading.Thread] = []
-    try:
+    with fc.two_domains(L, lib) as (fake, c0, c1, threads):
         c0.demo_order()
         c1.demo_order()
         L.run(c0.ctx)
@@ -94,22 +72,13 @@ def test_one_domain_at_a_time_waits_then_switches(L, lib):
         t0.join()
         t1.join()
         assert r0 == [None] and r1 == [None] and fc.switches(fake) == (1, n + 1)
-    finally:
-        fake.fake_hold_runs(0)
-        for t in threads:  # a run still going must finish before its buffers go
-            t.join()
-        c0.close()
-        c1.close()
 
 
 def test_a_switch_that_waits_past_the_timeout_is_refused(L, lib):
     """The same, with the domain-0 run held past the switch timeout (lowered from the driver's
     6000 ms): the domain-1 run fails (the driver's -EINVAL, -1 here) and so does an allocation in
     domain 1; nothing switched; once the run completes, domain 1 is usable."""
-    fake = fc.hooks(lib)
-    c0, c1 = fc.Ctx(L, domain=0), fc.Ctx(L, domain=1)
-    threads: list[threading.Thread] = []
-    try:
+    with fc.two_domains(L, lib) as (fake, c0, c1, threads):
         c0.demo_order()
         c1.demo_order()
         L.run(c0.ctx)
@@ -131,22 +100,13 @@ def test_a_switch_that_waits_past_the_timeout_is_refused(L, lib):
         assert r0 == [None]
         L.run(c1.ctx)
         assert fc.switches(fake)[0] == 1
-    finally:
-        fake.fake_hold_runs(0)
-        for t in threads:  # a run still going must finish before its buffers go
-            t.join()
-        c0.close()
-        c1.close()
 
 
 def test_a_free_in_a_busy_other_domain_leaves_the_pages_mapped(L, lib):
     """The driver frees a buffer in its own domain: with a run outstanding in domain 0 past three
     switch timeouts, destroying a domain-1 buffer gives up, and its pages stay counted in domain
     1 (the buffer itself is gone); with the NPU idle, a free gives its pages back."""
-    fake = fc.hooks(lib)
-    c0, c1 = fc.Ctx(L, domain=0), fc.Ctx(L, domain=1)
-    threads: list[threading.Thread] = []
-    try:
+    with fc.two_domains(L, lib) as (fake, c0, c1, threads):
         c0.demo_order()
         L.run(c0.ctx)
         c1.mem(4096)  # stays until close()
@@ -166,13 +126,6 @@ def test_a_free_in_a_busy_other_domain_leaves_the_pages_mapped(L, lib):
         assert check.domain_bytes(lib, 1) == before + 4096
         L.destroy_mem(c1.ctx, c1.mems.pop())  # an idle NPU: its page is given back
         assert check.domain_bytes(lib, 1) == before
-    finally:
-        fake.fake_hold_runs(0)
-        for t in threads:  # a run still going must finish before its buffers go
-            t.join()
-        fake.fake_set_switch_timeout_ms(6000)
-        c0.close()
-        c1.close()
 
 
 def test_two_engines_in_two_domains_serialize(lib):

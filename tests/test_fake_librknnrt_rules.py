@@ -25,25 +25,7 @@ from edge_llm.errors import RknnMatmulError
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 import fake_calls as fc  # noqa: E402
-import npu_matmul_check as check  # noqa: E402
-
-
-@pytest.fixture
-def lib(fake_librknnrt):
-    """The fake's path, nothing alive before or after, its knobs back to the driver's after."""
-    path = str(fake_librknnrt)
-    fake = ctypes.CDLL(path)
-    assert check.live(path) == (0, 0)
-    yield path
-    fake.fake_hold_runs(0)
-    fake.fake_set_switch_timeout_ms(6000)
-    fake.fake_set_domain_limit(ctypes.c_uint64(1 << 32))
-    assert check.live(path) == (0, 0)
-
-
-@pytest.fixture
-def L(lib):
-    return api.load_library(lib)
+from fake_calls import L, lib  # noqa: E402,F401  (the fixtures)
 
 
 def test_the_old_call_order_is_refused(L):

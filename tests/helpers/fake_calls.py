@@ -5,8 +5,10 @@ tests/test_fake_librknnrt_domains.py (the driver's IOMMU domains)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -14,7 +16,28 @@ import pytest
 from edge_llm.backends.npu.matmul import binding as api
 from edge_llm.errors import RknnMatmulError
 
+import npu_matmul_check as check
+
 WAIT_MS = 120_000  # how long a test waits for a thread to reach the fake's gate (never the rule's time)
+
+
+@pytest.fixture
+def lib(fake_librknnrt):
+    """The fake's path, nothing alive before or after, its knobs back to the driver's after (the
+    rules' and the domains' tests import this fixture)."""
+    path = str(fake_librknnrt)
+    fake = ctypes.CDLL(path)
+    assert check.live(path) == (0, 0)
+    yield path
+    fake.fake_hold_runs(0)
+    fake.fake_set_switch_timeout_ms(6000)
+    fake.fake_set_domain_limit(ctypes.c_uint64(1 << 32))
+    assert check.live(path) == (0, 0)
+
+
+@pytest.fixture
+def L(lib):
+    return api.load_library(lib)
 
 
 def hooks(path: str) -> ctypes.CDLL:
@@ -90,3 +113,21 @@ def run_in_thread(L: api.MatmulLib, ctx: int) -> tuple[threading.Thread, list]:
     t = threading.Thread(target=go)
     t.start()
     return t, out
+
+
+@contextlib.contextmanager
+def two_domains(L: api.MatmulLib, lib: str) -> Iterator[tuple[ctypes.CDLL, "Ctx", "Ctx", list[threading.Thread]]]:
+    """The fake's hooks, a context in domain 0 and one in domain 1, and a list for the threads a
+    test starts: on the way out the held runs are let go, every thread is joined (a run still going
+    must finish before its buffers go) and both contexts are closed."""
+    fake = hooks(lib)
+    c0, c1 = Ctx(L, domain=0), Ctx(L, domain=1)
+    threads: list[threading.Thread] = []
+    try:
+        yield fake, c0, c1, threads
+    finally:
+        fake.fake_hold_runs(0)
+        for t in threads:
+            t.join()
+        c0.close()
+        c1.close()
