@@ -17,6 +17,7 @@ import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from safetensors import safe_open
@@ -348,19 +349,27 @@ def load_vision_weights(model_dir: str | Path, args: ModelArgs, vision: VisionAr
 
 
 # ---- weight digest ---------------------------------------------------------------------------
-def sha256_file(path: str | Path, progress: Callable[[int], None] | None = None) -> str:
-    """Hex sha256 of a file's bytes, streamed through one reusable buffer; `progress(bytes done)`
-    after every 256 MiB (hashing GBs on eMMC takes minutes)."""
-    h = hashlib.sha256()
+def hash_into(h: hashlib._Hash, f: BinaryIO, progress: Callable[[int], None] | None = None) -> int:
+    """Stream an open (unbuffered) file's remaining bytes into `h` through one reusable buffer;
+    `progress(bytes done)` after every 256 MiB (hashing GBs on eMMC takes minutes). The one hashing
+    loop: whole files here, a graph's file pairs (graph/manifest.py), and weights.npz hashed through
+    the descriptor it is then read from (npu/matmul/verify.py). Returns the bytes hashed."""
     buf = bytearray(_DIGEST_CHUNK)
     view = memoryview(buf)
     done, step = 0, 256 << 20
+    while n := f.readinto(buf):
+        h.update(view[:n])
+        done += n
+        if progress is not None and done % step < n:
+            progress(done)
+    return done
+
+
+def sha256_file(path: str | Path, progress: Callable[[int], None] | None = None) -> str:
+    """Hex sha256 of a file's bytes (`hash_into`)."""
+    h = hashlib.sha256()
     with open_regular(path, WeightsError, buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-            done += n
-            if progress is not None and done % step < n:
-                progress(done)
+        hash_into(h, f, progress)
     return h.hexdigest()
 
 

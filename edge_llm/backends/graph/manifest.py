@@ -25,6 +25,7 @@ from edge_llm.backends.graph.schema import GraphSpec
 from edge_llm.config import ModelArgs
 from edge_llm.errors import ConfigError
 from edge_llm.files import open_regular, write_atomic
+from edge_llm.weights import hash_into
 
 FORMAT = "edge-llm-graphs/1"
 MANIFEST = "manifest.json"
@@ -39,8 +40,7 @@ def sha256_files(*paths: Path) -> str:
     h = hashlib.sha256()
     for p in paths:
         with open_regular(p, ConfigError, buffering=0) as f:
-            while chunk := f.read(8 << 20):
-                h.update(chunk)
+            hash_into(h, f)
     return h.hexdigest()
 
 

@@ -22,8 +22,8 @@ import numpy as np
 
 from edge_llm.errors import ConfigError
 from edge_llm.files import open_regular
+from edge_llm.weights import hash_into
 
-CHUNK = 8 << 20  # the hash's read buffer
 ORTHO_TOL = 1e-3  # |R R^T - I| allowed: float32 rounding of an orthogonal matrix is ~1e-6
 ORTHO_ROWS = 16  # rows of a large rotation whose products with every row are checked
 REDO = "re-run `edge-llm convert npu-mm`"
@@ -38,10 +38,8 @@ def open_weights(path: Path, claimed: str) -> tuple[BinaryIO, str]:
     except OSError as e:
         raise ConfigError(f"{path}: unreadable ({e}): {REDO}") from None
     try:
-        h, buf = hashlib.sha256(), bytearray(CHUNK)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
+        h = hashlib.sha256()
+        hash_into(h, f)
         digest = h.hexdigest()
         if digest != claimed:
             size = os.fstat(f.fileno()).st_size
