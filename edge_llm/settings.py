@@ -310,13 +310,10 @@ def normal_host(text: str) -> str | None:
     dot, an IPv6 address without brackets and in its compressed form; None if `text` is neither
     (a name is letters, digits, '-', '_' and dots)."""
     text = text.strip().lower()
-    if text.startswith("[") and text.endswith("]"):
+    bracketed = text.startswith("[") and text.endswith("]")
+    if bracketed:
         text = text[1:-1]
-        try:
-            return str(ipaddress.IPv6Address(text))
-        except ValueError:
-            return None
-    if ":" in text:  # only an IPv6 address holds a colon (a port is not part of an entry)
+    if bracketed or ":" in text:  # only an IPv6 address holds a colon (a port is not part of an entry)
         try:
             return str(ipaddress.IPv6Address(text))
         except ValueError:
