@@ -5,7 +5,8 @@ for the tests), into one Markdown file that ends with the whole result as a JSON
 
 - the machine: CPU, ISA, the device tree's board model, kernel, librknnrt and RKNPU driver versions,
   edge-llm's version;
-- the NPU start-up self-test's answers, when the caller hands them in (`run(self_test=...)`);
+- the NPU start-up self-test's answers, when the caller hands in a function that runs it
+  (`run(self_test=...)`; without one the section says it was not run);
 - the matmul path's accuracy against the F32 CPU backend (`bench.accuracy`), over the library when
   there is one, else over the exact host emulation;
 - the matmul engine's per-call cost and GB/s (`bench.npu.matmul`), and the prediction at the
@@ -136,18 +137,20 @@ def section(name: str, fn: Callable[[], dict], step: Callable[[str], None]) -> d
 
 
 def run(model: str, mm_dir: str | None, where: Where, store_dir: Path, sizes: Sizes = FULL,
-        self_test: dict | None = None, step: Callable[[str], None] = lambda _m: None) -> dict:
+        self_test: Callable[[], dict] | None = None, step: Callable[[str], None] = lambda _m: None) -> dict:
     """Every section (module docstring); `mm_dir`: an `edge-llm convert npu-mm` directory of `model`,
-    None: one converted here, round to nearest. `self_test`: the NPU start-up self-test's
-    `SelfTestReport.to_dict()`, when the caller ran it (None: reported as not run)."""
+    None: one converted here, round to nearest. `self_test`: runs the NPU start-up self-test and
+    returns its report as a dict (a failure is that section's, as any other's); None: the section
+    says it was not run."""
     from edge_llm.checkpoints.default import resolve_model_dir
 
     res: dict = {"headline": where.headline(), "fake_library": where.fake, "quick": sizes == QUICK,
                  "model": model, "sections": {}}
     s = res["sections"]
     s["machine"] = section("machine", lambda: machine_facts(where), step)
-    s["self_test"] = ({"status": "ok", **self_test} if self_test is not None else
-                      not_run("the NPU start-up self-test (issue 47 item 3) is not wired into this report yet"))
+    # the slot of the NPU start-up self-test: `self_test` runs it and returns its report's dict
+    s["self_test"] = (section("self-test", self_test, step) if self_test is not None else
+                      not_run("the NPU start-up self-test is not wired into this report yet"))
     model_dir = resolve_model_dir(model)
     with tempfile.TemporaryDirectory(prefix="edge-llm-board-") as tmp:
         if mm_dir is None:
@@ -246,16 +249,16 @@ def markdown(res: dict) -> str:
     if res["quick"]:
         lines += ["Run with --quick: small sizes, for a check of the report itself, not a measurement.", ""]
 
-    def head(name: str, title: str) -> bool:
+    def head(name: str, title: str, label: str = "") -> bool:
         lines.extend([f"## {title}", ""])
         if s[name]["status"] != "ok":
-            lines.extend([f"not run: {s[name]['reason']}", ""])
+            lines.extend([f"{label}: not run ({s[name]['reason']})" if label else f"not run: {s[name]['reason']}", ""])
             return False
         return True
 
     if head("machine", "Machine"):
         lines += [f"- {k}: {v if v is not None else '-'}" for k, v in s["machine"].items() if k != "status"] + [""]
-    if head("self_test", "NPU self-test"):
+    if head("self_test", "NPU self-test", "self-test"):
         lines += ["```", json.dumps({k: v for k, v in s["self_test"].items() if k != "status"}, indent=1), "```", ""]
     if s["conversion"]["status"] == "ok" and s["conversion"].get("made_here"):
         lines += [f"npu-mm conversion: {s['conversion']['note']}", ""]
@@ -265,7 +268,8 @@ def markdown(res: dict) -> str:
         m = s["matmul"]
         lines += [f"- run {m['run_us']:.1f} us (rknn_matmul_run {m['lib_run_us']:.1f} us), a round over "
                   f"{m['round_cores']} cores {m['round_us']:.1f} us, the engine's own {m['engine_us']:.1f} us"]
-        lines += [f"- stream {k}: " + ", ".join(f"{c} {v:.2f} GB/s" for c, v in by.items()) for k, by in m["gbps"].items()]
+        lines += [f"- stream {k}: " + ", ".join(f"{c} {v:.2f} GB/s" for c, v in by.items())
+                  for k, by in m["gbps"].items()]
         lines.append("")
     if head("prediction", "Prediction"):
         p = s["prediction"]
