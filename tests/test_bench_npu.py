@@ -123,13 +123,13 @@ def test_predict_only_prints_the_prediction(tiny_synth_dir, edge_home, tmp_path,
     assert "## Prediction: the matmul path, 28 layers" in r.stdout and "not scaled to the board's Cortex-A76" in r.stdout
     # cpu-q's decode on the A76 cores beside it, with its source: the 28-layer geometry's 4-bit bytes
     # over the bandwidth Gemma3-1B Q4_0's published rate implies (the ratio of bytes, not a clock)
+    out = " ".join(r.stdout.split())
+    assert "## NPU or CPU decode: cpu-q on the four A76 cores, 28 layers" in r.stdout and "rk-llama.cpp" in out
     from edge_llm.bench.npu.a76 import CPU_Q_BYTES_PER_WEIGHT, GEMMA3_1B, Q4_0_BYTES_PER_WEIGHT, weights
 
     q = res["cpu_q"]
     assert q["layers"] == 28 and q["bytes_per_token"] == weights(plan_args) * CPU_Q_BYTES_PER_WEIGHT
     assert q["tok_s"] / 28.3 == pytest.approx(weights(GEMMA3_1B) * Q4_0_BYTES_PER_WEIGHT / q["bytes_per_token"])
-    out = " ".join(r.stdout.split())
-    assert "## NPU or CPU decode: cpu-q on the four A76 cores, 28 layers" in r.stdout and "rk-llama.cpp" in out
     assert f"cpu-q predicted {q['tok_s']:.2f} tok/s" in out
     assert f"the matmul path (NPU) predicted {res['decode'][0]['tok_s']:.2f} tok/s" in out
     bad = subprocess.run([sys.executable, "-m", "edge_llm", "bench", "npu", "--model", str(tiny_synth_dir),
