@@ -74,7 +74,8 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
     """Export ONNX graphs from MODEL_DIR's F32 weights (an HF model directory, or 'default' for the
     embedded default model, as `--model default` elsewhere), check every tensor's range on real
     activations, build fp16 .rknn files for rk3588 with rknn-toolkit2 (in the converter venv),
-    check each in the simulator; write OUT_DIR/manifest.json and OUT_DIR/report.md. A full
+    check each in the simulator; write OUT_DIR/manifest.json and OUT_DIR/report.md, OUT_DIR published
+    whole (a killed run leaves the old one or none; a refused range check: OUT_DIR.refused.md). A full
     Qwen3-VL-2B takes tens of minutes."""
     from rich.console import Console
     from rich.progress import (
