@@ -101,3 +101,21 @@ def test_a_failing_section_is_reported_and_the_others_run(tiny_synth_dir, fake_l
     assert "## Store disk (raw)\n\nnot run: " in md and "## Snapshot save and restore\n\nnot run: " in md
     assert "not run: self_test, disk, restore" in " ".join(r.stdout.split())
     assert s["decode"]["rows"] and s["matmul"]["run_us"] > 0 and blocker.read_text() == "x"
+
+
+def test_machine_facts_from_a_boards_files(tmp_path):
+    """The board model from the device tree, the driver's version from debugfs and the library's
+    from its bytes, as a board shows them (here under a sysroot)."""
+    from edge_llm.bench.board import Where, machine_facts
+
+    (tmp_path / "proc/device-tree").mkdir(parents=True)
+    (tmp_path / "proc/device-tree/model").write_bytes(b"Radxa ROCK 5B\0")
+    (tmp_path / "sys/kernel/debug/rknpu").mkdir(parents=True)
+    (tmp_path / "sys/kernel/debug/rknpu/version").write_text("RKNPU driver: v0.9.8\n")
+    lib = tmp_path / "librknnrt.so"
+    lib.write_bytes(b"\x7fELF\0junk\0librknnrt version: 2.3.2 (429f97ae6b@2025-04-09T09:09:27)\0more")
+    f = machine_facts(Where(str(lib), "/dev/rknpu"), sysroot=str(tmp_path))
+    assert f["board"] == "Radxa ROCK 5B" and f["npu_driver"] == "0.9.8" and f["npu"] == "/dev/rknpu"
+    assert f["librknnrt_version"] == "2.3.2 (429f97ae6b@2025-04-09T09:09:27)"
+    bare = machine_facts(Where(None, None), sysroot=str(tmp_path / "none"))
+    assert bare["board"] is None and bare["npu_driver"] is None and bare["librknnrt_version"] is None
