@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import shutil
 import secrets
@@ -108,18 +109,12 @@ def machine_facts(where: Where, sysroot: str = "/") -> dict:
         except OSError as e:
             lib_version = f"not read ({e.strerror or e}): found by the dynamic loader"
     drv = text(NPU_DRIVER_DEBUGFS)
-    return {"cpu": machine(), "cpus": len(_affinity()), "isa": cpu_isa(), "cpu_q_kernels": kernel_isa(),
+    return {"cpu": machine(), "cpus": len(os.sched_getaffinity(0)), "isa": cpu_isa(), "cpu_q_kernels": kernel_isa(),
             "board": text("proc/device-tree/model"), "kernel": f"{platform.system()} {platform.release()} "
             f"{platform.version()}", "python": platform.python_version(), "edge_llm": __version__,
             "npu": where.npu, "librknnrt": where.lib, "librknnrt_version": lib_version,
             "npu_driver": (npu_driver_version(drv) if drv else None)
             or ("unknown (debugfs not readable: run as root)" if where.npu else None)}
-
-
-def _affinity() -> set[int]:
-    import os
-
-    return os.sched_getaffinity(0)
 
 
 def not_run(reason: str) -> dict:
