@@ -85,6 +85,11 @@ def test_matmul_path_through_the_fake_library(default_mm, fake_librknnrt, tmp_pa
     assert mes["cpu_ms"] == pred["cpu_ms"] and mes["npu_ms"] != pred["npu_ms"] and mes["engine_ms"] == pred["engine_ms"]
     assert "| decode at 8192 |" in r.stdout and "| prefill, 128-row prompt |" in r.stdout
     assert "RSS with a 8192-token KV cache written" in r.stdout
+    # cpu-q's decode on the A76 cores predicted beside the NPU's (docs/npu.md, "NPU or CPU decode")
+    assert "## NPU or CPU decode: cpu-q on the four A76 cores" in r.stdout and "rk-llama.cpp" in r.stdout
+    from edge_llm.bench.npu.a76 import CPU_Q_BYTES_PER_WEIGHT, weights
+
+    assert res["cpu_q"]["bytes_per_token"] == weights(ModelArgs.from_dir(model)) * CPU_Q_BYTES_PER_WEIGHT
 
 
 @pytest.mark.timeout(600)
