@@ -96,6 +96,21 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+def fsync_tree(root: str | os.PathLike[str]) -> None:
+    """fsync every regular file and directory under `root` (files written by other processes or
+    without `atomic_file`, before the directory is published: `convert rknn`)."""
+    for here, _dirs, names in os.walk(root):
+        for name in names:
+            path = os.path.join(here, name)
+            if os.path.isfile(path) and not os.path.islink(path):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        fsync_dir(here)
+
+
 def check_writable(directory: str | os.PathLike[str]) -> None:
     """Create and remove a temp file in `directory`: raises the OSError (EROFS, EACCES, ENOSPC...)
     a first real write would meet, so a directory that exists but cannot be written is found when

@@ -85,6 +85,11 @@ def test_matmul_path_through_the_fake_library(default_mm, fake_librknnrt, tmp_pa
     assert mes["cpu_ms"] == pred["cpu_ms"] and mes["npu_ms"] != pred["npu_ms"] and mes["engine_ms"] == pred["engine_ms"]
     assert "| decode at 8192 |" in r.stdout and "| prefill, 128-row prompt |" in r.stdout
     assert "RSS with a 8192-token KV cache written" in r.stdout
+    # cpu-q's decode on the A76 cores predicted beside the NPU's (docs/npu.md, "NPU or CPU decode")
+    assert "## NPU or CPU decode: cpu-q on the four A76 cores" in r.stdout and "rk-llama.cpp" in r.stdout
+    from edge_llm.bench.npu.a76 import CPU_Q_BYTES_PER_WEIGHT, weights
+
+    assert res["cpu_q"]["bytes_per_token"] == weights(ModelArgs.from_dir(model)) * CPU_Q_BYTES_PER_WEIGHT
 
 
 @pytest.mark.timeout(600)
@@ -107,7 +112,8 @@ def test_predict_only_prints_the_prediction(tiny_synth_dir, edge_home, tmp_path,
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(next((tmp_path / "res").glob("*-bench-npu/npu.json")).read_text())
     args = ModelArgs.from_dir(tiny_synth_dir)
-    plan = Plan.of(ModelArgs(**{**args.__dict__, "num_hidden_layers": 28}))
+    plan_args = ModelArgs(**{**args.__dict__, "num_hidden_layers": 28})
+    plan = Plan.of(plan_args)
     assert res["layers"] == 28 and res["weight_bytes"] == plan.weight_bytes and res["cpu"]["layers_converted"] == 2
     assert res["cpu"]["layers"] == 28 and res["cpu"]["recorded"] is True
     engine_us = res["micro"]["engine_us"]
@@ -120,6 +126,17 @@ def test_predict_only_prints_the_prediction(tiny_synth_dir, edge_home, tmp_path,
     assert all(f["tokens"] == 15 and f["forwards"] <= 15 for f in res["drafting"])
     assert [d["context"] for d in res["decode"]] == [256]
     assert "## Prediction: the matmul path, 28 layers" in r.stdout and "not scaled to the board's Cortex-A76" in r.stdout
+    # cpu-q's decode on the A76 cores beside it, with its source: the 28-layer geometry's 4-bit bytes
+    # over the bandwidth Gemma3-1B Q4_0's published rate implies (the ratio of bytes, not a clock)
+    out = " ".join(r.stdout.split())
+    assert "## NPU or CPU decode: cpu-q on the four A76 cores, 28 layers" in r.stdout and "rk-llama.cpp" in out
+    from edge_llm.bench.npu.a76 import CPU_Q_BYTES_PER_WEIGHT, GEMMA3_1B, Q4_0_BYTES_PER_WEIGHT, weights
+
+    q = res["cpu_q"]
+    assert q["layers"] == 28 and q["bytes_per_token"] == weights(plan_args) * CPU_Q_BYTES_PER_WEIGHT
+    assert q["tok_s"] / 28.3 == pytest.approx(weights(GEMMA3_1B) * Q4_0_BYTES_PER_WEIGHT / q["bytes_per_token"])
+    assert f"cpu-q predicted {q['tok_s']:.2f} tok/s" in out
+    assert f"the matmul path (NPU) predicted {res['decode'][0]['tok_s']:.2f} tok/s" in out
     bad = subprocess.run([sys.executable, "-m", "edge_llm", "bench", "npu", "--model", str(tiny_synth_dir),
                           "--rknn-dir", str(tmp_path), "--predict-only", "--out", str(tmp_path / "res2")],
                          capture_output=True, text=True, timeout=120)

@@ -186,3 +186,19 @@ def test_a_deepened_model_runs_every_layer_with_its_own_data(tiny_synth_dir, tmp
         model.close()
     with pytest.raises(ValueError, match="needs the recorded products"):
         measure(tiny_synth_dir, mm, HostInt8Matmul(), layers=5)
+
+
+def test_cpu_q_on_the_a76_by_hand():
+    """cpu-q's decode on the A76 cores (docs/npu.md, "NPU or CPU decode"): Gemma3-1B's weights counted
+    by hand, the bandwidth its published Q4_0 rate implies, and the 2B's prediction as the ratio of
+    bytes per token (4.5 bits a weight for Q4_0, 5 for cpu-q's blocks of 32 with float32 scales)."""
+    from edge_llm.bench.npu.a76 import GEMMA3_1B, SOURCE, a76_bandwidth, predict_cpu_q, weights
+
+    layer = 1152 * (4 + 2 * 1) * 256 + 4 * 256 * 1152 + 1152 * 2 * 6912 + 6912 * 1152  # qkv, o, gate_up, down
+    assert weights(GEMMA3_1B) == 26 * layer + 1152 * 262144 == 999_751_680
+    gemma_bytes = 999_751_680 * 18 / 32
+    assert a76_bandwidth() == pytest.approx(gemma_bytes * 28.3) and 15.9e9 < a76_bandwidth() < 15.95e9
+    p = predict_cpu_q(ARGS_2B)
+    assert p["bytes_per_token"] == 1_720_451_072 * 20 / 32  # the matmul path's int8 weights, at 5 bits each
+    assert p["tok_s"] / 28.3 == pytest.approx(gemma_bytes / p["bytes_per_token"])
+    assert "rk-llama.cpp" in SOURCE and "28.3" in SOURCE and p["source"] == SOURCE

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -139,7 +139,10 @@ def npu_prediction(m: Manifest, prompt: list[int], tokens: list[int], layers: in
 
 def run(backends=("cpu", "cpu-q"), families=tuple(FAMILIES), max_tokens: int = 128, threads: int = 2,
         repeats: int = 2, peer_py: str | None = None, rknn_dir: str | None = None,
-        step: Callable[[str], None] = lambda _m: None, npu_layers: int | None = None) -> dict:
+        step: Callable[[str], None] = lambda _m: None, npu_layers: int | None = None, model: str = "default",
+        settings: Mapping[str, Mapping[str, object]] = {}) -> dict:
+    """Plain vs drafted decode of each family on each backend of `model`; `settings`: more settings of a
+    backend's runtime by backend name (bench board: backend rknn's rknn_dir and runner)."""
     from threadpoolctl import threadpool_info
 
     from edge_llm.backends.cpuq.backend import kernel_isa
@@ -159,8 +162,8 @@ def run(backends=("cpu", "cpu-q"), families=tuple(FAMILIES), max_tokens: int = 1
     try:
         for backend in backends:
             step(f"loading {backend}")
-            eng = load_runtime(resolve(Settings(backend=backend, disk_kv=None, log_file=None, threads=threads,
-                                                max_seq=4096)))
+            eng = load_runtime(resolve(Settings(backend=backend, model=model, disk_kv=None, log_file=None,
+                                                threads=threads, max_seq=4096, **settings.get(backend, {}))))
             if not prompts:
                 prompts = {f: chat_ids(eng.tokenizer, FAMILIES[f]) for f in families}
                 if py is not None:

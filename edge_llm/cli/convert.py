@@ -74,7 +74,8 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
     """Export ONNX graphs from MODEL_DIR's F32 weights (an HF model directory, or 'default' for the
     embedded default model, as `--model default` elsewhere), check every tensor's range on real
     activations, build fp16 .rknn files for rk3588 with rknn-toolkit2 (in the converter venv),
-    check each in the simulator; write OUT_DIR/manifest.json and OUT_DIR/report.md. A full
+    check each in the simulator; write OUT_DIR/manifest.json and OUT_DIR/report.md, OUT_DIR published
+    whole (a killed run leaves the old one or none; a refused range check: OUT_DIR.refused.md). A full
     Qwen3-VL-2B takes tens of minutes."""
     from rich.console import Console
     from rich.progress import (
@@ -128,6 +129,18 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
                     label, total_ = phases[before]
                     prog.update(tasks[before], completed=total_, description=label)
 
+        tower: dict = {}
+
+        def build_tower(new_dir: Path) -> None:  # into the new directory, before it is published
+            from edge_llm.convert.vision import convert_tower
+
+            prog.update(tasks["build"], completed=n_graphs, description="vision tower: export, range check, build")
+            try:
+                tower["manifest"] = convert_tower(model_dir, new_dir, grids, converter_python, not no_accuracy,
+                                                  fp16_headroom)
+            except EdgeLLMError as e:  # the text graphs are still published; the tower's refusal is reported
+                tower["error"] = e
+
         try:
             m = convert_rknn(model_dir, out_dir, tuple(int_list(chunks)), layers=layers, head_split=head_split,
                              converter_python=converter_python, accuracy=not no_accuracy, progress=step,
@@ -135,7 +148,8 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
                              calib_tokens=calib_tokens, headroom=fp16_headroom, dtype=dtype,
                              algorithm=quant_algorithm, method=quant_method, min_cosine=w8a8_min_cosine,
                              rotation=w8a8_rotation,
-                             fp16_kinds=tuple(k.strip() for k in w8a8_fp16.split(",") if k.strip()))
+                             fp16_kinds=tuple(k.strip() for k in w8a8_fp16.split(",") if k.strip()),
+                             tower=build_tower if grids and args.model_type == "qwen3_vl" else None)
         except EdgeLLMError as e:
             raise click.ClickException(str(e)) from None
         prog.update(tasks["build"], completed=n_graphs, description="build .rknn + simulate")
@@ -162,8 +176,10 @@ def rknn_cmd(model_dir, out_dir, chunks, layers, head_split, converter_python, n
                    + (f"kinds {', '.join(kinds)} by --w8a8-fp16; " if kinds else "")
                    + f"mean row cosine below {m.quant['min_cosine']}: {', '.join(fp16) or 'none'})")
     click.echo(f"report: {out_dir}/report.md")
-    if grids and args.model_type == "qwen3_vl":
-        _convert_tower(model_dir, out_dir, grids, converter_python, not no_accuracy, fp16_headroom, console)
+    if "error" in tower:
+        raise click.ClickException(f"vision tower: {tower['error']}")
+    if tower:
+        _report_tower(tower["manifest"], out_dir, console)
     if bad:
         console.print(f"[yellow]above the fp16 expectation ({FP16_REL_LIMIT:g}): {'; '.join(bad)}[/yellow]")
 
@@ -214,17 +230,11 @@ def npu_mm_cmd(model_dir, out_dir, rotation, down_rotation, vo_rotation, clip, g
 NPU_WINDOW = 4 << 30  # the RK3588 NPU's IOMMU window: every graph of a process maps into it
 
 
-def _convert_tower(model_dir, out_dir, grids, converter_python, accuracy, headroom, console) -> None:
-    """The vision tower's graph into OUT_DIR/vision/ (convert/vision.py), with its own report."""
+def _report_tower(vm, out_dir, console) -> None:
+    """What the vision tower's conversion into OUT_DIR/vision/ (convert/vision.py) made, and its report."""
     from edge_llm.convert.report import FP16_REL_LIMIT, worst
-    from edge_llm.convert.vision import convert_tower, tower_rows
-    from edge_llm.errors import EdgeLLMError
+    from edge_llm.convert.vision import tower_rows
 
-    with console.status(f"vision tower: export, range check, build .rknn for {', '.join(f'{w}x{h}' for w, h in grids)}"):
-        try:
-            vm = convert_tower(model_dir, out_dir, grids, converter_python, accuracy, headroom)
-        except EdgeLLMError as e:
-            raise click.ClickException(f"vision tower: {e}") from None
     if vm is None:
         click.echo("vision tower: none in this model (its config declares one, its weights do not)")
         return

@@ -12,6 +12,12 @@ pins numpy 1.26, onnx <= 1.18, protobuf 4.25 and imports torch; docs/npu.md):
 Builds are content-addressed: `rknn/<graph>-<key>.rknn` with key = sha256 of the ONNX bytes,
 the build options and the toolkit version. An unchanged graph is not rebuilt, which also keeps
 the manifest identity (and so the snapshot namespace) stable across re-runs.
+
+OUT_DIR is published whole (`files.publish_dir`; docs/npu.md, "Publication"): built beside it as
+`.tmp-<name>-*`, every file fsynced, then renamed in, so a killed conversion leaves the old OUT_DIR
+or none. The old directory's builds that verify against its manifest (and a subdirectory's, the
+vision tower's) are hard-linked into the new one first, and so reused. A refused range check
+publishes nothing; its report goes to `<OUT_DIR>.refused.md` beside it (`refused_report`).
 """
 
 from __future__ import annotations
@@ -19,19 +25,23 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import resource
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from edge_llm.backends.graph.schema import HEAD_N, MLP, QKV_N, O
-from edge_llm.backends.graph.manifest import GraphEntry, Manifest
+from edge_llm.backends.graph.manifest import MANIFEST, GraphEntry, Manifest
 from edge_llm.backends.graph.onnx_export import export_graph_set
 from edge_llm.backends.npu.graphs.sim import ToolkitWorker, compile_request
 from edge_llm.convert import calibration as C
 from edge_llm.convert.report import markdown_report
 from edge_llm.config import ModelArgs
-from edge_llm.errors import ConfigError
+from edge_llm.errors import ConfigError, EdgeLLMError
+from edge_llm.files import fsync_tree, publish_dir, write_atomic
+from edge_llm.safetext import printable
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +89,13 @@ def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
                  progress: Progress | None = None, calib_text: str | None = None,
                  calib_tokens: int = C.CALIB_TOKENS, headroom: float = C.HEADROOM, dtype: str = "float16",
                  algorithm: str = "normal", method: str = "channel", min_cosine: float = MIN_COSINE,
-                 rotation: str = "hadamard", fp16_kinds: tuple[str, ...] = ()) -> Manifest:
-    """Calibrate + export + range-check + build every graph; write manifest.json and report.md.
-    Returns the manifest. Raises `calibration.RangeError` (after writing the report) when a
-    graph's tensor passes FP16_MAX / headroom on the calibration text, before any build.
+                 rotation: str = "hadamard", fp16_kinds: tuple[str, ...] = (),
+                 tower: Callable[[Path], object] | None = None) -> Manifest:
+    """Calibrate + export + range-check + build every graph; write manifest.json and report.md;
+    publish OUT_DIR whole (module docstring). Returns the manifest. Raises `calibration.RangeError`
+    (after writing `refused_report(out_dir)`, publishing nothing) when a graph's tensor passes
+    FP16_MAX / headroom on the calibration text, before any build. `tower(new_dir)`: more built
+    into the new directory before it is published (the CLI's vision tower).
     `dtype="w8a8"`: the norms-on-the-CPU graphs (`convert/w8a8.py`) quantized by the toolkit
     (`algorithm`, `method`) on the calibration activations; a graph whose mean per-row cosine on
     them stays below `min_cosine` is built fp16 instead; `rotation` "hadamard" rotates the residual
@@ -96,7 +109,91 @@ def convert_rknn(model_dir: str | Path, out_dir: str | Path, chunks: tuple[int, 
         raise ConfigError(f"--w8a8-fp16 {','.join(fp16_kinds)}: graph kinds are {', '.join(W8A8_KINDS)}")
     if head_split is None:
         head_split = head_parts(ModelArgs.from_dir(model_dir))
-    out = Path(out_dir).resolve()  # the toolkit worker runs in a directory of its own
+    target = Path(out_dir).resolve()  # the toolkit worker runs in a directory of its own
+    check_target(target)
+    refused = refused_report(target)
+
+    def build(out: Path) -> Manifest:  # the new directory beside the target; publish_dir renames it in
+        carry_builds(target, out)
+        try:
+            m = _convert_into(model_dir, out, chunks, layers, head_split, converter_python, accuracy, progress,
+                              calib_text, calib_tokens, headroom, dtype, algorithm, method, min_cosine, rotation,
+                              fp16_kinds)
+        except C.RangeError as e:
+            write_atomic(refused, (out / "report.md").read_text())
+            raise C.RangeError(f"{e}; the report: {refused}") from None
+        if tower is not None:
+            tower(out)
+        fsync_tree(out)
+        return m
+
+    m = publish_dir(target, build, lambda _target: None)
+    refused.unlink(missing_ok=True)  # an earlier refusal's report no longer describes OUT_DIR
+    return m
+
+
+def refused_report(out_dir: str | Path) -> Path:
+    """Where a conversion refused by the range check leaves its report: beside OUT_DIR, which it
+    does not publish."""
+    out = Path(out_dir)
+    return out.parent / f"{out.name}.refused.md"
+
+
+def check_target(out: Path) -> None:
+    """OUT_DIR may be absent, empty or an earlier `convert rknn` output: publishing replaces the
+    whole directory, so one holding anything else is refused before any work."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ConfigError(f"{printable(str(out))} is not a directory: choose a directory (it is replaced as a whole)")
+    if not any(out.iterdir()):
+        return
+    try:
+        Manifest.read(out)
+    except (EdgeLLMError, OSError, ValueError) as e:
+        raise ConfigError(f"{printable(str(out))} is not an earlier `convert rknn` output ({e}): the directory is "
+                          "replaced as a whole; choose an empty or new directory") from None
+
+
+def carry_builds(old: Path, new: Path) -> int:
+    """Hard-link (else copy) into `new` the `.rknn` builds of `old` and of its subdirectories with a
+    manifest (the vision tower's) whose bytes match their manifest's sha256 and whose build record
+    names the same digest: `build_graph` then reuses them. Anything that does not verify is left
+    behind (built again). Returns how many builds were carried."""
+    n = 0
+    for man in (old / MANIFEST, *old.glob(f"*/{MANIFEST}")):
+        root = man.parent
+        try:
+            m = Manifest.read(root)
+        except (EdgeLLMError, OSError, ValueError):
+            continue
+        dest = new / root.relative_to(old)
+        for g in m.graphs:
+            if not g.rknn or not g.rknn_sha256:
+                continue
+            rec = root / (g.rknn + ".json")
+            res = _cached(root / g.rknn, rec)
+            if res is None or res.get("sha256") != g.rknn_sha256:
+                log.info("%s: not reused (its bytes or record do not match %s)", g.rknn, man)
+                continue
+            for src in (root / g.rknn, rec):
+                _link(src, dest / src.relative_to(root))
+            n += 1
+    return n
+
+
+def _link(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)  # the same filesystem (beside the target): no bytes copied
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def _convert_into(model_dir, out: Path, chunks, layers, head_split, converter_python, accuracy, progress,
+                  calib_text, calib_tokens, headroom, dtype, algorithm, method, min_cosine, rotation,
+                  fp16_kinds) -> Manifest:
+    """`convert_rknn`'s work in the directory `out` (the new one, not yet published)."""
     (out / "rknn").mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     step = progress or (lambda *a: None)
@@ -175,6 +272,7 @@ def build_graph(worker: ToolkitWorker, m: Manifest, g: GraphEntry, out: Path, ac
     if res is not None:
         return res, key, rel, False
     samples = out / g.onnx.replace(".onnx", ".samples.npz") if accuracy else None
+    (out / rel).unlink(missing_ok=True)  # never written through a link to an older directory's build
     req = compile_request(g.spec(), out / g.onnx, out=str(out / rel), quant=quant,
                           samples=str(samples) if samples and samples.is_file() else None)
     res, _ = worker.call({"op": "build", **req})

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     pass
 
+from edge_llm.backends.npu.backend import NPU_DRIVER_DEBUGFS, librknnrt_version, npu_driver_version
 from edge_llm.doctor.probe import FAIL, NA, PASS, WARN, Check, Probe, NOFILE_NPU, LIB_DIRS, SERVICE_USER, UNIT_PATH
 # JEDEC eMMC 5.0 EXT_CSD DEVICE_LIFE_TIME_EST_TYP_A/B and PRE_EOL_INFO encodings
 _LIFE = {i: f"{(i - 1) * 10}-{i * 10}% of rated erase cycles used" for i in range(1, 11)}
@@ -48,23 +49,22 @@ class BoardChecks(Probe):
         for d in LIB_DIRS:
             so = self.p(d) / "librknnrt.so"
             if so.is_file():
-                m = re.search(rb"librknnrt version: ([0-9][^\x00\n]{0,80})", so.read_bytes())
-                ver = m.group(1).decode(errors="replace").strip() if m else "unknown version"
-                return Check("librknnrt", PASS if m else WARN, f"/{d}/librknnrt.so: {ver}")
+                ver = librknnrt_version(so.read_bytes())
+                return Check("librknnrt", PASS if ver else WARN, f"/{d}/librknnrt.so: {ver or 'unknown version'}")
         return Check("librknnrt", FAIL, "librknnrt.so not found in " + ", ".join("/" + d for d in LIB_DIRS),
                      "copy librknnrt.so from rknn-toolkit2 (rknpu2/runtime/Linux/librknn_api/aarch64) "
                      "to /usr/lib and run ldconfig")
 
     def npu_driver(self) -> Check:
-        text = self._read("sys/kernel/debug/rknpu/version")
+        text = self._read(NPU_DRIVER_DEBUGFS)
         if not text and self.root == Path("/"):
             try:  # debugfs is root-only; the kernel log names the version at probe time
                 text = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=5).stdout
             except (OSError, subprocess.SubprocessError):
                 text = ""
-        m = re.search(r"(?:RKNPU driver: v|Initialized rknpu )(\d+\.\d+\.\d+)", text)
-        if m:
-            return Check("npu-driver", PASS, f"RKNPU driver {m.group(1)}")
+        ver = npu_driver_version(text)
+        if ver:
+            return Check("npu-driver", PASS, f"RKNPU driver {ver}")
         return Check("npu-driver", WARN, "RKNPU driver version unknown (no debugfs version, nothing in dmesg)",
                      "run as root; mount -t debugfs none /sys/kernel/debug; check the kernel has rknpu")
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -267,17 +267,22 @@ def replay_families(plan: Plan, rates: Rates, cpu: CpuCost, families: Sequence[s
 def run_prediction(model_dir: str | Path, mm_dir: str | Path, layers: int | None = None, rates: Rates = Rates(),
                    drafting_tokens: int = 128, repeats: int = 3, engine: Int8Matmul | None = None,
                    contexts: Sequence[int] = DECODE_CONTEXTS, lib: str | None = None,
-                   step: Callable[[str], None] = lambda _m: None) -> dict:
+                   step: Callable[[str], None] = lambda _m: None, at_rates: Mapping[str, Rates] = {}) -> dict:
     """The prediction for `model_dir`'s geometry at `layers` layers (default: its own), the CPU
     work measured on `mm_dir` (its conversion) over `engine` (default: the host emulation), the
-    engine's own time per round measured over `lib` (a librknnrt, or a stand-in) when given."""
+    engine's own time per round measured over `lib` (a librknnrt, or a stand-in) when given;
+    `at_rates`: more predictions of the same CPU work at other rates, by label (`res["at_rates"]`);
+    `res["cpu_q"]`: cpu-q's decode on the board's A76 cores (`a76.predict_cpu_q`)."""
     from dataclasses import replace
 
     from edge_llm.bench.npu.matmul import bench_matmul
 
+    from edge_llm.bench.npu.a76 import predict_cpu_q
+
     args = ModelArgs.from_dir(model_dir)
     layers = layers or args.num_hidden_layers
-    plan = Plan.of(ModelArgs(**{**args.__dict__, "num_hidden_layers": layers}), rates.cores)
+    args = ModelArgs(**{**args.__dict__, "num_hidden_layers": layers})
+    plan = Plan.of(args, rates.cores)
     micro = None
     if lib is not None:
         step("the engine's time per round")
@@ -288,6 +293,9 @@ def run_prediction(model_dir: str | Path, mm_dir: str | Path, layers: int | None
     cpu = got.cpu
     drafting = replay_families(plan, rates, cpu, max_tokens=drafting_tokens, step=step) if drafting_tokens else []
     res = predict(plan, rates, cpu, contexts, drafting=drafting)
+    for label, other in at_rates.items():  # the same CPU work at other NPU rates (bench board: measured ones)
+        res.setdefault("at_rates", {})[label] = predict(plan, other, cpu, contexts)
+    res["cpu_q"] = predict_cpu_q(args)  # the CPU decode next to it (docs/npu.md, "NPU or CPU decode")
     if micro is not None:
         res["engine_on"] = (f"{micro.numerics} on {micro.machine}, a round over {micro.round_cores} cores: "
                             f"{micro.round_us:.1f} us, rknn_matmul_run alone {micro.lib_run_us:.1f} us")

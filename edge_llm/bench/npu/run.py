@@ -181,6 +181,7 @@ def run_mm(model_dir: str | Path, mm_dir: str | Path, lib: str | None = None, re
     of each context written; each next to the prediction (the published rates, and the rates just
     measured) with the CPU work measured in the same forwards, and to RKLLM's figures."""
     from edge_llm.backends.npu.matmul.engine import open_npu_matmul
+    from edge_llm.bench.npu.a76 import predict_cpu_q
     from edge_llm.bench.npu.cpu import measure
     from edge_llm.bench.npu.matmul import STREAM_SHAPES, bench_matmul
     from edge_llm.bench.npu.predict import Plan, Rates, predict
@@ -203,11 +204,13 @@ def run_mm(model_dir: str | Path, mm_dir: str | Path, lib: str | None = None, re
     res["rss_mb"], res["rss_context"] = got.rss_mb, got.context
     res["prefill"] = [{"rows": r, "ms": ms, "tok_s": r / ms * 1e3} for r, ms in got.prompt_ms.items()]
     res["cpu_isa"] = got.cpu.isa
+    res["cpu_q"] = predict_cpu_q(ModelArgs.from_dir(model_dir))  # docs/npu.md, "NPU or CPU decode"
     return res
 
 
 def markdown_mm(res: dict) -> str:
     """Measured next to predicted (published rates / measured rates) and RKLLM's figures."""
+    from edge_llm.bench.npu import a76
     from edge_llm.bench.rkllm import RKLLM_PREFILL_ROWS
 
     where = (f"NPU at {res['npu']}" if res["npu"] else
@@ -237,4 +240,5 @@ def markdown_mm(res: dict) -> str:
                      f"{rk_pre:.0f} | {d['tok_s'] / rk_pre:.2f}x |")
     lines.append(f"\n- RSS with a {res['rss_context']}-token KV cache written: {res['rss_mb']:.0f} MB (RKLLM: "
                  f"{RKLLM['memory_mb']:.0f} MB for Qwen3-VL-2B)")
+    lines += ["", a76.markdown(res["cpu_q"], pub["decode"][0]["tok_s"])]
     return "\n".join(lines) + "\n"

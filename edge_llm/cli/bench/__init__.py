@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from edge_llm.cli.bench import accuracy, compute, decode, fleet, npu, quant, recovery, restore, vision  # noqa: F401 (register commands)
+from edge_llm.cli.bench import accuracy, board, compute, decode, fleet, npu, quant, recovery, restore, vision  # noqa: F401 (register commands)
 from edge_llm.cli.bench.common import bench, console, int_list, out_option
 from edge_llm.cli.bench.compute import compute_script, run_compute
 from edge_llm.cli.bench.quant import QUANT_LENGTHS, run_quant, run_quant_memory

@@ -97,9 +97,11 @@ def npu_cmd(model, rknn_dir, runner, lib, predict_only, npu_layers, drafting_tok
             raise click.ClickException(str(e)) from None
     res["command"] = " ".join(sys.argv)
     if predict_only:
+        from edge_llm.bench.npu import a76
         from edge_llm.bench.npu.predict import markdown
 
-        md = markdown(res, res["cpu"]["isa"], res["cpu"]["parts_ms"])
+        md = (markdown(res, res["cpu"]["isa"], res["cpu"]["parts_ms"]) + "\n"
+              + a76.markdown(res["cpu_q"], res["decode"][0]["tok_s"]))
     else:
         md = B.markdown_mm(res) if matmul else B.markdown(res)
     save_results(res_dir, "npu", res, md)
