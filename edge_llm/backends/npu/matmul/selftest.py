@@ -179,7 +179,9 @@ def _probe(lib: api.MatmulLib, r: SelfTestReport) -> SelfTestReport:
         return p.ok
 
     def refuse(why: str, p: probes.Probe | None = None, **kw) -> SelfTestReport:
-        return replace(r, probes=found, refused=why, transient=bool(p and p.call), **kw)
+        call = bool(p and p.call)  # a refused call: name the domain the contexts were in
+        return replace(r, probes=found, refused=why + (f" (contexts in IOMMU domain {r.domain})" if call else ""),
+                       transient=call, **kw)
 
     drv = probes.parse_driver(r.driver_version)
     least = ".".join(map(str, MIN_DRIVER))
