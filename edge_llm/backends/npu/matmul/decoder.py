@@ -141,8 +141,10 @@ def matmul_shapes(root: str | Path) -> list[tuple[int, int]]:
             for name in z.namelist():
                 if name.endswith(".w.npy"):
                     with z.open(name) as f:
-                        version = np.lib.format.read_magic(f)
-                        shape = np.lib.format._read_array_header(f, version)[0]
+                        fmt = np.lib.format
+                        version = fmt.read_magic(f)
+                        read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+                        shape = read(f)[0]
                     shapes.append((int(shape[0]), int(shape[1])))
     except (OSError, ValueError, IndexError, zipfile.BadZipFile) as e:
         raise ConfigError(f"{path}: unreadable ({e}): re-run `edge-llm convert npu-mm`") from None
