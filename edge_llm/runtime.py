@@ -45,20 +45,31 @@ def make_backend(s: Settings, choice: BackendChoice, model_dir: Path, say: Calla
                      progress=lambda spec: say(f"loading NPU graph {spec.name}"))
 
 
+def _admit(s: Settings, choice: BackendChoice, model_dir: Path) -> None:
+    """The start-up memory admission for `choice`, before anything large is allocated (docs/board.md, "Memory")."""
+    est = estimate_memory(s, choice.name, ModelSizes.of_dir(model_dir), model_dir)
+    if s.memory_check:
+        admit(est)
+    else:
+        log.info("memory: estimated %s (memory_check off: not compared)", est.describe())
+
+
 def _open_backend(s: Settings, choice: BackendChoice, model_dir: Path, say: Callable[[str], None]):
-    """(backend, the NPU self-test's report as a dict or None). When the self-test refuses the matmul
-    path (`NpuRefused`), `auto` falls back to cpu-q or cpu (the caller sees another backend's name);
-    a named `--backend rknn` stops with the refusal (docs/npu.md, "The start-up self-test")."""
+    """(backend, the choice it runs under, the NPU self-test's report as a dict or None). When the
+    self-test refuses the matmul path (`NpuRefused`), `auto` falls back to cpu-q or cpu, logged and
+    admitted again; a named `--backend rknn` stops with the refusal (docs/npu.md, "The start-up self-test")."""
     from edge_llm.errors import NpuRefused
 
     try:
         backend = make_backend(s, choice, model_dir, say)
     except NpuRefused as e:
-        if not choice.auto:
+        if not choice.auto or e.report is None:
             raise
-        report = e.report.to_dict() if e.report is not None else {"refused": str(e)}
-        return make_backend(s, without_npu("NPU refused"), model_dir, say), report
-    return backend, getattr(backend, "selftest", None)
+        choice = without_npu(f"the NPU matmul path's self-test refused it: {e.report.refused}")
+        log.warning("%s", choice.describe())
+        _admit(s, choice, model_dir)
+        return make_backend(s, choice, model_dir, say), choice, e.report.to_dict()
+    return backend, choice, getattr(backend, "selftest", None)
 
 
 def make_tower_graph(s: Settings, choice: BackendChoice, model_dir: Path, say: Callable[[str], None]):
@@ -98,18 +109,8 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
     model_dir = Path(resolve_model_dir(s.model, progress=import_progress))
     choice = choose_backend(s, model_dir)
     log.info("%s", choice.describe())
-    est = estimate_memory(s, choice.name, ModelSizes.of_dir(model_dir), model_dir)
-    if s.memory_check:  # before anything large is allocated (docs/board.md, "Memory")
-        admit(est)
-    else:
-        log.info("memory: estimated %s (memory_check off: not compared)", est.describe())
-    backend, npu_selftest = _open_backend(s, choice, model_dir, say)
-    if backend.name != choice.name:  # `auto`'s fall-back after the NPU self-test refused the matmul path
-        choice = without_npu(f"the NPU matmul path's self-test refused it: {npu_selftest['refused']}")
-        log.warning("%s", choice.describe())
-        est = estimate_memory(s, choice.name, ModelSizes.of_dir(model_dir), model_dir)
-        if s.memory_check:
-            admit(est)
+    _admit(s, choice, model_dir)
+    backend, choice, npu_selftest = _open_backend(s, choice, model_dir, say)
     model = Model.load(model_dir, backend=backend,
                        progress=lambda done, total: say(f"loading weights {done}/{total} tensors"))
     vision = None
