@@ -10,8 +10,10 @@
  * Each rule below is marked where it is enforced: "rule:" with its source; "fake:" marks the
  * fake's own choices (a return code no source documents, or a check stricter than stated).
  * Implemented: RKNN_INT8_MM_INT8_TO_INT32 with A and C in the normal layout, B normal or native
- * (RK3588's int8 native layout, K > 8192 in segments), C = A @ B exactly (int32). Test hooks (not
- * in the library): fake_live_objects, fake_context_info, fake_refusals, and fake_iommu.c's.
+ * (RK3588's int8 native layout, K > 8192 in segments), C = A @ B exactly (int32). rknn_query's SDK
+ * version, rknn_mem_sync and the misbehaving builds the start-up self-test is tested against:
+ * fake_misbehave.c. Test hooks (not in the library): fake_live_objects, fake_context_info,
+ * fake_refusals, and fake_iommu.c's.
  */
 #include <pthread.h>
 #include <stdint.h>
