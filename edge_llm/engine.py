@@ -142,7 +142,7 @@ class Engine:
                  prefill_chunk: int = DEFAULTS.prefill_chunk, model_dir: Path | None = None,
                  vision: VisionModel | None = None, restore_mode: str = DEFAULTS.disk_kv_restore,
                  gate: CostGate | None = None, disk_kv_error: str | None = None,
-                 backend_reason: str = "", draft: DraftConfig = DraftConfig()):
+                 backend_reason: str = "", draft: DraftConfig = DraftConfig(), npu_selftest: dict | None = None):
         self.model = model
         self.model_dir = model_dir
         self.tokenizer = tokenizer
@@ -150,6 +150,7 @@ class Engine:
         self.store = store
         self.disk_kv_error = disk_kv_error  # why disk KV is off although configured (/health: degraded)
         self.backend_reason = backend_reason  # which backend runs and why (/health, /v1/models)
+        self.npu_selftest = npu_selftest  # the NPU matmul path's self-test report, if it ran (/health)
         self.align = model.chunk_size(prefill_chunk)  # the chunk, and the alignment unit (module docstring)
         self.vision = vision
         self.draft = draft  # speculative decoding (docs/speculative.md)

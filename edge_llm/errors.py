@@ -38,6 +38,16 @@ class RknnMatmulError(RunnerError):
         super().__init__(f"{function} returned {what}" + (f": {detail}" if detail else ""))
 
 
+class NpuRefused(ConfigError):
+    """The NPU matmul path's start-up self-test refused it (a wrong product, a driver too old, an
+    unusable IOMMU domain: the message says which); `report` is the `SelfTestReport`. `auto` falls
+    back to cpu-q or cpu, an explicit `--backend rknn` stops (docs/npu.md, "The start-up self-test")."""
+
+    def __init__(self, message: str, report: object = None):
+        super().__init__(message)
+        self.report = report
+
+
 class KVCacheError(EdgeLLMError):
     """The KV cache cannot be allocated or an operation exceeds its capacity."""
 

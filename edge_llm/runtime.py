@@ -14,7 +14,7 @@ from pathlib import Path
 
 from edge_llm.drafting import DraftConfig
 from edge_llm.engine import Engine
-from edge_llm.backends.choice import BackendChoice, choose_backend
+from edge_llm.backends.choice import BackendChoice, choose_backend, without_npu
 from edge_llm.footprint import ModelSizes, admit, estimate_memory
 from edge_llm.kvcache import KVCache
 from edge_llm.safetext import printable
@@ -43,6 +43,33 @@ def make_backend(s: Settings, choice: BackendChoice, model_dir: Path, say: Calla
 
     return open_rknn(s.rknn_dir, s.rknn_runner, model_dir=model_dir,
                      progress=lambda spec: say(f"loading NPU graph {spec.name}"))
+
+
+def _admit(s: Settings, choice: BackendChoice, model_dir: Path) -> None:
+    """The start-up memory admission for `choice`, before anything large is allocated (docs/board.md, "Memory")."""
+    est = estimate_memory(s, choice.name, ModelSizes.of_dir(model_dir), model_dir)
+    if s.memory_check:
+        admit(est)
+    else:
+        log.info("memory: estimated %s (memory_check off: not compared)", est.describe())
+
+
+def _open_backend(s: Settings, choice: BackendChoice, model_dir: Path, say: Callable[[str], None]):
+    """(backend, the choice it runs under, the NPU self-test's report as a dict or None). When the
+    self-test refuses the matmul path (`NpuRefused`), `auto` falls back to cpu-q or cpu, logged and
+    admitted again; a named `--backend rknn` stops with the refusal (docs/npu.md, "The start-up self-test")."""
+    from edge_llm.errors import NpuRefused
+
+    try:
+        backend = make_backend(s, choice, model_dir, say)
+    except NpuRefused as e:
+        if not choice.auto or e.report is None:
+            raise
+        choice = without_npu(f"the NPU matmul path's self-test refused it: {e.report.refused}")
+        log.warning("%s", choice.describe())
+        _admit(s, choice, model_dir)
+        return make_backend(s, choice, model_dir, say), choice, e.report.to_dict()
+    return backend, choice, getattr(backend, "selftest", None)
 
 
 def make_tower_graph(s: Settings, choice: BackendChoice, model_dir: Path, say: Callable[[str], None]):
@@ -82,12 +109,9 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
     model_dir = Path(resolve_model_dir(s.model, progress=import_progress))
     choice = choose_backend(s, model_dir)
     log.info("%s", choice.describe())
-    est = estimate_memory(s, choice.name, ModelSizes.of_dir(model_dir), model_dir)
-    if s.memory_check:  # before anything large is allocated (docs/board.md, "Memory")
-        admit(est)
-    else:
-        log.info("memory: estimated %s (memory_check off: not compared)", est.describe())
-    model = Model.load(model_dir, backend=make_backend(s, choice, model_dir, say),
+    _admit(s, choice, model_dir)
+    backend, choice, npu_selftest = _open_backend(s, choice, model_dir, say)
+    model = Model.load(model_dir, backend=backend,
                        progress=lambda done, total: say(f"loading weights {done}/{total} tensors"))
     vision = None
     if model.args.model_type == "qwen3_vl":
@@ -133,7 +157,7 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
     engine = Engine(model, tokenizer, cache, store=store, prefill_chunk=s.prefill_chunk,
                     model_dir=model_dir, vision=vision, restore_mode=s.disk_kv_restore, gate=gate,
                     disk_kv_error=disk_kv_error, backend_reason=choice.describe(),
-                    draft=DraftConfig(s.draft, s.draft_max, s.draft_ngram))
+                    draft=DraftConfig(s.draft, s.draft_max, s.draft_ngram), npu_selftest=npu_selftest)
     log.info("runtime ready: model %s (%s), KV cache %d MiB (max_seq %d)", printable(model_dir.name),
              model.backend.numerics, cache.nbytes >> 20, s.max_seq)
     return engine

@@ -506,6 +506,8 @@ def test_auto_serves_the_default_model_on_the_npu_matmul_path(board, tmp_path, e
         waited = wait_ready(f"http://127.0.0.1:{port}", timeout=900)
         status, health = http_json("GET", f"http://127.0.0.1:{port}/health", timeout=30)
         assert status == 200 and health["backend"] == "rknn", health
+        # the start-up self-test ran over the aarch64 fake and accepted the path (docs/npu.md, "The start-up self-test")
+        assert health["npu_selftest"]["summary"].startswith("passed, driver 0.9.8: no rknn_mem_sync"), health
         status, got = http_json("POST", f"http://127.0.0.1:{port}/v1/chat/completions",
                                 {**chat, "model": default_model_dir.name}, timeout=900)
         assert status == 200, got
@@ -518,6 +520,10 @@ def test_auto_serves_the_default_model_on_the_npu_matmul_path(board, tmp_path, e
             "(w8a8 on the matmul API))") in logged, logged[-3000:]
     ready = rf"runtime ready: model {default_model_dir.name} \(rknn-mm:[0-9a-f]{{16}}:librknnrt-[0-9a-f]+-cores0,1,2:"
     assert re.search(ready, logged), logged[-3000:]
+    assert re.search(r"NPU self-test: librknnrt [0-9a-f]{12} \(api 2\.3\.2 \(fake librknnrt\)\), driver 0\.9\.8 "
+                     r"\(from rknn_query\); probes ran in", logged), logged[-3000:]
+    assert "NPU self-test: largest part: 576x16384 in one context: bitwise the host's" in logged, logged[-3000:]
+    assert logged.index("NPU self-test: matmul path accepted") < logged.index("runtime ready"), logged[-3000:]
     assert got["choices"][0]["message"]["content"] == answer, (got, answer)
 
 

@@ -35,7 +35,7 @@ ORDER = {
     "backends.cpuq": ["nbits", "nbits_export", "decode_export", "decode_step", "backend", "__init__"],
     "backends.npu": ["graphs", "matmul", "backend", "__init__"],
     "backends.npu.graphs": ["wire", "toolkit_worker", "sim", "rknnlite", "__init__"],
-    "backends.npu.matmul": ["int8", "binding", "rounds", "engine", "row_ops", "row_step", "verify", "decoder", "__init__"],
+    "backends.npu.matmul": ["int8", "binding", "rounds", "engine", "probes", "selftest", "row_ops", "row_step", "verify", "decoder", "__init__"],
     "backends.tower": ["seam", "export", "graph", "__init__"],
     "snapshot": ["writer", "layout", "encode", "decode", "format", "inspect", "entries", "chains", "catalog",
                  "chain_read", "saver", "identity", "store", "maintenance", "archive", "transfer", "__init__"],

@@ -56,6 +56,12 @@ def choose_backend(s: Settings, model_dir: str | Path, sysroot: str | Path = "/"
     ok, why = npu_usable(s.rknn_dir, model_dir, sysroot)
     if ok:
         return BackendChoice("rknn", why, auto=True)
+    return without_npu(why)
+
+
+def without_npu(why: str) -> BackendChoice:
+    """`auto` where the NPU does not run (`why`): cpu-q when onnxruntime is importable, else cpu. Also
+    `auto`'s fall-back when the NPU matmul path's start-up self-test refuses it (runtime.load_runtime)."""
     ort = quant_runtime()
     if ort is not None:
         return BackendChoice("cpu-q", f"{why}; onnxruntime {ort} importable", auto=True)

@@ -59,6 +59,7 @@ class Doctor(BoardChecks, StorageChecks):
             ("npu-governor", lambda: self.devfreq("npu-governor", "*npu*"), True),
             ("ddr-governor", lambda: self.devfreq("ddr-governor", "*dmc*"), True),
             ("open-files", self.open_files, False), ("rknn-dir", self.rknn_dir, False),
+            ("npu-selftest", self.npu_selftest, False),
             ("model", lambda: model, False), ("backend", self.backend, False),
             ("memory", lambda: self.memory(sizes), False),
             ("kv-filesystem", self.kv_filesystem, False), ("kv-space", lambda: self.kv_space(sizes), False),

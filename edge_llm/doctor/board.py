@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import importlib.metadata as md
+import os
 import re
 import resource
 import stat
@@ -67,6 +68,35 @@ class BoardChecks(Probe):
             return Check("npu-driver", PASS, f"RKNPU driver {ver}")
         return Check("npu-driver", WARN, "RKNPU driver version unknown (no debugfs version, nothing in dmesg)",
                      "run as root; mount -t debugfs none /sys/kernel/debug; check the kernel has rknpu")
+
+    def npu_selftest(self) -> Check:
+        """The NPU matmul path's start-up self-test for the configured npu-mm directory: the cached
+        answers for this librknnrt and driver, else the probes run now (docs/npu.md, "The start-up
+        self-test"). Off an RK3588 only when $EDGE_LLM_LIBRKNNRT names a library (the tests' fake)."""
+        from edge_llm.settings import LIBRKNNRT_ENV
+
+        rknn_dir = self.o.rknn_dir
+        if self.o.backend not in ("rknn", "auto") or not rknn_dir:
+            return Check("npu-selftest", NA, f"backend {self.o.backend}, no rknn_dir")
+        from edge_llm.backends.npu.matmul.decoder import is_mm_dir, matmul_shapes
+        from edge_llm.backends.npu.matmul import binding, selftest
+        from edge_llm.errors import ConfigError
+
+        if not is_mm_dir(rknn_dir):
+            return Check("npu-selftest", NA, f"{rknn_dir} is not an `edge-llm convert npu-mm` directory")
+        if not self.rk3588 and not os.environ.get(LIBRKNNRT_ENV):
+            return Check("npu-selftest", NA, self.not_rk)
+        try:
+            lib = binding.load_library(binding.library_path())
+            report = selftest.run_self_test(lib, selftest.largest_part(matmul_shapes(rknn_dir)))
+        except ConfigError as e:
+            return Check("npu-selftest", FAIL, str(e), "install librknnrt.so (see the librknnrt check)")
+        detail = report.summary() + ": " + "; ".join(line.removeprefix("NPU self-test: ")
+                                                     for line in report.lines()[:-1])
+        if report.refused:
+            return Check("npu-selftest", FAIL, detail, "serve falls back to cpu-q under backend auto; "
+                         "docs/board.md, \"The NPU self-test\", says what each refusal needs")
+        return Check("npu-selftest", WARN if report.sync or report.serialize else PASS, detail)
 
     def _user(self) -> tuple[int | None, set[int]]:
         """uid and group ids of the service user from <sysroot>/etc/passwd and group."""

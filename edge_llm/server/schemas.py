@@ -8,7 +8,7 @@ producing something different from what was asked.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
@@ -330,6 +330,10 @@ class Health(BaseModel):
     backend_reason: str | None = Field(default=None, description="e.g. 'backend auto -> cpu-q (no RKNPU "
                                        "device node; onnxruntime 1.22.0 importable)'; null while loading.")
     namespace: str | None = None
+    npu_selftest: dict[str, Any] | None = Field(default=None, description="The NPU matmul path's start-up "
+                                                "self-test: versions, each probe's answer, the decisions "
+                                                "(`sync`, `serialize`, `refused`) and `summary`; null when it did "
+                                                "not run (docs/npu.md, \"The start-up self-test\").")
     max_seq: int
     snapshots: SnapshotSummary
     queue_depth: int

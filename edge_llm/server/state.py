@@ -235,6 +235,7 @@ class AppState:
             "uptime_s": round(time.monotonic() - self.started, 3),
             "sampling_defaults": self.engine.sampling_defaults.to_dict() if self.engine is not None else None,
             "prefetch": self.prefetch.state if self.prefetch is not None else "off",
+            "npu_selftest": self.engine.npu_selftest if self.engine is not None else None,
         }
 
     def metrics_state(self) -> dict[str, Any]:

@@ -55,6 +55,7 @@ class EdgeState(BaseModel):
     model: str
     backend: str
     backend_reason: str | None
+    npu_selftest: str | None  # the NPU self-test's one-line summary; None when it did not run
     vision: bool  # the model has a vision tower: chat messages may carry images
     namespace: str | None
     max_seq: int
@@ -120,6 +121,7 @@ class StoreView:
         return EdgeState(
             status=h["status"], version=__version__, model=st.model_id, backend=st.backend,
             backend_reason=basenames(st.backend_reason) if st.backend_reason else None,
+            npu_selftest=(st.engine.npu_selftest or {}).get("summary") if st.engine is not None else None,
             vision=st.engine is not None and st.engine.vision is not None, namespace=st.namespace,
             max_seq=s.max_seq, uptime_s=h["uptime_s"], degraded=[basenames(d) for d in h["degraded"]], busy=h["busy"], queue_depth=h["queue_depth"], queue_size=s.queue_size,
             memory=self._memory(st.engine) if st.engine is not None else None,

@@ -73,6 +73,10 @@ int fake_domain_get(int domain) {
     int ret = 0;
     for (;;) {
         if (domain == active) break; /* the attached domain: take a reference */
+#ifdef FAKE_SWITCH_FAILS
+        ret = -1; /* fake: (build.py misbehave="domain-switch") every switch fails at once */
+        break;
+#endif
         if (refcount == 0) {         /* nothing outstanding: detach, attach the asked one */
             active = domain;
             switches++;

@@ -10,8 +10,10 @@
  * Each rule below is marked where it is enforced: "rule:" with its source; "fake:" marks the
  * fake's own choices (a return code no source documents, or a check stricter than stated).
  * Implemented: RKNN_INT8_MM_INT8_TO_INT32 with A and C in the normal layout, B normal or native
- * (RK3588's int8 native layout, K > 8192 in segments), C = A @ B exactly (int32). Test hooks (not
- * in the library): fake_live_objects, fake_context_info, fake_refusals, and fake_iommu.c's.
+ * (RK3588's int8 native layout, K > 8192 in segments), C = A @ B exactly (int32). rknn_query's SDK
+ * version, rknn_mem_sync and the misbehaving builds the start-up self-test is tested against:
+ * fake_misbehave.c. Test hooks (not in the library): fake_live_objects, fake_context_info,
+ * fake_refusals, and fake_iommu.c's.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -20,6 +22,7 @@
 
 #include "fake_iommu.h"
 #include "fake_matmul.h"
+#include "fake_misbehave.h"
 
 /* rknn_api.h, "Error code returned by the RKNN API" */
 #define RKNN_SUCC 0
@@ -81,6 +84,7 @@ typedef struct mem_rec {
     rknn_tensor_mem mem;
     rknn_context owner; /* the context rknn_create_mem was given */
     int domain;
+    void *dev; /* the NPU's view of the buffer when it is not the CPU's (fake_misbehave.c), else NULL */
     struct mem_rec *next;
 } mem_rec;
 
@@ -271,6 +275,7 @@ rknn_tensor_mem *rknn_create_mem(rknn_context ctx, uint32_t size) {
     r->mem.fd = -1;
     r->mem.size = size;
     r->mem.priv_data = r;
+    r->dev = fake_device_copy(size);
     r->owner = ctx;
     r->domain = d;
     pthread_mutex_lock(&lock);
@@ -309,6 +314,7 @@ int rknn_destroy_mem(rknn_context ctx, rknn_tensor_mem *m) {
         fake_domain_put();
     }
     free(r->mem.virt_addr);
+    free(r->dev);
     free(r);
     return RKNN_SUCC;
 }
@@ -340,6 +346,7 @@ int rknn_matmul_set_io_mem(rknn_context ctx, rknn_tensor_mem *m, rknn_matmul_ten
      * each rknn_matmul_set_dynamic_shape; whether the library insists is a board question) */
     if (mm != c->cur_m) return refuse(RKNN_ERR_PARAM_INVALID);
     if (is_a) {
+        fake_bind_flush(r->dev, m->virt_addr, m->size);
         c->a = m;
         c->a_m = mm;
     } else {
@@ -372,7 +379,11 @@ int rknn_matmul_run(rknn_context ctx) {
      * -EINVAL as the library reports it is undocumented) */
     if (fake_domain_get(c->info.iommu_domain_id)) return refuse(RKNN_ERR_FAIL);
     fake_run_gate();
-    fake_multiply(c->a->virt_addr, c->b->virt_addr, c->c->virt_addr, M, K, N, c->info.B_layout == 1);
+    mem_rec *ra = c->a->priv_data, *rc = c->c->priv_data; /* the NPU reads and writes its view */
+    int32_t *C = rc->dev ? rc->dev : c->c->virt_addr;
+    int raced = fake_race_enter();
+    fake_multiply(ra->dev ? ra->dev : c->a->virt_addr, c->b->virt_addr, C, M, K, N, c->info.B_layout == 1);
+    fake_misbehave_product(C, M, raced);
     fake_domain_put();
     return RKNN_SUCC;
 }
@@ -390,6 +401,23 @@ int rknn_matmul_destroy(rknn_context ctx) {
         }
     pthread_mutex_unlock(&lock);
     return ret ? refuse(ret) : ret;
+}
+
+/* for rknn_mem_sync and rknn_query (fake_misbehave.c): whether `ctx` is a context, and `m` one of its
+ * buffers (its CPU and NPU views) */
+int fake_ctx_valid(rknn_context ctx) { return lookup(ctx) != NULL; }
+
+int fake_mem_of(rknn_context ctx, void *m, void **virt, void **dev, uint32_t *size) {
+    pthread_mutex_lock(&lock);
+    mem_rec *r = find_ctx(ctx) ? find_mem(m) : NULL;
+    int ok = r && r->owner == ctx;
+    if (ok) {
+        *virt = r->mem.virt_addr;
+        *dev = r->dev;
+        *size = r->mem.size;
+    }
+    pthread_mutex_unlock(&lock);
+    return ok ? 0 : -1;
 }
 
 /* ---- test hooks (not part of librknnrt) ---- */

@@ -146,10 +146,11 @@ def open_mm(root: Path, runner: str, model_dir: str | Path | None) -> MmBackend:
         from edge_llm.backends.npu.matmul.int8 import HostInt8Matmul
 
         return MmBackend(root, m, HostInt8Matmul())
-    if runner == "librknnrt":
-        from edge_llm.backends.npu.matmul.engine import open_npu_matmul
+    if runner == "librknnrt":  # the start-up self-test first: NpuRefused when it refuses the path
+        from edge_llm.backends.npu.matmul.decoder import matmul_shapes
+        from edge_llm.backends.npu.matmul.selftest import largest_part, open_checked
 
-        return MmBackend(root, m, open_npu_matmul())
+        return MmBackend(root, m, open_checked(largest_part(matmul_shapes(root))))
     raise ConfigError(f"{root} holds int8 matmul weights (`edge-llm convert npu-mm`): runner "
                       f"{' or '.join(MM_RUNNERS)}, not {runner!r}")
 

@@ -61,6 +61,7 @@ export async function refreshState() {
     { title: "Server", rows: [
       ["status", "Status", s.status], ["version", "Version", s.version], ["model", "Model", s.model],
       ["backend", "Backend", s.backend], ["backend_reason", "Why this backend", s.backend_reason || ""],
+      ["npu_selftest", "NPU self-test", s.npu_selftest || "not run"],
       ["namespace", "Snapshot namespace", s.namespace || "none"], ["max_seq", "Context length", tokens(s.max_seq)],
       ["uptime", "Running for", duration(s.uptime_s)],
       ["degraded", "Problems", (s.degraded || []).length ? s.degraded.join("; ") : "none"],

@@ -144,6 +144,19 @@ _SIGNATURES: dict[str, tuple[type | None, list]] = {
 }
 
 
+# entry points of rknn_api.h the start-up self-test uses when the library has them (selftest.py)
+_OPTIONAL: dict[str, tuple[type | None, list]] = {
+    "rknn_query": (c_int, [Context, c_int, c_void_p, c_uint32]),
+    "rknn_mem_sync": (c_int, [Context, MemPtr, c_int]),
+}
+QUERY_SDK_VERSION = 5  # rknn_query_cmd RKNN_QUERY_SDK_VERSION
+SYNC_TO_DEVICE, SYNC_FROM_DEVICE = 1, 2  # rknn_mem_sync_mode
+
+
+class SdkVersion(Structure):  # rknn_sdk_version (rknn_api.h)
+    _fields_ = [("api_version", c_char * 256), ("drv_version", c_char * 256)]
+
+
 def library_path(lib: str | None = None) -> str:
     """`lib`, else `$EDGE_LLM_LIBRKNNRT`, else "librknnrt.so" (found by the dynamic loader)."""
     return lib or os.environ.get(LIBRKNNRT_ENV) or LIBRKNNRT_NAME
@@ -172,7 +185,25 @@ class MatmulLib:
         for name, (restype, argtypes) in _SIGNATURES.items():
             fn = getattr(self.cdll, name)
             fn.restype, fn.argtypes = restype, argtypes
+        for name, (restype, argtypes) in _OPTIONAL.items():
+            if hasattr(self.cdll, name):
+                fn = getattr(self.cdll, name)
+                fn.restype, fn.argtypes = restype, argtypes
         self.path = path
+
+    def has(self, name: str) -> bool:
+        """Whether the library exports `name` (an entry point of _OPTIONAL)."""
+        return hasattr(self.cdll, name)
+
+    def sdk_version(self, ctx: int) -> tuple[str, str]:
+        """(api_version, drv_version) from `rknn_query(ctx, RKNN_QUERY_SDK_VERSION)`."""
+        v = SdkVersion()
+        _check("rknn_query", self.cdll.rknn_query(ctx, QUERY_SDK_VERSION, ctypes.byref(v), ctypes.sizeof(v)),
+               "RKNN_QUERY_SDK_VERSION")
+        return v.api_version.decode(errors="replace"), v.drv_version.decode(errors="replace")
+
+    def mem_sync(self, ctx: int, mem: ctypes._Pointer, mode: int) -> None:
+        _check("rknn_mem_sync", self.cdll.rknn_mem_sync(ctx, mem, mode), f"mode {mode}")
 
     def create_dynamic_shape(self, info: MatmulInfo, shapes: list[Shape]) -> tuple[int, list[IoAttr]]:
         ctx = Context(0)

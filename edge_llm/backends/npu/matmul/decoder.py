@@ -131,6 +131,28 @@ def is_mm_dir(root: str | Path) -> bool:
     return path.is_file() and read_doc(path).get("format") == FORMAT
 
 
+def matmul_shapes(root: str | Path) -> list[tuple[int, int]]:
+    """The (K, N) of every int8 weight in `root`'s weights.npz, from the arrays' headers only (the
+    self-test's largest part is decided before anything is loaded; the bytes are verified at load)."""
+    path = Path(root) / WEIGHTS
+    shapes = []
+    try:
+        with zipfile.ZipFile(path) as z:
+            for name in z.namelist():
+                if name.endswith(".w.npy"):
+                    with z.open(name) as f:
+                        fmt = np.lib.format
+                        version = fmt.read_magic(f)
+                        read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+                        shape = read(f)[0]
+                    shapes.append((int(shape[0]), int(shape[1])))
+    except (OSError, ValueError, IndexError, zipfile.BadZipFile) as e:
+        raise ConfigError(f"{path}: unreadable ({e}): re-run `edge-llm convert npu-mm`") from None
+    if not shapes:
+        raise ConfigError(f"{path}: no int8 weights: re-run `edge-llm convert npu-mm`")
+    return shapes
+
+
 class MmBackend:
     """A `Backend` (see `edge_llm.backends`) over an `Int8Matmul` engine and a converted directory."""
 
@@ -142,6 +164,8 @@ class MmBackend:
     def __init__(self, root: str | Path, manifest: MmManifest, engine: Int8Matmul,
                  ops: row_ops.RowOps | None = None):
         self.root, self.m, self.engine = Path(root), manifest, engine
+        report = getattr(engine, "selftest", None)  # the NPU engine's start-up self-test (selftest.py)
+        self.selftest: dict | None = report.to_dict() if report is not None else None
         self.ops = row_ops.ops() if ops is None else ops  # the C ops when built (their bits: the tag)
         self.numerics = self._numerics(manifest)  # until `load`: what the manifest claims
         self.scales: dict[str, np.ndarray] = {}

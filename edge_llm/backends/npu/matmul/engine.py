@@ -154,10 +154,16 @@ class NpuInt8Matmul:
     """int8 x int8 -> int32 on the NPU: the `Int8Matmul` protocol of `int8.py`."""
 
     def __init__(self, lib: api.MatmulLib, cores: Sequence[int] = CORES, domain: int = DECODER_DOMAIN,
-                 c_round: bool = True):
+                 c_round: bool = True, sync: bool = False, serial: bool = False):
         if not cores or any(c not in CORES for c in cores) or len(set(cores)) != len(cores):
             raise ConfigError(f"NPU cores {list(cores)}: need distinct cores out of {list(CORES)}")
         self.lib, self.cores, self.domain = lib, tuple(cores), domain
+        # the start-up self-test's answers (selftest.py): `sync` calls rknn_mem_sync on A before
+        # and C after each run, `serial` runs a round's parts one after another on the caller's
+        # thread; either takes the Python path (the C round calls rknn_matmul_run alone, at once)
+        self.sync, self.serial = sync, serial
+        if sync and not lib.has("rknn_mem_sync"):
+            raise ConfigError(f"{lib.path} has no rknn_mem_sync: cannot keep A and C coherent")
         self.weights: dict[str, list[_Part]] = {}
         self.k: dict[str, int] = {}
         self.n: dict[str, int] = {}
@@ -165,10 +171,12 @@ class NpuInt8Matmul:
         # the first part of a call runs on the caller's thread, the others on one thread per core: C
         # helper threads (rounds.py), else (no operator library, or c_round False) Python's pool
         run_addr = ctypes.cast(lib.cdll.rknn_matmul_run, ctypes.c_void_p).value
-        self.round = rounds.c_round(run_addr, len(self.cores) - 1) if c_round else None
+        use_c = c_round and not sync and not serial
+        self.round = rounds.c_round(run_addr, len(self.cores) - 1) if use_c else None
         self.pool = (ThreadPoolExecutor(len(self.cores) - 1, thread_name_prefix="npu-mm")
-                     if self.round is None and len(self.cores) > 1 else None)
+                     if self.round is None and len(self.cores) > 1 and not serial else None)
         self.numerics = f"librknnrt-{library_id(lib.path)}-cores{','.join(map(str, self.cores))}"
+        self.selftest = None  # the SelfTestReport it was opened after (selftest.open_checked), if any
 
     # ---- load ------------------------------------------------------------------------------
     def add(self, name: str, w: np.ndarray) -> None:
@@ -240,15 +248,15 @@ class NpuInt8Matmul:
             p.a[:m * k].reshape(m, k)[:] = a[:, p.blk.k0:p.blk.k1]
             p.a[m * k:shape * k] = 0  # padding rows: zero (they never mix into the real rows)
         if self.pool is not None and len(parts) > 1:
-            others = [self.pool.submit(self.lib.run, p.ctx) for p in parts[1:]]
+            others = [self.pool.submit(self._run, p) for p in parts[1:]]
             try:
-                self.lib.run(parts[0].ctx)
+                self._run(parts[0])
             finally:
                 for f in others:
                     f.result()  # waits for every part; the first error is raised
         else:
             for p in parts:
-                self.lib.run(p.ctx)
+                self._run(p)
         for p in parts:  # in order: a part that adds comes after the parts that wrote its columns
             assert p.c is not None
             b = p.blk
@@ -257,6 +265,13 @@ class NpuInt8Matmul:
                 out[:, b.n0:b.n1] += c
             else:
                 out[:, b.n0:b.n1] = c
+
+    def _run(self, p: _Part) -> None:
+        if self.sync:  # the CPU's writes of A to the NPU, the NPU's C to the CPU (docs/npu.md, "The start-up self-test")
+            self.lib.mem_sync(p.ctx, p.mems[0], api.SYNC_TO_DEVICE)
+        self.lib.run(p.ctx)
+        if self.sync:
+            self.lib.mem_sync(p.ctx, p.mems[2], api.SYNC_FROM_DEVICE)
 
     def _set_shape(self, p: _Part, m: int) -> None:
         p.m = 0  # unusable until both buffers are bound to the new shape
@@ -301,7 +316,8 @@ class NpuInt8Matmul:
 
 
 def open_npu_matmul(lib: str | None = None, cores: Sequence[int] = CORES, domain: int = DECODER_DOMAIN,
-                    c_round: bool = True) -> NpuInt8Matmul:
+                    c_round: bool = True, sync: bool = False, serial: bool = False) -> NpuInt8Matmul:
     """The NPU engine over `lib` (None: `$EDGE_LLM_LIBRKNNRT`, else librknnrt.so from the loader);
-    `c_round` False: its rounds on Python's thread pool even where the C round is built (to compare)."""
-    return NpuInt8Matmul(api.load_library(api.library_path(lib)), cores, domain, c_round)
+    `c_round` False: its rounds on Python's thread pool even where the C round is built (to compare).
+    No self-test: the backend opens it through `selftest.open_checked`."""
+    return NpuInt8Matmul(api.load_library(api.library_path(lib)), cores, domain, c_round, sync, serial)
