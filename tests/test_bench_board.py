@@ -58,9 +58,13 @@ def test_over_the_fake_library(tiny_synth_dir, fake_librknnrt, tmp_path):
     res = read_report(md)
     s = res["sections"]
     assert res["fake_library"] is True and set(s) == SECTIONS
-    assert {k for k, v in s.items() if v["status"] != "ok"} == {"self_test"}, {k: v.get("reason") for k, v in s.items()}
-    # the self-test is not built here: said so, never pretended
-    assert "not wired" in s["self_test"]["reason"] and "## NPU self-test\n\nself-test: not run (" in md
+    assert {k for k, v in s.items() if v["status"] != "ok"} == set(), {k: v.get("reason") for k, v in s.items()}
+    # the self-test ran every probe for this report (no answer kept by a server is reused)
+    st = s["self_test"]
+    assert st["cached"] is False and st["refused"] is None and st["seconds"] > 0, st
+    assert st["probes"] and all(p["ok"] for p in st["probes"].values()), st["probes"]
+    assert min(st["part"]) > 0 and st["domain"] == 0, st
+    assert "## NPU self-test\n" in md and '"probes"' in md
     check_cpu_sections(s, tiny_synth_dir)
     assert s["accuracy"]["runner"] == "librknnrt" and "librknnrt" in s["accuracy"]["numerics"]
     m = s["matmul"]
@@ -82,6 +86,7 @@ def test_without_a_library_the_npu_sections_say_why(tiny_synth_dir, tmp_path):
     s = res["sections"]
     assert res["fake_library"] is False
     assert s["matmul"]["status"] == "not run" and "no librknnrt" in s["matmul"]["reason"]
+    assert s["self_test"]["status"] == "not run" and "no librknnrt" in s["self_test"]["reason"]
     assert "## Matmul rates\n\nnot run: no librknnrt" in md
     check_cpu_sections(s, tiny_synth_dir)
     assert s["accuracy"]["runner"] == "host" and "at_rates" not in s["prediction"]
@@ -95,11 +100,11 @@ def test_a_failing_section_is_reported_and_the_others_run(tiny_synth_dir, fake_l
     r, md = board(tiny_synth_dir, tmp_path, "--store-dir", str(blocker), lib=fake_librknnrt)
     s = read_report(md)["sections"]
     failed = {k for k, v in s.items() if v["status"] != "ok"}
-    assert failed == {"self_test", "disk", "restore"}, {k: v.get("reason") for k, v in s.items()}
+    assert failed == {"disk", "restore"}, {k: v.get("reason") for k, v in s.items()}
     for name in ("disk", "restore"):
         assert "not-a-dir" in s[name]["reason"]
     assert "## Store disk (raw)\n\nnot run: " in md and "## Snapshot save and restore\n\nnot run: " in md
-    assert "not run: self_test, disk, restore" in " ".join(r.stdout.split())
+    assert "not run: disk, restore" in " ".join(r.stdout.split())
     assert s["decode"]["rows"] and s["matmul"]["run_us"] > 0 and blocker.read_text() == "x"
 
 

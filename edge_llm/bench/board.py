@@ -5,8 +5,8 @@ for the tests), into one Markdown file that ends with the whole result as a JSON
 
 - the machine: CPU, ISA, the device tree's board model, kernel, librknnrt and RKNPU driver versions,
   edge-llm's version;
-- the NPU start-up self-test's answers, when the caller hands in a function that runs it
-  (`run(self_test=...)`; without one the section says it was not run);
+- the NPU start-up self-test's answers (`backends/npu/matmul/selftest.py`), every probe run for the
+  report (the answers a server keeps are not reused) for the npu-mm directory's largest part;
 - the matmul path's accuracy against the F32 CPU backend (`bench.accuracy`), over the library when
   there is one, else over the exact host emulation;
 - the matmul engine's per-call cost and GB/s (`bench.npu.matmul`), and the prediction at the
@@ -132,20 +132,15 @@ def section(name: str, fn: Callable[[], dict], step: Callable[[str], None]) -> d
 
 
 def run(model: str, mm_dir: str | None, where: Where, store_dir: Path, sizes: Sizes = FULL,
-        self_test: Callable[[], dict] | None = None, step: Callable[[str], None] = lambda _m: None) -> dict:
+        step: Callable[[str], None] = lambda _m: None) -> dict:
     """Every section (module docstring); `mm_dir`: an `edge-llm convert npu-mm` directory of `model`,
-    None: one converted here, round to nearest. `self_test`: runs the NPU start-up self-test and
-    returns its report as a dict (a failure is that section's, as any other's); None: the section
-    says it was not run."""
+    None: one converted here, round to nearest."""
     from edge_llm.checkpoints.default import resolve_model_dir
 
     res: dict = {"headline": where.headline(), "fake_library": where.fake, "quick": sizes == QUICK,
                  "model": model, "sections": {}}
     s = res["sections"]
     s["machine"] = section("machine", lambda: machine_facts(where), step)
-    # the slot of the NPU start-up self-test: `self_test` runs it and returns its report's dict
-    s["self_test"] = (section("self-test", self_test, step) if self_test is not None else
-                      not_run("the NPU start-up self-test is not wired into this report yet"))
     model_dir = resolve_model_dir(model)
     with tempfile.TemporaryDirectory(prefix="edge-llm-board-") as tmp:
         if mm_dir is None:
@@ -155,6 +150,9 @@ def run(model: str, mm_dir: str | None, where: Where, store_dir: Path, sizes: Si
         else:
             s["conversion"] = {"status": "ok", "made_here": False, "dir": str(mm_dir)}
         no_mm = not_run(f"no npu-mm directory: {s['conversion'].get('reason', '')}")
+        s["self_test"] = (section("self-test", lambda: _self_test(where, mm_dir), step) if where.lib and mm_dir else
+                          not_run("no librknnrt: no NPU device on this machine and no --lib / $EDGE_LLM_LIBRKNNRT")
+                          if mm_dir else no_mm)
         s["accuracy"] = section("accuracy", lambda: _accuracy(model_dir, mm_dir, where, sizes), step) \
             if mm_dir else no_mm
         s["matmul"] = section("matmul rates", lambda: _matmul(where, sizes), step) if where.lib else \
@@ -177,6 +175,18 @@ def _convert(model_dir: Path, out: Path) -> dict:
     convert_mm8(model_dir, out, gptq_tokens=0)
     return {"made_here": True, "gptq": False, "note": "converted for this report, round to nearest (no GPTQ): "
             "less accurate than `edge-llm convert npu-mm`'s default"}
+
+
+def _self_test(where: Where, mm_dir: str) -> dict:
+    """The NPU start-up self-test (docs/npu.md, "The start-up self-test") for the largest part of
+    `mm_dir`'s model, every probe run now: the answers a server keeps are not reused here."""
+    from edge_llm.backends.npu.matmul import binding as api
+    from edge_llm.backends.npu.matmul.decoder import matmul_shapes
+    from edge_llm.backends.npu.matmul.selftest import largest_part, run_self_test
+
+    lib = api.load_library(api.library_path(where.lib))
+    with tempfile.TemporaryDirectory(prefix="edge-llm-selftest-") as tmp:
+        return run_self_test(lib, largest_part(matmul_shapes(mm_dir)), cache=Path(tmp) / "selftest.json").to_dict()
 
 
 def _accuracy(model_dir: Path, mm_dir: str, where: Where, sizes: Sizes) -> dict:
