@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from edge_llm.drafting import DraftConfig
@@ -43,6 +44,48 @@ def make_backend(s: Settings, choice: BackendChoice, model_dir: Path, say: Calla
 
     return open_rknn(s.rknn_dir, s.rknn_runner, model_dir=model_dir,
                      progress=lambda spec: say(f"loading NPU graph {spec.name}"))
+
+
+def choose_measured(s: Settings, model_dir: Path, say: Callable[[str], None]) -> tuple[BackendChoice, object]:
+    """`choose_backend`, with cpu-q's accuracy record measured first when it is missing or stale:
+    `auto` considering cpu-q before its first build builds and measures it, then asks again; an
+    explicit cpu-q is measured when built and warned about when its record fails. (choice, the
+    cpu-q backend already opened for it or None)."""
+    from edge_llm.backends.choice import cpu_q_record, rknn_record
+    from edge_llm.qrecord import record_backend
+
+    choice = choose_backend(s, model_dir)
+    if not (choice.unmeasured == "cpu-q" or (choice.name == "cpu-q" and not choice.auto)):
+        if choice.name == "rknn" and not choice.auto and s.rknn_dir:
+            passed, why = rknn_record(s.rknn_dir)
+            if passed is False:
+                choice = replace(choice, warning=why)
+        return choice, None
+    be = None
+    passed, why = cpu_q_record(model_dir, s.quant)
+    if passed is None:
+        if choice.auto:
+            log.info("backend auto: cpu-q's accuracy record is missing (%s): building and measuring it (first start)",
+                     why)
+        be = make_backend(s, BackendChoice("cpu-q", "", auto=False), model_dir, say)
+        from edge_llm.backends.cpuq.backend import mode, quant_dir
+        from edge_llm.backends.graph.manifest import Manifest
+
+        root = quant_dir(model_dir, mode(s.quant))
+        try:
+            record_backend(root, Manifest.read(root).identity(), model_dir, be, "cpu-q", say)
+        except BaseException:
+            be.close()
+            raise
+        passed, why = cpu_q_record(model_dir, s.quant)
+    if choice.auto:
+        choice = choose_backend(s, model_dir)
+        if choice.name != "cpu-q" and be is not None:
+            be.close()
+            be = None
+    elif not passed:
+        choice = replace(choice, warning=f"its {why}")
+    return choice, be
 
 
 def make_tower_graph(s: Settings, choice: BackendChoice, model_dir: Path, say: Callable[[str], None]):
@@ -80,14 +123,17 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
     say = progress or (lambda _text: None)
     say("resolving model")
     model_dir = Path(resolve_model_dir(s.model, progress=import_progress))
-    choice = choose_backend(s, model_dir)
+    choice, backend = choose_measured(s, model_dir, say)
     log.info("%s", choice.describe())
+    if choice.warning:
+        log.warning("backend %s runs as asked, but %s (docs/quantization.md, \"Accuracy record\")",
+                    choice.name, choice.warning)
     est = estimate_memory(s, choice.name, ModelSizes.of_dir(model_dir), model_dir)
     if s.memory_check:  # before anything large is allocated (docs/board.md, "Memory")
         admit(est)
     else:
         log.info("memory: estimated %s (memory_check off: not compared)", est.describe())
-    model = Model.load(model_dir, backend=make_backend(s, choice, model_dir, say),
+    model = Model.load(model_dir, backend=backend or make_backend(s, choice, model_dir, say),
                        progress=lambda done, total: say(f"loading weights {done}/{total} tensors"))
     vision = None
     if model.args.model_type == "qwen3_vl":

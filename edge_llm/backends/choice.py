@@ -17,13 +17,18 @@ class BackendChoice:
     name: str  # cpu | cpu-q | rknn
     reason: str
     auto: bool
+    # `auto` only: a quantized candidate whose accuracy record is not measured yet (cpu-q before its
+    # first build); the runtime builds and measures it, then asks again (docs/quantization.md)
+    unmeasured: str | None = None
+    # an explicit quantized backend whose record fails or is missing: the warning (docs/logs.md)
+    warning: str | None = None
 
     def describe(self) -> str:
         """'backend auto -> cpu-q (no RKNPU device node; ...)', 'backend cpu, set on the command line
         (--backend)': the start-up log line, /health's `backend_reason`, generate's and doctor's line."""
         if self.auto:
             return f"backend auto -> {self.name} ({self.reason})"
-        return f"backend {self.name}, {self.reason}"
+        return f"backend {self.name}, {self.reason}" + (f"; WARNING: {self.warning}" if self.warning else "")
 
 
 def quant_runtime() -> str | None:
@@ -55,9 +60,47 @@ def choose_backend(s: Settings, model_dir: str | Path, sysroot: str | Path = "/"
 
     ok, why = npu_usable(s.rknn_dir, model_dir, sysroot)
     if ok:
-        return BackendChoice("rknn", why, auto=True)
+        passed, record = rknn_record(s.rknn_dir)
+        if passed is not False:
+            return BackendChoice("rknn", f"{why}; {record}", auto=True)
+        why = f"{why} but its {record}"
     ort = quant_runtime()
-    if ort is not None:
-        return BackendChoice("cpu-q", f"{why}; onnxruntime {ort} importable", auto=True)
-    return BackendChoice("cpu", f"{why}; onnxruntime not importable (pip install 'edge-llm[quant]' "
-                         "for the 4-bit backend)", auto=True)
+    if ort is None:
+        return BackendChoice("cpu", f"{why}; onnxruntime not importable (pip install 'edge-llm[quant]' "
+                             "for the 4-bit backend)", auto=True)
+    passed, record = cpu_q_record(model_dir, s.quant)
+    if passed:
+        return BackendChoice("cpu-q", f"{why}; onnxruntime {ort} importable; cpu-q's {record}", auto=True)
+    if passed is None:
+        return BackendChoice("cpu", f"{why}; cpu-q ({record}) not measured yet", auto=True, unmeasured="cpu-q")
+    return BackendChoice("cpu", f"{why}; cpu-q not taken: its {record}", auto=True)
+
+
+def cpu_q_record(model_dir: str | Path, quant: str) -> tuple[bool | None, str]:
+    """(cpu-q's accuracy record of this model passes, fails, or None: not built or not measured;
+    the reason): the record beside the quantized graphs, keyed by their manifest's identity."""
+    from edge_llm.backends.cpuq.backend import mode, quant_dir
+    from edge_llm.backends.graph.manifest import MANIFEST, Manifest
+    from edge_llm.backends.record import judge
+    from edge_llm.errors import EdgeLLMError
+
+    try:
+        root = quant_dir(model_dir, mode(quant))
+        if not (root / MANIFEST).is_file():
+            return None, "its 4-bit weights not built yet"
+        return judge(root, Manifest.read(root).identity())
+    except (EdgeLLMError, OSError) as e:
+        return None, f"no usable record ({e})"
+
+
+def rknn_record(rknn_dir: str | Path) -> tuple[bool | None, str]:
+    """An NPU directory's record: an npu-mm conversion carries one (passes, fails, or None when it
+    is missing: converted before records existed); a graph directory (`convert rknn`) carries none
+    and is taken as converted (docs/npu.md, "Accuracy record")."""
+    from edge_llm.backends.npu.matmul.decoder import MmManifest, is_mm_dir
+    from edge_llm.backends.record import judge
+
+    if not is_mm_dir(rknn_dir):
+        return None, "graph directories carry no accuracy record"
+    passed, why = judge(rknn_dir, MmManifest.read(rknn_dir).identity())
+    return (False, f"npu-mm {why} (convert it again with this edge-llm)") if passed is None else (passed, why)
