@@ -5,7 +5,7 @@ Two measures, both against the `cpu` backend on the same checkpoint: teacher-for
 agreement and mean KL(F32 || quantized) per token over TEACHER_TOKENS tokens of QUALITY_TEXT
 (fixed English text that is not the GPTQ calibration text of convert/calibration_text.py), and
 the greedy chat answer to each ACCEPTANCE prompt, token for token, for ANSWER_TOKENS tokens or up
-to the first end token. `bench accuracy` and `bench quant` use the same functions.
+to the first end token (quality_text.ACCEPTANCE). `bench accuracy` and `bench quant` use the same functions.
 """
 
 from __future__ import annotations
@@ -18,15 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from edge_llm.backends.record import ANSWER_TOKENS, TEACHER_TOKENS, write_record
-from edge_llm.quality_text import QUALITY_TEXT
+from edge_llm.quality_text import ACCEPTANCE, QUALITY_TEXT
 from edge_llm.safetext import printable
 
 log = logging.getLogger(__name__)
 
-FACT = "What is the capital of France?"
-# the acceptance prompts: the text prompts README.md and docs/ show as examples (the France
-# question; docs/fleet.md's "Hi") and bench accuracy's short one. One list: bench/accuracy.py uses it.
-ACCEPTANCE: tuple[str, ...] = (FACT, "Hi", "Write one sentence about the sea.")
 
 
 def teacher_logits(model, ids: list[int], chunk: int = 128) -> np.ndarray:
@@ -82,7 +78,7 @@ def measure(ref, other, tok, step: Callable[[str], None] = lambda _m: None) -> d
         answers.append({"prompt": p, "ref": tok.decode(a, skip_special_tokens=True),
                         "other": tok.decode(b, skip_special_tokens=True), "same": a == b, "tokens": len(a)})
     return {"teacher": {"tokens": len(ids), "top1": q["top1"], "kl": q["kl"], "ppl": q["ppl"]},
-            "answers": answers, "seconds": round(time.perf_counter() - t0, 2)}
+            "answers": answers, "answer_tokens": ANSWER_TOKENS, "seconds": round(time.perf_counter() - t0, 2)}
 
 
 def record_backend(root: str | Path, key: str, model_dir: str | Path, backend, numerics_of: str,

@@ -47,44 +47,44 @@ def make_backend(s: Settings, choice: BackendChoice, model_dir: Path, say: Calla
 
 
 def choose_measured(s: Settings, model_dir: Path, say: Callable[[str], None]) -> tuple[BackendChoice, object]:
-    """`choose_backend`, with cpu-q's accuracy record measured first when it is missing or stale:
-    `auto` considering cpu-q before its first build builds and measures it, then asks again; an
-    explicit cpu-q is measured when built and warned about when its record fails. (choice, the
-    cpu-q backend already opened for it or None)."""
+    """`choose_backend`, and what its accuracy records need first (docs/quantization.md, "Accuracy
+    record"): `auto` considering cpu-q before its record exists builds cpu-q and measures it, then
+    asks again; an explicit cpu-q or npu-mm directory runs as asked, with a warning when its record
+    fails or is missing. (choice, the cpu-q backend already opened for it or None)."""
     from edge_llm.backends.choice import cpu_q_record, rknn_record
-    from edge_llm.qrecord import record_backend
 
     choice = choose_backend(s, model_dir)
-    if not (choice.unmeasured == "cpu-q" or (choice.name == "cpu-q" and not choice.auto)):
-        if choice.name == "rknn" and not choice.auto and s.rknn_dir:
-            passed, why = rknn_record(s.rknn_dir)
-            if passed is False:
-                choice = replace(choice, warning=why)
+    if not choice.auto:
+        if choice.name == "cpu-q":
+            passed, why = cpu_q_record(model_dir, s.quant)
+            if passed is None:
+                why = f"its accuracy record is missing ({why}; measured when backend auto first considers cpu-q)"
+        elif choice.name == "rknn" and s.rknn_dir:
+            passed, why = rknn_record(s.rknn_dir)  # None: a graph directory, which carries none
+        else:
+            passed, why = True, ""
+        warn = passed is False or (passed is None and choice.name == "cpu-q")
+        return (replace(choice, warning=why) if warn else choice), None
+    if choice.unmeasured != "cpu-q":
         return choice, None
-    be = None
-    passed, why = cpu_q_record(model_dir, s.quant)
-    if passed is None:
-        if choice.auto:
-            log.info("backend auto: cpu-q's accuracy record is missing (%s): building and measuring it (first start)",
-                     why)
-        be = make_backend(s, BackendChoice("cpu-q", "", auto=False), model_dir, say)
-        from edge_llm.backends.cpuq.backend import mode, quant_dir
-        from edge_llm.backends.graph.manifest import Manifest
+    from edge_llm.backends.cpuq.backend import mode, quant_dir
+    from edge_llm.backends.graph.manifest import Manifest
+    from edge_llm.qrecord import record_backend
 
+    log.info("backend auto: cpu-q's accuracy record is missing (%s): building and measuring it (first start)",
+             choice.reason)
+    say("backend auto: building cpu-q and measuring its accuracy record against F32 (first start)")
+    be = make_backend(s, BackendChoice("cpu-q", "", auto=False), model_dir, say)
+    try:
         root = quant_dir(model_dir, mode(s.quant))
-        try:
-            record_backend(root, Manifest.read(root).identity(), model_dir, be, "cpu-q", say)
-        except BaseException:
-            be.close()
-            raise
-        passed, why = cpu_q_record(model_dir, s.quant)
-    if choice.auto:
+        record_backend(root, Manifest.read(root).identity(), model_dir, be, "cpu-q", say)
         choice = choose_backend(s, model_dir)
-        if choice.name != "cpu-q" and be is not None:
-            be.close()
-            be = None
-    elif not passed:
-        choice = replace(choice, warning=f"its {why}")
+    except BaseException:
+        be.close()
+        raise
+    if choice.name != "cpu-q":
+        be.close()
+        be = None
     return choice, be
 
 

@@ -89,7 +89,7 @@ def cpu_q_record(model_dir: str | Path, quant: str) -> tuple[bool | None, str]:
         if not (root / MANIFEST).is_file():
             return None, "its 4-bit weights not built yet"
         return judge(root, Manifest.read(root).identity())
-    except (EdgeLLMError, OSError) as e:
+    except (EdgeLLMError, OSError, ValueError) as e:  # e.g. no weights to digest: nothing built either
         return None, f"no usable record ({e})"
 
 
@@ -100,7 +100,12 @@ def rknn_record(rknn_dir: str | Path) -> tuple[bool | None, str]:
     from edge_llm.backends.npu.matmul.decoder import MmManifest, is_mm_dir
     from edge_llm.backends.record import judge
 
+    from edge_llm.errors import EdgeLLMError
+
     if not is_mm_dir(rknn_dir):
         return None, "graph directories carry no accuracy record"
-    passed, why = judge(rknn_dir, MmManifest.read(rknn_dir).identity())
+    try:
+        passed, why = judge(rknn_dir, MmManifest.read(rknn_dir).identity())
+    except EdgeLLMError as e:  # a broken manifest: loading it says so, with its own error
+        return None, f"no usable accuracy record ({e})"
     return (False, f"npu-mm {why} (convert it again with this edge-llm)") if passed is None else (passed, why)

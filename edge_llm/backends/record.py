@@ -15,6 +15,7 @@ import logging
 from pathlib import Path
 
 from edge_llm.files import write_atomic
+from edge_llm.quality_text import ACCEPTANCE
 from edge_llm.safetext import printable
 
 log = logging.getLogger(__name__)
@@ -24,13 +25,14 @@ FORMAT = 1
 # The bar (docs/quantization.md, "Accuracy record"): every acceptance prompt's greedy answer equal
 # to F32's for ANSWER_TOKENS tokens or up to its first end token, AND teacher-forced KL(F32 || it)
 # per token <= KL_MAX, AND top-1 agreement >= TOP1_MIN over TEACHER_TOKENS tokens of QUALITY_TEXT.
-# Measured on the default model: npu-mm int8 top-1 98.4 %, KL 0.00264, answers like F32; cpu-q
-# (GGUF blocks) 98.4 %, 0.00280, France answered wrong. The averages cannot tell those apart, the
-# answers do; the averages' bars (about twice the int8 path's KL) catch a broken conversion.
+# Measured on the default model over these TEACHER_TOKENS: npu-mm int8 top-1 97.5 %, KL 0.00296,
+# answers like F32; cpu-q (GGUF blocks) 97.5 %, KL 0.00299, France answered wrong. The averages
+# cannot tell those apart, the answers do; the averages' bars (KL 1.7x the int8 path's, top-1 four
+# tokens in 160 below it) catch a broken conversion without failing the int8 path on a near tie.
 ANSWER_TOKENS = 16
 TEACHER_TOKENS = 160
 KL_MAX = 0.005
-TOP1_MIN = 0.97
+TOP1_MIN = 0.95
 
 
 def verdict(rec: dict) -> tuple[bool, str]:
@@ -66,8 +68,11 @@ def read_record(root: str | Path, key: str) -> tuple[dict | None, str]:
                       "(changed since it was measured)")
     try:
         verdict(rec)
+        measured = ([a["prompt"] for a in rec["answers"]], rec["teacher"]["tokens"], rec["answer_tokens"])
     except (KeyError, TypeError):
         return None, "accuracy record incomplete"
+    if measured != (list(ACCEPTANCE), TEACHER_TOKENS, ANSWER_TOKENS):  # another edge-llm's measures
+        return None, "accuracy record measured on other prompts or lengths"
     return rec, ""
 
 
