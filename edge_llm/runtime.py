@@ -64,7 +64,7 @@ def choose_measured(s: Settings, model_dir: Path, say: Callable[[str], None]) ->
         else:
             passed, why = True, ""
         warn = passed is False or (passed is None and choice.name == "cpu-q")
-        return (replace(choice, warning=why) if warn else choice), None
+        return (replace(choice, warning=why if passed is None else f"its {why}") if warn else choice), None
     if choice.unmeasured != "cpu-q":
         return choice, None
     from edge_llm.backends.cpuq.backend import mode, quant_dir

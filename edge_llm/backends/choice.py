@@ -28,7 +28,7 @@ class BackendChoice:
         (--backend)': the start-up log line, /health's `backend_reason`, generate's and doctor's line."""
         if self.auto:
             return f"backend auto -> {self.name} ({self.reason})"
-        return f"backend {self.name}, {self.reason}" + (f"; WARNING: {self.warning}" if self.warning else "")
+        return f"backend {self.name}, {self.reason}"  # a warning is logged on its own (runtime.py)
 
 
 def quant_runtime() -> str | None:
