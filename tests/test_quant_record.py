@@ -181,3 +181,58 @@ def test_auto_skips_a_failing_record_and_says_why(home: Path, default_model_dir:
     assert len(re.findall(re.escape(warning), q.stderr)) == 1, q.stderr  # once: generate shows the log line
     assert "backend cpu-q, set on the command line (--backend)" in q.stderr.splitlines(), q.stderr
     assert "Paris" not in q.stdout, q.stdout  # the bad weights ran, as asked
+
+
+# ---- npu-mm directories ------------------------------------------------------------------------
+def break_head(mm: Path) -> None:
+    """A deliberately bad npu-mm conversion: the head's int8 weights negated (every logit's sign
+    flipped), weights.npz and the manifest's digest of it rewritten, so only the numbers are wrong."""
+    import numpy as np
+
+    from edge_llm.backends.npu.matmul.decoder import MmManifest
+    from edge_llm.weights import sha256_file
+
+    with np.load(mm / "weights.npz") as z:
+        w = {k: z[k] for k in z.files}
+    w["head.w"] = -np.maximum(w["head.w"], -127)
+    np.savez(mm / "weights.npz", **w)
+    m = MmManifest.read(mm)
+    m.weights_sha256 = sha256_file(mm / "weights.npz")
+    m.write(mm)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_auto_skips_an_npu_mm_directory_without_a_passing_record(home: Path, tiny_synth_dir: Path,
+                                                                  tmp_path: Path) -> None:
+    """`convert npu-mm` publishes its record (measured in the host emulation); with an RKNPU node (a
+    fake one: the driver cannot exist here) auto runs the directory and names the record. Its weights
+    changed: the record is refused and auto falls back, saying to convert again; measured again, the
+    bad weights fail and auto says so. `--backend rknn` on it runs, warned once."""
+    from edge_llm.backends.choice import choose_backend
+    from edge_llm.backends.npu.matmul.decoder import MmManifest
+    from edge_llm.convert.npu_mm import convert_mm8
+    from edge_llm.qrecord import record_mm
+    from edge_llm.settings import Settings
+
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "rknpu").write_text("")
+    mm = tmp_path / "mm"
+    convert_mm8(tiny_synth_dir, mm, gptq_tokens=0)
+    auto = Settings(backend="auto", rknn_dir=str(mm))
+    c = choose_backend(auto, tiny_synth_dir, sysroot=tmp_path)
+    assert c.name == "rknn" and "(w8a8 on the matmul API); accuracy record passes: acceptance answers as F32's" \
+        in c.reason, c
+    assert json.loads((mm / RECORD).read_text())["key"] == MmManifest.read(mm).identity()
+    break_head(mm)
+    c = choose_backend(auto, tiny_synth_dir, sysroot=tmp_path)
+    assert c.name != "rknn" and c.reason.startswith(
+        f"NPU at /dev/rknpu and a matching npu-mm manifest.json in {mm} (w8a8 on the matmul API) but its npu-mm "
+        "accuracy record is for weights "), c
+    assert "(changed since it was measured) (convert it again with this edge-llm)" in c.reason, c
+    record_mm(tiny_synth_dir, mm)
+    c = choose_backend(auto, tiny_synth_dir, sysroot=tmp_path)
+    assert c.name != "rknn" and "(w8a8 on the matmul API) but its accuracy record fails: " in c.reason, c
+    r = cli(home, "generate", "--model", str(tiny_synth_dir), "--backend", "rknn", "--rknn-dir", str(mm),
+            "--rknn-runner", "host", "--no-disk-kv", "--max-tokens", "2", "-p", FACT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(re.findall(r"backend rknn runs as asked, but its accuracy record fails: ", r.stderr)) == 1, r.stderr
