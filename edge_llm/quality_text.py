@@ -4,7 +4,7 @@ acceptance prompts a conversion's accuracy record answers (docs/quantization.md,
 
 FACT = "What is the capital of France?"
 # the text prompts README.md and docs/ show as examples (README's France question, docs/fleet.md's
-# "Hi"): the one list; bench/accuracy.py's PROMPTS start with it, edge_llm/qrecord.py answers it
+# "Hi"): the one list; edge_llm/qrecord.py answers it, bench/accuracy.py asks FACT first
 ACCEPTANCE: tuple[str, ...] = (FACT, "Hi")
 
 QUALITY_TEXT = """\

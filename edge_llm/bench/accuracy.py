@@ -19,10 +19,10 @@ from collections.abc import Callable
 import numpy as np
 
 from edge_llm.qrecord import greedy, quality, teacher_logits
-from edge_llm.quality_text import ACCEPTANCE, FACT, QUALITY_TEXT
+from edge_llm.quality_text import FACT, QUALITY_TEXT
 
 PROMPTS: tuple[str, ...] = (
-    *ACCEPTANCE,  # the accuracy record's acceptance prompts, FACT first (quality_text.py)
+    FACT,  # the first of the accuracy record's acceptance prompts (quality_text.ACCEPTANCE)
     "Write one sentence about the sea.",
     "Name three prime numbers and explain why each one is prime.",
     "Summarize the following text in two sentences.\n\n" + QUALITY_TEXT.split("\n\n")[0],
