@@ -74,7 +74,13 @@ def choose_measured(s: Settings, model_dir: Path, say: Callable[[str], None]) ->
     log.info("backend auto: cpu-q's accuracy record is missing (%s): building and measuring it (first start)",
              choice.reason)
     say("backend auto: building cpu-q and measuring its accuracy record against F32 (first start)")
-    be = make_backend(s, BackendChoice("cpu-q", "", auto=False), model_dir, say)
+    from edge_llm.errors import EdgeLLMError
+
+    try:
+        be = make_backend(s, BackendChoice("cpu-q", "", auto=False), model_dir, say)
+    except EdgeLLMError as e:  # e.g. a model cpu-q cannot export: auto's next candidate runs
+        log.warning("backend auto: cpu-q did not build (%s): taking cpu", e)
+        return replace(choice, unmeasured=None, reason=f"{choice.reason}; cpu-q did not build: {e}"), None
     try:
         root = quant_dir(model_dir, mode(s.quant))
         record_backend(root, Manifest.read(root).identity(), model_dir, be, "cpu-q", say)
