@@ -49,8 +49,9 @@ def quant_runtime() -> str | None:
 
 
 def choose_backend(s: Settings, model_dir: str | Path, sysroot: str | Path = "/") -> BackendChoice:
-    """`backend = auto` picks rknn (an NPU and a manifest matching this model), else cpu-q
-    (onnxruntime importable), else cpu; an explicit backend is taken as is, its reason where it
+    """`backend = auto` picks rknn (an NPU and a manifest matching this model; an npu-mm directory
+    only with a passing accuracy record), else cpu-q (onnxruntime importable and cpu-q's accuracy
+    record passing: backends/record.py), else cpu; an explicit backend is taken as is, its reason where it
     was set (`Settings.source`: the command line, the configuration file, the environment)."""
     if s.backend != "auto":
         where = s.source("backend")
@@ -64,11 +65,17 @@ def choose_backend(s: Settings, model_dir: str | Path, sysroot: str | Path = "/"
         if passed is not False:
             return BackendChoice("rknn", f"{why}; {record}", auto=True)
         why = f"{why} but its {record}"
+    return without_npu(why, model_dir, s.quant)
+
+
+def without_npu(why: str, model_dir: str | Path, quant: str) -> BackendChoice:
+    """`auto` where the NPU does not run (`why`): cpu-q when onnxruntime is importable and cpu-q's
+    accuracy record passes, else cpu (`unmeasured="cpu-q"` when that record is not measured yet)."""
     ort = quant_runtime()
     if ort is None:
         return BackendChoice("cpu", f"{why}; onnxruntime not importable (pip install 'edge-llm[quant]' "
                              "for the 4-bit backend)", auto=True)
-    passed, record = cpu_q_record(model_dir, s.quant)
+    passed, record = cpu_q_record(model_dir, quant)
     if passed:
         return BackendChoice("cpu-q", f"{why}; onnxruntime {ort} importable; cpu-q's {record}", auto=True)
     if passed is None:
