@@ -106,7 +106,6 @@ def rknn_record(rknn_dir: str | Path) -> tuple[bool | None, str]:
     and is taken as converted (docs/npu.md, "Accuracy record")."""
     from edge_llm.backends.npu.matmul.decoder import MmManifest, is_mm_dir
     from edge_llm.backends.record import judge
-
     from edge_llm.errors import EdgeLLMError
 
     if not is_mm_dir(rknn_dir):
