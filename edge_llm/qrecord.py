@@ -58,10 +58,6 @@ def greedy(model, ids: list[int], steps: int, stop: frozenset[int] = frozenset()
     return out
 
 
-def stop_ids(tok) -> frozenset[int]:
-    return frozenset(tok.stop_token_ids)
-
-
 def measure(ref, other, tok, step: Callable[[str], None] = lambda _m: None) -> dict:
     """`ref` (the F32 model) and `other` (the same checkpoint on the quantized backend) -> the
     record's measures (without its key)."""
@@ -73,15 +69,15 @@ def measure(ref, other, tok, step: Callable[[str], None] = lambda _m: None) -> d
     for p in ACCEPTANCE:
         step(f"greedy answer to {p[:40]!r}")
         chat = tok.apply_chat_template_ids([{"role": "user", "content": p}])
-        a = greedy(ref, chat, ANSWER_TOKENS, stop_ids(tok))
-        b = greedy(other, chat, ANSWER_TOKENS, stop_ids(tok))
+        stop = frozenset(tok.stop_token_ids)
+        a, b = greedy(ref, chat, ANSWER_TOKENS, stop), greedy(other, chat, ANSWER_TOKENS, stop)
         answers.append({"prompt": p, "ref": tok.decode(a, skip_special_tokens=True),
                         "other": tok.decode(b, skip_special_tokens=True), "same": a == b, "tokens": len(a)})
     return {"teacher": {"tokens": len(ids), "top1": q["top1"], "kl": q["kl"], "ppl": q["ppl"]},
             "answers": answers, "answer_tokens": ANSWER_TOKENS, "seconds": round(time.perf_counter() - t0, 2)}
 
 
-def record_backend(root: str | Path, key: str, model_dir: str | Path, backend, numerics_of: str,
+def record_backend(root: str | Path, key: str, model_dir: str | Path, backend, name: str,
                    say: Callable[[str], None] = lambda _m: None) -> dict:
     """Measure `backend` (loaded on `model_dir`) against F32 and write the record of the weights
     `key` into `root`; the record."""
@@ -89,11 +85,11 @@ def record_backend(root: str | Path, key: str, model_dir: str | Path, backend, n
     from edge_llm.tokenizer import Tokenizer
 
     log.info("measuring the accuracy record of %s against F32 (docs/quantization.md)", printable(str(root)))
-    say(f"measuring {numerics_of}'s accuracy record against F32")
+    say(f"measuring {name}'s accuracy record against F32")
     other = Model.load(model_dir, backend=backend)
     rec = measure(Model.load(model_dir), other, Tokenizer.from_dir(model_dir),
                   lambda m: say(f"accuracy record: {m}"))
-    rec = {"key": key, "backend": numerics_of, "numerics": other.numerics, "model": Path(model_dir).name, **rec}
+    rec = {"key": key, "backend": name, "numerics": other.numerics, "model": Path(model_dir).name, **rec}
     write_record(root, rec)
     return rec
 
