@@ -1,5 +1,11 @@
 """The fixed English text `edge-llm bench quant` measures perplexity on (written for this
-benchmark; plain expository prose, no code, so the numbers speak about ordinary language)."""
+benchmark; plain expository prose, no code, so the numbers speak about ordinary language), and the
+acceptance prompts a conversion's accuracy record answers (docs/quantization.md, "Accuracy record")."""
+
+FACT = "What is the capital of France?"
+# the text prompts README.md and docs/ show as examples (README's France question, docs/fleet.md's
+# "Hi"): the one list; edge_llm/qrecord.py answers it, bench/accuracy.py asks FACT first
+ACCEPTANCE: tuple[str, ...] = (FACT, "Hi")
 
 QUALITY_TEXT = """\
 The bicycle is one of the most efficient machines ever built. A rider on a flat road turns \

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from edge_llm.drafting import DraftConfig
@@ -54,22 +55,86 @@ def _admit(s: Settings, choice: BackendChoice, model_dir: Path) -> None:
         log.info("memory: estimated %s (memory_check off: not compared)", est.describe())
 
 
-def _open_backend(s: Settings, choice: BackendChoice, model_dir: Path, say: Callable[[str], None]):
-    """(backend, the choice it runs under, the NPU self-test's report as a dict or None). When the
-    self-test refuses the matmul path (`NpuRefused`), `auto` falls back to cpu-q or cpu, logged and
-    admitted again; a named `--backend rknn` stops with the refusal (docs/npu.md, "The start-up self-test")."""
+def _open_backend(s: Settings, choice: BackendChoice, model_dir: Path, say: Callable[[str], None], backend=None):
+    """(backend, the choice it runs under, the NPU self-test's report as a dict or None); `backend`:
+    the one `choose_measured` already opened. When the self-test refuses the matmul path
+    (`NpuRefused`), `auto` falls back to cpu-q (its record measured first if it has none) or cpu,
+    logged and admitted again; a named `--backend rknn` stops with the refusal (docs/npu.md, "The
+    start-up self-test")."""
     from edge_llm.errors import NpuRefused
 
+    if backend is not None:
+        return backend, choice, None
     try:
         backend = make_backend(s, choice, model_dir, say)
     except NpuRefused as e:
         if not choice.auto or e.report is None:
             raise
-        choice = without_npu(f"the NPU matmul path's self-test refused it: {e.report.refused}")
+        why = f"the NPU matmul path's self-test refused it: {e.report.refused}"
+        choice = without_npu(why, model_dir, s.quant)
+        if choice.unmeasured == "cpu-q":
+            choice, backend = _measure_cpu_q(s, choice, model_dir, say,
+                                             lambda: without_npu(why, model_dir, s.quant))
         log.warning("%s", choice.describe())
         _admit(s, choice, model_dir)
-        return make_backend(s, choice, model_dir, say), choice, e.report.to_dict()
+        return backend or make_backend(s, choice, model_dir, say), choice, e.report.to_dict()
     return backend, choice, getattr(backend, "selftest", None)
+
+
+def choose_measured(s: Settings, model_dir: Path, say: Callable[[str], None]) -> tuple[BackendChoice, object]:
+    """`choose_backend`, and what its accuracy records need first (docs/quantization.md, "Accuracy
+    record"): `auto` considering cpu-q before its record exists builds cpu-q and measures it, then
+    asks again; an explicit cpu-q or npu-mm directory runs as asked, with a warning when its record
+    fails or is missing. (choice, the cpu-q backend already opened for it or None)."""
+    from edge_llm.backends.choice import cpu_q_record, rknn_record
+
+    choice = choose_backend(s, model_dir)
+    if not choice.auto:
+        if choice.name == "cpu-q":
+            passed, why = cpu_q_record(model_dir, s.quant)
+            if passed is None:
+                why = f"its accuracy record is missing ({why}; measured when backend auto first considers cpu-q)"
+        elif choice.name == "rknn" and s.rknn_dir:
+            passed, why = rknn_record(s.rknn_dir)  # None: a graph directory, which carries none
+        else:
+            passed, why = True, ""
+        warn = passed is False or (passed is None and choice.name == "cpu-q")
+        return (replace(choice, warning=why if passed is None else f"its {why}") if warn else choice), None
+    if choice.unmeasured != "cpu-q":
+        return choice, None
+    return _measure_cpu_q(s, choice, model_dir, say, lambda: choose_backend(s, model_dir))
+
+
+def _measure_cpu_q(s: Settings, choice: BackendChoice, model_dir: Path, say: Callable[[str], None],
+                   rechoose: Callable[[], BackendChoice]) -> tuple[BackendChoice, object]:
+    """`auto`'s choice once cpu-q, which has no accuracy record yet, is built and measured (first
+    start): `rechoose()` asked again, cpu-q when its new record passes (with the backend opened for
+    the measurement), else the next candidate."""
+    from edge_llm.backends.cpuq.backend import mode, quant_dir
+    from edge_llm.backends.graph.manifest import Manifest
+    from edge_llm.qrecord import record_backend
+
+    log.info("backend auto: cpu-q's accuracy record is missing (%s): building and measuring it (first start)",
+             choice.reason)
+    say("backend auto: building cpu-q and measuring its accuracy record against F32 (first start)")
+    from edge_llm.errors import EdgeLLMError
+
+    try:
+        be = make_backend(s, BackendChoice("cpu-q", "", auto=False), model_dir, say)
+    except EdgeLLMError as e:  # e.g. a model cpu-q cannot export: auto's next candidate runs
+        log.warning("backend auto: cpu-q did not build (%s): taking cpu", e)
+        return replace(choice, unmeasured=None, reason=f"{choice.reason}; cpu-q did not build: {e}"), None
+    try:
+        root = quant_dir(model_dir, mode(s.quant))
+        record_backend(root, Manifest.read(root).identity(), model_dir, be, "cpu-q", say)
+        choice = rechoose()
+    except BaseException:
+        be.close()
+        raise
+    if choice.name != "cpu-q":
+        be.close()
+        be = None
+    return choice, be
 
 
 def make_tower_graph(s: Settings, choice: BackendChoice, model_dir: Path, say: Callable[[str], None]):
@@ -107,10 +172,13 @@ def load_runtime(settings: Settings, progress: Callable[[str], None] | None = No
     say = progress or (lambda _text: None)
     say("resolving model")
     model_dir = Path(resolve_model_dir(s.model, progress=import_progress))
-    choice = choose_backend(s, model_dir)
+    choice, backend = choose_measured(s, model_dir, say)
     log.info("%s", choice.describe())
+    if choice.warning:
+        log.warning("backend %s runs as asked, but %s (docs/quantization.md, \"Accuracy record\")",
+                    choice.name, choice.warning)
     _admit(s, choice, model_dir)
-    backend, choice, npu_selftest = _open_backend(s, choice, model_dir, say)
+    backend, choice, npu_selftest = _open_backend(s, choice, model_dir, say, backend)
     model = Model.load(model_dir, backend=backend,
                        progress=lambda done, total: say(f"loading weights {done}/{total} tensors"))
     vision = None

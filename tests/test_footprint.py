@@ -31,25 +31,28 @@ def write(root: Path, rel: str, text: str) -> None:
 
 
 # ---- backend choice ------------------------------------------------------------------------------
-def test_auto_picks_cpu_q_when_onnxruntime_is_installed(tmp_path: Path) -> None:
+def test_auto_considers_cpu_q_when_onnxruntime_is_installed(tmp_path: Path) -> None:
+    """onnxruntime here but no cpu-q weights built (so no accuracy record): cpu for now, cpu-q named as
+    the candidate to build and measure (the runtime does, tests/test_quant_record.py)."""
     c = choose_backend(Settings(backend="auto"), tmp_path, sysroot=tmp_path)
-    assert (c.name, c.auto) == ("cpu-q", True)
-    assert c.describe().startswith("backend auto -> cpu-q (no RKNPU device node; onnxruntime ")
+    assert (c.name, c.auto, c.unmeasured) == ("cpu", True, "cpu-q")
+    assert c.describe().startswith("backend auto -> cpu (no RKNPU device node; cpu-q ("), c
+    assert c.describe().endswith(") not measured yet)"), c
     explicit = choose_backend(Settings(backend="cpu"), tmp_path, sysroot=tmp_path)
     assert (explicit.name, explicit.auto, explicit.reason) == ("cpu", False, "set by the program that loaded it")
 
 
 def test_auto_with_an_npu_node_but_no_manifest_says_why(tmp_path: Path) -> None:
     """A fake RKNPU node (the driver cannot exist here): no rknn_dir, then an rknn_dir without a
-    manifest; both fall back to cpu-q and name the reason."""
+    manifest; both fall back (to cpu-q, here to be measured first) and name the reason."""
     (tmp_path / "dev").mkdir()
     (tmp_path / "dev" / "rknpu").write_text("")
     c = choose_backend(Settings(backend="auto"), tmp_path, sysroot=tmp_path)
-    assert c.name == "cpu-q" and c.reason.startswith("NPU at /dev/rknpu but no rknn_dir configured"), c
+    assert c.unmeasured == "cpu-q" and c.reason.startswith("NPU at /dev/rknpu but no rknn_dir configured"), c
     empty = tmp_path / "rknn"
     empty.mkdir()
     c = choose_backend(Settings(backend="auto", rknn_dir=str(empty)), tmp_path, sysroot=tmp_path)
-    assert c.name == "cpu-q" and f"but no manifest.json in {empty}" in c.reason, c
+    assert c.unmeasured == "cpu-q" and f"but no manifest.json in {empty}" in c.reason, c
 
 
 def test_auto_with_an_npu_node_runs_what_rknn_dir_holds(tmp_path: Path, tiny_synth_dir: Path) -> None:
@@ -66,7 +69,8 @@ def test_auto_with_an_npu_node_runs_what_rknn_dir_holds(tmp_path: Path, tiny_syn
     convert_mm8(tiny_synth_dir, mm)
     c = choose_backend(Settings(backend="auto", rknn_dir=str(mm)), tiny_synth_dir, sysroot=tmp_path)
     assert (c.name, c.auto) == ("rknn", True), c
-    assert c.reason == f"NPU at /dev/rknpu and a matching npu-mm manifest.json in {mm} (w8a8 on the matmul API)"
+    assert c.reason.startswith(f"NPU at /dev/rknpu and a matching npu-mm manifest.json in {mm} (w8a8 on the matmul "
+                               "API); accuracy record passes: acceptance answers as F32's, top-1 "), c
     other = tmp_path / "other"
     other.mkdir()
     for f in tiny_synth_dir.iterdir():
@@ -75,12 +79,12 @@ def test_auto_with_an_npu_node_runs_what_rknn_dir_holds(tmp_path: Path, tiny_syn
     (other / "config.json").write_text((tiny_synth_dir / "config.json").read_text().replace(
         '"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e-05'))
     c = choose_backend(Settings(backend="auto", rknn_dir=str(mm)), other, sysroot=tmp_path)
-    assert c.name == "cpu-q" and "does not match the model: npu-mm weights were converted from a different " \
+    assert c.unmeasured == "cpu-q" and "does not match the model: npu-mm weights were converted from a different " \
         "model config" in c.reason, c
     graphs = tmp_path / "graphs"
     export_graph_set(tiny_synth_dir, graphs, layers=1)
     c = choose_backend(Settings(backend="auto", rknn_dir=str(graphs)), tiny_synth_dir, sysroot=tmp_path)
-    assert c.name == "cpu-q" and "without the fp16 range check" in c.reason, c
+    assert c.unmeasured == "cpu-q" and "without the fp16 range check" in c.reason, c
 
 
 def test_auto_without_onnxruntime_is_cpu_and_names_the_extra(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ LAYERS = {
     "weights": 2, "tokenizer": 2, "kvcache": 2, "costgate": 2,
     "backends": 3, "snapshot": 3,
     "models": 4, "checkpoints": 4,
-    "vision": 5, "sampling": 5, "drafting": 5,
+    "vision": 5, "sampling": 5, "drafting": 5, "qrecord": 5,
     "engine": 6, "footprint": 6, "convert": 6,
     "runtime": 7, "logsetup": 7, "sdnotify": 7,
     "server": 8, "bench": 8, "doctor": 8,
@@ -28,7 +28,7 @@ LAYERS = {
 # package -> its modules low to high: a module imports only modules listed before it
 # (`__init__` is the package's own __init__.py; a subpackage is one entry of its parent)
 ORDER = {
-    "backends": ["cost", "kernels", "cpu", "__init__", "graph", "cpuq", "npu", "tower", "choice"],
+    "backends": ["cost", "record", "kernels", "cpu", "__init__", "graph", "cpuq", "npu", "tower", "choice"],
     "backends.cpu": ["backend", "tower", "__init__"],
     "backends.kernels": ["__init__"],
     "backends.graph": ["schema", "manifest", "cpu_side", "runners", "backend", "onnx_export", "__init__"],

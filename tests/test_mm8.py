@@ -80,6 +80,30 @@ def test_accuracy_targets_on_real_weights(accuracy):
 
 
 @pytest.mark.timeout(900)
+def test_conversion_carries_its_accuracy_record(mm_dir, model_dir, accuracy, tmp_path):
+    """`convert npu-mm` measured the directory before publishing it (host emulation): record.json keyed
+    by the manifest's identity, meeting the bar (docs/quantization.md, "Accuracy record"), its France
+    answer F32's, as bench accuracy's; with an RKNPU node (a fake one) auto runs the directory and
+    names the record."""
+    from edge_llm.backends.choice import choose_backend
+    from edge_llm.backends.record import RECORD, judge
+    from edge_llm.quality_text import ACCEPTANCE
+    from edge_llm.settings import Settings
+
+    rec = json.loads((mm_dir / RECORD).read_text())
+    key = MmManifest.read(mm_dir).identity()
+    assert rec["key"] == key and [a["prompt"] for a in rec["answers"]] == list(ACCEPTANCE), rec
+    passed, why = judge(mm_dir, key)
+    assert passed, why
+    france = rec["answers"][0]
+    assert france["same"] and france["other"].strip() == accuracy["answer"]["other"].strip(), (france, accuracy)
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "rknpu").write_text("")
+    c = choose_backend(Settings(backend="auto", rknn_dir=str(mm_dir)), model_dir, sysroot=tmp_path)
+    assert c.name == "rknn" and c.reason.endswith(why), (c, why)
+
+
+@pytest.mark.timeout(900)
 def test_served_answer_is_the_cpus(edge_home, mm_dir, accuracy, tmp_path):
     """`serve --backend rknn --rknn-dir OUT --rknn-runner host` over real HTTP: the greedy chat
     answer is the F32 CPU backend's, and the log's start line names the matmul path's numerics."""
@@ -235,6 +259,10 @@ def test_npu_engine_over_the_fake_is_the_emulation(edge_home, model_dir, mm_dir,
             temperature=0, max_tokens=24)
         assert r.choices[0].message.content.strip() == accuracy["answer"]["other"].strip()
         assert ":librknnrt-" in srv.log() and "runtime ready" in srv.log()
+        # the answer its accuracy record measured (host emulation), and no warning: the record passes
+        assert r.choices[0].message.content.strip() == json.loads((mm_dir / "record.json").read_text())[
+            "answers"][0]["other"].strip()
+        assert "runs as asked, but" not in srv.log()
 
 
 def test_vo_rotation_keeps_the_attention_output(model_dir):

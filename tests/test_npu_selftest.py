@@ -226,6 +226,9 @@ def test_auto_falls_back_when_the_self_test_refuses(default_mm_rtn, default_mode
 
     monkeypatch.setattr(npu_backend, "npu_present", lambda sysroot="/": "/dev/rknpu")  # a board, to `auto`
     monkeypatch.setattr(choice, "quant_runtime", lambda: None)  # the fall-back is cpu (no cpu-q graphs to build)
+    # the round-to-nearest conversion carries no accuracy record (its measurement is test_quant_record's and
+    # test_mm8's subject): auto takes it as a passing one here, so that the self-test is what refuses it
+    monkeypatch.setattr(choice, "rknn_record", lambda rknn_dir: (True, "accuracy record passes (taken as such here)"))
     monkeypatch.setenv("EDGE_LLM_LIBRKNNRT", fake("old-driver"))
     eng = load_runtime(Settings(model=str(default_model_dir), backend="auto", rknn_dir=str(default_mm_rtn),
                                 disk_kv=None))

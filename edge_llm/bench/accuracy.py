@@ -18,12 +18,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from edge_llm.bench.quant import greedy, quality, teacher_logits
-from edge_llm.quality_text import QUALITY_TEXT
+from edge_llm.qrecord import greedy, quality, teacher_logits
+from edge_llm.quality_text import FACT, QUALITY_TEXT
 
-FACT = "What is the capital of France?"
 PROMPTS: tuple[str, ...] = (
-    FACT,
+    FACT,  # the first of the accuracy record's acceptance prompts (quality_text.ACCEPTANCE)
     "Write one sentence about the sea.",
     "Name three prime numbers and explain why each one is prime.",
     "Summarize the following text in two sentences.\n\n" + QUALITY_TEXT.split("\n\n")[0],
@@ -31,7 +30,7 @@ PROMPTS: tuple[str, ...] = (
 TEACHER_TOKENS = 320
 ANSWER_TOKENS = 24
 GREEDY_TOKENS = 100
-GREEDY_PROMPT = PROMPTS[2]
+GREEDY_PROMPT = "Name three prime numbers and explain why each one is prime."
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:

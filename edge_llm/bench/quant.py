@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_llm.qrecord import greedy, log_softmax, quality, teacher_logits  # noqa: F401 (bench's users)
 from edge_llm.quality_text import QUALITY_TEXT
 from edge_llm.snapshot.layout import SNAPSHOT_GLOB
 
@@ -123,39 +124,6 @@ def ours_speed(model, store, ids: list[int], decode: int, tail: int) -> dict:
     model.prefill(ids[hit.m:], cache)
     restore = time.perf_counter() - t0
     return {"prefill_s": prefill, "decode_s": dec, "restore_s": restore, "state_bytes": res.nbytes}
-
-
-def teacher_logits(model, ids: list[int], chunk: int = 128) -> np.ndarray:
-    cache = model.new_cache(len(ids) + 8, check_memory=False)
-    return np.concatenate([model.forward(ids[a:a + chunk], cache, all_logits=True)
-                           for a in range(0, len(ids), chunk)])
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    x -= x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-
-
-def quality(ref: np.ndarray, other: np.ndarray, ids: list[int]) -> dict:
-    """Perplexity of `other` on ids, KL(ref || other) per position, top-1 agreement with ref."""
-    lr, lo = log_softmax(ref[:-1]), log_softmax(other[:-1])
-    nxt = np.asarray(ids[1:])
-    return {"ppl": float(np.exp(-lo[np.arange(len(nxt)), nxt].mean())),
-            "kl": float((np.exp(lr) * (lr - lo)).sum(axis=1).mean()),
-            "top1": float((lr.argmax(1) == lo.argmax(1)).mean())}
-
-
-def greedy(model, ids: list[int], steps: int, stop: frozenset[int] = frozenset()) -> list[int]:
-    """Greedy tokens after `ids`: `steps` of them, or up to and including the first in `stop`."""
-    cache = model.new_cache(len(ids) + steps + 8, check_memory=False)
-    logits, out = model.prefill(ids, cache), []
-    for _ in range(steps):
-        out.append(int(np.argmax(logits)))
-        if out[-1] in stop:
-            break
-        logits = model.forward([out[-1]], cache)
-    return out
 
 
 # ---- the run ---------------------------------------------------------------------------------

@@ -208,13 +208,14 @@ def npu_mm_cmd(model_dir, out_dir, rotation, down_rotation, vo_rotation, clip, g
     OUT_DIR/manifest.json, with numpy alone (no rknn-toolkit2; runs on the board too). Serve with
     --backend rknn --rknn-dir OUT_DIR (docs/npu.md, "The matmul path")."""
     from edge_llm.cli.progress import phase_progress, resolve_model_with_bar
-    from edge_llm.convert.npu_mm import CAPTURE, QUANTIZE, WRITE, convert_mm8
+    from edge_llm.convert.npu_mm import CAPTURE, QUANTIZE, RECORD_PHASE, WRITE, convert_mm8
     from edge_llm.errors import EdgeLLMError
 
     setup_cli_logging(logging.INFO if verbose else logging.WARNING)
     phases = {CAPTURE: f"GPTQ calibration: the F32 model on {gptq_tokens} tokens, layers",
               QUANTIZE: "quantize: layers + head" + (" (GPTQ)" if gptq_tokens else " (round to nearest)"),
-              WRITE: "write weights.npz and its digest"}
+              WRITE: "write weights.npz and its digest",
+              RECORD_PHASE: "accuracy record: the int8 model against F32 (host emulation)"}
     try:
         model_dir = str(resolve_model_with_bar(model_dir))
         with phase_progress(phases) as progress:
@@ -225,6 +226,10 @@ def npu_mm_cmd(model_dir, out_dir, rotation, down_rotation, vo_rotation, clip, g
     b = m.build
     click.echo(f"{m.layers} layers -> {out_dir} (identity {m.identity()}): {b['bytes'] / 1e6:.0f} MB of int8 "
                f"weights and scales in {b['seconds']:.1f} s, peak RSS {b['peak_rss_mb']:.0f} MB")
+    from edge_llm.backends.choice import rknn_record
+
+    passed, why = rknn_record(out_dir)
+    click.echo(f"{'passes' if passed else 'FAILS'}: {why}" if passed is not None else why)
 
 
 NPU_WINDOW = 4 << 30  # the RK3588 NPU's IOMMU window: every graph of a process maps into it

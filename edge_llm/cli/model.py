@@ -144,6 +144,7 @@ def _quant_rows(model_dir, build: str | None) -> list[tuple[str, str]]:
     """One row per cpu-q weight set of this model (built first for `build`)."""
     from collections import Counter
 
+    from edge_llm.backends.choice import cpu_q_record as record_of
     from edge_llm.backends.cpuq import backend as cpuq
     from edge_llm.backends.graph.manifest import Manifest
     from edge_llm.checkpoints.gguf_blocks import gguf_blocks
@@ -152,6 +153,16 @@ def _quant_rows(model_dir, build: str | None) -> list[tuple[str, str]]:
         with progress_bar(f"quantizing ({build})") as cb:
             cpuq.ensure_quantized(model_dir, cpuq.mode(build), progress=lambda msg: cb(0, 0, msg),
                                   blocks=gguf_blocks(model_dir))
+            if record_of(model_dir, build)[0] is None:  # built now, or before records existed
+                from edge_llm.qrecord import record_backend
+
+                be = cpuq.open_cpu_q(model_dir, build, blocks=gguf_blocks(model_dir))
+                try:
+                    root = cpuq.quant_dir(model_dir, cpuq.mode(build))
+                    record_backend(root, Manifest.read(root).identity(), model_dir, be, "cpu-q",
+                                   lambda msg: cb(0, 0, msg))
+                finally:
+                    be.close()
     out = []
     for name, qm in cpuq.MODES.items():
         # the directory name holds the weight digest: hash the checkpoint (seconds for GBs) only
@@ -169,6 +180,9 @@ def _quant_rows(model_dir, build: str | None) -> list[tuple[str, str]]:
                 f"{sum(req.values())} re-quantized" + (f" ({', '.join(f'{k}: {v}' for k, v in sorted(req.items()))})"
                                                        if req else "")]
         out.append((f"cpu-q {name} weights ({qm.label})", f"{'; '.join(desc)}; {nbytes / 1e6:.1f} MB in {root}"))
+        passed, why = record_of(model_dir, name)
+        out.append((f"cpu-q {name} accuracy", why + (" (measured when backend auto first considers cpu-q, or by "
+                                                      f"`edge-llm model info --quant {name}`)" if passed is None else "")))
     if not out:
         out.append(("cpu-q weights", "not built yet (`edge-llm model info --quant q4`, or first use of --backend cpu-q)"))
     return out

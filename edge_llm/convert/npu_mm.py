@@ -41,11 +41,13 @@ import numpy as np
 from edge_llm.backends.cpu.backend import load_layer
 from edge_llm.backends.npu.matmul.int8 import ALIGN, MAX_K, quantize_weight
 from edge_llm.backends.npu.matmul.decoder import MANIFEST, WEIGHTS, MmManifest, read_doc
+from edge_llm.backends.record import RECORD
 from edge_llm.config import ModelArgs
 from edge_llm.convert.gptq import calibration_ids, capture, gptq
 from edge_llm.convert.hadamard import dense_hadamard, hadamard, orthogonal, orthogonal_factors
 from edge_llm.errors import ConfigError
 from edge_llm.files import atomic_file, publish_dir
+from edge_llm.qrecord import record_mm
 from edge_llm.settings import (MM_CLIP, MM_CLIPS, MM_DOWN_ROTATION, MM_GPTQ_TOKENS, MM_ROTATION, MM_ROTATIONS,
                                MM_VO_ROTATION)
 from edge_llm.weights import load_weights, sha256_file, weight_digest
@@ -55,7 +57,7 @@ log = logging.getLogger(__name__)
 # the phases `convert_mm8` reports to its `progress(phase, done, total)`, in order: the F32 model's
 # run over the GPTQ calibration tokens (its layers), the layers quantized (+1: the head), weights.npz
 # written and hashed (2 steps)
-CAPTURE, QUANTIZE, WRITE = "capture", "quantize", "write"
+CAPTURE, QUANTIZE, WRITE, RECORD_PHASE = "capture", "quantize", "write", "record"
 Progress = Callable[[str, int, int], None]
 HEAD_COLUMNS = 16384  # the head is rotated and quantized in parts of this many vocab columns (peak RAM)
 CLIP_RATIOS = np.round(np.arange(0.80, 1.0001, 0.02), 2).astype(np.float32)
@@ -108,10 +110,13 @@ def _check_dims(args: ModelArgs) -> None:
 def convert_mm8(model_dir: str | Path, out_dir: str | Path, rotation: str = MM_ROTATION,
                 down_rotation: str = MM_DOWN_ROTATION, clip: str = MM_CLIP,
                 gptq_tokens: int = MM_GPTQ_TOKENS, vo_rotation: str = MM_VO_ROTATION,
-                progress: Progress | None = None) -> MmManifest:
+                progress: Progress | None = None, record: bool = True) -> MmManifest:
     """Quantize MODEL_DIR's decoder into OUT_DIR (see the module docstring); the manifest.
     `gptq_tokens`: GPTQ on that many calibration tokens (`convert/gptq.py`); 0: round to nearest.
-    `progress(phase, done, total)`: CAPTURE layers, QUANTIZE layers + head, WRITE steps, as each ends."""
+    `progress(phase, done, total)`: CAPTURE layers, QUANTIZE layers + head, WRITE steps, RECORD_PHASE, as each ends.
+    `record`: measure the accuracy record (record.json, edge_llm/qrecord.py) before publishing; False
+    only for callers that measure nothing with the directory's answers (it is then missing, and
+    `backend = auto` does not take the directory)."""
     say = progress or (lambda _phase, _done, _total: None)
     if {rotation, down_rotation, vo_rotation} - set(MM_ROTATIONS) or clip not in MM_CLIPS:
         raise ConfigError(f"rotation, down_rotation, vo_rotation: one of {MM_ROTATIONS}; clip: one of {MM_CLIPS}")
@@ -198,6 +203,10 @@ def convert_mm8(model_dir: str | Path, out_dir: str | Path, rotation: str = MM_R
                    "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                    "bytes": (tmp / WEIGHTS).stat().st_size}
         m.write(tmp)  # write_atomic: fsynced, with the directory
+        if record:  # measured on the new directory, published with it (docs/npu.md, "Accuracy record")
+            say(RECORD_PHASE, 0, 1)
+            record_mm(model_dir, tmp)
+            say(RECORD_PHASE, 1, 1)
         return m
 
     m = publish_dir(root, build, lambda _target: None)
@@ -206,7 +215,7 @@ def convert_mm8(model_dir: str | Path, out_dir: str | Path, rotation: str = MM_R
     return m
 
 
-OWN_FILES = (MANIFEST, WEIGHTS, f".{WEIGHTS}.tmp")  # the last: an older converter's temp file
+OWN_FILES = (MANIFEST, WEIGHTS, RECORD, f".{WEIGHTS}.tmp")  # the last: an older converter's temp file
 
 
 def _check_target(root: Path) -> None:
