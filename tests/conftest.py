@@ -182,6 +182,21 @@ def default_mm_rtn(default_model_dir: Path, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def default_mm(edge_home: Path, tmp_path_factory) -> Path:
+    """The default model converted by the CLI with its defaults (`edge-llm convert npu-mm default
+    OUT`: GPTQ, the rotations, its accuracy record measured in the host emulation: minutes here),
+    once a session: tests/test_mm8.py's accuracy targets and the emulated board's `auto`, which
+    takes an npu-mm directory only with a passing record (round-to-nearest's fails it)."""
+    out = tmp_path_factory.mktemp("npu-mm") / "out"
+    r = subprocess.run([sys.executable, "-m", "edge_llm", "convert", "npu-mm", "default", str(out)],
+                       env={**os.environ, "EDGE_LLM_HOME": str(edge_home)}, capture_output=True, text=True,
+                       timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "30 layers" in r.stdout and "peak RSS" in r.stdout, r.stdout
+    return out
+
+
+@pytest.fixture(scope="session")
 def fake_librknnrt(request) -> Path:
     """The fake librknnrt.so built for this host (tests/fake_librknnrt: it stands in for Rockchip's
     closed library, which cannot exist without an RK3588 NPU), compiled once per source into

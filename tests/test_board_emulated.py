@@ -470,7 +470,8 @@ def test_npu_matmul_engine_on_aarch64(board, tmp_path):
 
 
 @pytest.mark.timeout(2400)
-def test_auto_serves_the_default_model_on_the_npu_matmul_path(board, tmp_path, edge_home, default_model_dir):
+def test_auto_serves_the_default_model_on_the_npu_matmul_path(board, tmp_path, edge_home, default_model_dir,
+                                                              default_mm):
     """docs/npu.md "Backend choice" on an arm64 board: `--backend auto` with an RKNPU node and an
     `edge-llm convert npu-mm` rknn_dir serves the default model (real weights, converted on this
     host and copied in, as docs/npu.md says) on the matmul path: w8a8 through librknnrt's matmul
@@ -481,12 +482,9 @@ def test_auto_serves_the_default_model_on_the_npu_matmul_path(board, tmp_path, e
     The conversion's defaults (GPTQ): auto takes an npu-mm directory only with a passing accuracy
     record, and round-to-nearest's fails it (KL 0.0061, docs/npu.md "Accuracy record")."""
     from edge_llm.bench.accuracy import FACT
-    from edge_llm.convert.npu_mm import convert_mm8
     from fake_librknnrt.build import build_fake
 
     b = board
-    default_mm = tmp_path / "default-mm"
-    convert_mm8(default_model_dir, default_mm)  # with its record, measured in the host emulation
     chat = {"model": "default", "messages": [{"role": "user", "content": FACT}], "temperature": 0, "max_tokens": 12}
     with ServerProc(edge_home, tmp_path, "--model", "default", "--backend", "rknn", "--rknn-dir", str(default_mm),
                     "--rknn-runner", "host", "--no-disk-kv").start() as srv:

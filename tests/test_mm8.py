@@ -39,15 +39,9 @@ def model_dir(default_model_dir) -> Path:
 
 
 @pytest.fixture(scope="module")
-def mm_dir(edge_home, tmp_path_factory) -> Path:
-    """The default model converted with the CLI's defaults (numpy only: no toolkit venv)."""
-    out = tmp_path_factory.mktemp("npu-mm") / "out"
-    r = subprocess.run([sys.executable, "-m", "edge_llm", "convert", "npu-mm", "default", str(out)],
-                       env={**os.environ, "EDGE_LLM_HOME": str(edge_home)}, capture_output=True, text=True,
-                       timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "30 layers" in r.stdout and "peak RSS" in r.stdout, r.stdout
-    return out
+def mm_dir(default_mm) -> Path:
+    """The default model converted with the CLI's defaults (numpy only: no toolkit venv; conftest)."""
+    return default_mm
 
 
 @pytest.fixture(scope="module")
