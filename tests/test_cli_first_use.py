@@ -204,8 +204,8 @@ def test_generate_help_describes_both_npu_paths(tmp_path):
 def test_convert_npu_mm_reports_progress_when_piped(tiny_synth_dir, tmp_path):
     """`convert npu-mm` is never silent (it once said nothing for minutes): with stderr not a
     terminal it prints one line per step, in order: each layer of the F32 model's run over the GPTQ
-    calibration tokens, each layer quantized and the head, weights.npz written and hashed (on a
-    terminal the same phases are rich bars)."""
+    calibration tokens, each layer quantized and the head, weights.npz written and hashed, the
+    accuracy record measured (on a terminal the same phases are rich bars)."""
     r = edge_llm("convert", "npu-mm", str(tiny_synth_dir), str(tmp_path / "mm"), "--gptq-tokens", "16",
                  home=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -215,6 +215,9 @@ def test_convert_npu_mm_reports_progress_when_piped(tiny_synth_dir, tmp_path):
     got = [(m[1], int(m[2]), int(m[3])) for m in steps]
     want = ([("GPTQ calibration: the F32 model on 16 tokens, layers", i, layers) for i in range(1, layers + 1)]
             + [("quantize: layers + head (GPTQ)", i, layers + 1) for i in range(1, layers + 2)]
-            + [("write weights.npz and its digest", i, 2) for i in (1, 2)])
+            + [("write weights.npz and its digest", 1, 2)]
+            # the accuracy record, measured on the new directory before it is published (0/1: it has begun)
+            + [("accuracy record: the int8 model against F32 (host emulation)", i, 1) for i in (0, 1)]
+            + [("write weights.npz and its digest", 2, 2)])
     assert got == want, r.stderr
     assert f"{layers} layers -> " in r.stdout

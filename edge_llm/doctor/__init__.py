@@ -158,13 +158,18 @@ class Doctor(BoardChecks, StorageChecks):
             ident = Identity.for_model(d, args, cpu_numerics(), prefill_chunk=self.o.prefill_chunk)
         except Exception as e:
             return Check("model", WARN, detail + f"; identity not computed: {e}"), sizes
-        backend = self.choice().name
-        if backend == "cpu":
+        choice = self.choice()
+        backend = choice.name
+        # auto's cpu while cpu-q's accuracy record is unmeasured is not yet what the server runs: its first
+        # start measures the record and may take cpu-q (docs/quantization.md, "Accuracy record")
+        if backend == "cpu" and not choice.unmeasured:
             ns = Path(self.o.disk_kv or "") / ident.namespace
             n = len(list(ns.glob(SNAPSHOT_GLOB))) if self.o.disk_kv and ns.is_dir() else 0
             return Check("model", PASS, detail + f"; model_id {ident.namespace} ({n} snapshot(s) in its namespace)"), sizes
         # another backend's numerics (graph manifest, runtime version, threads) are known only once
         # it is loaded: name the namespaces this model already has instead of guessing one
+        if choice.unmeasured:
+            backend = f"{backend} until cpu-q's accuracy record is measured"
         return Check("model", PASS, detail + f"; backend {backend}: its namespace is named at start-up "
                      f"from its numerics; {self._model_namespaces(ident)}"), sizes
 
