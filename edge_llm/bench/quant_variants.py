@@ -16,7 +16,7 @@ numpy on the F32 CPU backend, each switched on alone, so the table says which on
 
 Each variant is measured as `bench accuracy` measures a backend: teacher-forced top-1 and KL on
 the fixed text, and the greedy answers to every acceptance prompt (bench/accuracy.py `PROMPTS`).
-The real backend's row (`cpu-q`, what the graphs compute) is measured in the same run.
+cpu-q's real graphs (every quant mode: `q4`, the default, and `q4-int8`) are measured in the same run.
 """
 
 from __future__ import annotations
@@ -43,6 +43,13 @@ def act_q8(x: np.ndarray, block: int = 32) -> np.ndarray:
     return (np.rint(xb * inv).astype(np.float32) * d).reshape(T, K).astype(np.float32)
 
 
+def act_q8x2(x: np.ndarray, block: int = 32) -> np.ndarray:
+    """Two passes: x rounded as `act_q8`, plus its remainder rounded the same way (what MatMulQ's
+    `passes = 2` computes: about 15 bits per activation instead of 8)."""
+    x1 = act_q8(x, block)
+    return (x1 + act_q8((x - x1).astype(np.float32), block)).astype(np.float32)
+
+
 @dataclass
 class Variant:
     """One emulated source of error: the kinds whose input rows are int8-rounded (`act`), those
@@ -53,6 +60,8 @@ class Variant:
     act: frozenset[str] = frozenset()
     requant: frozenset[str] = frozenset()
     rotate: dict[str, np.ndarray] = field(default_factory=dict)
+    passes: int = 1  # 2: the activations rounded in two passes (act_q8x2)
+    bits: int = 4  # of the re-quantized weights
 
 
 class EmulatedBackend(CPUBackend):
@@ -68,7 +77,7 @@ class EmulatedBackend(CPUBackend):
             from edge_llm.backends.cpuq.nbits import dequantize, quantize
 
             def rq(w: np.ndarray) -> np.ndarray:
-                return dequantize(quantize(w, 4, 32))
+                return dequantize(quantize(w, self.v.bits, 32))
             for L in self.layers:
                 for kind, attr in (("qkv", "w_qkv"), ("o", "w_o"), ("gu", "w_gu"), ("down", "w_down")):
                     if kind in self.v.requant:
@@ -80,9 +89,10 @@ class EmulatedBackend(CPUBackend):
         if kind not in self.v.act:
             return x
         r = self.v.rotate.get(kind)
+        q = act_q8 if self.v.passes == 1 else act_q8x2
         if r is None:
-            return act_q8(np.asarray(x, np.float32))
-        return (act_q8((x @ r).astype(np.float32)) @ r.T).astype(np.float32)
+            return q(np.asarray(x, np.float32))
+        return (q((x @ r).astype(np.float32)) @ r.T).astype(np.float32)
 
     def qkv_fused(self, layer: int, x: np.ndarray) -> np.ndarray:
         L = self.layers[layer]
@@ -120,9 +130,12 @@ def variants(hidden: int, inter: int) -> list[Variant]:
     if h_down is not None:
         rows.append(Variant("int8 activations, all; residual rotation + online Hadamard of down's input",
                             act=every, rotate={"qkv": r, "gu": r, "head": r, "down": h_down}))
+    rows.append(Variant("two-pass int8 activations (int8 + int8 of the remainder), all linears", act=every, passes=2))
     rows.append(Variant("4-bit RTN weights from F32 (all linears), float activations",
                         requant=frozenset(KINDS) - {"head"}))
     rows.append(Variant("4-bit RTN head from F32, float activations", requant=frozenset({"head"})))
+    rows.append(Variant("8-bit RTN weights from F32 (all linears and head), int8 activations", act=every,
+                        requant=every, bits=8))
     return rows
 
 
@@ -147,7 +160,10 @@ def measure(ref_logits: np.ndarray, ref_answers: list[list[int]], model, tok, id
 
 
 def run(model: str = "default", teacher_tokens: int = TEACHER_TOKENS, cpu_q: bool = True,
-        step: Callable[[str], None] = lambda _m: None) -> dict:
+        step: Callable[[str], None] = lambda _m: None, emulate: bool = True) -> dict:
+    """The table's rows (`emulate`: the numpy emulations; `cpu_q`: cpu-q's real graphs in every
+    quant mode, built in $EDGE_LLM_HOME/quant if needed) against the F32 backend."""
+    from edge_llm.backends.cpuq.backend import MODES
     from edge_llm.checkpoints.default import resolve_model_dir
     from edge_llm.config import ModelArgs
     from edge_llm.models.qwen3 import Model
@@ -167,19 +183,19 @@ def run(model: str = "default", teacher_tokens: int = TEACHER_TOKENS, cpu_q: boo
     res = {"model": model_dir.name, "teacher_tokens": len(ids), "prompts": [p[:60] for p in PROMPTS],
            "f32_france": tok.decode(ref_answers[0], skip_special_tokens=True), "rows": []}
     del ref
-    for v in variants(args.hidden_size, args.intermediate_size):
+    for v in variants(args.hidden_size, args.intermediate_size) if emulate else ():
         step(v.name)
         m = Model.load(model_dir, backend=EmulatedBackend(v))
         res["rows"].append({"variant": v.name, **measure(ref_logits, ref_answers, m, tok, ids, prompts, stop)})
-    if cpu_q:
+    for i, quant in enumerate(MODES if cpu_q else ()):
         from edge_llm.backends.cpuq.backend import open_cpu_q
         from edge_llm.checkpoints.gguf_blocks import gguf_blocks
 
-        step("cpu-q (the real graphs)")
-        be = open_cpu_q(model_dir, "q4", progress=step, blocks=gguf_blocks(model_dir))
+        step(f"cpu-q {quant} (the real graphs)")
+        be = open_cpu_q(model_dir, quant, progress=step, blocks=gguf_blocks(model_dir))
         try:
             m = Model.load(model_dir, backend=be)
-            res["rows"].insert(0, {"variant": f"cpu-q as built ({be.numerics.split(':')[0]}, real graphs)",
+            res["rows"].insert(i, {"variant": f"cpu-q --quant {quant} ({MODES[quant].label}, the real graphs)",
                                    **measure(ref_logits, ref_answers, m, tok, ids, prompts, stop)})
         finally:
             be.close()
