@@ -41,8 +41,10 @@ def run_decode(backends, families, max_tokens=128, threads=2, repeats=2, llamacp
     from edge_llm.bench import decode as B
     from edge_llm.bench.disk import new_results_dir
 
-    bad = [f for f in families if f not in B.FAMILIES] + [b for b in backends
-                                                         if b not in ("cpu", "cpu-q") and not b.startswith("cpu-q:")]
+    from edge_llm.settings import QUANT_MODES
+
+    ok = ("cpu", "cpu-q", *(f"cpu-q:{q}" for q in QUANT_MODES))
+    bad = [f for f in families if f not in B.FAMILIES] + [b for b in backends if b not in ok]
     if bad:
         raise click.BadParameter(f"unknown: {', '.join(bad)}")
     res_dir = new_results_dir(out, "bench-decode")
