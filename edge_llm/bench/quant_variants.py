@@ -117,11 +117,11 @@ class EmulatedBackend(CPUBackend):
 
 def variants(hidden: int, inter: int) -> list[Variant]:
     """The table's rows: each source alone, then all of them, then rotations against it."""
-    from edge_llm.convert.hadamard import dense_hadamard, orthogonal
+    from edge_llm.convert.hadamard import orthogonal
 
     every = frozenset(KINDS)
     r = orthogonal(hidden)
-    h_down = _down_hadamard(inter, dense_hadamard)
+    h_down = _down_hadamard(inter)
     rows = [Variant("int8 activations, all linears (what cpu-q computes)", act=every)]
     rows += [Variant(f"int8 activations, {k} only", act=frozenset({k})) for k in KINDS]
     rows += [Variant(f"int8 activations, all but {k}", act=every - {k}) for k in ("down", "head")]
@@ -139,7 +139,9 @@ def variants(hidden: int, inter: int) -> list[Variant]:
     return rows
 
 
-def _down_hadamard(inter: int, dense_hadamard: Callable) -> np.ndarray | None:
+def _down_hadamard(inter: int) -> np.ndarray | None:
+    """The int8 NPU path's online Hadamard of down_proj's input (convert/npu_mm.py), or None."""
+    from edge_llm.convert.hadamard import dense_hadamard
     from edge_llm.convert.npu_mm import down_block
     from edge_llm.errors import ConfigError
 
