@@ -35,7 +35,7 @@ HOME_ENV = "EDGE_LLM_HOME"
 CONFIG_ENV = "EDGE_LLM_CONFIG"
 AUTO = "auto"  # disk_kv / log_file: the default location (resolved by `resolve`)
 BACKEND_NAMES = ("cpu", "cpu-q", "rknn", "auto")  # edge_llm/runtime.make_backend maps these to backends
-QUANT_MODES = ("q4",)  # backend cpu-q; edge_llm/backends/cpuq/backend.MODES defines them
+QUANT_MODES = ("q4", "q4-int8")  # backend cpu-q; edge_llm/backends/cpuq/backend.MODES defines them
 RKNN_RUNNERS = ("auto", "rknnlite", "sim", "onnxruntime", "host", "librknnrt")  # docs/npu.md
 MM_RUNNERS = ("host", "librknnrt")  # the ones of an `edge-llm convert npu-mm` directory (docs/npu.md, "The matmul path")
 # `edge-llm convert npu-mm`'s choices and defaults (convert/npu_mm.py; measured in docs/npu.md, "The matmul path")
@@ -84,8 +84,10 @@ class Settings:
                         "matmul path of `edge-llm convert npu-mm`, every linear an int8 matmul through "
                         "librknnrt's matmul API with norms and attention on the CPU).", str,
                         choices=BACKEND_NAMES)
-    quant: str = _opt("q4", "Weight format of backend cpu-q: q4 (4-bit blocks of 32 with int8 activations; "
-                      "GGUF Q4_0/Q4_1/Q8_0 blocks kept exactly); built on first use under "
+    quant: str = _opt("q4", "Weight format of backend cpu-q: q4 (4-bit blocks of 32, GGUF Q4_0/Q4_1/Q8_0 "
+                      "blocks kept exactly, activations in float for prompts and in two int8 passes for "
+                      "decode), q4-int8 (the same weights, int8 activations: faster, further from F32); "
+                      "built on first use under "
                       "$EDGE_LLM_HOME/quant.", str, choices=QUANT_MODES)
     threads: int | None = _opt(None, "Compute threads of backend cpu-q (onnxruntime); auto: one per core, "
                                "on a big.LITTLE CPU one per big core with the process pinned to them "

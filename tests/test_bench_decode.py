@@ -78,3 +78,20 @@ def test_bench_decode_end_to_end(edge_home, tmp_path, monkeypatch):
     assert row["spec"]["forwards"] + row["spec"]["accepted"] == 23
     assert row["same_text"] == (row["first_difference"] is None)
     assert "| cpu | code |" in r.output and "llama.cpp: not run" in r.output
+
+
+def test_bench_decode_runs_a_cpu_q_mode_by_name(edge_home, tmp_path, monkeypatch):
+    """`--backends cpu-q:q4-int8` runs backend cpu-q in that quant mode (its numerics say so); a
+    mode that does not exist is refused before anything loads."""
+    from edge_llm.cli import cli
+
+    monkeypatch.setenv("EDGE_LLM_HOME", str(edge_home))
+    args = ["bench", "decode", "--families", "chat", "--max-tokens", "4", "--repeats", "1",
+            "--llamacpp-python", str(tmp_path / "none"), "--out", str(tmp_path)]
+    bad = CliRunner().invoke(cli, args + ["--backends", "cpu-q:q9"])
+    assert bad.exit_code != 0 and "cpu-q:q9" in bad.output
+    r = CliRunner().invoke(cli, args + ["--backends", "cpu-q:q4-int8"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(next(tmp_path.glob("*-bench-decode/decode.json")).read_text())
+    assert [row["backend"] for row in res["rows"]] == ["cpu-q:q4-int8"]
+    assert ":q4-b32-acc4:" in res["numerics"]["cpu-q:q4-int8"]

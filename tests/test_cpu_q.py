@@ -214,8 +214,8 @@ def test_decode_graph_agrees_with_per_layer_path(cpu_q, default_dir, record_prop
     assert [int(np.argmax(x)) for x in fused[1:4]] == toks[1:4]
 
 
-@pytest.mark.parametrize("quant", ["q4", "q4f"])  # int8 / float activations: other kernels
-def test_bits_do_not_depend_on_threads_or_neighbours(cpu_q, default_dir, quant, monkeypatch):
+@pytest.mark.parametrize("quant", ["q4", "q4-int8"])  # float / int8 activations: other kernels
+def test_bits_do_not_depend_on_threads_or_neighbours(cpu_q, default_dir, quant):
     """What every CPU guarantees (docs/quantization.md, "Bits and batches"): the thread count never
     changes a bit, at any row count (calls of at most 128 rows: onnxruntime's own thread split
     would otherwise put a lone row on the one-row kernel), and a row's bits do not depend on the
@@ -225,8 +225,7 @@ def test_bits_do_not_depend_on_threads_or_neighbours(cpu_q, default_dir, quant, 
     from edge_llm.backends.graph.backend import GraphBackend
     from edge_llm.backends.graph.runners import OrtRunner
 
-    # q4f: accuracy level 0 (test_npu_accuracy.py builds it too), its one-row kernel differs on every ISA
-    monkeypatch.setitem(cpuq.MODES, "q4f", cpuq.QuantMode("q4f", 4, cpuq.BLOCK, 0))
+    # q4: accuracy level 0, whose one-row kernel differs on every ISA; q4-int8: accuracy level 4
     root, m = cpuq.ensure_quantized(default_dir, cpuq.mode(quant), blocks=gguf_blocks(default_dir))
     files = {n: p for n, p in m.onnx_files(root).items() if n != DECODE}  # test_cpu_q_decode.py
     specs = [s for s in m.specs() if s.kind != DECODE]
@@ -250,7 +249,7 @@ def test_bits_do_not_depend_on_threads_or_neighbours(cpu_q, default_dir, quant, 
 def test_graph_cache_and_model_info(cpu_q, default_dir, home_env):
     root = cpuq.quant_dir(default_dir, cpuq.mode("q4"))
     m = json.loads((root / "manifest.json").read_text())
-    assert m["dtype"] == "q4-b32-acc4" and m["build"]["summary"]["requantized"] == 0
+    assert m["dtype"] == "q4-b32-acc0-x2" and m["build"]["summary"]["requantized"] == 0
     assert m["build"]["summary"]["exact"] == 30 * 4 + 1  # qkv, o, gate+up, down per layer + head
     # a second open reuses the directory (same identity, nothing rebuilt)
     mtime = (root / "manifest.json").stat().st_mtime_ns

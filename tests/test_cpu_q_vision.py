@@ -65,7 +65,7 @@ def models(vl_dir, home, tmp_path_factory):
     cpuq_model = Model.load(vl_dir, cpuq.open_cpu_q(vl_dir, "q4", threads=2, blocks=None))  # synthetic: no GGUF
     root, built = cpuq.ensure_quantized(vl_dir, cpuq.mode("q4"), blocks=None)
     args, out = ModelArgs.from_dir(vl_dir), tmp_path_factory.mktemp("fused")
-    fused = export_graph_set(vl_dir, out, chunks=None, linear=QuantLinear(args, None, 4, cpuq.BLOCK, 4),
+    fused = export_graph_set(vl_dir, out, chunks=None, linear=QuantLinear(args, None, 4, cpuq.BLOCK, cpuq.mode("q4").accuracy_level),
                              norm=rms_norm_op, fused=True, unfused=0)
     assert Manifest.read(out).identity() != built.identity()
     extra = [s for s in built.specs() if s.kind == QKV and s.index > 0]

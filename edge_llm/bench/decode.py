@@ -162,8 +162,10 @@ def run(backends=("cpu", "cpu-q"), families=tuple(FAMILIES), max_tokens: int = 1
     try:
         for backend in backends:
             step(f"loading {backend}")
-            eng = load_runtime(resolve(Settings(backend=backend, model=model, disk_kv=None, log_file=None,
-                                                threads=threads, max_seq=4096, **settings.get(backend, {}))))
+            name, _, quant = backend.partition(":")  # "cpu-q:q4-int8": backend cpu-q in that quant mode
+            eng = load_runtime(resolve(Settings(backend=name, model=model, disk_kv=None, log_file=None,
+                                                threads=threads, max_seq=4096,
+                                                **({"quant": quant} if quant else {}), **settings.get(backend, {}))))
             if not prompts:
                 prompts = {f: chat_ids(eng.tokenizer, FAMILIES[f]) for f in families}
                 if py is not None:

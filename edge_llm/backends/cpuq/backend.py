@@ -44,23 +44,28 @@ class QuantMode:
     name: str
     bits: int
     block: int
-    accuracy_level: int  # MatMulNBits: 4 = int8 activations per block (CompInt8), 0 = float
+    accuracy_level: int  # MatMulNBits (prefill): 4 = int8 activations per block (CompInt8), 0 = float
+    passes: int = 1  # MatMulQ (decode): 1 = int8 activations per block, 2 = int8 + int8 of the remainder
 
     @property
     def label(self) -> str:
-        return f"q{self.bits}-b{self.block}-acc{self.accuracy_level}"
+        return f"q{self.bits}-b{self.block}-acc{self.accuracy_level}" + (f"-x{self.passes}" if self.passes > 1 else "")
 
 
-# one mode: 8-bit weights were measured (docs/quantization.md) and not added: the only 8-bit
-# kernel faster than numpy F32 also quantizes activations, and on the default model it is no
-# closer to F32 than q4 with the GGUF's exact blocks
-MODES = {"q4": QuantMode("q4", 4, BLOCK, 4)}
+# q4: the weights as 4-bit blocks (the GGUF's own where they reproduce the F32 weights); the
+# activations as near float as the kernels allow, because their int8 rounding, not the weights,
+# was what separated cpu-q's answers from F32's on the default model (docs/quantization.md, "Where
+# the error comes from"): prefill's MatMulNBits with float activations (accuracy level 0), decode's
+# MatMulQ in two passes. q4-int8: both with int8 activations (what q4 was until quant format 5).
+# 8-bit weights were measured and not added (docs/quantization.md, "No 8-bit mode").
+MODES = {"q4": QuantMode("q4", 4, BLOCK, 0, 2), "q4-int8": QuantMode("q4-int8", 4, BLOCK, 4, 1)}
 TARGET = "onnxruntime-cpu"
 # what a quantized graph directory holds; older directories are rebuilt on first use
 # (2: the decode graph's attention is the AttnRow operator, backends/kernels/_attn.c; 3: the decode graph
 # takes T rows, a verify forward of speculative decoding; 4: its 4-bit linears are the MatMulQ
-# operator, backends/kernels/_qmatmul.c)
-QUANT_FORMAT = 4
+# operator, backends/kernels/_qmatmul.c; 5: q4's activations in float (prefill) and two int8 passes
+# (decode))
+QUANT_FORMAT = 5
 # onnxruntime's pool threads spin between runs by default; here numpy (attention) runs between
 # every two graph calls and would share its cores with spinning threads
 SESSION_CONFIG = {"session.intra_op.allow_spinning": "0"}
@@ -244,7 +249,7 @@ def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], N
                          progress=(lambda s: progress(f"quantizing {s.name}")) if progress else None,
                          target=TARGET, dtype=qm.label)
     # the same weights again, in one graph, its 4-bit linears as MatMulQ (reported once, above)
-    row_linear = QuantLinear(args, blocks, qm.bits, qm.block, qm.accuracy_level, row_op=True)
+    row_linear = QuantLinear(args, blocks, qm.bits, qm.block, qm.accuracy_level, row_op=True, passes=qm.passes)
     e = export_decode(model_dir, out / "onnx", row_linear,
                       progress=(lambda s: progress(f"quantizing the decode graph: {s}")) if progress else None)
     report = linear.report

@@ -52,8 +52,9 @@ class QuantLinear:
     blocks of the file the model was imported from (None: every weight is quantized here)."""
 
     def __init__(self, args: ModelArgs, source: BlockSource | None, bits: int, block: int, accuracy_level: int,
-                 row_op: bool = False):
+                 row_op: bool = False, passes: int = 1):
         self.args, self.bits, self.block, self.accuracy_level = args, bits, block, accuracy_level
+        self.passes = passes  # MatMulQ's activation passes (row_op)
         self.row_op = row_op  # MatMulQ where it holds the weight (the decode graph)
         self.report: list[dict[str, Any]] = []
         self.source = source
@@ -63,7 +64,10 @@ class QuantLinear:
                  key: WeightKey) -> str:
         qw = center(self.weight(w, key))
         o = out if bias is None else None
-        y = write_qmatmul(g, x, qw, o) if self.row_op and qmatmul_holds(qw) else write_nbits(g, x, qw, self.accuracy_level, o)
+        if self.row_op and qmatmul_holds(qw):
+            y = write_qmatmul(g, x, qw, o, self.passes)
+        else:
+            y = write_nbits(g, x, qw, self.accuracy_level, o)
         return y if bias is None else g.op("Add", [y, g.const("b", bias)], out=out)
 
     # ---- choosing the blocks ----------------------------------------------------------------
@@ -163,10 +167,11 @@ def qmatmul_records(qw: QuantWeight) -> np.ndarray:
     return np.concatenate(parts, axis=-1)
 
 
-def write_qmatmul(g: GraphBuilder, x: str, qw: QuantWeight, out: str | None) -> str:
-    """x (T, K) @ W as one MatMulQ node."""
+def write_qmatmul(g: GraphBuilder, x: str, qw: QuantWeight, out: str | None, passes: int = 1) -> str:
+    """x (T, K) @ W as one MatMulQ node; `passes` 2: the activations rounded in two int8 passes."""
+    extra = {"passes": passes} if passes != 1 else {}
     return g.op(QMATMUL_OP, [x, g.const("qblocks", qmatmul_records(qw))], out=out, domain=OPS_DOMAIN, N=qw.N,
-                K=qw.K, bits=qw.bits, mins=int(qw.mins is not None))
+                K=qw.K, bits=qw.bits, mins=int(qw.mins is not None), **extra)
 
 
 def summarize(report: list[dict[str, Any]]) -> dict[str, Any]:

@@ -55,6 +55,10 @@ def library() -> ctypes.CDLL | None:
     lib.edge_qmatmul.restype = I
     lib.edge_qmatmul_work_size.argtypes = [I64, I64]
     lib.edge_qmatmul_work_size.restype = I64
+    lib.edge_qmatmul_passes.argtypes = [P, P, I64, I64, I64, I, I, I, P, P]
+    lib.edge_qmatmul_passes.restype = I
+    lib.edge_qmatmul_passes_work_size.argtypes = [I64, I64, I64, I]
+    lib.edge_qmatmul_passes_work_size.restype = I64
     lib.edge_qmatmul_isa.restype = ctypes.c_char_p
     lib.edge_qmatmul_force.argtypes = [ctypes.c_char_p]
     lib.edge_qmatmul_force.restype = I

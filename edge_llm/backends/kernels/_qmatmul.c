@@ -26,6 +26,13 @@
  * bitwise the same on every CPU, and a row's result depends only on that row (rows never mix).
  * The work items are tiles of 16 columns, spread over onnxruntime's pool threads; the thread
  * count does not change a bit. `edge_qmatmul` is the same computation on one thread (tests).
+ *
+ * passes = 2 (cpu-q's q4 since quant format 5): the int8 rounding of x is what separated cpu-q's
+ * answers from F32's (docs/quantization.md, "Where the error comes from"), so each row is also
+ * given its remainder x - dx xq, rounded per block the same way, as a second row: the tile kernels
+ * run both (AVX-512 unpacks a block's levels once for the pair) and the two results are added, one
+ * float add per output. About 15 bits per activation for twice the integer work and the same weight
+ * bytes; every path still gives the same bits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -360,52 +367,81 @@ int64_t edge_qmatmul_work_size(int64_t T, int64_t K) {
     return T * (K + nb * 16 + (int64_t)sizeof(Row));
 }
 
-/* x (T, K) -> the rows' quantized blocks in work. Plain C on the calling thread, one order of
- * operations everywhere (the compiler barrier keeps x * (1 / dx) from being fused into the
- * rounding's add). */
-static Row *quantize_rows(const float *x, int64_t T, int64_t K, uint8_t *work) {
+/* Bytes of scratch for T rows of K (a multiple of 32) in `passes` passes (1 or 2) and N outputs. */
+int64_t edge_qmatmul_passes_work_size(int64_t T, int64_t K, int64_t N, int passes) {
+    if (passes == 1) return edge_qmatmul_work_size(T, K);
+    return edge_qmatmul_work_size(2 * T, K) + (int64_t)sizeof(float) * T * (K + 2 * N);
+}
+
+/* One row x (K) -> its quantized blocks in r (storage: q (K), dx and sx (nb each), sq (nb)).
+ * Plain C on the calling thread, one order of operations everywhere (the compiler barrier keeps
+ * x * (1 / dx) from being fused into the rounding's add). */
+static void quantize_row(const float *x, int64_t K, Row *r, int8_t *q, float *dx, float *sx, int32_t *sqt) {
     const int64_t nb = K / QB;
-    Row *rows = (Row *)work;
-    int8_t *xq = (int8_t *)(work + T * (int64_t)sizeof(Row));
-    float *f = (float *)(xq + T * K); /* dx, sx per row */
-    int32_t *sq = (int32_t *)(f + 2 * T * nb);
-    for (int64_t t = 0; t < T; t++) {
-        Row *r = &rows[t];
-        float *dx = f + 2 * t * nb, *sx = dx + nb;
-        int8_t *q = xq + t * K;
-        int32_t *sqt = sq + t * nb;
-        r->xq = q, r->dx = dx, r->sx = sx, r->sq = sqt;
-        for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + t * K + b * QB;
-            float amax = 0.0f, sum = 0.0f, s[QB];
-            for (int i = 0; i < QB; i++) {
-                const float a = fabsf(xb[i]);
-                amax = a > amax ? a : amax;
-                sum += xb[i];
-            }
-            const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-            for (int i = 0; i < QB; i++) s[i] = xb[i] * id;
-            __asm__ volatile("" : : "r"(s) : "memory");
-            int32_t n = 0;
-            for (int i = 0; i < QB; i++) {
-                const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds half to even */
-                const int32_t v = (int32_t)((s[i] + magic) - magic);
-                q[b * QB + i] = (int8_t)v;
-                n += v;
-            }
-            dx[b] = d, sx[b] = sum, sqt[b] = n;
+    r->xq = q, r->dx = dx, r->sx = sx, r->sq = sqt;
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + b * QB;
+        float amax = 0.0f, sum = 0.0f, s[QB];
+        for (int i = 0; i < QB; i++) {
+            const float a = fabsf(xb[i]);
+            amax = a > amax ? a : amax;
+            sum += xb[i];
         }
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        for (int i = 0; i < QB; i++) s[i] = xb[i] * id;
+        __asm__ volatile("" : : "r"(s) : "memory");
+        int32_t n = 0;
+        for (int i = 0; i < QB; i++) {
+            const float magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds half to even */
+            const int32_t v = (int32_t)((s[i] + magic) - magic);
+            q[b * QB + i] = (int8_t)v;
+            n += v;
+        }
+        dx[b] = d, sx[b] = sum, sqt[b] = n;
+    }
+}
+
+/* x (T, K) -> the rows' quantized blocks in work. passes = 2: row 2t is row t rounded as above,
+ * row 2t + 1 its remainder x - dx q (one explicit fma per element, the same bits everywhere)
+ * rounded the same way, with a block sum of 0 (the float minimum's term is row 2t's alone). */
+static Row *quantize_rows(const float *x, int64_t T, int64_t K, int passes, uint8_t *work) {
+    const int64_t nb = K / QB, R = T * passes;
+    Row *rows = (Row *)work;
+    int8_t *xq = (int8_t *)(work + R * (int64_t)sizeof(Row));
+    float *f = (float *)(xq + R * K); /* dx, sx per row */
+    int32_t *sq = (int32_t *)(f + 2 * R * nb);
+    float *rem = (float *)(work + edge_qmatmul_work_size(R, K)); /* passes = 2: one row's remainder */
+    for (int64_t t = 0; t < R; t++) {
+        const int64_t src = t / passes;
+        float *dx = f + 2 * t * nb, *sx = dx + nb;
+        if (t % passes == 0) {
+            quantize_row(x + src * K, K, &rows[t], xq + t * K, dx, sx, sq + t * nb);
+            continue;
+        }
+        const Row *p = &rows[t - 1];
+        for (int64_t k = 0; k < K; k++) rem[k] = fmaf(-p->dx[k / QB], (float)p->xq[k], x[src * K + k]);
+        quantize_row(rem, K, &rows[t], xq + t * K, dx, sx, sq + t * nb);
+        for (int64_t b = 0; b < nb; b++) sx[b] = 0.0f;
     }
     return rows;
 }
 
+/* passes = 2: the job computes 2T rows into scratch in work; `combine` adds each pair into y. */
 static int job_init(Job *j, const float *x, const uint8_t *blocks, int64_t T, int64_t K, int64_t N, int bits,
-                    int mins, float *y, uint8_t *work) {
-    if (T < 1 || K < QB || K % QB || N < 1 || (bits != 4 && bits != 8)) return -1;
-    j->blocks = blocks, j->T = T, j->N = N, j->nb = K / QB, j->bits = bits, j->mins = mins, j->y = y;
+                    int mins, int passes, float *y, uint8_t *work) {
+    if (T < 1 || K < QB || K % QB || N < 1 || (bits != 4 && bits != 8) || (passes != 1 && passes != 2)) return -1;
+    j->blocks = blocks, j->T = T * passes, j->N = N, j->nb = K / QB, j->bits = bits, j->mins = mins;
+    j->y = passes == 1 ? y : (float *)(work + edge_qmatmul_work_size(2 * T, K)) + T * K;
     j->lv = 16 * 4 * bits, j->rec = rec_bytes(bits, mins);
-    j->rows = quantize_rows(x, T, K, work);
+    j->rows = quantize_rows(x, T, K, passes, work);
     return 0;
+}
+
+/* passes = 2: y[t] = (row 2t's result) + (row 2t + 1's), one float add per output. */
+static void combine(const Job *j, float *y) {
+    if (j->y == y) return;
+    for (int64_t t = 0; t < j->T / 2; t++)
+        for (int64_t n = 0; n < j->N; n++) y[t * j->N + n] = j->y[2 * t * j->N + n] + j->y[(2 * t + 1) * j->N + n];
 }
 
 static void job_item(void *arg, size_t tile) {
@@ -417,21 +453,29 @@ static int64_t n_tiles(int64_t N) { return (N + TILE - 1) / TILE; }
 
 /* y (T, N) = x (T, K) @ W, W as records (see the top); on the calling thread. work:
  * edge_qmatmul_work_size(T, K) bytes. Returns 0, or -1 on bad sizes. */
+int edge_qmatmul_passes(const float *x, const uint8_t *blocks, int64_t T, int64_t K, int64_t N, int bits, int mins,
+                        int passes, float *y, uint8_t *work) {
+    Job j;
+    if (job_init(&j, x, blocks, T, K, N, bits, mins, passes, y, work) != 0) return -1;
+    for (int64_t t = 0; t < n_tiles(N); t++) job_item(&j, (size_t)t);
+    combine(&j, y);
+    return 0;
+}
+
+/* The same in one pass (work: edge_qmatmul_work_size(T, K)). */
 int edge_qmatmul(const float *x, const uint8_t *blocks, int64_t T, int64_t K, int64_t N, int bits, int mins,
                  float *y, uint8_t *work) {
-    Job j;
-    if (job_init(&j, x, blocks, T, K, N, bits, mins, y, work) != 0) return -1;
-    for (int64_t t = 0; t < n_tiles(N); t++) job_item(&j, (size_t)t);
-    return 0;
+    return edge_qmatmul_passes(x, blocks, T, K, N, bits, mins, 1, y, work);
 }
 
 /* ---- the onnxruntime operator ai.edge_llm.MatMulQ ----------------------------------------------
  * inputs   x (T, K) float, blocks (tiles, K / 32, record bytes) uint8
- * output   y (T, N) float                   attributes  N, K, bits (4 or 8), mins (0 or 1)  (int64) */
+ * output   y (T, N) float                   attributes  N, K, bits (4 or 8), mins (0 or 1), passes (1 or 2,
+ *                                           optional, default 1: the activations' rounding, see the top)  (int64) */
 static const OrtApi *ort;
 
 typedef struct {
-    int64_t N, K, bits, mins;
+    int64_t N, K, bits, mins, passes;
 } MatMulQ;
 
 static OrtStatusPtr fail(const char *msg) { return ort->CreateStatus(ORT_INVALID_ARGUMENT, msg); }
@@ -448,10 +492,14 @@ static OrtStatusPtr op_create(const OrtCustomOp *op, const OrtApi *api, const Or
     if (st == NULL) st = api->KernelInfoGetAttribute_int64(info, "K", &a->K);
     if (st == NULL) st = api->KernelInfoGetAttribute_int64(info, "bits", &a->bits);
     if (st == NULL) st = api->KernelInfoGetAttribute_int64(info, "mins", &a->mins);
+    if (st == NULL) { /* optional: 1 when absent */
+        OrtStatusPtr none = api->KernelInfoGetAttribute_int64(info, "passes", &a->passes);
+        if (none != NULL) api->ReleaseStatus(none), a->passes = 1;
+    }
     if (st == NULL && (a->N < 1 || a->K < QB || a->K % QB || (a->bits != 4 && a->bits != 8) ||
-                       (a->mins != 0 && a->mins != 1)))
+                       (a->mins != 0 && a->mins != 1) || (a->passes != 1 && a->passes != 2)))
         st = api->CreateStatus(ORT_INVALID_ARGUMENT,
-                               "MatMulQ: N >= 1, K a positive multiple of 32, bits 4 or 8, mins 0 or 1");
+                               "MatMulQ: N >= 1, K a positive multiple of 32, bits 4 or 8, mins 0 or 1, passes 1 or 2");
     if (st != NULL) {
         free(a);
         return st;
@@ -476,11 +524,12 @@ static OrtStatusPtr op_compute(void *kernel, OrtKernelContext *ctx) {
     const int64_t od[2] = {T, a->N};
     CHECK(ort->KernelContext_GetOutput(ctx, 0, od, 2, &out_value));
     CHECK(ort->GetTensorMutableData(out_value, (void **)&y));
-    uint8_t *work = malloc((size_t)edge_qmatmul_work_size(T, a->K));
+    uint8_t *work = malloc((size_t)edge_qmatmul_passes_work_size(T, a->K, a->N, (int)a->passes));
     if (work == NULL) return ort->CreateStatus(ORT_FAIL, "MatMulQ: out of memory");
     Job j;
-    job_init(&j, x, blocks, T, a->K, a->N, (int)a->bits, (int)a->mins, y, work);
+    job_init(&j, x, blocks, T, a->K, a->N, (int)a->bits, (int)a->mins, (int)a->passes, y, work);
     OrtStatusPtr st = ort->KernelContext_ParallelFor(ctx, job_item, (size_t)n_tiles(a->N), 0, &j);
+    if (st == NULL) combine(&j, y);
     free(work);
     return st;
 }

@@ -1,5 +1,6 @@
 """`edge-llm bench accuracy`: rknn (simulator, onnxruntime or the board) or cpu-q against the
-exact CPU backend on the real model, end to end."""
+exact CPU backend on the real model, end to end; `edge-llm bench quant-variants`: where cpu-q's
+distance from F32 comes from (bench/quant_variants.py)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,28 @@ def accuracy_cmd(model, backend, rknn_dir, rknn_runner, teacher_tokens, greedy_t
             raise click.ClickException(str(e)) from None
     res["command"] = " ".join(sys.argv)
     save_results(new_results_dir(out, "bench-accuracy"), "accuracy", res, B.markdown(res))
+
+
+@bench.command("quant-variants")
+@click.option("--model", default="default", show_default=True, help="Model directory, or `default`.")
+@click.option("--teacher-tokens", type=click.IntRange(16), default=320, show_default=True,
+              help="Tokens of the teacher-forced text (top-1 agreement, KL).")
+@click.option("--no-cpu-q", is_flag=True, help="Only the numpy emulations (no cpu-q graphs built or run).")
+@out_option
+def quant_variants_cmd(model, teacher_tokens, no_cpu_q, out) -> None:
+    """Where cpu-q's distance from F32 comes from: each source of error (int8 activations per kind
+    of linear, 4-bit weights re-quantized from F32, rotations) emulated alone on the F32 backend,
+    next to cpu-q's real graphs: teacher-forced top-1 and KL, greedy answers to the acceptance
+    prompts (docs/quantization.md, "Where the error comes from")."""
+    from edge_llm.bench import quant_variants as B
+    from edge_llm.bench.disk import new_results_dir
+    from edge_llm.errors import EdgeLLMError
+
+    with spinner() as prog:
+        task = prog.add_task("quant variants", total=None)
+        try:
+            res = B.run(model, teacher_tokens, cpu_q=not no_cpu_q, step=lambda msg: prog.update(task, description=msg))
+        except EdgeLLMError as e:
+            raise click.ClickException(str(e)) from None
+    res["command"] = " ".join(sys.argv)
+    save_results(new_results_dir(out, "bench-quant-variants"), "quant_variants", res, B.markdown(res))

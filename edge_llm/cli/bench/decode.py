@@ -12,7 +12,7 @@ from edge_llm.cli.bench.common import bench, out_option, save_results, spinner
 
 
 @bench.command("decode")
-@click.option("--backends", default="cpu,cpu-q", show_default=True, help="Backends to run (cpu, cpu-q).")
+@click.option("--backends", default="cpu,cpu-q", show_default=True, help="Backends to run (cpu, cpu-q; cpu-q:MODE for a quant mode, e.g. cpu-q:q4-int8).")
 @click.option("--families", default="recall,code,chat", show_default=True,
               help="Prompt families (edge_llm/bench/decode.py): recall, code, chat.")
 @click.option("--max-tokens", type=click.IntRange(2), default=128, show_default=True, help="Greedy tokens per answer.")
@@ -41,7 +41,10 @@ def run_decode(backends, families, max_tokens=128, threads=2, repeats=2, llamacp
     from edge_llm.bench import decode as B
     from edge_llm.bench.disk import new_results_dir
 
-    bad = [f for f in families if f not in B.FAMILIES] + [b for b in backends if b not in ("cpu", "cpu-q")]
+    from edge_llm.settings import QUANT_MODES
+
+    ok = ("cpu", "cpu-q", *(f"cpu-q:{q}" for q in QUANT_MODES))
+    bad = [f for f in families if f not in B.FAMILIES] + [b for b in backends if b not in ok]
     if bad:
         raise click.BadParameter(f"unknown: {', '.join(bad)}")
     res_dir = new_results_dir(out, "bench-decode")
