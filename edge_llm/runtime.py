@@ -78,7 +78,11 @@ def _open_backend(s: Settings, choice: BackendChoice, model_dir: Path, say: Call
         log.warning("%s", choice.describe())
         _admit(s, choice, model_dir)
         return backend or make_backend(s, choice, model_dir, say), choice, e.report.to_dict()
-    return backend, choice, getattr(backend, "selftest", None)
+    if backend.name != "rknn":
+        return backend, choice, None
+    from edge_llm.backends.npu.matmul.decoder import MmBackend  # the matmul path's, not a graph directory's
+
+    return backend, choice, backend.selftest if isinstance(backend, MmBackend) else None
 
 
 def choose_measured(s: Settings, model_dir: Path, say: Callable[[str], None]) -> tuple[BackendChoice, object]:

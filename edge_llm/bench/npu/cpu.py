@@ -60,6 +60,7 @@ class RecordedMatmul:
     def __init__(self, inner: Int8Matmul, layers: int):
         self.inner, self.layers = inner, layers
         self.numerics = inner.numerics
+        self.selftest = inner.selftest
         self.recorded: dict[tuple[str, int], np.ndarray] = {}
 
     def add(self, name: str, w: np.ndarray) -> None:

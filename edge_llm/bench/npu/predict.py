@@ -260,6 +260,7 @@ class TimedMatmul:
     def __init__(self, inner: Int8Matmul):
         self.inner = inner
         self.numerics = inner.numerics
+        self.selftest = inner.selftest
         self.seconds = 0.0
         self.calls = 0
 

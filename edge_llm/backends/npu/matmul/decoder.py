@@ -164,8 +164,8 @@ class MmBackend:
     def __init__(self, root: str | Path, manifest: MmManifest, engine: Int8Matmul,
                  ops: row_ops.RowOps | None = None):
         self.root, self.m, self.engine = Path(root), manifest, engine
-        report = getattr(engine, "selftest", None)  # the NPU engine's start-up self-test (selftest.py)
-        self.selftest: dict | None = report.to_dict() if report is not None else None
+        # the NPU engine's start-up self-test (selftest.py), shown by /health, doctor and the page
+        self.selftest: dict | None = engine.selftest.to_dict() if engine.selftest is not None else None
         self.ops = row_ops.ops() if ops is None else ops  # the C ops when built (their bits: the tag)
         self.numerics = self._numerics(manifest)  # until `load`: what the manifest claims
         self.scales: dict[str, np.ndarray] = {}

@@ -27,10 +27,17 @@ MAX_K = 10240  # librknnrt's matmul limit on K
 EXACT_K_BLOCK = 1024
 
 
+class SelfTestAnswers(Protocol):
+    """What an engine's start-up self-test reports (selftest.SelfTestReport; docs/npu.md, "The start-up self-test")."""
+
+    def to_dict(self) -> dict: ...
+
+
 class Int8Matmul(Protocol):
     """C (M, N) int32 = A (M, K) int8 @ B (K, N) int8, exact integer arithmetic (docs/npu.md, "The matmul path")."""
 
     numerics: str  # goes into the backend's numerics (e.g. "host-f32", "librknnrt-<version>-cores3")
+    selftest: SelfTestAnswers | None  # the start-up self-test it was opened after (NPU engines; docs/npu.md)
 
     def add(self, name: str, w: np.ndarray) -> None:
         """Register weight `name`: int8 (K, N), C-contiguous, K % 32 == 0, N % 32 == 0, K <= 10240. Once, at load."""
@@ -71,6 +78,7 @@ class HostInt8Matmul:
     RAM per weight: the 135M default model's decoder and head take about 0.5 GB)."""
 
     numerics = "host-exact"
+    selftest = None  # the reference has no start-up self-test
 
     def __init__(self) -> None:
         self.blocks: dict[str, list[np.ndarray]] = {}
