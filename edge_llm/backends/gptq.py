@@ -51,15 +51,16 @@ class Factor:
     dead: np.ndarray  # (K,) bool, input channels that are always 0 (their weights do not matter)
 
 
-def factor(h: np.ndarray, act_order: bool = False) -> Factor:
-    """`h`: the Hessian (K, K) of the layer's inputs (`hessian`), damped here (a copy).
+def factor(h: np.ndarray, act_order: bool = False, damp: float = DAMP) -> Factor:
+    """`h`: the Hessian (K, K) of the layer's inputs (`hessian`), damped here (a copy) by `damp`
+    times its mean diagonal.
     `act_order`: the rows with the largest inputs first, while the most rows are left to absorb
     their error (only for grids without groups)."""
     K = h.shape[0]
     H = np.array(h, np.float64)
     dead = np.diag(H) == 0
     H[dead, dead] = 1.0
-    H[np.diag_indices(K)] += DAMP * float(np.mean(np.diag(H)))
+    H[np.diag_indices(K)] += damp * float(np.mean(np.diag(H)))
     order = np.argsort(-np.diag(H), kind="stable") if act_order else np.arange(K)
     if act_order:
         H = H[np.ix_(order, order)]

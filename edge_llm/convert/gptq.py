@@ -162,12 +162,11 @@ class CpuqInputs:
         if self._seen is None:
             self._capture()
         key = (-1, "head") if kind == "head" else (layer, _CAPTURED.get(kind, ""))
-        if self._last is not None and self._last[0] == key:
-            return self._last[1]
-        x = self._seen.pop(key, None)
-        if x is None:
-            return None
-        if key in self._gains:
-            x = x * self._gains[key][None, :]
-        self._last = key, hessian(x)
+        if self._last is None or self._last[0] != key:
+            x = self._seen.pop(key, None)
+            if x is None:
+                return None
+            if key in self._gains:
+                x = x * self._gains[key][None, :]
+            self._last = key, hessian(x)
         return self._last[1]

@@ -148,6 +148,11 @@ class _BlockGrid:
         return self._s * (q - self._z)
 
 
+# GPTQ's damping for these blocks, of the mean Hessian diagonal (backends/gptq.py DAMP: the
+# paper's 1 %); docs/quantization.md, "GPTQ for re-quantized weights"
+BLOCK_DAMP = 0.1
+
+
 def quantize_gptq(w: np.ndarray, h: np.ndarray, bits: int, block: int, origin: str = "F32",
                   clip: bool = False) -> QuantWeight:
     """W (K, N) float32 as `quantize` lays it out, rounded by GPTQ (backends/gptq.py) against the
@@ -159,7 +164,7 @@ def quantize_gptq(w: np.ndarray, h: np.ndarray, bits: int, block: int, origin: s
     q = np.empty((N, nb, block), np.uint8)
     scales = np.empty((N, nb), np.float32)
     zp = np.empty((N, nb), np.uint8)
-    f = factor(h)
+    f = factor(h, damp=BLOCK_DAMP)
     for a in range(0, N, _CHUNK_COLS):  # the columns are independent: a chunk at a time (peak RAM)
         b = min(N, a + _CHUNK_COLS)
         solve(w[:, a:b], f, _BlockGrid(q[a:b], scales[a:b], zp[a:b], bits, block, clip))
@@ -287,7 +292,7 @@ class Calibration(Protocol):
     tokens: int  # calibration tokens (for the manifest)
 
     def hessian(self, kind: str, layer: int) -> np.ndarray | None:
-        """H = X^T X (K, K) float64 of the rows weight `kind` ("qkv", "o", "gate_up", "gate", "up",
-        "down", "head") of `layer` reads, as the weight reads them (norm gains applied); None when
-        unknown."""
+        """H = X^T X (K, K) float64 of the rows weight `kind` ("qkv", "o", "gate_up", "gate",
+        "up", "down", "head") of `layer` reads, as the weight reads them (norm gains applied); None
+        when unknown."""
         ...

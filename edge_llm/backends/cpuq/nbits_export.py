@@ -9,7 +9,8 @@ model directory holds, the blocks are written as they are ("exact"); otherwise t
 are quantized to the mode's bit width ("re-quantized") by `requant`: "rtn" (round to nearest,
 min/max per block), "gptq" (GPTQ on the caller's `nbits.Calibration`, backends/gptq.py) or
 "gptq-mse" (GPTQ with each block's range by the MSE clip); without a calibration, round to
-nearest. `report` lists the decision per weight.
+nearest (`rounded` in the report: what a weight got, "rtn" where GPTQ cannot run: K not whole
+blocks, no rows). `report` lists the decision per weight.
 
 Graph form of one weight: `MatMulNBits(x, B, scales[, zero_points])`, plus
 `ReduceSum(Reshape(x, (T, K/block, block))) @ mins` when the blocks carry a float minimum (Q4_1).
@@ -105,7 +106,8 @@ class QuantLinear:
             qw, method = self._requantize(w, key, names)
         self.report.append({"weight": f"{key.kind}{'' if key.kind == 'head' else key.index}",
                             "tensors": names, "bits": qw.bits, "origin": qw.origin, "exact": qw.exact,
-                            "bytes": qw.nbytes, **({} if method is None else {"requant": method})})
+                            "bytes": qw.nbytes, **({} if method is None else {"requant": self.requant,
+                                                                              "rounded": method})})
         return qw
 
     def method(self, w: np.ndarray) -> str:
@@ -216,6 +218,7 @@ def summarize(report: list[dict[str, Any]]) -> dict[str, Any]:
     req = [r for r in report if not r["exact"]]
     return {"exact": len(exact), "requantized": len(req),
             "requant": sorted({r["requant"] for r in req}),
+            "rounded": {m: sum(r["rounded"] == m for r in req) for m in sorted({r["rounded"] for r in req})},
             "exact_origins": sorted({r["origin"] for r in exact}),
             "requantized_origins": sorted({r["origin"] for r in req}),
             "bytes": sum(r["bytes"] for r in report)}
