@@ -147,3 +147,28 @@ def test_build_uses_gptq_only_for_requantized_weights(tiny_synth_dir, home):
         assert len(greedy(Model.load(tiny_synth_dir, backend=be), [1, 2, 3, 4], 3)) == 3
     finally:
         be.close()
+
+
+def test_gate_and_up_alone_are_the_halves_of_gate_up(tiny_synth_dir):
+    """Layers after DeepStack rows run gate and up as two linears in the per-layer graphs and one
+    in the decode graph: both hold the same GPTQ blocks, whichever is built first (the
+    calibration hands each layer's rows out once)."""
+    from edge_llm.backends.cpu.backend import load_layer
+    from edge_llm.backends.cpuq.nbits_export import QuantLinear
+    from edge_llm.backends.graph.onnx_export import WeightKey
+    from edge_llm.config import ModelArgs
+    from edge_llm.convert.gptq import CpuqInputs
+    from edge_llm.weights import load_weights
+
+    args = ModelArgs.from_dir(tiny_synth_dir)
+    L = load_layer(args, load_weights(tiny_synth_dir, args), 0)
+    inter = L.w_down.shape[0]
+    lin = QuantLinear(args, None, 4, 32, 0, requant="gptq-mse", calibration=CpuqInputs(tiny_synth_dir, 64))
+    gate = lin.weight(L.w_gu[:, :inter], WeightKey("gate", 0))
+    up = lin.weight(L.w_gu[:, inter:], WeightKey("up", 0))
+    both = lin.weight(L.w_gu, WeightKey("gate_up", 0))
+    assert [r["rounded"] for r in lin.report] == ["gptq-mse"] * 3
+    assert np.array_equal(both.q, np.concatenate([gate.q, up.q])) and np.array_equal(both.scales[inter:], up.scales)
+    lin = QuantLinear(args, None, 4, 32, 0, requant="gptq-mse", calibration=CpuqInputs(tiny_synth_dir, 64))
+    both2 = lin.weight(L.w_gu, WeightKey("gate_up", 0))
+    assert np.array_equal(lin.weight(L.w_gu[:, inter:], WeightKey("up", 0)).q, both2.q[inter:])

@@ -254,14 +254,15 @@ def ensure_quantized(model_dir: str | Path, qm: QuantMode, progress: Callable[[s
     defaulted: the directory is shared by every caller, so all must build it from the same source.
     `calibration`: the rows GPTQ weighs the re-quantized weights by (convert.gptq.CpuqInputs; asked
     only when a weight has no exact blocks); None: round to nearest. A directory whose
-    re-quantized weights were made another way is rebuilt. `recipe`: see `Recipe`."""
+    re-quantized weights were made another way is rebuilt by a caller with calibration rows; one
+    without them takes it as it is (it could not build better). `recipe`: see `Recipe`."""
     model_dir = Path(model_dir)
     root = quant_dir(model_dir, qm, recipe.suffix(calibration))
     if recipe.from_f32:
         blocks = None
     m = publish_dir(root, lambda tmp: build(model_dir, tmp, qm, progress, blocks=blocks, calibration=calibration,
                                             requant=recipe.requant),
-                    lambda d: _usable(d, model_dir, qm, recipe.method(calibration)))
+                    lambda d: _usable(d, model_dir, qm, None if calibration is None else recipe.requant))
     return root, m
 
 

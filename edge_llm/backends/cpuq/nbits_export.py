@@ -116,6 +116,10 @@ class QuantLinear:
 
     def _requantize(self, w: np.ndarray, key: WeightKey, names: list[str]) -> tuple[QuantWeight, str]:
         done_key = (tuple(names), key.vocab)
+        if done_key not in self.done and len(names) > 1 and all(((n,), key.vocab) in self.done for n in names):
+            parts = [self.done[((n,), key.vocab)] for n in names]  # e.g. gate and up, asked alone before
+            if len({m for _, m in parts}) == 1:
+                self.done[done_key] = concat([q for q, _ in parts]), parts[0][1]
         if done_key in self.done:
             return self.done[done_key]
         src = "+".join(sorted({t.type_name for t in map(self._stored, names) if t is not None}) or ["F32"])
@@ -129,6 +133,10 @@ class QuantLinear:
         else:
             qw = quantize_gptq(w, h, self.bits, self.block, origin=src, clip=method == "gptq-mse")
         self.done[done_key] = qw, method
+        if key.kind == "gate_up":  # the columns are independent: gate and up alone are its halves
+            half = qw.N // 2
+            for n, (lo, hi) in zip(names, ((0, half), (half, qw.N))):
+                self.done[((n,), key.vocab)] = rows(qw, lo, hi), method
         return qw, method
 
     def _stored(self, name: str) -> SourceTensor | None:
