@@ -10,7 +10,10 @@ point cannot hold); the graph adds it as `blocksum(A) @ mins`, exactly that sum 
 Quantization from float (`quantize`) is per block asymmetric min/max with the range widened to
 include 0, round half to even, as onnxruntime's own quantizer does (written here in numpy
 because the same layout also receives GGUF blocks, and onnxruntime's public quantizer rewrites
-whole ONNX files instead of producing arrays). GGUF blocks (`from_gguf`) are copied bit for bit:
+whole ONNX files instead of producing arrays); `clip` shrinks each block's range by the MSE clip,
+and `quantize_gptq` rounds the same blocks by GPTQ (backends/gptq.py) on the rows the weight reads
+(docs/quantization.md, "GPTQ for re-quantized weights"). GGUF blocks (`from_gguf`) are copied bit
+for bit:
 
 | GGUF | here | exact |
 |---|---|---|
