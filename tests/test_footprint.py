@@ -31,7 +31,13 @@ def write(root: Path, rel: str, text: str) -> None:
 
 
 # ---- backend choice ------------------------------------------------------------------------------
-def test_auto_considers_cpu_q_when_onnxruntime_is_installed(tmp_path: Path) -> None:
+@pytest.fixture()
+def no_quant_built(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty EDGE_LLM_HOME: no cpu-q weights, so no accuracy record, whatever the user's home holds."""
+    monkeypatch.setenv("EDGE_LLM_HOME", str(tmp_path / "empty-home"))
+
+
+def test_auto_considers_cpu_q_when_onnxruntime_is_installed(tmp_path: Path, no_quant_built: None) -> None:
     """onnxruntime here but no cpu-q weights built (so no accuracy record): cpu for now, cpu-q named as
     the candidate to build and measure (the runtime does, tests/test_quant_record.py)."""
     c = choose_backend(Settings(backend="auto"), tmp_path, sysroot=tmp_path)
@@ -42,7 +48,7 @@ def test_auto_considers_cpu_q_when_onnxruntime_is_installed(tmp_path: Path) -> N
     assert (explicit.name, explicit.auto, explicit.reason) == ("cpu", False, "set by the program that loaded it")
 
 
-def test_auto_with_an_npu_node_but_no_manifest_says_why(tmp_path: Path) -> None:
+def test_auto_with_an_npu_node_but_no_manifest_says_why(tmp_path: Path, no_quant_built: None) -> None:
     """A fake RKNPU node (the driver cannot exist here): no rknn_dir, then an rknn_dir without a
     manifest; both fall back (to cpu-q, here to be measured first) and name the reason."""
     (tmp_path / "dev").mkdir()
@@ -55,7 +61,7 @@ def test_auto_with_an_npu_node_but_no_manifest_says_why(tmp_path: Path) -> None:
     assert c.unmeasured == "cpu-q" and f"but no manifest.json in {empty}" in c.reason, c
 
 
-def test_auto_with_an_npu_node_runs_what_rknn_dir_holds(tmp_path: Path, tiny_synth_dir: Path) -> None:
+def test_auto_with_an_npu_node_runs_what_rknn_dir_holds(tmp_path: Path, tiny_synth_dir: Path, no_quant_built: None) -> None:
     """A fake RKNPU node (the driver cannot exist here): an `edge-llm convert npu-mm` directory of
     this model -> rknn, on the matmul path, and the reason says so; the same directory for another
     model -> cpu-q and why; a graph directory goes through the graph checks (one exported without

@@ -23,6 +23,7 @@ from serverutil import free_port
 
 from edge_llm.backends.npu.backend import open_rknn
 from edge_llm.backends.npu.matmul.decoder import MANIFEST, WEIGHTS, MmManifest
+from edge_llm.backends.record import RECORD
 from edge_llm.convert.npu_mm import convert_mm8
 from edge_llm.errors import ConfigError
 from edge_llm.models.qwen3 import Model
@@ -194,7 +195,7 @@ def test_killed_conversion_leaves_old_or_none(tiny_synth_dir, tmp_path, point, l
     assert [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-mm-")]  # the killed run's, ignored above
     convert_mm8(tiny_synth_dir, out, gptq_tokens=0, rotation="none")
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")] == []
-    assert MmManifest.read(out).rotation == "none" and sorted(os.listdir(out)) == [MANIFEST, WEIGHTS]
+    assert MmManifest.read(out).rotation == "none" and sorted(os.listdir(out)) == sorted([MANIFEST, RECORD, WEIGHTS])
     load(out, tiny_synth_dir).backend.close()
 
 

@@ -71,6 +71,17 @@ def test_the_normal_build_passes_every_probe(fake, tmp_path):
     assert selftest.SelfTestReport.from_dict(json.loads(json.dumps(d))) == r
 
 
+def _wrong_without_the_reaction(lib: str, c_round: bool = True) -> None:
+    """The same misbehaving library opened without the self-test (no sync, no serial rounds) gives a wrong product:
+    the probe's reaction is what makes the engine right."""
+    plain = open_npu_matmul(lib, c_round=c_round)
+    try:
+        got, want = _product(plain)
+        assert not np.array_equal(got, want)
+    finally:
+        plain.close()
+
+
 def test_stale_cache_gets_rknn_mem_sync_around_runs(fake, tmp_path):
     lib = fake("stale-cache")
     eng = selftest.open_checked(PART, lib, cache=tmp_path / "c.json")
@@ -83,12 +94,7 @@ def test_stale_cache_gets_rknn_mem_sync_around_runs(fake, tmp_path):
         assert np.array_equal(got, want)
     finally:
         eng.close()
-    plain = open_npu_matmul(lib)  # the same library without the reaction: stale results
-    try:
-        got, want = _product(plain)
-        assert not np.array_equal(got, want)
-    finally:
-        plain.close()
+    _wrong_without_the_reaction(lib)  # stale results
 
 
 def test_racing_threads_serialize_the_rounds(fake, tmp_path):
@@ -105,12 +111,7 @@ def test_racing_threads_serialize_the_rounds(fake, tmp_path):
     finally:
         eng.close()
     for c_round in (True, False):  # the parts at once, in C or on Python's pool: wrong
-        plain = open_npu_matmul(lib, c_round=c_round)
-        try:
-            got, want = _product(plain)
-            assert not np.array_equal(got, want)
-        finally:
-            plain.close()
+        _wrong_without_the_reaction(lib, c_round)
 
 
 def test_a_wrong_product_is_refused(fake, tmp_path):

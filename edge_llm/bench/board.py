@@ -90,7 +90,8 @@ def machine_facts(where: Where, sysroot: str = "/") -> dict:
     """CPU, ISA, board model, kernel, librknnrt and driver versions, edge-llm's version."""
     from edge_llm import __version__
     from edge_llm.backends.cpuq.backend import kernel_isa
-    from edge_llm.backends.npu.backend import NPU_DRIVER_DEBUGFS, librknnrt_version, npu_driver_version
+    from edge_llm.backends.npu.backend import librknnrt_version
+    from edge_llm.backends.npu.matmul.binding import NPU_DRIVER_DEBUGFS, npu_driver_version
     from edge_llm.bench.npu.cpu import cpu_isa
     from edge_llm.bench.npu.matmul import machine
 

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     pass
 
-from edge_llm.backends.npu.backend import NPU_DRIVER_DEBUGFS, librknnrt_version, npu_driver_version
+from edge_llm.backends.npu.backend import librknnrt_version
+from edge_llm.backends.npu.matmul.binding import NPU_DRIVER_DEBUGFS, npu_driver_version
 from edge_llm.doctor.probe import FAIL, NA, PASS, WARN, Check, Probe, NOFILE_NPU, LIB_DIRS, SERVICE_USER, UNIT_PATH
 # JEDEC eMMC 5.0 EXT_CSD DEVICE_LIFE_TIME_EST_TYP_A/B and PRE_EOL_INFO encodings
 _LIFE = {i: f"{(i - 1) * 10}-{i * 10}% of rated erase cycles used" for i in range(1, 11)}

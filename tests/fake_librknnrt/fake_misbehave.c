@@ -85,7 +85,7 @@ void fake_bind_flush(void *dev, const void *virt, uint32_t size) {
  * (a round's helper, or a hand-over) waits up to RACE_WAIT_MS for a second run to start; a
  * hand-over sees none and stays exact, so one thread, or threads taking turns, are always right */
 #ifdef FAKE_RACING
-#define RACE_WAIT_MS 200
+#define RACE_WAIT_MS 1000
 static pthread_mutex_t race_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t race_cond = PTHREAD_COND_INITIALIZER;
 static pthread_t last_thread;

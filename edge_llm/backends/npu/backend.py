@@ -30,23 +30,15 @@ log = logging.getLogger(__name__)
 
 RUNNERS = RKNN_RUNNERS
 NPU_NODES = ("dev/rknpu",)
-# the version strings `doctor` and `bench board` report: librknnrt.so carries its own in its bytes;
-# the RKNPU driver names its version in debugfs (root only) and in the kernel log at probe time
+# the version string `doctor` and `bench board` report: librknnrt.so carries its own in its bytes
+# (the RKNPU driver's: binding.npu_driver_version)
 LIBRKNNRT_VERSION = re.compile(rb"librknnrt version: ([0-9][^\x00\n]{0,80})")
-NPU_DRIVER_VERSION = re.compile(r"(?:RKNPU driver: v|Initialized rknpu )(\d+\.\d+\.\d+)")
-NPU_DRIVER_DEBUGFS = "sys/kernel/debug/rknpu/version"
 
 
 def librknnrt_version(data: bytes) -> str | None:
     """The version a librknnrt.so's bytes name, or None (no version string: e.g. the tests' fake)."""
     m = LIBRKNNRT_VERSION.search(data)
     return m.group(1).decode(errors="replace").strip() if m else None
-
-
-def npu_driver_version(text: str) -> str | None:
-    """The RKNPU driver version named in debugfs' version file or the kernel log, or None."""
-    m = NPU_DRIVER_VERSION.search(text)
-    return m.group(1) if m else None
 
 
 def npu_present(sysroot: str | Path = "/") -> str | None:

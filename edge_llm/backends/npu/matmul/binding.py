@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 from ctypes import POINTER, Structure, c_char, c_int, c_int8, c_int16, c_int32, c_uint32, c_uint64, c_void_p
 from enum import IntEnum
 
@@ -155,6 +156,18 @@ SYNC_TO_DEVICE, SYNC_FROM_DEVICE = 1, 2  # rknn_mem_sync_mode
 
 class SdkVersion(Structure):  # rknn_sdk_version (rknn_api.h)
     _fields_ = [("api_version", c_char * 256), ("drv_version", c_char * 256)]
+
+
+# the RKNPU driver's version as rknn_query's drv_version ("0.9.8"), its debugfs file ("RKNPU driver:
+# v0.9.8") or the kernel log at probe time ("Initialized rknpu 0.9.8 ...") names it
+NPU_DRIVER_DEBUGFS = "sys/kernel/debug/rknpu/version"
+_DRIVER_VERSION = re.compile(r"(?:RKNPU driver: v|Initialized rknpu |^v?)(\d+\.\d+\.\d+)", re.M)
+
+
+def npu_driver_version(text: str) -> str | None:
+    """The driver version `text` names ("0.9.8"), or None."""
+    m = _DRIVER_VERSION.search(text.strip())
+    return m.group(1) if m else None
 
 
 def library_path(lib: str | None = None) -> str:

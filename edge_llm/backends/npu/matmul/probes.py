@@ -9,7 +9,6 @@ library refuses is an answer too (`RknnMatmulError`'s text), never an exception 
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,8 +25,6 @@ SMALL = (64, 64)  # (K, N) of a per-core probe: one 32-wide block more than the 
 SPREAD = (512, 1536)  # (K, N) of the concurrency probe's weight: 512 columns a core
 TIMED_RUNS = 8  # rounds timed each way in the concurrency probe
 COLUMNS = 8192  # the head part's expected product is computed this many columns at a time (RAM)
-# /sys/kernel/debug/rknpu/version reads "RKNPU driver: v0.9.8"; the kernel log "Initialized rknpu 0.9.8"
-DRIVER_RE = re.compile(r"(?:RKNPU driver: v|Initialized rknpu |^v?)(\d+\.\d+\.\d+)", re.M)
 
 
 @dataclass(frozen=True)
@@ -69,8 +66,8 @@ def _first_difference(got: np.ndarray, want: np.ndarray) -> str:
 
 
 def parse_driver(text: str) -> tuple[int, ...] | None:
-    m = DRIVER_RE.search(text.strip())
-    return tuple(int(x) for x in m.group(1).split(".")) if m else None
+    v = api.npu_driver_version(text)
+    return tuple(int(x) for x in v.split(".")) if v else None
 
 
 def versions(lib: api.MatmulLib, core: int, domain: int, sysroot: str | Path = "/") -> tuple[str, str, str]:
@@ -90,7 +87,7 @@ def versions(lib: api.MatmulLib, core: int, domain: int, sysroot: str | Path = "
             eng.close()
     if parse_driver(drv) is None:
         try:
-            drv, source = (Path(sysroot) / "sys/kernel/debug/rknpu/version").read_text(), "debugfs"
+            drv, source = (Path(sysroot) / api.NPU_DRIVER_DEBUGFS).read_text(), "debugfs"
         except OSError:
             drv, source = "", ""
     parsed = parse_driver(drv)
