@@ -33,9 +33,12 @@ def make_backend(s: Settings, choice: BackendChoice, model_dir: Path, say: Calla
     if name == "cpu-q":
         from edge_llm.backends.cpuq.backend import open_cpu_q
         from edge_llm.checkpoints.gguf_blocks import gguf_blocks
+        from edge_llm.convert.gptq import CpuqInputs
 
         return open_cpu_q(model_dir, s.quant, s.threads, progress=say, decode_graph=s.decode_graph,
-                          blocks=gguf_blocks(model_dir))
+                          blocks=gguf_blocks(model_dir),
+                          calibration=CpuqInputs(model_dir, layers_done=lambda done, total: say(
+                              f"GPTQ calibration (weights without exact GGUF blocks): layer {done}/{total}")))
     if name != "rknn":
         return get_backend(name)
     if not s.rknn_dir:

@@ -41,6 +41,8 @@ MM_RUNNERS = ("host", "librknnrt")  # the ones of an `edge-llm convert npu-mm` d
 # `edge-llm convert npu-mm`'s choices and defaults (convert/npu_mm.py; measured in docs/npu.md, "The matmul path")
 MM_ROTATIONS = ("none", "hadamard")
 MM_CLIPS = ("none", "mse")
+# how cpu-q quantizes a weight without exact GGUF blocks (backends/cpuq/nbits_export.py)
+CPUQ_REQUANTS = ("rtn", "gptq", "gptq-mse")
 MM_ROTATION, MM_DOWN_ROTATION, MM_CLIP, MM_GPTQ_TOKENS = "hadamard", "hadamard", "mse", 2048
 MM_VO_ROTATION = "hadamard"
 LIBRKNNRT_ENV = "EDGE_LLM_LIBRKNNRT"  # the NPU matmul engine's library file (docs/npu.md, "The matmul API binding")

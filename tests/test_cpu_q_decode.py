@@ -28,7 +28,11 @@ LOGIT_REL, ROW_REL = 0.01, 0.01
 
 @pytest.fixture(scope="module")
 def model(tiny_synth_dir, home):
-    return Model.load(tiny_synth_dir, cpuq.open_cpu_q(tiny_synth_dir, "q4", threads=2, blocks=None))
+    from edge_llm.convert.gptq import CpuqInputs
+
+    # as the runtime opens it (GPTQ on calibration rows: the synthetic model has no GGUF blocks)
+    return Model.load(tiny_synth_dir, cpuq.open_cpu_q(tiny_synth_dir, "q4", threads=2, blocks=None,
+                                                      calibration=CpuqInputs(tiny_synth_dir)))
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ LAYERS = {
 # package -> its modules low to high: a module imports only modules listed before it
 # (`__init__` is the package's own __init__.py; a subpackage is one entry of its parent)
 ORDER = {
-    "backends": ["cost", "record", "kernels", "cpu", "__init__", "graph", "cpuq", "npu", "tower", "choice"],
+    "backends": ["gptq", "cost", "record", "kernels", "cpu", "__init__", "graph", "cpuq", "npu", "tower", "choice"],
     "backends.cpu": ["backend", "tower", "__init__"],
     "backends.kernels": ["__init__"],
     "backends.graph": ["schema", "manifest", "cpu_side", "runners", "backend", "onnx_export", "__init__"],

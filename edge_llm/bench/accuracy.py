@@ -125,8 +125,9 @@ def run(model: str, backend: str, rknn_dir: str | None = None, runner: str = "si
     elif backend == "cpu-q":
         from edge_llm.backends.cpuq.backend import open_cpu_q
         from edge_llm.checkpoints.gguf_blocks import gguf_blocks
+        from edge_llm.convert.gptq import CpuqInputs
 
-        be = open_cpu_q(model_dir, quant, progress=step, blocks=gguf_blocks(model_dir))
+        be = open_cpu_q(model_dir, quant, progress=step, blocks=gguf_blocks(model_dir), calibration=CpuqInputs(model_dir))
     else:
         raise ConfigError(f"bench accuracy compares rknn or cpu-q with cpu, not {backend!r}")
     try:

@@ -137,6 +137,7 @@ def run(lengths=LENGTHS, threads: int = 2, repeats: int = 2, decode: int = 32, t
     from edge_llm.checkpoints.default import default_model_dir
     from edge_llm.checkpoints.gguf_blocks import gguf_blocks
     from edge_llm.checkpoints.packaged import default_gguf_path
+    from edge_llm.convert.gptq import CpuqInputs
     from edge_llm.config import ModelArgs
     from edge_llm.models.qwen3 import Model
     from edge_llm.snapshot.identity import Identity
@@ -153,11 +154,12 @@ def run(lengths=LENGTHS, threads: int = 2, repeats: int = 2, decode: int = 32, t
     args = ModelArgs.from_dir(model_dir)
     tok = Tokenizer.from_dir(model_dir)
     blocks = gguf_blocks(model_dir)
-    root, manifest = ensure_quantized(model_dir, mode("q4"), blocks=blocks)
-    models = {"cpu-q": Model.load(model_dir, backend=open_cpu_q(model_dir, "q4", threads, blocks=blocks))}
+    cal = CpuqInputs(model_dir)
+    root, manifest = ensure_quantized(model_dir, mode("q4"), blocks=blocks, calibration=cal)
+    models = {"cpu-q": Model.load(model_dir, backend=open_cpu_q(model_dir, "q4", threads, blocks=blocks, calibration=cal))}
     if per_layer:  # cpu-q without its decode graph: one-row steps on the per-layer graphs
         models[PER_LAYER] = Model.load(model_dir, backend=open_cpu_q(model_dir, "q4", threads, decode_graph=False,
-                                                                     blocks=blocks))
+                                                                     blocks=blocks, calibration=cal))
     if f32:
         models["cpu"] = Model.load(model_dir)
     text = tok.encode(history(max(lengths) + 64, seed=11))

@@ -162,9 +162,13 @@ def measure(ref_logits: np.ndarray, ref_answers: list[list[int]], model, tok, id
 
 
 def run(model: str = "default", teacher_tokens: int = TEACHER_TOKENS, cpu_q: bool = True,
-        step: Callable[[str], None] = lambda _m: None, emulate: bool = True) -> dict:
+        step: Callable[[str], None] = lambda _m: None, emulate: bool = True,
+        requantized: tuple[str, ...] = (), calibration_tokens: int | None = None) -> dict:
     """The table's rows (`emulate`: the numpy emulations; `cpu_q`: cpu-q's real graphs in every
-    quant mode, built in $EDGE_LLM_HOME/quant if needed) against the F32 backend."""
+    quant mode, built in $EDGE_LLM_HOME/quant if needed; `requantized`: cpu-q `q4`'s real graphs
+    with every weight re-quantized from F32, the GGUF blocks ignored, once per method of
+    nbits_export.REQUANT, each in its own directory; GPTQ on `calibration_tokens` tokens, default
+    convert/gptq.py CPUQ_TOKENS) against the F32 backend."""
     from edge_llm.backends.cpuq.backend import MODES
     from edge_llm.checkpoints.default import resolve_model_dir
     from edge_llm.config import ModelArgs
@@ -192,16 +196,42 @@ def run(model: str = "default", teacher_tokens: int = TEACHER_TOKENS, cpu_q: boo
     for i, quant in enumerate(MODES if cpu_q else ()):
         from edge_llm.backends.cpuq.backend import open_cpu_q
         from edge_llm.checkpoints.gguf_blocks import gguf_blocks
+        from edge_llm.convert.gptq import CpuqInputs
 
         step(f"cpu-q {quant} (the real graphs)")
-        be = open_cpu_q(model_dir, quant, progress=step, blocks=gguf_blocks(model_dir))
+        be = open_cpu_q(model_dir, quant, progress=step, blocks=gguf_blocks(model_dir), calibration=CpuqInputs(model_dir))
         try:
             m = Model.load(model_dir, backend=be)
             res["rows"].insert(i, {"variant": f"cpu-q --quant {quant} ({MODES[quant].label}, the real graphs)",
                                    **measure(ref_logits, ref_answers, m, tok, ids, prompts, stop)})
         finally:
             be.close()
+    for method in requantized:
+        res["rows"].append({"variant": f"cpu-q --quant q4, every weight re-quantized from F32 by {method}",
+                            **_requantized(model_dir, method, calibration_tokens, step, lambda m: measure(ref_logits, ref_answers, m, tok,
+                                                                                      ids, prompts, stop))})
     return res
+
+
+def _requantized(model_dir, method: str, tokens: int | None, step: Callable[[str], None],
+                 measure_model: Callable) -> dict:
+    """cpu-q q4 built with the GGUF blocks ignored (`Recipe(from_f32=True)`), GPTQ on the calibration
+    text of convert/gptq.py: the row's measures and the build's seconds."""
+    import time
+
+    from edge_llm.backends.cpuq.backend import Recipe, open_cpu_q
+    from edge_llm.convert.gptq import CPUQ_TOKENS, CpuqInputs
+    from edge_llm.models.qwen3 import Model
+
+    step(f"cpu-q q4 from F32 by {method}")
+    cal = None if method == "rtn" else CpuqInputs(model_dir, tokens or CPUQ_TOKENS)
+    t0 = time.perf_counter()
+    be = open_cpu_q(model_dir, "q4", progress=step, blocks=None, calibration=cal, recipe=Recipe(method, from_f32=True))
+    ready = time.perf_counter() - t0
+    try:
+        return {**measure_model(Model.load(model_dir, backend=be)), "open_seconds": round(ready, 1)}
+    finally:
+        be.close()
 
 
 def markdown(res: dict) -> str:

@@ -148,15 +148,16 @@ def _quant_rows(model_dir, build: str | None) -> list[tuple[str, str]]:
     from edge_llm.backends.cpuq import backend as cpuq
     from edge_llm.backends.graph.manifest import Manifest
     from edge_llm.checkpoints.gguf_blocks import gguf_blocks
+    from edge_llm.convert.gptq import CpuqInputs
 
     if build:
         with progress_bar(f"quantizing ({build})") as cb:
             cpuq.ensure_quantized(model_dir, cpuq.mode(build), progress=lambda msg: cb(0, 0, msg),
-                                  blocks=gguf_blocks(model_dir))
+                                  blocks=gguf_blocks(model_dir), calibration=CpuqInputs(model_dir))
             if record_of(model_dir, build)[0] is None:  # built now, or before records existed
                 from edge_llm.qrecord import record_backend
 
-                be = cpuq.open_cpu_q(model_dir, build, blocks=gguf_blocks(model_dir))
+                be = cpuq.open_cpu_q(model_dir, build, blocks=gguf_blocks(model_dir), calibration=CpuqInputs(model_dir))
                 try:
                     root = cpuq.quant_dir(model_dir, cpuq.mode(build))
                     record_backend(root, Manifest.read(root).identity(), model_dir, be, "cpu-q",

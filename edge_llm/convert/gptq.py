@@ -1,18 +1,17 @@
-"""GPTQ for the matmul path's per-channel int8 weights, numpy only (docs/npu.md, "The matmul path").
+"""GPTQ's calibration inputs, and its int8 grid for the matmul path (docs/npu.md, "The matmul path").
 
 Rounding each weight to its nearest int8 step (RTN) leaves an error the next layers amplify; on
 the default model RTN weights alone cost KL 0.0035 against F32 (docs/npu.md). GPTQ (Frantar et
 al. 2022) quantizes one input row of W (K, N) at a time and moves its rounding error onto the rows
 not yet quantized, weighted by the inverse Hessian H = X^T X of the layer's real inputs X, so the
-layer's output on inputs like X changes least. The scales stay per output channel and are fixed
-before (absmax or the MSE clip), so the engine and the run-time code do not change. Written here
-because the maintained implementations (AutoGPTQ, GPTQModel, llm-compressor) need torch and
-quantize whole checkpoints into their own formats; this converter must run with numpy alone (on the
-board too).
+layer's output on inputs like X changes least. For the int8 path the scales stay per output channel
+and are fixed before (absmax or the MSE clip), so the engine and the run-time code do not change.
+The solver itself is `backends/gptq.py` (cpu-q's 4-bit blocks use it too).
 
 `capture` runs the F32 CPU backend over calibration tokens (`calibration_text.py`, not the
 accuracy text) and keeps, per layer, the rows each int8 matmul will read, unrotated and with
-unit-gain norms: the converter rotates them into its basis (`convert/npu_mm.py`).
+unit-gain norms: the converter rotates them into its basis (`convert/npu_mm.py`). `CpuqInputs`
+hands cpu-q's build the same rows with the norm gains applied, as its weights read them.
 """
 
 from __future__ import annotations
@@ -24,12 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from edge_llm.backends.cpu.backend import CPUBackend, rms_norm, swiglu
+from edge_llm.backends.gptq import factor, hessian, solve
 from edge_llm.backends.npu.matmul.int8 import QMAX
 
 log = logging.getLogger(__name__)
 
-BLOCK = 128  # rows of W updated together before the rest gets one matrix product (the paper's lazy batch)
-DAMP = 0.01  # of the mean Hessian diagonal, added to it (the paper's default)
 KINDS = ("qkv", "o", "gu", "down", "head")
 
 
@@ -105,32 +103,70 @@ def capture(model_dir: str | Path, ids: list[int],
     return {k: np.concatenate(v) for k, v in rec.seen.items()}
 
 
+class _Int8Grid:
+    """Per output channel symmetric int8 on fixed scales: the matmul path's grid."""
+
+    group = 0
+
+    def __init__(self, shape: tuple[int, int], scale: np.ndarray):
+        self.s = np.asarray(scale, np.float32)
+        self.q = np.empty(shape, np.int8)
+
+    def begin(self, k: int, rows: np.ndarray) -> None:
+        pass
+
+    def round(self, k: int, row: np.ndarray) -> np.ndarray:
+        q = np.clip(np.rint(row / self.s), -QMAX, QMAX)
+        self.q[k] = q
+        return q * self.s
+
+
 def gptq(w: np.ndarray, x: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """W (K, N) float32, X (T, K) its real input rows, scale (N,) per output channel -> int8
-    (K, N) on the grid `scale`, rows quantized in order with the error compensation above."""
-    K = w.shape[0]
-    W = np.array(w, np.float32)  # float32 updates (half the memory traffic of float64); H and its inverse in float64
-    H = x.astype(np.float64).T @ x.astype(np.float64)
-    dead = np.diag(H) == 0  # an input channel that is always 0: its weights do not matter
-    H[dead, dead] = 1.0
-    W[dead, :] = 0.0
-    H[np.diag_indices(K)] += DAMP * float(np.mean(np.diag(H)))
-    # act order: the rows with the largest inputs first, while the most rows are left to absorb their error
-    order = np.argsort(-np.diag(H), kind="stable")
-    W, H = W[order], H[np.ix_(order, order)]
-    # the upper Cholesky factor U of H^-1 (H^-1 = U^T U): row i holds the update coefficients
-    U = np.linalg.cholesky(np.linalg.inv(H)).T.astype(np.float32)
-    s = np.asarray(scale, np.float32)
-    Q = np.empty(W.shape, np.int8)
-    for a in range(0, K, BLOCK):
-        b = min(a + BLOCK, K)
-        W1, U1, E = W[a:b], U[a:b, a:b], np.empty((b - a, W.shape[1]), np.float32)
-        for i in range(b - a):
-            q = np.clip(np.rint(W1[i] / s), -QMAX, QMAX)
-            Q[a + i] = q
-            E[i] = (W1[i] - q * s) / U1[i, i]
-            W1[i + 1:] -= np.outer(U1[i, i + 1:], E[i])
-        W[b:] -= U[a:b, b:].T @ E
-    out = np.empty_like(Q)
-    out[order] = Q
-    return out
+    (K, N) on the grid `scale`, rows quantized in act order with the error compensation above."""
+    grid = _Int8Grid(w.shape, scale)
+    solve(w, factor(hessian(x), act_order=True), grid)
+    return grid.q
+
+
+CPUQ_TOKENS = 512  # cpu-q's calibration tokens (docs/quantization.md, "GPTQ for re-quantized weights")
+_CAPTURED = {"qkv": "qkv", "o": "o", "gate_up": "gu", "gate": "gu", "up": "gu", "down": "down", "head": "head"}
+
+
+class CpuqInputs:
+    """cpu-q's `nbits.Calibration`: the F32 model's rows on `tokens` calibration tokens, captured
+    on first use (a model whose weights are all exact GGUF blocks never runs it), handed out as
+    Hessians of the rows each weight reads: the norm gains applied (cpu-q's weights do not hold
+    them). Holds the captured rows until their weight asked (4 bytes per row element)."""
+
+    def __init__(self, model_dir: str | Path, tokens: int = CPUQ_TOKENS,
+                 layers_done: Callable[[int, int], None] | None = None):
+        self.model_dir, self.tokens, self.layers_done = Path(model_dir), tokens, layers_done
+        self._seen: dict[tuple[int, str], np.ndarray] | None = None
+        self._gains: dict[tuple[int, str], np.ndarray] = {}
+        self._last: tuple[tuple[int, str], np.ndarray] | None = None  # gate and up read the same rows
+
+    def _capture(self) -> None:
+        from edge_llm.config import ModelArgs
+        from edge_llm.weights import load_weights
+
+        self._seen = capture(self.model_dir, calibration_ids(self.model_dir, self.tokens), self.layers_done)
+        args = ModelArgs.from_dir(self.model_dir)
+        weights, p = load_weights(self.model_dir, args), args.weight_prefix  # mapped: only the gains are read
+        for i in range(args.num_hidden_layers):
+            for kind, norm in (("qkv", "input_layernorm"), ("gu", "post_attention_layernorm")):
+                self._gains[(i, kind)] = np.asarray(weights[f"{p}layers.{i}.{norm}.weight"], np.float32)
+        self._gains[(-1, "head")] = np.asarray(weights[f"{p}norm.weight"], np.float32)
+
+    def hessian(self, kind: str, layer: int) -> np.ndarray | None:
+        if self._seen is None:
+            self._capture()
+        key = (-1, "head") if kind == "head" else (layer, _CAPTURED.get(kind, ""))
+        if self._last is None or self._last[0] != key:
+            x = self._seen.pop(key, None)
+            if x is None:
+                return None
+            if key in self._gains:
+                x = x * self._gains[key][None, :]
+            self._last = key, hessian(x)
+        return self._last[1]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from edge_llm.backends.graph.backend import GraphBackend
 from edge_llm.backends.cost import ForwardCost
 from edge_llm.backends.graph.schema import DECODE
 from edge_llm.backends.graph.manifest import MANIFEST, Manifest
-from edge_llm.backends.cpuq.nbits import BlockSource
+from edge_llm.backends.cpuq.nbits import BlockSource, Calibration
 from edge_llm.errors import ConfigError
 from edge_llm.files import publish_dir
 from edge_llm.safetext import printable
@@ -65,7 +66,10 @@ TARGET = "onnxruntime-cpu"
 # takes T rows, a verify forward of speculative decoding; 4: its 4-bit linears are the MatMulQ
 # operator, backends/kernels/_qmatmul.c; 5: q4's activations in float (prefill) and two int8 passes
 # (decode))
-QUANT_FORMAT = 5
+QUANT_FORMAT = 6  # 6: weights without exact GGUF blocks by GPTQ + MSE clip (`requant`), not round to nearest
+# how weights without exact GGUF blocks are quantized when the caller hands in calibration rows
+# (nbits_export.REQUANT; docs/quantization.md, "GPTQ for re-quantized weights")
+REQUANT_DEFAULT = "gptq-mse"
 # onnxruntime's pool threads spin between runs by default; here numpy (attention) runs between
 # every two graph calls and would share its cores with spinning threads
 SESSION_CONFIG = {"session.intra_op.allow_spinning": "0"}
@@ -177,13 +181,38 @@ def quant_root() -> Path:
     return home_dir() / "quant"
 
 
-def quant_dir(model_dir: str | Path, qm: QuantMode) -> Path:
+@dataclass(frozen=True)
+class Recipe:
+    """How the weights without exact GGUF blocks are built: `requant` (nbits_export.REQUANT) on
+    the caller's calibration rows (none: round to nearest); `from_f32`: every weight re-quantized,
+    the GGUF blocks ignored (a measurement: `bench quant-variants --requantized`)."""
+
+    requant: str = REQUANT_DEFAULT
+    from_f32: bool = False
+
+    def method(self, calibration: Calibration | None) -> str:
+        return self.requant if calibration is not None else "rtn"
+
+    def suffix(self, calibration: Calibration | None) -> str:
+        """The quant directory's name suffix: none for the default recipe, which every caller of
+        the product builds, so a measurement's weights never replace those."""
+        if not self.from_f32 and self.requant == REQUANT_DEFAULT:
+            return ""
+        return f"-{'f32-' if self.from_f32 else ''}{self.method(calibration)}"
+
+
+DEFAULT_RECIPE = Recipe()
+
+
+def quant_dir(model_dir: str | Path, qm: QuantMode, suffix: str = "") -> Path:
     from edge_llm.weights import weight_digest
 
-    return quant_root() / f"{Path(model_dir).resolve().name}-{weight_digest(model_dir)[:12]}-{qm.name}"
+    return quant_root() / f"{Path(model_dir).resolve().name}-{weight_digest(model_dir)[:12]}-{qm.name}{suffix}"
 
 
-def _usable(root: Path, model_dir: Path, qm: QuantMode) -> Manifest | None:
+def _usable(root: Path, model_dir: Path, qm: QuantMode, method: str | None = None) -> Manifest | None:
+    """The directory's manifest when it is current for this model and mode (and, with `method`,
+    its re-quantized weights were made that way), else None (logged)."""
     if not (root / MANIFEST).is_file():
         return None
     try:
@@ -196,6 +225,9 @@ def _usable(root: Path, model_dir: Path, qm: QuantMode) -> Manifest | None:
             raise ConfigError(f"made as {m.target} {m.dtype}, wanted {TARGET} {qm.label}")
         if m.build.get("format") != QUANT_FORMAT:  # format 2 on always holds the decode graph
             raise ConfigError(f"quant format {m.build.get('format', 1)}, this edge-llm makes {QUANT_FORMAT}")
+        made = m.build.get("summary", {}).get("requant", [])
+        if method is not None and made and made != [method]:  # its re-quantized weights made another way (e.g. without calibration)
+            raise ConfigError(f"weights re-quantized by {', '.join(made)}, wanted {method}")
         return m
     except ConfigError as e:
         log.warning("%s is stale (%s): rebuilding", printable(root), e)
@@ -214,20 +246,29 @@ def built_weight_bytes(model_dir: str | Path, quant: str) -> int | None:
 
 
 def ensure_quantized(model_dir: str | Path, qm: QuantMode, progress: Callable[[str], None] | None = None, *,
-                     blocks: BlockSource | None) -> tuple[Path, Manifest]:
+                     blocks: BlockSource | None, calibration: Calibration | None = None,
+                     recipe: Recipe = DEFAULT_RECIPE) -> tuple[Path, Manifest]:
     """The quantized graph directory of this model and mode, built first if needed. `blocks`:
     the stored blocks of the file the model was imported from (checkpoints.gguf_blocks), kept
     exactly where they reproduce the weights; None quantizes every weight here. Required, not
-    defaulted: the directory is shared by every caller, so all must build it from the same source."""
+    defaulted: the directory is shared by every caller, so all must build it from the same source.
+    `calibration`: the rows GPTQ weighs the re-quantized weights by (convert.gptq.CpuqInputs; asked
+    only when a weight has no exact blocks); None: round to nearest. A directory whose
+    re-quantized weights were made another way is rebuilt by a caller with calibration rows; one
+    without them takes it as it is (it could not build better). `recipe`: see `Recipe`."""
     model_dir = Path(model_dir)
-    root = quant_dir(model_dir, qm)
-    m = publish_dir(root, lambda tmp: build(model_dir, tmp, qm, progress, blocks=blocks),
-                    lambda d: _usable(d, model_dir, qm))
+    root = quant_dir(model_dir, qm, recipe.suffix(calibration))
+    if recipe.from_f32:
+        blocks = None
+    m = publish_dir(root, lambda tmp: build(model_dir, tmp, qm, progress, blocks=blocks, calibration=calibration,
+                                            requant=recipe.requant),
+                    lambda d: _usable(d, model_dir, qm, None if calibration is None else recipe.requant))
     return root, m
 
 
 def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], None] | None = None, *,
-          blocks: BlockSource | None) -> Manifest:
+          blocks: BlockSource | None, calibration: Calibration | None = None,
+          requant: str = REQUANT_DEFAULT) -> Manifest:
     """Export the fused, dynamic-shape graphs with quantized linears into `out`."""
     try:
         from edge_llm.backends.cpuq.decode_export import export_decode
@@ -241,7 +282,8 @@ def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], N
     args = ModelArgs.from_dir(model_dir)
     vision = vision_args_from_dir(model_dir)
     deepstack = len(vision.deepstack_visual_indexes) if vision is not None else 0
-    linear = QuantLinear(args, blocks, qm.bits, qm.block, qm.accuracy_level)
+    t0 = time.perf_counter()
+    linear = QuantLinear(args, blocks, qm.bits, qm.block, qm.accuracy_level, requant=requant, calibration=calibration)
     log.info("quantizing %s (%s%s) into %s", printable(model_dir.name), qm.label,
              f", GGUF blocks from {printable(blocks.path.name)}" if blocks else "", printable(out))
     # F32 arithmetic: the plain RMSNorm (the fp16-safe one only adds nodes here)
@@ -249,7 +291,8 @@ def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], N
                          progress=(lambda s: progress(f"quantizing {s.name}")) if progress else None,
                          target=TARGET, dtype=qm.label)
     # the same weights again, in one graph, its 4-bit linears as MatMulQ (reported once, above)
-    row_linear = QuantLinear(args, blocks, qm.bits, qm.block, qm.accuracy_level, row_op=True, passes=qm.passes)
+    row_linear = QuantLinear(args, blocks, qm.bits, qm.block, qm.accuracy_level, row_op=True, passes=qm.passes,
+                             requant=requant, calibration=calibration, done=linear.done)
     e = export_decode(model_dir, out / "onnx", row_linear,
                       progress=(lambda s: progress(f"quantizing the decode graph: {s}")) if progress else None)
     report = linear.report
@@ -258,18 +301,24 @@ def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], N
                                vocab=list(e.spec.vocab), onnx=str(e.onnx.relative_to(out)),
                                input_key=e.input_key, onnx_bytes=e.nbytes))
     s = summarize(report)
-    m.build = {"format": QUANT_FORMAT, "quant": qm.name, "summary": s, "weights": report}  # not hashed
+    linear.done.clear()
+    m.build = {"format": QUANT_FORMAT, "quant": qm.name, "summary": s, "weights": report,  # not hashed
+               "seconds": round(time.perf_counter() - t0, 1)}
+    if s["requant"] and s["requant"] != ["rtn"]:
+        m.build["calibration_tokens"] = calibration.tokens
     m.write(out)
-    log.info("quantized %s: %d weights exact from GGUF blocks, %d re-quantized (%.1f MB)",
-             printable(model_dir.name), s["exact"], s["requantized"], s["bytes"] / 1e6)
+    log.info("quantized %s: %d weights exact from GGUF blocks, %d re-quantized%s (%.1f MB) in %.1f s",
+             printable(model_dir.name), s["exact"], s["requantized"],
+             f" ({', '.join(s['requant'])})" if s["requant"] else "", s["bytes"] / 1e6, m.build["seconds"])
     return m
 
 
 def open_cpu_q(model_dir: str | Path, quant: str = "q4", threads: int | None = None,
                progress: Callable[[str], None] | None = None, decode_graph: bool = True, *,
-               blocks: BlockSource | None) -> GraphBackend:
+               blocks: BlockSource | None, calibration: Calibration | None = None,
+               recipe: Recipe = DEFAULT_RECIPE) -> GraphBackend:
     """Build or find the quantized graphs, start onnxruntime on them: a Backend to load.
-    `blocks`: as for `ensure_quantized`.
+    `blocks`, `calibration`, `recipe`: as for `ensure_quantized`.
     `decode_graph=False` runs one-row steps on the per-layer graphs too (what cpu-q did before the
     decode graph; `bench quant` compares both): other bits, so another `numerics`."""
     from edge_llm.backends import kernels
@@ -278,7 +327,7 @@ def open_cpu_q(model_dir: str | Path, quant: str = "q4", threads: int | None = N
     from edge_llm.config import ModelArgs
 
     qm = mode(quant)
-    root, m = ensure_quantized(model_dir, qm, progress, blocks=blocks)
+    root, m = ensure_quantized(model_dir, qm, progress, blocks=blocks, calibration=calibration, recipe=recipe)
     n, cores = plan_threads(threads)
     if cores:
         os.sched_setaffinity(0, cores)

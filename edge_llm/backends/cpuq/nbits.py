@@ -10,7 +10,10 @@ point cannot hold); the graph adds it as `blocksum(A) @ mins`, exactly that sum 
 Quantization from float (`quantize`) is per block asymmetric min/max with the range widened to
 include 0, round half to even, as onnxruntime's own quantizer does (written here in numpy
 because the same layout also receives GGUF blocks, and onnxruntime's public quantizer rewrites
-whole ONNX files instead of producing arrays). GGUF blocks (`from_gguf`) are copied bit for bit:
+whole ONNX files instead of producing arrays); `clip` shrinks each block's range by the MSE clip,
+and `quantize_gptq` rounds the same blocks by GPTQ (backends/gptq.py) on the rows the weight reads
+(docs/quantization.md, "GPTQ for re-quantized weights"). GGUF blocks (`from_gguf`) are copied bit
+for bit:
 
 | GGUF | here | exact |
 |---|---|---|
@@ -30,6 +33,8 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+
+from edge_llm.backends.gptq import factor, solve
 
 GGUF_EXACT = ("Q4_0", "Q4_1", "Q8_0")
 DEFAULT_ZP = {4: 8, 8: 128}  # MatMulNBits' zero point when the input is absent
@@ -78,8 +83,38 @@ class QuantWeight:
         return b, self.scales.reshape(-1), zp
 
 
-def quantize(w: np.ndarray, bits: int, block: int, origin: str = "F32") -> QuantWeight:
-    """Blocked asymmetric quantization of W (K, N) float32 (range includes 0, ties to even)."""
+# the MSE clip's candidate ranges: each block's min/max range (0 included) times one of these
+CLIP_RATIOS = np.round(np.arange(1.0, 0.6999, -0.02), 2).astype(np.float32)
+
+
+def _grid(lo: np.ndarray, hi: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray]:
+    """scale, zero point (as float32) of the range [lo, hi] (0 included) over `levels` steps."""
+    s = (hi - lo) / np.float32(levels)
+    s[s == 0] = 1
+    return s, np.clip(np.rint(-lo / s), 0, levels)
+
+
+def block_params(wt: np.ndarray, levels: int, clip: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """wt (..., block) -> scale, zero point (...) of each block: its min/max range widened to
+    include 0; `clip`: that range times the ratio of CLIP_RATIOS with the least squared error of
+    the block's weights (ties: the wider range)."""
+    lo, hi = np.minimum(wt.min(axis=-1), 0), np.maximum(wt.max(axis=-1), 0)
+    s, z = _grid(lo, hi, levels)
+    if not clip:
+        return s, z
+    best = np.full(s.shape, np.inf, np.float32)
+    for r in CLIP_RATIOS:
+        sr, zr = _grid(lo * r, hi * r, levels)
+        q = np.clip(np.rint(wt / sr[..., None]) + zr[..., None], 0, levels)
+        err = np.square((q - zr[..., None]) * sr[..., None] - wt).sum(axis=-1)
+        better = err < best
+        best[better], s[better], z[better] = err[better], sr[better], zr[better]
+    return s, z
+
+
+def quantize(w: np.ndarray, bits: int, block: int, origin: str = "F32", clip: bool = False) -> QuantWeight:
+    """Blocked asymmetric quantization of W (K, N) float32 (range includes 0, ties to even),
+    round to nearest; `clip`: each block's range by the MSE clip (`block_params`)."""
     K, N = w.shape
     nb = -(-K // block)
     levels = (1 << bits) - 1
@@ -91,13 +126,51 @@ def quantize(w: np.ndarray, bits: int, block: int, origin: str = "F32") -> Quant
         wt = np.zeros((b - a, nb * block), np.float32)
         wt[:, :K] = w[:, a:b].T
         wt = wt.reshape(b - a, nb, block)
-        lo = np.minimum(wt.min(axis=-1), 0)
-        hi = np.maximum(wt.max(axis=-1), 0)
-        s = (hi - lo) / np.float32(levels)
-        s[s == 0] = 1
-        z = np.clip(np.rint(-lo / s), 0, levels)
+        s, z = block_params(wt, levels, clip)
         q[a:b] = np.clip(np.rint(wt / s[..., None]) + z[..., None], 0, levels)
         scales[a:b], zp[a:b] = s, z
+    return QuantWeight(bits, block, K, N, q, scales, zp, None, origin, exact=False)
+
+
+class _BlockGrid:
+    """GPTQ's grid (backends/gptq.py) for the blocks above: a block's scale and zero point are
+    taken from its rows as GPTQ has updated them when it reaches the block's first row."""
+
+    def __init__(self, q: np.ndarray, scales: np.ndarray, zp: np.ndarray, bits: int, block: int, clip: bool):
+        self.q, self.scales, self.zp = q, scales, zp  # views of the weight's arrays: (n, nb, block), (n, nb)
+        self.levels, self.group, self.clip = (1 << bits) - 1, block, clip
+        self._s = self._z = np.empty(0, np.float32)
+
+    def begin(self, k: int, rows: np.ndarray) -> None:
+        self._s, self._z = block_params(np.ascontiguousarray(rows.T), self.levels, self.clip)
+        self.scales[:, k // self.group], self.zp[:, k // self.group] = self._s, self._z
+
+    def round(self, k: int, row: np.ndarray) -> np.ndarray:
+        q = np.clip(np.rint(row / self._s) + self._z, 0, self.levels)
+        self.q[:, k // self.group, k % self.group] = q
+        return self._s * (q - self._z)
+
+
+# GPTQ's damping for these blocks, of the mean Hessian diagonal (backends/gptq.py DAMP: the
+# paper's 1 %); docs/quantization.md, "GPTQ for re-quantized weights"
+BLOCK_DAMP = 0.1
+
+
+def quantize_gptq(w: np.ndarray, h: np.ndarray, bits: int, block: int, origin: str = "F32",
+                  clip: bool = False) -> QuantWeight:
+    """W (K, N) float32 as `quantize` lays it out, rounded by GPTQ (backends/gptq.py) against the
+    Hessian `h` (K, K) of the rows it reads, rows in order along K (K a multiple of `block`)."""
+    K, N = w.shape
+    if K % block:
+        raise ValueError(f"GPTQ's blocks need K = {K} to be a multiple of {block}")
+    nb = K // block
+    q = np.empty((N, nb, block), np.uint8)
+    scales = np.empty((N, nb), np.float32)
+    zp = np.empty((N, nb), np.uint8)
+    f = factor(h, damp=BLOCK_DAMP)
+    for a in range(0, N, _CHUNK_COLS):  # the columns are independent: a chunk at a time (peak RAM)
+        b = min(N, a + _CHUNK_COLS)
+        solve(w[:, a:b], f, _BlockGrid(q[a:b], scales[a:b], zp[a:b], bits, block, clip))
     return QuantWeight(bits, block, K, N, q, scales, zp, None, origin, exact=False)
 
 
@@ -210,4 +283,19 @@ class BlockSource(Protocol):
 
     def tensor(self, name: str) -> SourceTensor | None:
         """The stored form of HF tensor `name`, None when the file has no such tensor."""
+        ...
+
+
+class Calibration(Protocol):
+    """The rows a model's linears read on calibration text, for GPTQ on the weights that are
+    re-quantized (backends/gptq.py). Declared here and passed in by the caller of the backend
+    (convert/gptq.py `CpuqInputs` implements it: it runs the F32 model, which the backend does not
+    import), asked only when a weight has no exact blocks."""
+
+    tokens: int  # calibration tokens (for the manifest)
+
+    def hessian(self, kind: str, layer: int) -> np.ndarray | None:
+        """H = X^T X (K, K) float64 of the rows weight `kind` ("qkv", "o", "gate_up", "gate",
+        "up", "down", "head") of `layer` reads, as the weight reads them (norm gains applied); None
+        when unknown."""
         ...

@@ -6,7 +6,11 @@ for the tensors' original blocks in the GGUF the model was imported from (a `nbi
 the caller passes: checkpoints/gguf_blocks.py). When every part has a
 type `nbits.from_gguf` holds exactly, and the blocks dequantize bitwise to the F32 tensor the
 model directory holds, the blocks are written as they are ("exact"); otherwise the F32 values
-are quantized to the mode's bit width ("re-quantized"). `report` lists the decision per weight.
+are quantized to the mode's bit width ("re-quantized") by `requant`: "rtn" (round to nearest,
+min/max per block), "gptq" (GPTQ on the caller's `nbits.Calibration`, backends/gptq.py) or
+"gptq-mse" (GPTQ with each block's range by the MSE clip); without a calibration, round to
+nearest (`rounded` in the report: what a weight got, "rtn" where GPTQ cannot run: K not whole
+blocks, no rows). `report` lists the decision per weight.
 
 Graph form of one weight: `MatMulNBits(x, B, scales[, zero_points])`, plus
 `ReduceSum(Reshape(x, (T, K/block, block))) @ mins` when the blocks carry a float minimum (Q4_1).
@@ -28,6 +32,7 @@ from edge_llm.backends.kernels import OPS_DOMAIN, QMATMUL_OP
 from edge_llm.backends.graph.onnx_export import MS_DOMAIN, GraphBuilder, WeightKey
 from edge_llm.backends.cpuq.nbits import (
     BlockSource,
+    Calibration,
     QuantWeight,
     SourceTensor,
     center,
@@ -36,12 +41,15 @@ from edge_llm.backends.cpuq.nbits import (
     from_gguf,
     permute_rows,
     quantize,
+    quantize_gptq,
     rows,
 )
 from edge_llm.config import ModelArgs
+from edge_llm.settings import CPUQ_REQUANTS
 
 log = logging.getLogger(__name__)
 
+REQUANT = CPUQ_REQUANTS  # how a weight without exact blocks is quantized (module docstring)
 _PARTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
           "gate": ("mlp.gate_proj",), "up": ("mlp.up_proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
           "down": ("mlp.down_proj",)}
@@ -52,12 +60,20 @@ class QuantLinear:
     blocks of the file the model was imported from (None: every weight is quantized here)."""
 
     def __init__(self, args: ModelArgs, source: BlockSource | None, bits: int, block: int, accuracy_level: int,
-                 row_op: bool = False, passes: int = 1):
+                 row_op: bool = False, passes: int = 1, requant: str = "rtn", calibration: Calibration | None = None,
+                 done: dict[tuple, tuple[QuantWeight, str]] | None = None):
         self.args, self.bits, self.block, self.accuracy_level = args, bits, block, accuracy_level
         self.passes = passes  # MatMulQ's activation passes (row_op)
         self.row_op = row_op  # MatMulQ where it holds the weight (the decode graph)
         self.report: list[dict[str, Any]] = []
         self.source = source
+        if requant not in REQUANT:
+            raise ValueError(f"requant {requant!r}: one of {REQUANT}")
+        self.requant = requant if calibration is not None else "rtn"
+        self.calibration = calibration
+        # re-quantized weights by (tensors, columns), shared by the linears of one build (the
+        # per-layer graphs and the decode graph hold the same weights; GPTQ runs once per weight)
+        self.done = {} if done is None else done
 
     # ---- the Linear protocol ----------------------------------------------------------------
     def __call__(self, g: GraphBuilder, x: str, w: np.ndarray, bias: np.ndarray | None, out: str | None,
@@ -85,13 +101,43 @@ class QuantLinear:
             log.warning("%s: GGUF blocks of %s differ from the model's F32 weights; re-quantizing",
                         self.source.path if self.source else None, names[0])
             qw = None
+        method = None
         if qw is None:
-            src = sorted({t.type_name for t in map(self._stored, names) if t is not None}) or ["F32"]
-            qw = quantize(w, self.bits, self.block, origin="+".join(src))
+            qw, method = self._requantize(w, key, names)
         self.report.append({"weight": f"{key.kind}{'' if key.kind == 'head' else key.index}",
                             "tensors": names, "bits": qw.bits, "origin": qw.origin, "exact": qw.exact,
-                            "bytes": qw.nbytes})
+                            "bytes": qw.nbytes, **({} if method is None else {"requant": self.requant,
+                                                                              "rounded": method})})
         return qw
+
+    def method(self, w: np.ndarray) -> str:
+        """How a weight W (K, N) without exact blocks is quantized: GPTQ needs K in whole blocks."""
+        return self.requant if w.shape[0] % self.block == 0 else "rtn"
+
+    def _requantize(self, w: np.ndarray, key: WeightKey, names: list[str]) -> tuple[QuantWeight, str]:
+        done_key = (tuple(names), key.vocab)
+        if done_key not in self.done and len(names) > 1 and all(((n,), key.vocab) in self.done for n in names):
+            parts = [self.done[((n,), key.vocab)] for n in names]  # e.g. gate and up, asked alone before
+            if len({m for _, m in parts}) == 1:
+                self.done[done_key] = concat([q for q, _ in parts]), parts[0][1]
+        if done_key in self.done:
+            return self.done[done_key]
+        src = "+".join(sorted({t.type_name for t in map(self._stored, names) if t is not None}) or ["F32"])
+        method = self.method(w)
+        h = None if method == "rtn" else self.calibration.hessian(key.kind, key.index)
+        if h is None:
+            if method != "rtn":
+                log.warning("no calibration rows for %s %d: rounding it to nearest", key.kind, key.index)
+                method = "rtn"
+            qw = quantize(w, self.bits, self.block, origin=src)
+        else:
+            qw = quantize_gptq(w, h, self.bits, self.block, origin=src, clip=method == "gptq-mse")
+        self.done[done_key] = qw, method
+        if key.kind == "gate_up":  # the columns are independent: gate and up alone are its halves
+            half = qw.N // 2
+            for n, (lo, hi) in zip(names, ((0, half), (half, qw.N))):
+                self.done[((n,), key.vocab)] = rows(qw, lo, hi), method
+        return qw, method
 
     def _stored(self, name: str) -> SourceTensor | None:
         return None if self.source is None else self.source.tensor(name)
@@ -179,6 +225,8 @@ def summarize(report: list[dict[str, Any]]) -> dict[str, Any]:
     exact = [r for r in report if r["exact"]]
     req = [r for r in report if not r["exact"]]
     return {"exact": len(exact), "requantized": len(req),
+            "requant": sorted({r["requant"] for r in req}),
+            "rounded": {m: sum(r["rounded"] == m for r in req) for m in sorted({r["rounded"] for r in req})},
             "exact_origins": sorted({r["origin"] for r in exact}),
             "requantized_origins": sorted({r["origin"] for r in req}),
             "bytes": sum(r["bytes"] for r in report)}
