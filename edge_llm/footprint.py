@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from edge_llm.config import ModelArgs
@@ -150,6 +150,21 @@ def estimate_memory(s: Settings, backend: str, sizes: ModelSizes, model_dir: str
         parts.append(("snapshot writer", s.max_seq * sizes.kv_bytes_per_layer_token))
     parts.append(("runtime", RUNTIME_BASE.get(backend, RUNTIME_BASE["cpu"])))
     return MemoryEstimate(backend, s.max_seq, tuple(parts))
+
+
+# the rows a record measurement's caches hold: its teacher-forced text, or a chat prompt and its answer
+RECORD_ROWS = 512
+
+
+def record_estimate(s: Settings, sizes: ModelSizes, model_dir: str | Path) -> MemoryEstimate:
+    """What measuring cpu-q's accuracy record holds at once (qrecord.record_backend): the F32
+    reference model beside cpu-q, each with a cache of RECORD_ROWS rows (no snapshot writer), in
+    one process (cpu-q's runtime part, which includes onnxruntime)."""
+    small = replace(s, max_seq=RECORD_ROWS, disk_kv=None)
+    ref, q = estimate_memory(small, "cpu", sizes), estimate_memory(small, "cpu-q", sizes, model_dir)
+    return MemoryEstimate("cpu-q record", RECORD_ROWS,
+                          tuple((f"F32 reference {w}", b) for w, b in ref.parts if w != "runtime")
+                          + tuple((f"cpu-q {w}", b) for w, b in q.parts))
 
 
 # ---- what is available ---------------------------------------------------------------------------

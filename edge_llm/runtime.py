@@ -16,7 +16,7 @@ from pathlib import Path
 from edge_llm.drafting import DraftConfig
 from edge_llm.engine import Engine
 from edge_llm.backends.choice import BackendChoice, choose_backend, without_npu
-from edge_llm.footprint import ModelSizes, admit, estimate_memory
+from edge_llm.footprint import ModelSizes, admit, available_memory, estimate_memory, record_estimate
 from edge_llm.kvcache import KVCache
 from edge_llm.safetext import printable
 from edge_llm.settings import Settings, resolve
@@ -121,6 +121,14 @@ def _measure_cpu_q(s: Settings, choice: BackendChoice, model_dir: Path, say: Cal
     from edge_llm.backends.graph.manifest import Manifest
     from edge_llm.qrecord import record_backend
 
+    if s.memory_check:  # the measurement holds the F32 model beside cpu-q: on a small board it may not fit
+        est, avail = record_estimate(s, ModelSizes.of_dir(model_dir), model_dir), available_memory()
+        if est.total > avail.bytes:
+            why = (f"cpu-q's accuracy record cannot be measured here (estimated {est.describe()}, but only "
+                   f"{avail.describe()}): measure it where it fits (`edge-llm model info MODEL --quant {s.quant}`) "
+                   "and copy its quant directory, or set backend = \"cpu-q\" (docs/quantization.md, \"Accuracy record\")")
+            log.warning("backend auto: %s", why)
+            return replace(choice, unmeasured=None, reason=f"{choice.reason}; {why}"), None
     log.info("backend auto: cpu-q's accuracy record is missing (%s): building and measuring it (first start)",
              choice.reason)
     say("backend auto: building cpu-q and measuring its accuracy record against F32 (first start)")

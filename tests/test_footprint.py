@@ -254,6 +254,43 @@ def test_server_in_a_cgroup_smaller_than_its_estimate_refuses_cleanly(edge_home:
                 time.sleep(0.1)
 
 
+@pytest.mark.skipif(_cgroup_v1_reason() is not None, reason=str(_cgroup_v1_reason()))
+def test_auto_does_not_measure_cpu_q_where_the_measurement_cannot_fit(edge_home: Path, tmp_path: Path) -> None:
+    """Inside a real cgroup v1 limit of 900 MiB, a fresh home without cpu-q's record: the F32 default
+    model fits (0.68 GiB estimated at 512 rows), measuring cpu-q's record does not (the F32 model
+    beside cpu-q, 1.1 GiB). `auto` must not build or measure cpu-q there: it runs cpu, says why and
+    what to do, and the cgroup is never pushed to its limit."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "models").symlink_to(edge_home / "models")  # the imported default model, no quant/
+    cg = Path("/sys/fs/cgroup/memory") / f"edge-llm-test-{uuid.uuid4().hex[:8]}"
+    cg.mkdir()
+    try:
+        (cg / "memory.limit_in_bytes").write_text(str(900 << 20))
+        cmd = [sys.executable, "-m", "edge_llm", "generate", "--model", "default", "--backend", "auto",
+               "--max-seq", "512", "--no-disk-kv", "--temperature", "0", "--max-tokens", "8",
+               "-p", "What is the capital of France?"]
+        r = subprocess.run(["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$@"', "sh", *cmd],
+                           env={**os.environ, "EDGE_LLM_HOME": str(home)}, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "Paris" in r.stdout, r.stdout
+        line = next(ln for ln in r.stderr.splitlines() if "backend auto ->" in ln)
+        assert line.startswith("backend auto -> cpu ("), line
+        assert re.search(r"cpu-q's accuracy record cannot be measured here \(estimated backend cpu-q record, "
+                         r"max_seq 512: F32 reference F32 weights 0\.50 GiB .* = 1\.1\d GiB, but only 0\.9\d GiB available", line), line
+        assert "edge-llm model info MODEL --quant q4" in line and 'backend = "cpu-q"' in line
+        assert not (home / "quant").exists() or not any((home / "quant").iterdir())  # nothing built
+        assert int((cg / "memory.failcnt").read_text()) == 0
+    finally:
+        for _ in range(50):
+            try:
+                cg.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
 def test_the_unit_does_not_restart_a_refused_start() -> None:
     unit = (REPO / "systemd" / "edge-llm.service").read_text()
     values = re.findall(r"^RestartPreventExitStatus=(.*)$", unit, re.M)

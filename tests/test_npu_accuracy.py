@@ -152,8 +152,12 @@ def test_cpu_q_agrees_with_cpu_on_the_default_model(default_dir, edge_home, monk
     assert res["min_cosine"] >= 0.9999 and res["teacher"]["top1"] >= 0.99 and res["teacher"]["kl"] <= Q4_KL
     assert res["answer"]["same_tokens"] and "Paris" in res["answer"]["other"]
     json.dumps(res)  # what `bench accuracy` saves
-    rows = {r["variant"].split()[2]: r for r in quant_variants.run(str(default_dir), 256, emulate=False)["rows"]}
-    print(rows)
+    variants = quant_variants.run(str(default_dir), 256, emulate=False)
+    rows = {r["variant"].split()[2]: r for r in variants["rows"]}
+    print(quant_variants.markdown(variants))
+    # the board's figures beside each row: the same 4-bit blocks in both modes, under a quarter of F32's bytes
+    assert rows["q4"]["weight_bytes"] == rows["q4-int8"]["weight_bytes"] < variants["f32"]["weight_bytes"] / 4
+    assert min(r["decode_tok_s"] for r in rows.values()) > 0 and variants["f32"]["decode_tok_s"] > 0
     assert rows["q4"]["kl"] <= Q4_KL and all(rows["q4"]["same_answers"])
     int8 = rows["q4-int8"]
     assert int8["top1"] >= Q_TOP1 and int8["kl"] <= Q_KL and not int8["same_answers"][0]

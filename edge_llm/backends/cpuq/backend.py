@@ -242,7 +242,13 @@ def built_weight_bytes(model_dir: str | Path, quant: str) -> int | None:
     if not (root / MANIFEST).is_file():
         return None
     m = _usable(root, Path(model_dir), qm)
-    return sum(int(w["bytes"]) for w in m.build["weights"]) if m is not None else None
+    return weight_bytes(root, m) if m is not None else None
+
+
+def weight_bytes(root: Path, m: Manifest | None = None) -> int:
+    """The bytes of the quantized weights a built directory holds (what one decode step streams)."""
+    m = Manifest.read(root) if m is None else m
+    return sum(int(w["bytes"]) for w in m.build["weights"])
 
 
 def ensure_quantized(model_dir: str | Path, qm: QuantMode, progress: Callable[[str], None] | None = None, *,
