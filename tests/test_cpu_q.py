@@ -49,25 +49,93 @@ def cpu_q(default_dir, home_env):
 
 
 # ---- layout ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def _k_quant_rows(type_name: str, N: int, K: int, rng) -> np.ndarray:
+    """Rows of K-quant super-blocks built by hand (gguf-py cannot quantize to K-quants): every byte
+    pattern is a valid block once its two float16 fields (d, dmin) are finite, so the levels,
+    6-bit scales and minima are random bytes and d, dmin small positive float16s."""
+    size = {"Q4_K": 144, "Q5_K": 176}[type_name]
+    sb = rng.integers(0, 256, (N, K // 256, size), dtype=np.uint8)
+    sb[..., 0:2] = (rng.random((N, K // 256, 1)) * 0.01 + 1e-3).astype(np.float16).view(np.uint8)
+    sb[..., 2:4] = (rng.random((N, K // 256, 1)) * 0.01).astype(np.float16).view(np.uint8)
+    return sb.reshape(N, -1)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K"])
 def test_gguf_blocks_are_held_exactly(type_name):
     import gguf
 
     rng = np.random.default_rng(0)
-    w = (rng.standard_normal((48, 96)) * 0.05 + 0.01).astype(np.float32)  # (N out, K in)
+    N, K = 48, 512
     t = gguf.GGMLQuantizationType[type_name]
-    raw = gguf.quants.quantize(w, t)
-    want = gguf.quants.dequantize(raw, t).reshape(48, 96).T
-    qw = Q.from_gguf(type_name, raw, 96, 48)
-    assert qw is not None and qw.exact and qw.bits == (8 if type_name == "Q8_0" else 4)
+    if type_name.endswith("_K"):
+        raw = _k_quant_rows(type_name, N, K, rng)
+    else:
+        w = (rng.standard_normal((N, K)) * 0.05 + 0.01).astype(np.float32)  # (N out, K in)
+        raw = gguf.quants.quantize(w, t)
+    want = gguf.quants.dequantize(raw, t).reshape(N, K).T
+    qw = Q.from_gguf(type_name, raw, K, N)
+    assert qw is not None and qw.exact and qw.bits == (4 if type_name in ("Q4_0", "Q4_1", "Q4_K") else 8)
     assert np.array_equal(f32_bits(Q.dequantize(qw)), f32_bits(want))
-    # the centred form the graph gets holds the same real numbers (checked in float64)
+    # the centred form the graph gets holds the blocks' real numbers (in float64: the float32
+    # sum `d q - dm` of a K-quant may round, the blocks' values are what the kernels multiply)
+    def real(w: Q.QuantWeight) -> np.ndarray:
+        lv = w.q.astype(np.float64) - w.zp[..., None]
+        return w.scales[..., None].astype(np.float64) * lv + (0 if w.mins is None else w.mins.T[..., None])
+
     c = Q.center(qw)
-    lv = c.q.astype(np.float64) - c.zp[..., None]
-    real = c.scales[..., None].astype(np.float64) * lv + (0 if c.mins is None else c.mins.T[..., None])
-    assert np.array_equal(real.reshape(48, -1).T, want.astype(np.float64))
+    assert np.array_equal(real(c), real(qw))
+    if not type_name.endswith("_K"):  # here float32 rounds nothing
+        assert np.array_equal(real(c).reshape(N, -1).T, want.astype(np.float64))
     if type_name == "Q4_1":
         assert np.abs(c.mins).max() <= np.abs(qw.mins).max() and (c.zp > 0).mean() > 0.9
+    # an 8-bit container holds the 4-bit blocks as they are (a fused weight with an 8-bit part)
+    assert np.array_equal(f32_bits(Q.dequantize(Q.widen(qw, 8))), f32_bits(want))
+
+
+def test_a_files_precision_is_kept(tiny_synth_dir):
+    """A Q4_K_M-style layout: q and k in Q4_K, v in Q8_0 (one fused weight: held exactly in 8 bits),
+    down in Q6_K (no exact 32-block form: re-quantized to 8 bits, not 4, its error far below a
+    4-bit one's)."""
+    import gguf
+
+    from edge_llm.backends.cpuq.nbits_export import QuantLinear
+    from edge_llm.backends.graph.onnx_export import WeightKey
+    from edge_llm.config import ModelArgs
+
+    rng = np.random.default_rng(3)
+    N, K = 64, 512
+    args = ModelArgs.from_dir(tiny_synth_dir)
+    lp = f"{args.weight_prefix}layers.0."
+    q6k = rng.integers(0, 256, (N, K // 256, 210), dtype=np.uint8)  # ql, qh, int8 scales, then d
+    q6k[..., 208:210] = (rng.random((N, K // 256, 1)) * 0.002 + 1e-4).astype(np.float16).view(np.uint8)
+    stored = {f"{lp}self_attn.q_proj.weight": ("Q4_K", _k_quant_rows("Q4_K", N, K, rng)),
+              f"{lp}self_attn.k_proj.weight": ("Q4_K", _k_quant_rows("Q4_K", N, K, rng)),
+              f"{lp}self_attn.v_proj.weight": ("Q8_0", gguf.quants.quantize(
+                  (rng.standard_normal((N, K)) * 0.05).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)),
+              f"{lp}mlp.down_proj.weight": ("Q6_K", q6k.reshape(N, -1))}
+
+    class Blocks:  # the BlockSource protocol over the rows above (checkpoints/gguf_blocks.py reads a file)
+        path = tiny_synth_dir / "made-up.gguf"
+
+        def tensor(self, name):
+            t = stored.get(name)
+            return None if t is None else Q.SourceTensor(t[0], t[1], K, N)
+
+    def f32(name):
+        t, raw = stored[name]
+        return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[t]).reshape(N, K).T
+
+    lin = QuantLinear(args, Blocks(), 4, 32, 0)
+    w_qkv = np.ascontiguousarray(np.concatenate([f32(f"{lp}self_attn.{n}_proj.weight") for n in "qkv"], axis=1))
+    qkv = lin.weight(w_qkv, WeightKey("qkv", 0))
+    assert qkv.exact and qkv.bits == 8 and np.array_equal(f32_bits(Q.dequantize(qkv)), f32_bits(w_qkv))
+    w_down = np.ascontiguousarray(f32(f"{lp}mlp.down_proj.weight"))
+    down = lin.weight(w_down, WeightKey("down", 0))
+    assert not down.exact and down.bits == 8 and down.origin == "Q6_K"
+    err8 = np.abs(Q.dequantize(down) - w_down).max()
+    err4 = np.abs(Q.dequantize(Q.quantize(w_down, 4, 32)) - w_down).max()
+    assert err8 < err4 / 8, (err8, err4)
+    assert [(r["bits"], r["exact"]) for r in lin.report] == [(8, True), (8, False)]
 
 
 def test_default_gguf_tensors_are_exact(default_dir):

@@ -49,7 +49,7 @@ ORDER = {
     "server": ["errors", "hosts", "schemas", "metrics", "node", "prefetch", "worker", "budget", "images", "streaming", "ui", "events", "state", "storeview", "app",
                "__init__"],
     "bench": ["disk", "procstat", "prompts", "models", "rkllm", "client", "keepalive", "fleet", "fleet_load", "throttle", "restore", "conversation", "ttft",
-              "split", "recovery", "quant", "accuracy", "quant_variants", "quant_memory", "decode", "npu", "board", "vision", "llamacpp_peer",
+              "split", "recovery", "quant", "accuracy", "quant_emulate", "quant_variants", "quant_memory", "decode", "npu", "board", "vision", "llamacpp_peer",
               "__init__"],
     "bench.npu": ["predict", "a76", "matmul", "cpu", "run", "__init__"],
     "cli": ["options", "progress", "bench", "convert", "doctor", "generate", "kv", "kv_transfer", "model", "serve", "__init__"],

@@ -58,7 +58,8 @@ class QuantMode:
 # was what separated cpu-q's answers from F32's on the default model (docs/quantization.md, "Where
 # the error comes from"): prefill's MatMulNBits with float activations (accuracy level 0), decode's
 # MatMulQ in two passes. q4-int8: both with int8 activations (what q4 was until quant format 5).
-# 8-bit weights were measured and not added (docs/quantization.md, "No 8-bit mode").
+# An all-8-bit mode was measured and not added; 8-bit blocks come only where a GGUF stores more than 4 bits
+# (docs/quantization.md, "8 bits where the GGUF has more than 4").
 MODES = {"q4": QuantMode("q4", 4, BLOCK, 0, 2), "q4-int8": QuantMode("q4-int8", 4, BLOCK, 4, 1)}
 TARGET = "onnxruntime-cpu"
 # what a quantized graph directory holds; older directories are rebuilt on first use
@@ -66,7 +67,8 @@ TARGET = "onnxruntime-cpu"
 # takes T rows, a verify forward of speculative decoding; 4: its 4-bit linears are the MatMulQ
 # operator, backends/kernels/_qmatmul.c; 5: q4's activations in float (prefill) and two int8 passes
 # (decode))
-QUANT_FORMAT = 6  # 6: weights without exact GGUF blocks by GPTQ + MSE clip (`requant`), not round to nearest
+# 6: weights without exact GGUF blocks by GPTQ + MSE clip (`requant`), not round to nearest
+QUANT_FORMAT = 7  # 7: Q5_0/Q5_1/Q4_K/Q5_K blocks held exactly, wider GGUF blocks re-quantized to 8 bits
 # how weights without exact GGUF blocks are quantized when the caller hands in calibration rows
 # (nbits_export.REQUANT; docs/quantization.md, "GPTQ for re-quantized weights")
 REQUANT_DEFAULT = "gptq-mse"

@@ -19,8 +19,12 @@ for bit:
 |---|---|---|
 | Q4_0: d * (q - 8) | 4-bit, scale d, zp 8 | yes |
 | Q4_1: d * q + m | 4-bit, scale d, zp 0, mins m | yes |
+| Q5_0: d * (q - 16), 5-bit q | 8-bit, scale d, zp 16 | yes |
+| Q5_1: d * q + m, 5-bit q | 8-bit, scale d, zp 0, mins m | yes |
 | Q8_0: d * q (signed) | 8-bit, scale d, q + 128, zp 128 | yes |
-| anything else | quantized from the F32 values | no |
+| Q4_K: per 32-sub-block (d sc) * q - (dmin m) | 4-bit, scale d sc, zp 0, mins -dmin m | yes |
+| Q5_K: the same with 5-bit q | 8-bit, the same | yes |
+| anything else (Q6_K, Q2_K/Q3_K, F16, BF16, F32) | quantized from the F32 values | no |
 
 `dequantize` computes the weights in the same float order as gguf-py's dequantizer, so a
 GGUF-imported model's F32 tensor compares bitwise with the blocks it came from.
@@ -36,7 +40,7 @@ import numpy as np
 
 from edge_llm.backends.gptq import factor, solve
 
-GGUF_EXACT = ("Q4_0", "Q4_1", "Q8_0")
+GGUF_EXACT = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")
 DEFAULT_ZP = {4: 8, 8: 128}  # MatMulNBits' zero point when the input is absent
 _CHUNK_COLS = 4096  # columns quantized at a time (the 2B lm_head is 151936 columns)
 
@@ -188,24 +192,76 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.uint8)
 
 
+def _f16(b: np.ndarray) -> np.ndarray:
+    """(..., 2) uint8 -> (...) float32: a little-endian float16 field of every block."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1: (..., 4) uint8, a little-endian uint32 whose bit j is element j's fifth bit."""
+    h = np.ascontiguousarray(qh).view("<u4")  # (..., 1)
+    return ((h >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _k_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: the 12 bytes of 6-bit scales and minima of a super-block's 8 sub-blocks (ggml's
+    get_scale_min_k4) -> (sc, m), each (..., 8) uint8."""
+    d, m, md = sc[..., 0:4], sc[..., 4:8], sc[..., 8:12]
+    scale = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mins = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return scale, mins
+
+
 def from_gguf(type_name: str, raw: np.ndarray, K: int, N: int) -> QuantWeight | None:
     """GGUF rows (N, bytes per row) uint8 of a (N out, K in) tensor -> QuantWeight, exactly;
-    None when this type has no exact form here."""
-    if type_name not in GGUF_EXACT or K % 32:
+    None when this type has no exact form here. 5-bit blocks go into 8-bit ones (their levels are
+    8-bit levels); a K-quant's 32-element sub-blocks are the blocks, its sub-block scale and
+    minimum computed in float32 as gguf-py does (`d * sc`, `dmin * m`)."""
+    if type_name not in GGUF_EXACT or K % (256 if type_name.endswith("_K") else 32):
         return None
     nb = K // 32
+    if type_name in ("Q4_K", "Q5_K"):
+        sb = np.ascontiguousarray(raw).reshape(N, K // 256, -1)  # super-blocks of 256
+        sc, m = _k_scales(sb[..., 4:16])
+        d = (_f16(sb[..., 0:2])[..., None] * sc.astype(np.float32)).reshape(N, nb)
+        dm = (_f16(sb[..., 2:4])[..., None] * m.astype(np.float32)).reshape(N, nb)
+        qs = sb[..., -128:].reshape(N, K // 256, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+        q = (qs & 0x0F).reshape(N, K // 256, 8, 32)
+        bits = 4
+        if type_name == "Q5_K":  # sub-block s takes bit s of each of the 32 qh bytes
+            qh = sb[..., 16:48].reshape(N, K // 256, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+            q, bits = q | ((qh & 1) << 4), 8
+        return QuantWeight(bits, 32, K, N, q.reshape(N, nb, 32).astype(np.uint8), d, np.zeros((N, nb), np.uint8),
+                           np.ascontiguousarray((-dm).T), type_name, True)
     blocks = np.ascontiguousarray(raw).reshape(N, nb, -1)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    d = _f16(blocks[..., 0:2])
     mins = None
     if type_name == "Q8_0":
         q = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
         return QuantWeight(8, 32, K, N, q, d, np.full((N, nb), 128, np.uint8), None, type_name, True)
+    if type_name == "Q5_0":  # d (q - 16), q = low nibble | fifth bit << 4
+        q = _nibbles(blocks[..., 6:]) | (_high_bits(blocks[..., 2:6]) << 4)
+        return QuantWeight(8, 32, K, N, q, d, np.full((N, nb), 16, np.uint8), None, type_name, True)
+    if type_name == "Q5_1":  # d q + m
+        mins = np.ascontiguousarray(_f16(blocks[..., 2:4]).T)
+        q = _nibbles(blocks[..., 8:]) | (_high_bits(blocks[..., 4:8]) << 4)
+        return QuantWeight(8, 32, K, N, q, d, np.zeros((N, nb), np.uint8), mins, type_name, True)
     if type_name == "Q4_0":
         q, zp = _nibbles(blocks[..., 2:]), np.full((N, nb), 8, np.uint8)
     else:  # Q4_1
-        mins = np.ascontiguousarray(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32).T)
+        mins = np.ascontiguousarray(_f16(blocks[..., 2:4]).T)
         q, zp = _nibbles(blocks[..., 4:]), np.zeros((N, nb), np.uint8)
     return QuantWeight(4, 32, K, N, q, d, zp, mins, type_name, True)
+
+
+def widen(qw: QuantWeight, bits: int) -> QuantWeight:
+    """The same weights in a wider container (4 -> 8 bits: every 4-bit level and zero point is an
+    8-bit one), so a fused weight whose parts come in different widths is held exactly."""
+    if qw.bits == bits:
+        return qw
+    if qw.bits > bits:
+        raise ValueError(f"cannot narrow {qw.bits}-bit blocks to {bits} bits exactly")
+    return QuantWeight(bits, qw.block, qw.K, qw.N, qw.q, qw.scales, qw.zp, qw.mins, qw.origin, qw.exact)
 
 
 def center(qw: QuantWeight) -> QuantWeight:
@@ -222,7 +278,8 @@ def center(qw: QuantWeight) -> QuantWeight:
         return qw
     levels = (1 << qw.bits) - 1
     d, m = qw.scales, qw.mins.T  # (N, n_blocks)
-    z = np.clip(np.rint(-m / d), 0, levels).astype(np.uint8)
+    ratio = np.divide(-m, d, out=np.zeros_like(m), where=d != 0)  # a K-quant sub-block's scale may be 0
+    z = np.clip(np.rint(ratio), 0, levels).astype(np.uint8)
     r = (m + z.astype(np.float32) * d).astype(np.float32)
     ok = r.astype(np.float64) == m.astype(np.float64) + z.astype(np.float64) * d.astype(np.float64)
     z[~ok], r[~ok] = qw.zp[~ok], m[~ok]

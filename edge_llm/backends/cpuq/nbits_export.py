@@ -5,8 +5,9 @@ exporter writes (a `WeightKey`: a layer's fused qkv, o, gate, up (or fused gate_
 for the tensors' original blocks in the GGUF the model was imported from (a `nbits.BlockSource`
 the caller passes: checkpoints/gguf_blocks.py). When every part has a
 type `nbits.from_gguf` holds exactly, and the blocks dequantize bitwise to the F32 tensor the
-model directory holds, the blocks are written as they are ("exact"); otherwise the F32 values
-are quantized to the mode's bit width ("re-quantized") by `requant`: "rtn" (round to nearest,
+model directory holds, the blocks are written as they are ("exact"; parts of one fused weight in
+4 and 8 bits all in 8); otherwise the F32 values are quantized ("re-quantized") to the mode's bit
+width, or to 8 bits when the file stored them in more than 4 (`WIDE_TYPES`: Q6_K, ...), by `requant`: "rtn" (round to nearest,
 min/max per block), "gptq" (GPTQ on the caller's `nbits.Calibration`, backends/gptq.py) or
 "gptq-mse" (GPTQ with each block's range by the MSE clip); without a calibration, round to
 nearest (`rounded` in the report: what a weight got, "rtn" where GPTQ cannot run: K not whole
@@ -43,6 +44,7 @@ from edge_llm.backends.cpuq.nbits import (
     quantize,
     quantize_gptq,
     rows,
+    widen,
 )
 from edge_llm.config import ModelArgs
 from edge_llm.settings import CPUQ_REQUANTS
@@ -50,6 +52,8 @@ from edge_llm.settings import CPUQ_REQUANTS
 log = logging.getLogger(__name__)
 
 REQUANT = CPUQ_REQUANTS  # how a weight without exact blocks is quantized (module docstring)
+# GGUF block types of more than 4 bits: re-quantized (where not held exactly) to 8 bits, not 4
+WIDE_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"})
 _PARTS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
           "gate": ("mlp.gate_proj",), "up": ("mlp.up_proj",), "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
           "down": ("mlp.down_proj",)}
@@ -122,16 +126,20 @@ class QuantLinear:
                 self.done[done_key] = concat([q for q, _ in parts]), parts[0][1]
         if done_key in self.done:
             return self.done[done_key]
-        src = "+".join(sorted({t.type_name for t in map(self._stored, names) if t is not None}) or ["F32"])
+        types = {t.type_name for t in map(self._stored, names) if t is not None}
+        src = "+".join(sorted(types) or ["F32"])
+        # a GGUF's blocks of more than 4 bits that cannot be held exactly (Q6_K, ...) keep 8 bits:
+        # the file's author chose that precision for them (docs/quantization.md, "The weight format")
+        bits = 8 if types & WIDE_TYPES else self.bits
         method = self.method(w)
         h = None if method == "rtn" else self.calibration.hessian(key.kind, key.index)
         if h is None:
             if method != "rtn":
                 log.warning("no calibration rows for %s %d: rounding it to nearest", key.kind, key.index)
                 method = "rtn"
-            qw = quantize(w, self.bits, self.block, origin=src)
+            qw = quantize(w, bits, self.block, origin=src)
         else:
-            qw = quantize_gptq(w, h, self.bits, self.block, origin=src, clip=method == "gptq-mse")
+            qw = quantize_gptq(w, h, bits, self.block, origin=src, clip=method == "gptq-mse")
         self.done[done_key] = qw, method
         if key.kind == "gate_up":  # the columns are independent: gate and up alone are its halves
             half = qw.N // 2
@@ -154,9 +162,10 @@ class QuantLinear:
             if t.order is not None:  # e.g. llama.cpp's Q/K row permutation, undone
                 qw = permute_rows(qw, t.order)
             parts.append(qw)
-        if len({(p.bits, p.block) for p in parts}) != 1:
-            return None  # e.g. q in Q4_1 and v in Q8_0: one MatMulNBits holds one bit width
-        qw = concat(parts)
+        if len({p.block for p in parts}) != 1:
+            return None
+        bits = max(p.bits for p in parts)  # e.g. q in Q4_K and v in Q8_0: one MatMulNBits holds one width
+        qw = concat([widen(p, bits) for p in parts])
         return rows(qw, *key.vocab) if key.kind == "head" and key.vocab != (0, qw.N) else qw
 
 

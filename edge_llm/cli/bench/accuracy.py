@@ -50,6 +50,9 @@ def accuracy_cmd(model, backend, rknn_dir, rknn_runner, teacher_tokens, greedy_t
               help="Tokens of the teacher-forced text (top-1 agreement, KL).")
 @click.option("--no-cpu-q", is_flag=True, help="Only the numpy emulations (no cpu-q graphs built or run).")
 @click.option("--no-emulate", is_flag=True, help="No numpy emulations (only cpu-q's real graphs).")
+@click.option("--from-f32", is_flag=True,
+              help="Also the emulations of every weight re-quantized from F32: round to nearest, GPTQ + MSE "
+                   "clip, each plain and rotated, and 8 bits (float activations).")
 @click.option("--requantized", "requantized", multiple=True, type=click.Choice(CPUQ_REQUANTS),
               help="Also cpu-q q4 with every weight re-quantized from F32 (the GGUF blocks ignored) by this "
                    "method: rtn, gptq or gptq-mse (repeatable; built in their own directories).")
@@ -57,7 +60,8 @@ def accuracy_cmd(model, backend, rknn_dir, rknn_runner, teacher_tokens, greedy_t
               help="GPTQ's calibration tokens for --requantized (default: what cpu-q's build uses). The "
                    "directories are reused whatever the count: use a fresh EDGE_LLM_HOME to compare counts.")
 @out_option
-def quant_variants_cmd(model, teacher_tokens, no_cpu_q, no_emulate, requantized, calibration_tokens, out) -> None:
+def quant_variants_cmd(model, teacher_tokens, no_cpu_q, no_emulate, from_f32, requantized, calibration_tokens,
+                       out) -> None:
     """Where cpu-q's distance from F32 comes from: each source of error (int8 activations per kind
     of linear, 4-bit weights re-quantized from F32, rotations) emulated alone on the F32 backend,
     next to cpu-q's real graphs: teacher-forced top-1 and KL, greedy answers to the acceptance
@@ -70,7 +74,8 @@ def quant_variants_cmd(model, teacher_tokens, no_cpu_q, no_emulate, requantized,
         task = prog.add_task("quant variants", total=None)
         try:
             res = B.run(model, teacher_tokens, cpu_q=not no_cpu_q, step=lambda msg: prog.update(task, description=msg),
-                        emulate=not no_emulate, requantized=tuple(requantized), calibration_tokens=calibration_tokens)
+                        emulate=not no_emulate, requantized=tuple(requantized), calibration_tokens=calibration_tokens,
+                        from_f32=from_f32)
         except EdgeLLMError as e:
             raise click.ClickException(str(e)) from None
     res["command"] = " ".join(sys.argv)
