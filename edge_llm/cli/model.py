@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from edge_llm.cli.progress import progress_bar, resolve_model_with_bar
+from edge_llm.cli.progress import progress_bar, resolve_model_with_bar, step_progress
 from edge_llm.logsetup import setup_cli_logging
 from edge_llm.settings import DEFAULTS
 
@@ -151,8 +151,8 @@ def _quant_rows(model_dir, build: str | None) -> list[tuple[str, str]]:
     from edge_llm.convert.gptq import CpuqInputs
 
     if build:
-        with progress_bar(f"quantizing ({build})") as cb:
-            cpuq.ensure_quantized(model_dir, cpuq.mode(build), progress=lambda msg: cb(0, 0, msg),
+        with step_progress(f"cpu-q {build}") as cb:
+            cpuq.ensure_quantized(model_dir, cpuq.mode(build), progress=cb,
                                   blocks=gguf_blocks(model_dir), calibration=CpuqInputs(model_dir))
             if record_of(model_dir, build)[0] is None:  # built now, or before records existed
                 from edge_llm.qrecord import record_backend
@@ -160,8 +160,7 @@ def _quant_rows(model_dir, build: str | None) -> list[tuple[str, str]]:
                 be = cpuq.open_cpu_q(model_dir, build, blocks=gguf_blocks(model_dir), calibration=CpuqInputs(model_dir))
                 try:
                     root = cpuq.quant_dir(model_dir, cpuq.mode(build))
-                    record_backend(root, Manifest.read(root).identity(), model_dir, be, "cpu-q",
-                                   lambda msg: cb(0, 0, msg))
+                    record_backend(root, Manifest.read(root).identity(), model_dir, be, "cpu-q", cb)
                 finally:
                     be.close()
     out = []

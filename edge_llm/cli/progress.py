@@ -31,6 +31,18 @@ def progress_bar(label: str) -> Iterator[Callable[[int, int, str], None]]:
 
 
 @contextlib.contextmanager
+def step_progress(label: str) -> Iterator[Callable[[str], None]]:
+    """A spinner on stderr with the elapsed time, its text the library's latest `progress(message)`
+    (work whose size is not known up front: a quantized build, a record measurement)."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=False,
+                  console=_err()) as bar:
+        task = bar.add_task(label, total=None)
+        yield lambda msg: bar.update(task, description=f"{label}: {msg}")
+
+
+@contextlib.contextmanager
 def phase_progress(phases: dict[str, str]) -> Iterator[Callable[[str, int, int], None]]:
     """Progress of work in phases (`phases`: name -> label, in order), driven by the library's
     `progress(phase, done, total)`: on a terminal one rich bar per phase with its count and time; on
