@@ -5,12 +5,14 @@ memory limit smaller than its estimate (exit 78, the unit's RestartPreventExitSt
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -214,15 +216,29 @@ def _cgroup_v1_reason() -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def memory_cgroup(limit: int) -> Iterator[Path]:
+    """A fresh cgroup v1 memory group limited to `limit` bytes, removed afterwards."""
+    cg = Path("/sys/fs/cgroup/memory") / f"edge-llm-test-{uuid.uuid4().hex[:8]}"
+    cg.mkdir()
+    try:
+        (cg / "memory.limit_in_bytes").write_text(str(limit))
+        yield cg
+    finally:
+        for _ in range(50):  # the group's last process may still be exiting
+            try:
+                cg.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
 @pytest.mark.skipif(_cgroup_v1_reason() is not None, reason=str(_cgroup_v1_reason()))
 def test_server_in_a_cgroup_smaller_than_its_estimate_refuses_cleanly(edge_home: Path, tmp_path: Path) -> None:
     """The server runs inside a real cgroup v1 memory limit of 400 MiB; its estimate (default
     model, F32, 4096 rows) is ~0.8 GiB. It must exit 78 with the one refusal line, before loading
     the weights: the cgroup never reached its limit (failcnt 0: no OOM kill, no reclaim storm)."""
-    cg = Path("/sys/fs/cgroup/memory") / f"edge-llm-test-{uuid.uuid4().hex[:8]}"
-    cg.mkdir()
-    try:
-        (cg / "memory.limit_in_bytes").write_text(str(400 << 20))
+    with memory_cgroup(400 << 20) as cg:
         log = tmp_path / "edge-llm.log"
         cmd = [sys.executable, "-m", "edge_llm", "serve", "--model", "default", "--backend", "cpu",
                "--max-seq", "4096", "--port", str(free_port()), "--log-file", str(log), "--disk-kv", str(tmp_path / "kv")]
@@ -245,13 +261,6 @@ def test_server_in_a_cgroup_smaller_than_its_estimate_refuses_cleanly(edge_home:
         peak = int((cg / "memory.max_usage_in_bytes").read_text())
         assert peak < 300 << 20, peak  # the interpreter and imports, not the 0.5 GiB of weights
         print(f"\nrefused in {took:.1f} s; the cgroup's peak usage {peak / 2**20:.0f} MiB")
-    finally:
-        for _ in range(50):
-            try:
-                cg.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
 
 
 @pytest.mark.skipif(_cgroup_v1_reason() is not None, reason=str(_cgroup_v1_reason()))
@@ -263,10 +272,7 @@ def test_auto_does_not_measure_cpu_q_where_the_measurement_cannot_fit(edge_home:
     home = tmp_path / "home"
     home.mkdir()
     (home / "models").symlink_to(edge_home / "models")  # the imported default model, no quant/
-    cg = Path("/sys/fs/cgroup/memory") / f"edge-llm-test-{uuid.uuid4().hex[:8]}"
-    cg.mkdir()
-    try:
-        (cg / "memory.limit_in_bytes").write_text(str(900 << 20))
+    with memory_cgroup(900 << 20) as cg:
         cmd = [sys.executable, "-m", "edge_llm", "generate", "--model", "default", "--backend", "auto",
                "--max-seq", "512", "--no-disk-kv", "--temperature", "0", "--max-tokens", "8",
                "-p", "What is the capital of France?"]
@@ -282,13 +288,6 @@ def test_auto_does_not_measure_cpu_q_where_the_measurement_cannot_fit(edge_home:
         assert "edge-llm model info MODEL --quant q4" in line and 'backend = "cpu-q"' in line
         assert not (home / "quant").exists() or not any((home / "quant").iterdir())  # nothing built
         assert int((cg / "memory.failcnt").read_text()) == 0
-    finally:
-        for _ in range(50):
-            try:
-                cg.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
 
 
 def test_the_unit_does_not_restart_a_refused_start() -> None:
