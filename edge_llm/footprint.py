@@ -167,6 +167,15 @@ def record_estimate(s: Settings, sizes: ModelSizes, model_dir: str | Path) -> Me
                           + tuple((f"cpu-q {w}", b) for w, b in q.parts))
 
 
+def calibration_estimate(sizes: ModelSizes, model_dir: str | Path, tokens: int) -> MemoryEstimate:
+    """What cpu-q's GPTQ calibration holds at once (convert/gptq.py `capture`): the F32 model and
+    every linear's input rows on `tokens` tokens (q/k/v, o, gate/up and down of each layer, the head)."""
+    a = ModelArgs.from_dir(model_dir)
+    rows = 4 * tokens * (a.num_hidden_layers * (2 * a.hidden_size + a.q_dim + a.intermediate_size) + a.hidden_size)
+    return MemoryEstimate("cpu-q calibration", tokens, (("F32 weights", sizes.weights_f32),
+                                                       ("captured rows", rows), ("runtime", RUNTIME_BASE["cpu"])))
+
+
 # ---- what is available ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Available:

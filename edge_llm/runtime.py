@@ -16,7 +16,8 @@ from pathlib import Path
 from edge_llm.drafting import DraftConfig
 from edge_llm.engine import Engine
 from edge_llm.backends.choice import BackendChoice, choose_backend, without_npu
-from edge_llm.footprint import ModelSizes, admit, available_memory, estimate_memory, record_estimate
+from edge_llm.footprint import (ModelSizes, admit, available_memory, calibration_estimate, estimate_memory,
+                                record_estimate)
 from edge_llm.kvcache import KVCache
 from edge_llm.safetext import printable
 from edge_llm.settings import Settings, resolve
@@ -38,7 +39,8 @@ def make_backend(s: Settings, choice: BackendChoice, model_dir: Path, say: Calla
         return open_cpu_q(model_dir, s.quant, s.threads, progress=say, decode_graph=s.decode_graph,
                           blocks=gguf_blocks(model_dir),
                           calibration=CpuqInputs(model_dir, layers_done=lambda done, total: say(
-                              f"GPTQ calibration (weights without exact GGUF blocks): layer {done}/{total}")))
+                              f"GPTQ calibration (weights without exact GGUF blocks): layer {done}/{total}"),
+                              refusal=_calibration_refusal(s, model_dir)))
     if name != "rknn":
         return get_backend(name)
     if not s.rknn_dir:
@@ -47,6 +49,23 @@ def make_backend(s: Settings, choice: BackendChoice, model_dir: Path, say: Calla
 
     return open_rknn(s.rknn_dir, s.rknn_runner, model_dir=model_dir,
                      progress=lambda spec: say(f"loading NPU graph {spec.name}"))
+
+
+def _calibration_refusal(s: Settings, model_dir: Path) -> Callable[[], str | None] | None:
+    """Asked before cpu-q's GPTQ calibration, which holds the F32 model (a 2B model's 8 GiB on a small
+    board): why it cannot run here, or None (docs/quantization.md, "GPTQ for re-quantized weights")."""
+    if not s.memory_check:
+        return None
+
+    def refusal() -> str | None:
+        from edge_llm.convert.gptq import CPUQ_TOKENS
+
+        est, avail = calibration_estimate(ModelSizes.of_dir(model_dir), model_dir, CPUQ_TOKENS), available_memory()
+        if est.total <= avail.bytes:
+            return None
+        return (f"it would hold {est.describe()}, but only {avail.describe()}; build cpu-q where it fits "
+                "(`edge-llm model info MODEL --quant q4`) and copy its quant directory")
+    return refusal
 
 
 def _admit(s: Settings, choice: BackendChoice, model_dir: Path) -> None:

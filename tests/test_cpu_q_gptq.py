@@ -6,6 +6,10 @@ exact GGUF blocks (and only there)."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -172,3 +176,42 @@ def test_gate_and_up_alone_are_the_halves_of_gate_up(tiny_synth_dir):
     lin = QuantLinear(args, None, 4, 32, 0, requant="gptq-mse", calibration=CpuqInputs(tiny_synth_dir, 64))
     both2 = lin.weight(L.w_gu, WeightKey("gate_up", 0))
     assert np.array_equal(lin.weight(L.w_gu[:, inter:], WeightKey("up", 0)).q, both2.q[inter:])
+
+
+def test_a_refused_calibration_rounds_to_nearest_without_the_f32_model(tiny_synth_dir, tmp_path, monkeypatch, caplog):
+    """Where the calibration's F32 model cannot fit (runtime._calibration_refusal says why), the
+    capture never runs: one warning with the reason, every re-quantized weight rounded to nearest,
+    and the graphs run."""
+    from edge_llm.backends.cpuq import backend as cpuq
+    from edge_llm.convert import gptq as G
+
+    monkeypatch.setenv("EDGE_LLM_HOME", str(tmp_path))
+    monkeypatch.setattr(G, "capture", lambda *a, **k: pytest.fail("the capture ran after a refusal"))
+    cal = G.CpuqInputs(tiny_synth_dir, tokens=64, refusal=lambda: "it would hold 8 GiB, but only 4 GiB")
+    with caplog.at_level("WARNING"):
+        _, m = cpuq.ensure_quantized(tiny_synth_dir, cpuq.mode("q4"), blocks=None, calibration=cal)
+    assert [r.message for r in caplog.records if "GPTQ calibration skipped" in r.message] == [
+        "GPTQ calibration skipped: it would hold 8 GiB, but only 4 GiB; the weights without exact GGUF blocks are "
+        "rounded to nearest (docs/quantization.md, \"GPTQ for re-quantized weights\")"]
+    assert m.build["summary"]["rounded"] == {"rtn": m.build["summary"]["requantized"]}
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.access("/sys/fs/cgroup/memory", os.W_OK),
+                    reason="needs root and a writable cgroup v1 memory controller")
+def test_the_calibration_is_refused_where_its_f32_model_cannot_fit(default_model_dir, tmp_path):
+    """In a real cgroup v1 of 700 MiB, the default model's calibration (F32 weights 0.50 GiB + its
+    rows 0.19 GiB + runtime) does not fit: the refusal names the estimate, the memory available and
+    the way out; outside any limit the calibration runs."""
+    from test_footprint import memory_cgroup
+
+    code = ("import sys; from pathlib import Path; from edge_llm.runtime import _calibration_refusal; "
+            "from edge_llm.settings import Settings; print(_calibration_refusal(Settings(), Path(sys.argv[1]))())")
+    with memory_cgroup(700 << 20) as cg:
+        r = subprocess.run(["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$@"', "sh", sys.executable, "-c", code,
+                            str(default_model_dir)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"it would hold backend cpu-q calibration, max_seq 512: F32 weights 0\.50 GiB \+ captured rows "
+                     r"0\.19 GiB \+ runtime 0\.16 GiB = 0\.85 GiB, but only 0\.\d\d GiB available \(cgroup", r.stdout), r.stdout
+    assert "edge-llm model info MODEL --quant q4" in r.stdout
+    r = subprocess.run([sys.executable, "-c", code, str(default_model_dir)], capture_output=True, text=True, timeout=300)
+    assert r.stdout.strip() == "None", r.stdout

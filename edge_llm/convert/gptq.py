@@ -137,11 +137,14 @@ class CpuqInputs:
     """cpu-q's `nbits.Calibration`: the F32 model's rows on `tokens` calibration tokens, captured
     on first use (a model whose weights are all exact GGUF blocks never runs it), handed out as
     Hessians of the rows each weight reads: the norm gains applied (cpu-q's weights do not hold
-    them). Holds the captured rows until their weight asked (4 bytes per row element)."""
+    them). Holds the captured rows until their weight asked (4 bytes per row element). `refusal`:
+    asked before the capture, which holds the F32 model; a reason (the memory it would need does not
+    fit, runtime.py) skips it, and every weight it was for is rounded to nearest."""
 
     def __init__(self, model_dir: str | Path, tokens: int = CPUQ_TOKENS,
-                 layers_done: Callable[[int, int], None] | None = None):
-        self.model_dir, self.tokens, self.layers_done = Path(model_dir), tokens, layers_done
+                 layers_done: Callable[[int, int], None] | None = None,
+                 refusal: Callable[[], str | None] | None = None):
+        self.model_dir, self.tokens, self.layers_done, self.refusal = Path(model_dir), tokens, layers_done, refusal
         self._seen: dict[tuple[int, str], np.ndarray] | None = None
         self._gains: dict[tuple[int, str], np.ndarray] = {}
         self._last: tuple[tuple[int, str], np.ndarray] | None = None  # gate and up read the same rows
@@ -150,6 +153,12 @@ class CpuqInputs:
         from edge_llm.config import ModelArgs
         from edge_llm.weights import load_weights
 
+        why = self.refusal() if self.refusal is not None else None
+        if why is not None:
+            log.warning("GPTQ calibration skipped: %s; the weights without exact GGUF blocks are rounded to nearest "
+                        "(docs/quantization.md, \"GPTQ for re-quantized weights\")", why)
+            self._seen = {}
+            return
         self._seen = capture(self.model_dir, calibration_ids(self.model_dir, self.tokens), self.layers_done)
         args = ModelArgs.from_dir(self.model_dir)
         weights, p = load_weights(self.model_dir, args), args.weight_prefix  # mapped: only the gains are read

@@ -135,7 +135,7 @@ class QuantLinear:
         h = None if method == "rtn" else self.calibration.hessian(key.kind, key.index)
         if h is None:
             if method != "rtn":
-                log.warning("no calibration rows for %s %d: rounding it to nearest", key.kind, key.index)
+                log.info("no calibration rows for %s %d: rounding it to nearest", key.kind, key.index)
                 method = "rtn"
             qw = quantize(w, bits, self.block, origin=src)
         else:
