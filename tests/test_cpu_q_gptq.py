@@ -194,6 +194,7 @@ def test_a_refused_calibration_rounds_to_nearest_without_the_f32_model(tiny_synt
         "GPTQ calibration skipped: it would hold 8 GiB, but only 4 GiB; the weights without exact GGUF blocks are "
         "rounded to nearest (docs/quantization.md, \"GPTQ for re-quantized weights\")"]
     assert m.build["summary"]["rounded"] == {"rtn": m.build["summary"]["requantized"]}
+    assert "calibration_tokens" not in m.build  # no rows were captured
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not os.access("/sys/fs/cgroup/memory", os.W_OK),

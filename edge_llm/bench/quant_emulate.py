@@ -135,11 +135,8 @@ class EmulatedBackend(CPUBackend):
 def variants(hidden: int, inter: int) -> list[Variant]:
     """The activation rows: each source alone, then all of them, then rotations against it; and
     the 4-bit weights re-quantized from F32 alone (float activations)."""
-    from edge_llm.convert.hadamard import orthogonal
-
     every = frozenset(KINDS)
-    r = orthogonal(hidden)
-    h_down = down_hadamard(inter)
+    r, h_down = rotations(hidden, inter)
     rows = [Variant("int8 activations, all linears (what cpu-q computes)", act=every)]
     rows += [Variant(f"int8 activations, {k} only", act=frozenset({k})) for k in KINDS]
     rows += [Variant(f"int8 activations, all but {k}", act=every - {k}) for k in ("down", "head")]
@@ -161,11 +158,8 @@ def weight_variants(hidden: int, inter: int) -> list[Variant]:
     """Every weight (the head too) re-quantized from F32, float activations (what `q4`'s prompt
     rows compute; its decode's two int8 passes are within KL 0.00001 of float): round to nearest,
     GPTQ + MSE clip, each plain and rotated (QuaRot's rotations, module docstring), and 8 bits."""
-    from edge_llm.convert.hadamard import orthogonal
-
     every = frozenset(KINDS)
-    r = orthogonal(hidden)
-    h_down = down_hadamard(inter)
+    r, h_down = rotations(hidden, inter)
     rot = {"qkv": r, "gu": r, "head": r, **({"down": h_down} if h_down is not None else {})}
     return [Variant("4-bit RTN weights from F32, all linears and the head", requant=every),
             Variant("4-bit GPTQ + MSE clip from F32, all linears and the head", requant=every, method="gptq-mse"),
@@ -174,6 +168,13 @@ def weight_variants(hidden: int, inter: int) -> list[Variant]:
             Variant("4-bit GPTQ + MSE clip from F32, rotated (as above)", requant=every, method="gptq-mse",
                     wrotate=rot),
             Variant("8-bit RTN weights from F32, all linears and the head", requant=every, bits=8)]
+
+
+def rotations(hidden: int, inter: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """QuaRot's residual rotation (hidden, hidden) and down_proj's input Hadamard (or None)."""
+    from edge_llm.convert.hadamard import orthogonal
+
+    return orthogonal(hidden), down_hadamard(inter)
 
 
 def down_hadamard(inter: int) -> np.ndarray | None:

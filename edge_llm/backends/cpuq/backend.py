@@ -312,7 +312,7 @@ def build(model_dir: Path, out: Path, qm: QuantMode, progress: Callable[[str], N
     linear.done.clear()
     m.build = {"format": QUANT_FORMAT, "quant": qm.name, "summary": s, "weights": report,  # not hashed
                "seconds": round(time.perf_counter() - t0, 1)}
-    if s["requant"] and s["requant"] != ["rtn"]:
+    if any(method != "rtn" for method in s["rounded"]):  # some weight was rounded by GPTQ on captured rows
         m.build["calibration_tokens"] = calibration.tokens
     m.write(out)
     log.info("quantized %s: %d weights exact from GGUF blocks, %d re-quantized%s (%.1f MB) in %.1f s",
