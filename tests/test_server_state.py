@@ -121,3 +121,20 @@ def test_a_read_only_kv_filesystem_starts_degraded(tiny_synth_dir, tmp_path, mon
         state.close(grace=0)
     finally:
         subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_a_stop_between_ready_and_the_workers_start(tiny_synth_dir, tmp_path, monkeypatch):
+    """The server publishes status "ok" a moment before it starts the worker thread; a stop in that
+    window (a SIGTERM, a test's close) used to join a thread never started ("cannot join thread
+    before it is started"). The stop now returns at once, and the late start runs nothing."""
+    from edge_llm.server.worker import Worker
+
+    monkeypatch.setenv("EDGE_LLM_HOME", str(tmp_path / "home"))
+    engine = load_runtime(Settings(model=str(tiny_synth_dir), backend="cpu", disk_kv=None, max_seq=512))
+    try:
+        worker = Worker(engine)
+        assert worker.stop(grace=0) is True
+        worker.start()  # the loading thread's start, after the stop
+        assert worker._thread.ident is None, "a start after the stop ran the worker thread"
+    finally:
+        engine.close()

@@ -105,6 +105,7 @@ class Worker:
         self._q: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._accepting = True
+        self._stopped = False  # stop() came first: start() must not run the thread (see start)
         self._last_status = 0.0
         self._last_log = 0.0  # when the running job's last progress line was logged
         self.current: Job | None = None
@@ -120,7 +121,11 @@ class Worker:
         return self.current is not None
 
     def start(self) -> None:
-        self._thread.start()
+        """Run the thread, unless `stop` already ran: the server publishes "ok" just before this
+        call, and a stop (SIGTERM, a test's close) can land between the two."""
+        with self._lock:
+            if not self._stopped:
+                self._thread.start()
 
     def submit(self, job: Job) -> Job:
         """Enqueue, or raise QueueFull / ShuttingDown (never blocks)."""
@@ -166,6 +171,10 @@ class Worker:
         A cancelled prefill keeps its complete chunks and queues them as a snapshot, which the
         caller flushes (the stop budget in docs/board.md)."""
         self.begin_shutdown()
+        with self._lock:
+            self._stopped = True
+            if self._thread.ident is None:  # never started: nothing ran, nothing to join
+                return True
         self._q.put(None)
         self._thread.join(grace)
         if self._thread.is_alive():
