@@ -234,13 +234,16 @@ def publish_dir(target: str | os.PathLike[str], build: Callable[[Path], T], read
     Returns what `ready` or `build` returned.
     """
     target = Path(target)
+    seen = _identity(target)
     if (got := ready(target)) is not None:
         return got
     parent, name = target.parent, target.name
     parent.mkdir(parents=True, exist_ok=True)
     with open(parent / f".{name}.lock", "a+") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
-        if (got := ready(target)) is not None:  # another process built it while we waited
+        # another process built it while we waited: asked again only then (the target is only
+        # ever replaced by a rename), so `ready`'s "stale" line is said once per build
+        if _identity(target) != seen and (got := ready(target)) is not None:
             return got
         for entry in os.listdir(parent):
             if _stale_temp_dir(name, entry):
@@ -257,6 +260,15 @@ def publish_dir(target: str | os.PathLike[str], build: Callable[[Path], T], read
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     return got
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    """Which directory is at `path` (a rename puts another inode there, and changes its ctime)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino, st.st_ctime_ns
 
 
 def _swap_in(tmp: Path, target: Path) -> Path | None:

@@ -7,6 +7,7 @@ test_restore_exact.py."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 
 import numpy as np
@@ -239,7 +240,7 @@ def test_decode_graph_setting_off_has_its_own_numerics(model, tiny_synth_dir, ho
 
 
 def test_attention_and_linears_are_our_operators_and_old_directories_are_rebuilt(model, tiny_synth_dir, home, tmp_path,
-                                                                           monkeypatch):
+                                                                           monkeypatch, caplog):
     """The decode graph's attention is one `ai.edge_llm.AttnRow` node per layer (backends/kernels/_attn.c)
     and the numerics names its code path; a graph directory of the previous format (attention
     as onnxruntime matmuls) is rebuilt on first use, not run under the new numerics."""
@@ -267,8 +268,13 @@ def test_attention_and_linears_are_our_operators_and_old_directories_are_rebuilt
     manifest = json.loads((old_root / "manifest.json").read_text())
     del manifest["build"]["format"]  # what an edge-llm before the operator wrote
     (old_root / "manifest.json").write_text(json.dumps(manifest))
+    caplog.set_level(logging.INFO, logger="edge_llm")
+    # the memory estimate asks first (no exact size from a stale directory), then the build rebuilds:
+    # one rebuild, one warning
+    assert cpuq.built_weight_bytes(tiny_synth_dir, "q4") is None
     _, rebuilt = cpuq.ensure_quantized(tiny_synth_dir, cpuq.mode("q4"), blocks=None)
     assert rebuilt.build["format"] == cpuq.QUANT_FORMAT
+    assert [r.levelname for r in caplog.records if "is stale" in r.getMessage()] == ["WARNING"]
     assert json.loads((old_root / "manifest.json").read_text())["build"]["format"] == cpuq.QUANT_FORMAT
 
 

@@ -105,6 +105,39 @@ def test_publish_dir_builds_once_and_cleans_up_after_killed_builders(tmp_path):
     assert listing(tmp_path) == [".smollm2.lock", ".tmp-smollm2-v2-abc", "smollm2"]
 
 
+def test_a_stale_directory_is_judged_once_unless_another_builder_replaced_it(tmp_path):
+    """`ready` logs why a directory is stale (the quant graphs' "is stale: rebuilding"): asked again
+    under the lock only when another process put a new directory there meanwhile, so one rebuild
+    says it once, and a build finished while we waited is still found."""
+    target = tmp_path / "q4"
+    target.mkdir()
+    (target / "built").write_text("stale")
+    asked: list[str] = []
+
+    def ready(d: Path) -> str | None:
+        asked.append(_marker(d))
+        return None if asked[-1] in (None, "stale") else asked[-1]
+
+    def build(tmp: Path) -> str:
+        (tmp / "built").write_text("new")
+        return "built"
+
+    assert files.publish_dir(target, build, ready) == "built"
+    assert asked == ["stale"] and _marker(target) == "new"
+
+    target2 = tmp_path / "q8"
+
+    def ready_racing(d: Path) -> str | None:  # another builder publishes while we wait for the lock
+        asked.append(_marker(d))
+        if len(asked) == 2:
+            files.publish_dir(d, lambda t: (t / "built").write_text("theirs"), lambda _d: None)
+            return None
+        return asked[-1]
+
+    assert files.publish_dir(target2, lambda t: pytest.fail("built twice"), ready_racing) == "theirs"
+    assert asked[1:] == [None, "theirs"]
+
+
 def test_a_failed_build_leaves_the_old_directory_and_no_temp(tmp_path):
     target = tmp_path / "q4"
     files.publish_dir(target, lambda t: (t / "built").write_text("old"), _marker)

@@ -212,9 +212,11 @@ def quant_dir(model_dir: str | Path, qm: QuantMode, suffix: str = "") -> Path:
     return quant_root() / f"{Path(model_dir).resolve().name}-{weight_digest(model_dir)[:12]}-{qm.name}{suffix}"
 
 
-def _usable(root: Path, model_dir: Path, qm: QuantMode, method: str | None = None) -> Manifest | None:
+def _usable(root: Path, model_dir: Path, qm: QuantMode, method: str | None = None, *,
+            building: bool = True) -> Manifest | None:
     """The directory's manifest when it is current for this model and mode (and, with `method`,
-    its re-quantized weights were made that way), else None (logged)."""
+    its re-quantized weights were made that way), else None: logged as a rebuild when `building`,
+    at debug level for a reader that only asks (the memory estimate), so one rebuild is one line."""
     if not (root / MANIFEST).is_file():
         return None
     try:
@@ -232,7 +234,10 @@ def _usable(root: Path, model_dir: Path, qm: QuantMode, method: str | None = Non
             raise ConfigError(f"weights re-quantized by {', '.join(made)}, wanted {method}")
         return m
     except ConfigError as e:
-        log.warning("%s is stale (%s): rebuilding", printable(root), e)
+        if building:
+            log.warning("%s is stale (%s): rebuilding", printable(root), e)
+        else:
+            log.debug("%s is stale (%s)", printable(root), e)
         return None
 
 
@@ -243,7 +248,7 @@ def built_weight_bytes(model_dir: str | Path, quant: str) -> int | None:
     root = quant_dir(model_dir, qm)
     if not (root / MANIFEST).is_file():
         return None
-    m = _usable(root, Path(model_dir), qm)
+    m = _usable(root, Path(model_dir), qm, building=False)
     return weight_bytes(root, m) if m is not None else None
 
 
