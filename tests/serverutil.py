@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 
 READY_TIMEOUT = 600  # generous: a hang is a failure, slowness on a loaded CI box is not
+KEEPALIVE_S = 2.0  # a client keeps an idle connection for less than the server (5 s) does
 STOP_TIMEOUT = 180
 
 
@@ -122,8 +123,11 @@ class ServerProc:
     def openai(self, api_key: str = "unused", **kw):
         import openai
 
+        # pooled connections expire before the server's keep-alive timeout (5 s, cli/serve.py):
+        # a request never goes out on a connection the server is closing (no retries to hide that)
+        pool = httpx.Client(timeout=READY_TIMEOUT, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0,
-                             timeout=READY_TIMEOUT, **kw)
+                             timeout=READY_TIMEOUT, http_client=pool, **kw)
 
     api_key: str | None = None  # sent by health(): with a key configured, the details need it
 

@@ -138,3 +138,49 @@ def test_a_stop_between_ready_and_the_workers_start(tiny_synth_dir, tmp_path, mo
         assert worker._thread.ident is None, "a start after the stop ran the worker thread"
     finally:
         engine.close()
+
+
+def test_a_request_queued_before_the_worker_starts_joins_the_prefetch(tiny_synth_dir, tmp_path, monkeypatch):
+    """A request that reaches the queue with the ready line, before the worker thread has begun its
+    start-up prefetch, is looked at after the first restored layer like one that comes later: a
+    follow-up of the prefetched conversation joins the read (it used to skip the prefetch and
+    restore on demand). And the job's metrics are counted before its client sees the end (a slow
+    callback here: the client's end comes after it). The real store, reader and worker thread; the
+    tiny model."""
+    import asyncio
+
+    from edge_llm.server.prefetch import Prefetch
+    from edge_llm.server.worker import Job, Worker
+
+    monkeypatch.setenv("EDGE_LLM_HOME", str(tmp_path / "home"))
+    settings = Settings(model=str(tiny_synth_dir), backend="cpu", disk_kv=str(tmp_path / "kv"), max_seq=512)
+    first = list(range(100, 260))
+    engine = load_runtime(settings)
+    answer = [ev.token_id for ev in engine.generate(GenerationRequest(prompt_tokens=first, max_tokens=4))
+              if ev.token_id is not None]
+    engine.store.flush()
+    engine.close()
+
+    engine = load_runtime(settings)  # a restart: the cache is empty, the snapshot on disk
+    try:
+        prefetch = Prefetch(engine, engine.store)
+        counted: list[float] = []
+        worker = Worker(engine, prefetch=prefetch,
+                        on_finish=lambda _job, _last: (time.sleep(0.5), counted.append(time.monotonic())))
+
+        async def follow_up():
+            job = Job(GenerationRequest(prompt_tokens=first + answer + list(range(300, 340)), max_tokens=2),
+                      asyncio.get_running_loop())
+            worker.submit(job)  # queued before the thread runs
+            worker.start()
+            events = [ev async for ev in job.events()]
+            return events, time.monotonic()
+
+        events, ended = asyncio.run(follow_up())
+        last = events[-1]
+        worker.stop(grace=60)
+        assert counted and counted[0] <= ended, "the client saw the end before the job was counted"
+        assert prefetch.state == "joined", prefetch.state
+        assert last.timings.cache_source == "disk-prefetch", last.timings.cache_source
+    finally:
+        engine.close()

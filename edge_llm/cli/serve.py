@@ -80,6 +80,9 @@ def run_server(settings) -> int:
                 threading.Thread(target=state.cut_grace, args=(f"second {name}",), daemon=True).start()
                 return
             super().handle_exit(sig, frame)
+            # the reason now, in the handler (a plain store; the state's lock is not for signal
+            # context): the lifespan's `close` may run before the thread below and would say "shutdown"
+            state.exit_reason = state.exit_reason or name
             threading.Thread(target=state.begin_shutdown, args=(name,), daemon=True).start()
 
     # uvicorn cancels the request tasks when its graceful-shutdown timeout ends. At grace_seconds

@@ -52,7 +52,7 @@ class Prefetch:
     def __init__(self, engine: Engine, store: SnapshotStore,
                  on_outcome: Callable[[str], None] = lambda _o: None):
         self.engine, self.store, self.on_outcome = engine, store, on_outcome
-        self.state = "pending"  # pending | running | loaded | joined | preempted | failed | none | skipped
+        self.state = "pending"  # pending | running | loaded | joined | preempted | failed | none
 
     def joins(self, req: GenerationRequest, tokens: list[int]) -> bool:
         """Would `req` reuse the prefetched rows? Its longest disk match must be this chain."""

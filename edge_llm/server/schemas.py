@@ -343,10 +343,10 @@ class Health(BaseModel):
     error: str | None = None
     uptime_s: float
     sampling_defaults: SamplingDefaultsInfo | None = None
-    prefetch: Literal["off", "pending", "running", "loaded", "joined", "preempted", "failed", "none", "skipped"] = Field(
+    prefetch: Literal["off", "pending", "running", "loaded", "joined", "preempted", "failed", "none"] = Field(
         default="off", description="The start-up prefetch (disk_kv_prefetch, docs/store.md): off, pending, running, "
         "loaded (the rows are in RAM), joined (loaded while a request waited for it), preempted, failed, none "
-        "(no snapshot), skipped (a request was already waiting).")
+        "(no snapshot).")
 
 
 class ErrorDetail(BaseModel):

@@ -82,6 +82,8 @@ class AppState:
         self.prefetch: Prefetch | None = None  # disk_kv_prefetch (edge_llm/server/prefetch.py)
         self.exit_reason: str | None = None
         self._stop_t0 = 0.0
+        # the loading thread's "stopping? else publish ok" and a stop's "stopping" are one step each
+        self._publish = threading.Lock()
         self._loader = loader or self._default_loader
         self._load_thread: threading.Thread | None = None
         self.metrics = Metrics(self.metrics_state)
@@ -139,15 +141,16 @@ class AppState:
             return
         log.info("warm-up: a %d-token prompt and a decode step in %.2fs (before the ready line)", n,
                  time.monotonic() - t1)
-        if self.status == "stopping":
-            engine.close()
-            return
-        self.engine = engine
-        self.prefetch = self._make_prefetch(engine)
-        worker = Worker(engine, self.settings.queue_size, self.notifier, on_finish=self._finished,
-                        prefetch=self.prefetch)
-        self.worker = worker
-        self.status = "ok"
+        with self._publish:  # a stop now either finds no engine (closed here) or a worker to stop
+            if self.status == "stopping":
+                engine.close()
+                return
+            self.engine = engine
+            self.prefetch = self._make_prefetch(engine)
+            worker = Worker(engine, self.settings.queue_size, self.notifier, on_finish=self._finished,
+                            prefetch=self.prefetch)
+            self.worker = worker
+            self.status = "ok"
         snap = self.snapshot_summary()
         log.info("ready: url=http://%s:%d model=%s backend=%s namespace=%s index=%d checkpoint(s) %d bytes "
                  "max_seq=%d queue_size=%d load=%.1fs", self.settings.host, self.settings.port, self.model_id,
@@ -246,13 +249,16 @@ class AppState:
     # ---- shutdown ----------------------------------------------------------------------------
     def begin_shutdown(self, reason: str) -> None:
         """First signal: refuse new work, tell systemd we are stopping. Safe to call twice."""
-        if self.exit_reason is None:
-            self.exit_reason = reason
-        if self.status == "stopping":
-            return
-        self.status = "stopping"
-        self._stop_t0 = time.monotonic()  # the grace period runs from the signal, not from the
-        # HTTP server's own connection draining, which happens before `close`
+        with self._publish:
+            if self.exit_reason is None:
+                self.exit_reason = reason
+            if self.status == "stopping":
+                return
+            self.status = "stopping"
+            # the grace period runs from the signal, not from the HTTP server's own connection
+            # draining, which happens before `close` (set inside the lock: a `close` racing the
+            # signal's thread must not read the 0 of "not stopping yet")
+            self._stop_t0 = time.monotonic()
         log.info("shutdown requested (%s): refusing new requests", reason)
         if self.notifier is not None:
             self.notifier.stopping(f"stopping ({reason})")

@@ -242,10 +242,8 @@ class Worker:
         return [j.request for j in jobs if j is not None and not j.cancel.is_set()]
 
     def _prefetch(self, prefetch: Prefetch) -> None:
-        if not self._q.empty():  # not idle: the first request restores what it needs itself
-            prefetch.state = "skipped"
-            log.info("[KV-DISK] prefetch skipped: a request was already waiting")
-            return
+        # a request queued already (it came with the ready line) is looked at after the first
+        # restored layer, like one that arrives later: it joins the read or preempts it
         self._ping()
         try:
             prefetch.run(self._waiting, self._progress)
@@ -280,7 +278,12 @@ class Worker:
         finally:
             job.done = True
             self.current = None
-            self._deliver(job, _DONE)
+            try:  # the job's line and metrics first: a client that reads its answer and then the log
+                self._finish(job, last, wait_ms)  # or /metrics finds them there
+            finally:
+                self._deliver(job, _DONE)
+
+    def _finish(self, job: Job, last: GenerationEvent | None, wait_ms: float) -> None:
         if last is not None and last.finish_reason is not None:
             t, u = last.timings, last.usage
             if last.finish_reason == "cancelled":
