@@ -34,7 +34,11 @@ def test_the_warm_up_runs_before_the_ready_line(tiny_synth_dir, tmp_path, monkey
     with caplog.at_level(logging.INFO, logger="edge_llm.server.state"):
         state.start_loading()
         deadline = time.monotonic() + 120
-        while not state.ready and state.status in ("loading", "ok") and time.monotonic() < deadline:
+
+        def logged_ready() -> bool:  # the line follows the status "ok" by a moment: wait for the line
+            return any(r.getMessage().startswith("ready: url=") for r in caplog.records)
+
+        while not logged_ready() and state.status in ("loading", "ok") and time.monotonic() < deadline:
             time.sleep(0.05)
         assert state.ready, state.error
     try:
