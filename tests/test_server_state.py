@@ -164,9 +164,9 @@ def test_a_request_queued_before_the_worker_starts_joins_the_prefetch(tiny_synth
     engine = load_runtime(settings)  # a restart: the cache is empty, the snapshot on disk
     try:
         prefetch = Prefetch(engine, engine.store)
-        counted: list[float] = []
+        order: list[str] = []  # a slow callback: without the order, the client's end would come first
         worker = Worker(engine, prefetch=prefetch,
-                        on_finish=lambda _job, _last: (time.sleep(0.5), counted.append(time.monotonic())))
+                        on_finish=lambda _job, _last: (time.sleep(0.5), order.append("counted")))
 
         async def follow_up():
             job = Job(GenerationRequest(prompt_tokens=first + answer + list(range(300, 340)), max_tokens=2),
@@ -174,13 +174,43 @@ def test_a_request_queued_before_the_worker_starts_joins_the_prefetch(tiny_synth
             worker.submit(job)  # queued before the thread runs
             worker.start()
             events = [ev async for ev in job.events()]
-            return events, time.monotonic()
+            order.append("client's end")
+            return events
 
-        events, ended = asyncio.run(follow_up())
-        last = events[-1]
+        last = asyncio.run(follow_up())[-1]
         worker.stop(grace=60)
-        assert counted and counted[0] <= ended, "the client saw the end before the job was counted"
+        assert order == ["counted", "client's end"], order
         assert prefetch.state == "joined", prefetch.state
         assert last.timings.cache_source == "disk-prefetch", last.timings.cache_source
     finally:
         engine.close()
+
+
+def test_a_stop_while_the_load_publishes_is_not_overwritten(tiny_synth_dir, tmp_path, monkeypatch):
+    """The loading thread checks "stopping?" and then publishes "ok"; a SIGTERM's `begin_shutdown`
+    between the two used to be overwritten by "ok" (the server took requests again). Here the stop
+    comes from inside that step (the Worker's construction); it now waits for the publish and wins."""
+    import threading
+
+    from edge_llm.server import state as state_module
+
+    monkeypatch.setenv("EDGE_LLM_HOME", str(tmp_path / "home"))
+    settings = Settings(model=str(tiny_synth_dir), backend="cpu", disk_kv=None, max_seq=512)
+    app = AppState(settings, loader=lambda: load_runtime(settings))
+    stops: list[threading.Thread] = []
+
+    class StoppedWhileBuilt(state_module.Worker):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            stops.append(threading.Thread(target=app.begin_shutdown, args=("SIGTERM",)))
+            stops[0].start()
+            stops[0].join(1)  # the old code ran it to the end here; now it waits for the publish
+
+    monkeypatch.setattr(state_module, "Worker", StoppedWhileBuilt)
+    app.start_loading()
+    app._load_thread.join(120)
+    stops[0].join(60)
+    try:
+        assert app.status == "stopping" and app.exit_reason == "SIGTERM", app.status
+    finally:
+        app.close(grace=0)
